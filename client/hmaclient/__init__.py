@@ -1,0 +1,1 @@
+"""hmaclient: the client library of hmad (arrives with the daemon)."""

@@ -1,0 +1,104 @@
+"""`hmad`: the command line.
+
+    hmad generate [--model default] [--backend cpu] [--max-tokens N] [--temperature T] ... [--json] PROMPT
+    hmad install-default-model
+
+``generate`` runs offline (no daemon): it loads the model, streams the continuation to stdout and, with
+``--json``, prints one JSON object on the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from hmad.errors import HmadError
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hmad", description="Resident Gemma 3 inference daemon")
+    ap.add_argument("--log-level", default="warning")
+    sub = ap.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate offline, without the daemon")
+    g.add_argument("--model", default="default", help="'default', a .gguf file or an HF checkpoint dir")
+    g.add_argument("--backend", default="cpu", choices=["cpu", "auto"])
+    g.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    g.add_argument("prompt", help="prompt text, or - to read stdin")
+    _add_sampling_flags(g)
+    sub.add_parser("install-default-model", help="assemble and verify the embedded default model")
+    return ap
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from hmad.engine.generate import generate
+    from hmad.engine.sampling import SamplingParams
+    from hmad.model.loader import load_model
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+    )
+    params.validate()
+    model = load_model(args.model, backend=args.backend)
+
+    def stream(ev):
+        if ev.kind == "token" and ev.text:
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+
+    res = generate(model, [prompt], params, on_event=stream)[0]
+    sys.stdout.write("\n")
+    if args.json:
+        out = {
+            "text": res.text,
+            "token_ids": res.token_ids,
+            "prompt_token_ids": res.prompt_token_ids,
+            "finish_reason": res.finish_reason,
+            "model": model.path,
+            "backend": model.backend.name,
+            "load_s": round(model.load_seconds, 3),
+            **res.stats,
+        }
+        print(json.dumps(out, ensure_ascii=False))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "install-default-model":
+            from hmad.model.default import install_default_model
+
+            print(install_default_model())
+            return 0
+    except (HmadError, ValueError) as e:
+        print(f"hmad: error: {e}", file=sys.stderr)
+        return 1
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Compute backends behind the op interface of backends/base.py."""

@@ -1,0 +1,86 @@
+"""The op interface every backend implements; the forward pass (model/gemma3.py) is written against it.
+
+Activations are backend arrays (numpy on the CPU, buffer handles when a backend records a graph); the
+forward pass never inspects their values, so the same code runs eagerly (CPU) or is recorded once per
+batch shape and replayed (Vulkan). Shapes in comments: T tokens in the step, D model width, H query heads,
+Hkv KV heads, Dh head dim, N output features, S_out rows whose logits are wanted.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from hmad.engine.batch import StepBatch
+from hmad.engine.kvcache import KVLayout
+from hmad.model.tensors import WeightTensor
+
+Act = Any  # a backend's activation array
+Weight = Any  # a backend's resident weight
+
+
+class Backend(ABC):
+    """Op provider. ``name`` identifies it in status; ``device`` names the hardware."""
+
+    name: str = "base"
+    device: str = ""
+
+    # -- residency -------------------------------------------------------------------------------------
+    @abstractmethod
+    def load_weights(self, tensors: dict[str, WeightTensor]) -> dict[str, Weight]:
+        """Make every weight resident; returns handles keyed like ``tensors``."""
+
+    @abstractmethod
+    def alloc_kv(self, layout: KVLayout) -> None:
+        """Allocate the paged KV pools described by ``layout``."""
+
+    def begin_step(self, batch: StepBatch) -> None:  # noqa: B027 - optional hook
+        """Called before a step's ops: a recording backend uploads the per-step values here."""
+
+    # -- ops ---------------------------------------------------------------------------------------------
+    @abstractmethod
+    def embed(self, table: Weight, tokens: Act, scale: float) -> Act:
+        """(T,) token ids -> (T, D) rows of ``table`` times ``scale``."""
+
+    @abstractmethod
+    def rms_norm(self, x: Act, w: Weight, eps: float) -> Act:
+        """Normalise the last dim: x / sqrt(mean(x^2) + eps) * w. x (..., D), w (D,)."""
+
+    @abstractmethod
+    def matmul(self, x: Act, w: Weight) -> Act:
+        """(T, K) x (N, K)^T -> (T, N), ``w`` in its stored (possibly quantized) format."""
+
+    @abstractmethod
+    def rope(self, x: Act, positions: Act, base: float, scale: float) -> Act:
+        """NeoX-style rotary embedding of (T, H, Dh): pairs (i, i + Dh/2), angle pos/scale * base^(-2i/Dh)."""
+
+    @abstractmethod
+    def attention(
+        self, q: Act, k: Act, v: Act, layer: int, batch: StepBatch, window: int | None, scale: float
+    ) -> Act:
+        """Write k, v (T, Hkv, Dh) into ``layer``'s paged cache, then causal attention of q (T, H, Dh)
+        over each sequence's cached positions (the last ``window`` only, if given) -> (T, H * Dh)."""
+
+    @abstractmethod
+    def geglu(self, gate: Act, up: Act) -> Act:
+        """gelu_tanh(gate) * up, elementwise on (T, F)."""
+
+    @abstractmethod
+    def add(self, a: Act, b: Act) -> Act:
+        """a + b, same shapes."""
+
+    @abstractmethod
+    def rows(self, x: Act, idx: Act) -> Act:
+        """(T, D) -> (len(idx), D): gather rows."""
+
+    @abstractmethod
+    def reshape(self, x: Act, shape: tuple[int, ...]) -> Act:
+        """A view of x with a new shape (same element count)."""
+
+    @abstractmethod
+    def to_numpy(self, x: Act):
+        """Read an activation back to the host as a numpy array."""
+
+    def describe(self) -> dict[str, Any]:
+        """Backend facts for status: name, device, memory placement."""
+        return {"backend": self.name, "device": self.device}

@@ -1,0 +1,181 @@
+"""The numpy reference backend: every op eager, in float32, written for clarity first.
+
+``numerics="ggml"`` (the default) rounds where llama.cpp's CPU backend rounds (activation quantization
+before quantized matmuls, float16 GELU table, float32 RoPE angles: see ggml_numerics.py), so greedy output
+follows llama.cpp; ``numerics="f32"`` computes everything in plain float32 (used against transformers).
+
+Quantized weights are dequantized to float32 once and kept while they fit ``weight_cache_bytes``; a
+weight beyond that budget is dequantized in row chunks on every use (slow, but a 27B file still runs
+without holding 108 GB of float32). Every other backend is tested against this one.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+from hmad.backends import ggml_numerics as ggml
+from hmad.backends.base import Backend
+from hmad.engine.batch import StepBatch
+from hmad.engine.kvcache import KVLayout
+from hmad.model.quants import dequantize
+from hmad.model.tensors import WeightTensor
+
+_ROW_CHUNK = 8192  # rows dequantized at a time for weights outside the cache
+
+
+class CpuWeight:
+    """A weight as stored in the file, plus its float32 form when the cache budget allows."""
+
+    def __init__(self, t: WeightTensor, keep_f32: bool):
+        self.tensor = t
+        self.shape = t.shape
+        self.f32 = t.dequantize() if keep_f32 else None
+
+    def rows(self, idx: np.ndarray) -> np.ndarray:
+        if self.f32 is not None:
+            return self.f32[idx]
+        t = self.tensor
+        return dequantize(np.asarray(t.data[idx]), t.qtype, (len(idx), *t.shape[1:]))
+
+    def row_chunks(self):
+        """Yield (start, float32 rows) covering the whole weight."""
+        if self.f32 is not None:
+            yield 0, self.f32
+            return
+        n = self.shape[0]
+        for s in range(0, n, _ROW_CHUNK):
+            e = min(n, s + _ROW_CHUNK)
+            yield s, self.rows(np.arange(s, e))
+
+
+class CpuBackend(Backend):
+    """Eager numpy ops; KV pools are float32 (or float16 with ``kv_dtype``) numpy arrays."""
+
+    name = "cpu"
+
+    def __init__(self, weight_cache_bytes: int = 16 << 30, kv_dtype: str = "float32", numerics: str = "ggml"):
+        if numerics not in ("ggml", "f32"):
+            raise ValueError(f"numerics must be 'ggml' or 'f32', got {numerics!r}")
+        self.ggml = numerics == "ggml"
+        self.weight_cache_bytes = weight_cache_bytes
+        self.kv_dtype = np.dtype(kv_dtype)
+        self.device = f"numpy on {os.cpu_count()} CPU cores"
+        self.pools: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self.layout: KVLayout | None = None
+        self.cached_bytes = 0
+        self.loaded: dict[str, CpuWeight] = {}
+
+    # -- residency -------------------------------------------------------------------------------------
+    def load_weights(self, tensors: dict[str, WeightTensor]) -> dict[str, CpuWeight]:
+        out = {}
+        for name, t in tensors.items():
+            f32_bytes = 4 * t.n_elements
+            keep = len(t.shape) == 1 or self.cached_bytes + f32_bytes <= self.weight_cache_bytes
+            self.cached_bytes += f32_bytes if keep else 0
+            out[name] = CpuWeight(t, keep)
+        self.loaded.update(out)
+        return out
+
+    def alloc_kv(self, layout: KVLayout) -> None:
+        self.layout = layout
+        per = (layout.block_size, layout.n_kv_heads, layout.head_dim)
+        for pool, layers, blocks in (
+            ("global", layout.global_layers, layout.n_global_blocks),
+            ("local", layout.local_layers, layout.n_local_blocks),
+        ):
+            shape = (len(layers), blocks * per[0], per[1], per[2])  # (L, slots, Hkv, Dh)
+            self.pools[pool] = (np.zeros(shape, self.kv_dtype), np.zeros(shape, self.kv_dtype))
+
+    # -- ops ---------------------------------------------------------------------------------------------
+    def embed(self, table: CpuWeight, tokens, scale: float):
+        return table.rows(np.asarray(tokens)) * np.float32(scale)
+
+    def rms_norm(self, x, w: CpuWeight, eps: float):
+        ms = np.mean(np.square(x), axis=-1, keepdims=True)
+        return (x / np.sqrt(ms + np.float32(eps))) * w.f32
+
+    def matmul(self, x, w: CpuWeight):
+        if self.ggml:
+            x = ggml.round_activations(x, w.tensor.qtype)
+        if w.f32 is not None:
+            return x @ w.f32.T
+        out = np.empty((x.shape[0], w.shape[0]), np.float32)
+        for s, rows in w.row_chunks():
+            out[:, s : s + rows.shape[0]] = x @ rows.T
+        return out
+
+    def rope(self, x, positions, base: float, scale: float):
+        half = x.shape[-1] // 2
+        if self.ggml:
+            ang = ggml.rope_angles(positions, x.shape[-1], base, scale)  # (T, Dh/2)
+        else:
+            inv = base ** (-np.arange(0, half, dtype=np.float64) * 2.0 / x.shape[-1])
+            ang = (np.asarray(positions, np.float64)[:, None] / scale) * inv[None, :]
+        cos = np.cos(ang).astype(np.float32)[:, None, :]
+        sin = np.sin(ang).astype(np.float32)[:, None, :]
+        x1, x2 = x[..., :half], x[..., half:]
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+    def attention(self, q, k, v, layer: int, batch: StepBatch, window: int | None, scale: float):
+        pool, slot = self.layout.pool_of(layer)
+        kc, vc = self.pools[pool][0][slot], self.pools[pool][1][slot]  # (slots, Hkv, Dh)
+        out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), np.float32)
+        for s in batch.seqs:
+            table = s.global_table if pool == "global" else s.local_table
+            rows = slice(s.start, s.start + s.n)
+            new = _slots(table, np.arange(s.pos0, s.end_pos), batch.block_size)
+            kc[new], vc[new] = k[rows], v[rows]
+            lo = 0 if window is None else max(0, s.pos0 - window + 1)
+            kpos = np.arange(lo, s.end_pos)
+            ks = _slots(table, kpos, batch.block_size)
+            out[rows] = _attend(q[rows], kc[ks], vc[ks], s.pos0, kpos, window, scale)
+        return out
+
+    def geglu(self, gate, up):
+        if self.ggml:
+            return ggml.gelu(gate) * up
+        c = np.float32(math.sqrt(2.0 / math.pi))
+        g = 0.5 * gate * (1.0 + np.tanh(c * (gate + np.float32(0.044715) * gate * gate * gate)))
+        return g * up
+
+    def add(self, a, b):
+        return a + b
+
+    def rows(self, x, idx):
+        return x[np.asarray(idx)]
+
+    def reshape(self, x, shape):
+        return x.reshape(shape)
+
+    def to_numpy(self, x):
+        return np.asarray(x)
+
+
+def _slots(table: np.ndarray, pos: np.ndarray, block_size: int) -> np.ndarray:
+    """Cache slot of each position: block table[(p // B) % len(table)], offset p % B."""
+    return table[(pos // block_size) % len(table)] * block_size + pos % block_size
+
+
+def _attend(q, keys, vals, pos0: int, kpos, window: int | None, scale: float):
+    """Causal (optionally windowed) GQA attention of one sequence.
+
+    q (n, H, Dh) at positions pos0..pos0+n-1; keys/vals (L, Hkv, Dh) at positions kpos -> (n, H*Dh).
+    """
+    n, h, dh = q.shape
+    hkv = keys.shape[1]
+    qg = q.reshape(n, hkv, h // hkv, dh).transpose(1, 2, 0, 3)  # (Hkv, G, n, Dh)
+    kt = keys.astype(np.float32).transpose(1, 2, 0)[:, None]  # (Hkv, 1, Dh, L)
+    scores = (qg @ kt) * np.float32(scale)  # (Hkv, G, n, L)
+    qpos = np.arange(pos0, pos0 + n)[:, None]
+    masked = kpos[None, :] > qpos
+    if window is not None:
+        masked |= qpos - kpos[None, :] >= window
+    scores = np.where(masked, -np.inf, scores)
+    scores -= scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores)
+    p /= p.sum(axis=-1, keepdims=True)
+    out = p @ vals.astype(np.float32).transpose(1, 0, 2)[:, None]  # (Hkv, G, n, Dh)
+    return out.transpose(2, 0, 1, 3).reshape(n, h * dh)

@@ -1,0 +1,1 @@
+"""Request state, paged KV cache, sampling, stopping and the step scheduler."""

@@ -1,0 +1,65 @@
+"""StepBatch: the per-step values one forward pass reads (tokens, positions, sequences, block tables).
+
+The forward pass is written over a flat batch of T tokens drawn from S sequences, vLLM-style: a decoding
+sequence adds 1 token, a prefilling one a chunk of its prompt. Backends never look at Python objects other
+than these arrays, so the Vulkan backend can copy them into one small host-visible buffer per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class SeqSlice:
+    """One sequence's part of a step: rows ``start:start+n`` of the flat batch, positions ``pos0:pos0+n``."""
+
+    seq_id: int
+    start: int
+    n: int
+    pos0: int
+    global_table: np.ndarray  # (n_blocks,) int32: block j holds positions [j*B, (j+1)*B)
+    local_table: np.ndarray  # (ring,) int32: position p lives in block local_table[(p // B) % ring]
+
+    @property
+    def end_pos(self) -> int:
+        """One past the last position written this step (the sequence's cached length after the step)."""
+        return self.pos0 + self.n
+
+
+@dataclass
+class StepBatch:
+    """Everything the forward pass needs for one step, as plain arrays."""
+
+    tokens: np.ndarray  # (T,) int32
+    positions: np.ndarray  # (T,) int32
+    seqs: list[SeqSlice]
+    logit_rows: np.ndarray  # (S_out,) int32: rows of the flat batch whose logits the step returns
+    block_size: int = 16
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @staticmethod
+    def build(parts: list[tuple[SeqSlice, np.ndarray, bool]], block_size: int) -> StepBatch:
+        """Assemble a batch from (slice without start, its token ids, wants logits of its last token)."""
+        tokens, positions, seqs, rows, start = [], [], [], [], 0
+        for s, toks, want in parts:
+            s.start, s.n = start, len(toks)
+            tokens.append(np.asarray(toks, dtype=np.int32))
+            positions.append(np.arange(s.pos0, s.pos0 + s.n, dtype=np.int32))
+            if want:
+                rows.append(start + s.n - 1)
+            seqs.append(s)
+            start += s.n
+        return StepBatch(
+            tokens=np.concatenate(tokens) if tokens else np.zeros(0, np.int32),
+            positions=np.concatenate(positions) if positions else np.zeros(0, np.int32),
+            seqs=seqs,
+            logit_rows=np.asarray(rows, dtype=np.int32),
+            block_size=block_size,
+        )

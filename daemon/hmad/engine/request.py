@@ -1,0 +1,96 @@
+"""A generation request's state machine and the events it produces.
+
+    WAITING --admitted (KV reserved)--> PREFILL --prompt cached--> DECODE --stop/length/cancel--> FINISHED
+
+Every request that was accepted ends with exactly one terminal event: done, error or cancelled.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from hmad.engine.sampling import Sampler, SamplingParams
+from hmad.engine.stopping import StopMatcher
+from hmad.model.tokenizer import StreamDecoder, Tokenizer
+
+
+class State(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+TERMINAL_KINDS = ("done", "error", "cancelled")
+
+
+@dataclass
+class Event:
+    """What the engine tells the server about one request.
+
+    kind: ``token`` (text piece + token ids), or a terminal ``done`` / ``error`` / ``cancelled``.
+    """
+
+    kind: str
+    request_id: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    stats: dict[str, Any] = field(default_factory=dict)
+    error_code: str = ""
+
+    @property
+    def terminal(self) -> bool:
+        return self.kind in TERMINAL_KINDS
+
+
+@dataclass
+class Request:
+    """One generation: prompt ids in, streamed text and ids out."""
+
+    id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    tag: Any = None  # opaque to the engine: the server's routing info
+    state: State = State.WAITING
+    n_cached: int = 0  # positions already in the KV cache
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    t_arrival: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+    t_done: float | None = None
+    sampler: Sampler | None = None
+    stops: StopMatcher | None = None
+    decoder: StreamDecoder | None = None
+
+    def start(self, tokenizer: Tokenizer) -> None:
+        self.sampler = Sampler(self.params)
+        self.stops = StopMatcher(list(self.params.stop or []))
+        self.decoder = StreamDecoder(tokenizer)
+
+    @property
+    def n_positions(self) -> int:
+        """Positions the sequence may occupy at most: prompt + every new token."""
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    def next_input(self, max_chunk: int) -> list[int]:
+        """Token ids to feed this step: the next prompt chunk, or the last sampled token."""
+        if self.state is State.PREFILL:
+            return self.prompt_ids[self.n_cached : self.n_cached + max_chunk]
+        return [self.output_ids[-1]]
+
+    def stats(self) -> dict[str, Any]:
+        end = self.t_done or time.perf_counter()
+        first = self.t_first or end
+        n = len(self.output_ids)
+        decode_s = end - first
+        return {
+            "prompt_tokens": len(self.prompt_ids),
+            "generated_tokens": n,
+            "ttft_s": round(first - self.t_arrival, 6),
+            "total_s": round(end - self.t_arrival, 6),
+            "tokens_per_s": round((n - 1) / decode_s, 3) if n > 1 and decode_s > 0 else 0.0,
+        }

@@ -1,0 +1,193 @@
+"""The step scheduler: continuous batching over a paged KV cache.
+
+Each ``step()``:
+  1. retire   - drop cancelled requests, free their KV blocks;
+  2. admit    - move waiting requests (FIFO) to running while a sequence slot and their KV budget are free;
+  3. plan     - one decode token for every decoding sequence, then prefill chunks of the others while the
+                step's token budget lasts;
+  4. forward  - one batched forward pass, logits only for rows that produce a token;
+  5. sample   - per request: sampler -> stream decoder -> stop strings -> limits; events out;
+  6. release  - finished requests give their blocks back.
+Requests join and leave between steps; nothing a request does changes another's tokens.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from hmad.engine.batch import SeqSlice, StepBatch
+from hmad.engine.kvcache import KVCacheManager, KVLayout
+from hmad.engine.request import Event, Request, State
+from hmad.errors import HmadError
+
+
+class QueueFull(HmadError):
+    """The waiting queue is at its configured length: the caller should answer ``busy``."""
+
+
+class RequestRejected(HmadError):
+    """A request that can never run (prompt too long for the context or the KV cache)."""
+
+
+@dataclass
+class SchedulerConfig:
+    max_seqs: int = 16  # sequences decoded together
+    step_tokens: int = 512  # token budget of one step (decode tokens + prefill chunks)
+    max_chunk: int = 512  # longest prefill chunk of one sequence in one step
+    kv_tokens: int = 32768  # cached positions over all sequences
+    block_size: int = 16
+    max_queue: int = 256
+    context_length: int = 0  # 0: the model's
+
+
+class Scheduler:
+    """Owns the running set, the waiting queue and the KV block tables; drives ``model.forward``."""
+
+    def __init__(self, model, cfg: SchedulerConfig | None = None):
+        self.model, self.cfg = model, cfg or SchedulerConfig()
+        mc = model.config
+        self.context = min(self.cfg.context_length or mc.context_length, mc.context_length)
+        self.layout = KVLayout.plan(
+            mc, self.cfg.kv_tokens, self.cfg.max_seqs, self.cfg.max_chunk, self.cfg.block_size
+        )
+        model.backend.alloc_kv(self.layout)
+        self.kv = KVCacheManager(self.layout)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self._cancelled: set[int] = set()
+        self.eot = set(model.tokenizer.eot_ids)
+        self.recent_batches: collections.deque[int] = collections.deque(maxlen=32)
+        self.steps = 0
+        self.tokens_out = 0
+
+    # -- requests in -----------------------------------------------------------------------------------
+    def submit(self, req: Request) -> None:
+        """Queue a request; raises RequestRejected (never fits) or QueueFull (try later)."""
+        req.params.max_tokens = max(1, min(req.params.max_tokens, self.context - len(req.prompt_ids)))
+        if not req.prompt_ids:
+            raise RequestRejected("empty prompt")
+        if len(req.prompt_ids) >= self.context:
+            raise RequestRejected(
+                f"prompt of {len(req.prompt_ids)} tokens does not fit the context of {self.context}"
+            )
+        if not self.kv.fits_ever(req.n_positions):
+            raise RequestRejected(
+                f"prompt + max_tokens ({req.n_positions} positions) exceeds the KV cache "
+                f"({self.cfg.kv_tokens} positions)"
+            )
+        if len(self.waiting) >= self.cfg.max_queue:
+            raise QueueFull(f"{len(self.waiting)} requests waiting")
+        req.start(self.model.tokenizer)
+        self.waiting.append(req)
+
+    def cancel(self, request_id: int) -> None:
+        """Cancel at the next step boundary (a cancelled event is emitted then)."""
+        self._cancelled.add(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._cancelled)
+
+    # -- the step --------------------------------------------------------------------------------------
+    def step(self) -> list[Event]:
+        events = self._retire_cancelled()
+        self._admit()
+        parts = self._plan()
+        if parts:
+            batch = StepBatch.build([(s, toks, want) for _, s, toks, want in parts], self.layout.block_size)
+            logits = self.model.forward(batch)  # (S_out, V)
+            events += self._sample([r for r, _, _, want in parts if want], logits)
+            self.recent_batches.append(len(parts))
+            self.steps += 1
+        self._release_finished()
+        return events
+
+    def _retire_cancelled(self) -> list[Event]:
+        events = []
+        for r in [r for r in (*self.waiting, *self.running) if r.id in self._cancelled]:
+            r.state, r.finish_reason, r.t_done = State.FINISHED, "cancelled", time.perf_counter()
+            events.append(Event("cancelled", r.id, stats=r.stats()))
+        self.waiting = collections.deque(r for r in self.waiting if r.state is not State.FINISHED)
+        self._cancelled.clear()
+        self._release_finished()
+        return events
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.cfg.max_seqs:
+            req = self.waiting[0]
+            if not self.kv.can_reserve(req.n_positions):
+                break  # FIFO: later requests wait behind the head rather than starve it
+            self.waiting.popleft()
+            self.kv.reserve(req.id, req.n_positions)
+            req.state = State.PREFILL
+            self.running.append(req)
+
+    def _plan(self) -> list[tuple[Request, SeqSlice, list[int], bool]]:
+        """(request, slice, input ids, wants logits) for this step, decode first, within the budget."""
+        budget = self.cfg.step_tokens
+        parts = []
+        order = sorted(self.running, key=lambda r: r.state is not State.DECODE)
+        for r in order:
+            if budget <= 0:
+                break
+            toks = r.next_input(min(self.cfg.max_chunk, budget))
+            tables = self.kv.tables(r.id)
+            s = SeqSlice(r.id, 0, len(toks), r.n_cached, tables.global_table, tables.local_table)
+            done_prompt = r.state is State.DECODE or r.n_cached + len(toks) == len(r.prompt_ids)
+            parts.append((r, s, toks, done_prompt))
+            budget -= len(toks)
+        for r, _, toks, _ in parts:
+            r.n_cached += len(toks)
+        return parts
+
+    def _sample(self, reqs: list[Request], logits: np.ndarray) -> list[Event]:
+        events = []
+        for r, row in zip(reqs, logits, strict=True):
+            tok = r.sampler.sample(row, r.prompt_ids + r.output_ids)
+            r.state = State.DECODE
+            events += self._accept_token(r, tok)
+        return events
+
+    def _accept_token(self, r: Request, tok: int) -> list[Event]:
+        now = time.perf_counter()
+        r.t_first = r.t_first or now
+        if tok in self.eot:
+            return self._finish(r, "stop", self._flush(r, [], ""))
+        r.output_ids.append(tok)
+        self.tokens_out += 1
+        text, hit = r.stops.feed(r.decoder.feed(tok))
+        if hit:
+            return self._finish(r, "stop", [Event("token", r.id, text, [tok])] if text else [])
+        if len(r.output_ids) >= r.params.max_tokens or len(r.prompt_ids) + len(r.output_ids) >= self.context:
+            return self._finish(r, "length", self._flush(r, [tok], text))
+        return [Event("token", r.id, text, [tok])]
+
+    @staticmethod
+    def _flush(r: Request, ids: list[int], text: str) -> list[Event]:
+        """The last token event: ``text`` plus whatever the decoder and stop matcher still hold."""
+        held, hit = r.stops.feed(r.decoder.flush())
+        text += held + ("" if hit else r.stops.flush())
+        return [Event("token", r.id, text, ids)] if text or ids else []
+
+    def _finish(self, r: Request, reason: str, events: list[Event]) -> list[Event]:
+        r.state, r.finish_reason, r.t_done = State.FINISHED, reason, time.perf_counter()
+        return [*events, Event("done", r.id, finish_reason=reason, stats=r.stats())]
+
+    def _release_finished(self) -> None:
+        for r in self.running:
+            if r.state is State.FINISHED:
+                self.kv.release(r.id)
+        self.running = [r for r in self.running if r.state is not State.FINISHED]
+
+    # -- status ----------------------------------------------------------------------------------------
+    def status(self) -> dict:
+        return {
+            "running": len(self.running),
+            "queued": len(self.waiting),
+            "recent_batch_sizes": list(self.recent_batches),
+            "steps": self.steps,
+            "kv": self.kv.usage(),
+        }

@@ -1,0 +1,1 @@
+"""Model files (GGUF, safetensors), tokenizers, chat format and architectures."""

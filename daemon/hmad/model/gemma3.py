@@ -1,0 +1,107 @@
+"""Gemma 3 text decoder, written once over the op interface of backends/base.py.
+
+Per layer (MODELS.md): pre-norm -> q/k/v -> per-head q/k RMS norm -> RoPE (local layers base 10k, global
+layers the file's base and linear scaling) -> paged attention (sliding window on local layers) -> output
+projection -> post-norm -> residual; then pre-norm -> gelu_tanh(gate) * up -> down -> post-norm -> residual.
+Embeddings are scaled by sqrt(D); the output projection is tied to the embedding unless the file has one.
+Norm weights follow GGUF's convention (they already include Gemma's ``1 +``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hmad.backends.base import Act, Backend, Weight
+from hmad.engine.batch import StepBatch
+from hmad.model.config import ModelConfig
+
+LAYER_TENSORS = (
+    "attn_norm",
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_q_norm",
+    "attn_k_norm",
+    "attn_output",
+    "post_attention_norm",
+    "ffn_norm",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_down",
+    "post_ffw_norm",
+)
+
+
+def tensor_names(cfg: ModelConfig) -> list[str]:
+    """Every tensor the architecture needs (``output.weight`` is optional: tied to the embedding)."""
+    names = ["token_embd.weight", "output_norm.weight"]
+    for i in range(cfg.n_layers):
+        names += [f"blk.{i}.{t}.weight" for t in LAYER_TENSORS]
+    return names
+
+
+@dataclass
+class Layer:
+    """One decoder block's weights (backend handles)."""
+
+    attn_norm: Weight
+    attn_q: Weight
+    attn_k: Weight
+    attn_v: Weight
+    attn_q_norm: Weight
+    attn_k_norm: Weight
+    attn_output: Weight
+    post_attention_norm: Weight
+    ffn_norm: Weight
+    ffn_gate: Weight
+    ffn_up: Weight
+    ffn_down: Weight
+    post_ffw_norm: Weight
+
+
+class Gemma3:
+    """The forward pass: ``forward(batch) -> logits (S_out, V)`` for the batch's ``logit_rows``."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, Weight], ops: Backend):
+        self.cfg, self.ops = cfg, ops
+        self.embed_table = weights["token_embd.weight"]
+        self.output_norm = weights["output_norm.weight"]
+        self.output = weights.get("output.weight", self.embed_table)
+        self.layers = [
+            Layer(**{t: weights[f"blk.{i}.{t}.weight"] for t in LAYER_TENSORS}) for i in range(cfg.n_layers)
+        ]
+
+    def forward(self, batch: StepBatch) -> Act:
+        ops, cfg = self.ops, self.cfg
+        ops.begin_step(batch)
+        x = ops.embed(self.embed_table, batch.tokens, cfg.embed_scale)  # (T, D)
+        for i, layer in enumerate(self.layers):
+            x = self.block(i, layer, x, batch)
+        x = ops.rows(x, batch.logit_rows)  # (S_out, D)
+        x = ops.rms_norm(x, self.output_norm, cfg.rms_eps)
+        return ops.matmul(x, self.output)  # (S_out, V)
+
+    def block(self, i: int, layer: Layer, x: Act, batch: StepBatch) -> Act:
+        ops, eps = self.ops, self.cfg.rms_eps
+        h = ops.rms_norm(x, layer.attn_norm, eps)
+        a = self.attention(i, layer, h, batch)  # (T, D)
+        x = ops.add(x, ops.rms_norm(a, layer.post_attention_norm, eps))
+        h = ops.rms_norm(x, layer.ffn_norm, eps)
+        f = ops.geglu(ops.matmul(h, layer.ffn_gate), ops.matmul(h, layer.ffn_up))  # (T, F)
+        f = ops.matmul(f, layer.ffn_down)  # (T, D)
+        return ops.add(x, ops.rms_norm(f, layer.post_ffw_norm, eps))
+
+    def attention(self, i: int, layer: Layer, h: Act, batch: StepBatch) -> Act:
+        ops, cfg = self.ops, self.cfg
+        t, dh = batch.n_tokens, cfg.head_dim
+        q = ops.reshape(ops.matmul(h, layer.attn_q), (t, cfg.n_heads, dh))  # (T, H, Dh)
+        k = ops.reshape(ops.matmul(h, layer.attn_k), (t, cfg.n_kv_heads, dh))  # (T, Hkv, Dh)
+        v = ops.reshape(ops.matmul(h, layer.attn_v), (t, cfg.n_kv_heads, dh))
+        q = ops.rms_norm(q, layer.attn_q_norm, cfg.rms_eps)
+        k = ops.rms_norm(k, layer.attn_k_norm, cfg.rms_eps)
+        base, scale = cfg.rope_for_layer(i)
+        q = ops.rope(q, batch.positions, base, scale)
+        k = ops.rope(k, batch.positions, base, scale)
+        window = None if cfg.layer_is_global[i] else cfg.sliding_window
+        a = ops.attention(q, k, v, i, batch, window, cfg.attn_scale)  # (T, H*Dh)
+        return ops.matmul(a, layer.attn_output)

