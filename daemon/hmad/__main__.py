@@ -1,10 +1,12 @@
 """`hmad`: the command line.
 
+    hmad [--config FILE] [--model M] [--backend B] [--socket PATH] [--set KEY=VALUE]... [--foreground]
     hmad generate [--model default] [--backend cpu] [--max-tokens N] [--temperature T] ... [--json] PROMPT
     hmad install-default-model
 
-``generate`` runs offline (no daemon): it loads the model, streams the continuation to stdout and, with
-``--json``, prints one JSON object on the last line.
+With no subcommand hmad runs the service in the foreground (systemd runs it so too). ``generate`` runs
+offline (no daemon): it loads the model, streams the continuation to stdout and, with ``--json``, prints
+one JSON object on the last line.
 """
 
 from __future__ import annotations
@@ -26,6 +28,32 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+SUBCOMMANDS = ("generate", "install-default-model")
+
+
+def build_service_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="hmad",
+        description="Resident Gemma 3 inference daemon. Subcommands: "
+        + ", ".join(SUBCOMMANDS)
+        + " (hmad SUBCOMMAND --help).",
+    )
+    ap.add_argument("--config", help="YAML config (default: $HMAD_CONFIG, else /etc/hmad/hmad.yaml)")
+    ap.add_argument("--model", help="overrides config 'model'")
+    ap.add_argument("--backend", choices=["auto", "cpu", "vulkan", "npu"], help="overrides config 'backend'")
+    ap.add_argument("--socket", help="overrides config 'socket.path'")
+    ap.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any config key, e.g. --set engine.max_seqs=32",
+    )
+    ap.add_argument("--foreground", action="store_true", help="accepted for clarity; hmad never forks")
+    return ap
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,7 +111,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_service(argv: list[str]) -> int:
+    from hmad.config import ConfigError, load_config, parse_override
+    from hmad.service import Service
+
+    args = build_service_parser().parse_args(argv)
+    try:
+        overrides = dict(parse_override(s) for s in args.set)
+        for key, value in (
+            ("model", args.model),
+            ("backend", args.backend),
+            ("socket.path", args.socket),
+            ("log_level", args.log_level),
+        ):
+            if value is not None:
+                overrides[key] = value
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"hmad: config error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return Service(cfg).run()
+    except HmadError as e:
+        logging.getLogger("hmad").error("%s", e)
+        return 1
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not any(a in SUBCOMMANDS for a in argv[:3]):
+        return run_service(argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:

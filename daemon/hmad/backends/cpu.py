@@ -89,6 +89,13 @@ class CpuBackend(Backend):
             shape = (len(layers), blocks * per[0], per[1], per[2])  # (L, slots, Hkv, Dh)
             self.pools[pool] = (np.zeros(shape, self.kv_dtype), np.zeros(shape, self.kv_dtype))
 
+    def describe(self) -> dict:
+        kv = sum(a.nbytes + b.nbytes for a, b in self.pools.values())
+        mapped = sum(w.tensor.nbytes for w in self.loaded.values())
+        return {"backend": self.name, "device": self.device,
+                "memory": {"host RAM: float32 weights": self.cached_bytes, "host RAM: KV cache": kv,
+                           "page cache: mapped model file": mapped}}
+
     # -- ops ---------------------------------------------------------------------------------------------
     def embed(self, table: CpuWeight, tokens, scale: float):
         return table.rows(np.asarray(tokens)) * np.float32(scale)

@@ -1,0 +1,111 @@
+"""The engine thread: the one thread that owns the model, the device and the scheduler.
+
+The server thread talks to it through two queues: commands in (submit, cancel), event batches out. After
+publishing a batch the engine calls ``wake()`` (the server's inproc socket), so the socket loop never polls
+the engine and never blocks on compute. ``last_progress`` is the heartbeat the service turns into
+``WATCHDOG=1``: it moves at every step and every idle wait, and stops if a step hangs.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from hmad.engine.request import Event, Request
+from hmad.engine.scheduler import QueueFull, RequestRejected, Scheduler
+
+log = logging.getLogger("hmad.engine")
+
+IDLE_WAIT_S = 0.25
+
+
+class EngineThread:
+    """Runs ``Scheduler.step()`` whenever there is work; thread-safe ``submit``/``cancel``/``snapshot``."""
+
+    def __init__(self, scheduler: Scheduler, wake: Callable[[], None]):
+        self.scheduler = scheduler
+        self.wake = wake
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.events: queue.SimpleQueue[list[Event]] = queue.SimpleQueue()
+        self.last_progress = time.monotonic()
+        self.snapshot: dict = scheduler.status()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hmad-engine", daemon=True)
+        self._tok_window: list[tuple[float, int]] = []
+
+    # -- called from other threads ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, req: Request) -> None:
+        self.commands.put(("submit", req))
+
+    def cancel(self, request_id: int) -> None:
+        self.commands.put(("cancel", request_id))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self.commands.put(("noop", None))
+        self._thread.join(timeout)
+
+    # -- the thread ------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(block=not self.scheduler.has_work())
+                if self.scheduler.has_work():
+                    self._publish(self.scheduler.step())
+                self._update_snapshot()
+        except Exception:  # the engine must never die silently: fail every request, then stop
+            log.exception("engine step failed")
+            self._fail_all("internal", "engine failure; see the daemon log")
+            raise
+
+    def _drain_commands(self, block: bool) -> None:
+        events: list[Event] = []
+        try:
+            cmd = self.commands.get(timeout=IDLE_WAIT_S) if block else self.commands.get_nowait()
+            while True:
+                events += self._apply(*cmd)
+                cmd = self.commands.get_nowait()
+        except queue.Empty:
+            pass
+        self.last_progress = time.monotonic()
+        self._publish(events)
+
+    def _apply(self, kind: str, arg) -> list[Event]:
+        if kind == "submit":
+            try:
+                self.scheduler.submit(arg)
+            except QueueFull as e:
+                return [Event("error", arg.id, error_code="busy", text=str(e))]
+            except RequestRejected as e:
+                return [Event("error", arg.id, error_code="prompt_too_long", text=str(e))]
+        elif kind == "cancel":
+            self.scheduler.cancel(arg)
+        return []
+
+    def _publish(self, events: list[Event]) -> None:
+        if events:
+            self.events.put(events)
+            self.wake()
+
+    def _fail_all(self, code: str, message: str) -> None:
+        reqs = [*self.scheduler.waiting, *self.scheduler.running]
+        self._publish([Event("error", r.id, error_code=code, text=message) for r in reqs])
+
+    def _update_snapshot(self) -> None:
+        now = time.monotonic()
+        self.last_progress = now
+        self._tok_window.append((now, self.scheduler.tokens_out))
+        self._tok_window = [(t, n) for t, n in self._tok_window if now - t <= 10.0]
+        t0, n0 = self._tok_window[0]
+        rate = (self.scheduler.tokens_out - n0) / (now - t0) if now > t0 else 0.0
+        self.snapshot = {
+            **self.scheduler.status(),
+            "tokens_per_s": round(rate, 2),
+            "tokens_generated": self.scheduler.tokens_out,
+        }
