@@ -586,8 +586,7 @@ def read_yaml(path: str) -> dict[str, Any]:
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
-        context = f" ({e.context})" if e.context and e.problem else ""
-        raise ConfigError(f"{where}: invalid YAML: {e.problem or e.context}{context}") from None
+        raise ConfigError(f"{where}: invalid YAML: {_yaml_problem(e)}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {e}") from None
     if doc is None:
@@ -598,6 +597,14 @@ def read_yaml(path: str) -> dict[str, Any]:
             f"got {type(doc).__name__} {_show(doc)}"
         )
     return doc
+
+
+def _yaml_problem(e: yaml.MarkedYAMLError) -> str:
+    if not (e.context and e.problem):
+        return str(e.problem or e.context)
+    if e.context.startswith("while "):
+        return f"{e.problem} ({e.context})"
+    return f"{e.context}, {e.problem}"  # "expected a single document in the stream, but found another ..."
 
 
 def _nest(overrides: Mapping[str, Any], origin: str) -> dict[str, Any]:
