@@ -72,19 +72,29 @@ def main() -> None:
     ids = prompt_ids(model.tokenizer, a.prefill)
     short = ids[:16]
     hmad_prefill(model, ids[:64])  # warm-up
-    out = {"device": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-           "model": str(path), "date": time.strftime("%Y-%m-%d"),
-           "hmad": {"prefill_tok_s": hmad_prefill(model, ids), "decode_tok_s": hmad_decode(model, short, a.decode)}}
+    out = {
+        "device": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "model": str(path),
+        "date": time.strftime("%Y-%m-%d"),
+        "hmad": {
+            "prefill_tok_s": hmad_prefill(model, ids),
+            "decode_tok_s": hmad_decode(model, short, a.decode),
+        },
+    }
     try:
         import llama_cpp
     except ImportError:
         llama_cpp = None
     if llama_cpp:
-        llm = llama_cpp.Llama(str(path), n_ctx=a.prefill + a.decode + 64, n_batch=a.prefill, n_threads=a.threads,
-                              verbose=False)
+        llm = llama_cpp.Llama(
+            str(path), n_ctx=a.prefill + a.decode + 64, n_batch=a.prefill, n_threads=a.threads, verbose=False
+        )
         llama_prefill(llm, ids[:64])
-        out["llama.cpp"] = {"version": llama_cpp.__version__, "prefill_tok_s": llama_prefill(llm, ids),
-                            "decode_tok_s": llama_decode(llm, short, a.decode)}
+        out["llama.cpp"] = {
+            "version": llama_cpp.__version__,
+            "prefill_tok_s": llama_prefill(llm, ids),
+            "decode_tok_s": llama_decode(llm, short, a.decode),
+        }
         out["ratio"] = {k: out["hmad"][k] / out["llama.cpp"][k] for k in ("prefill_tok_s", "decode_tok_s")}
     print(json.dumps(out, indent=1))
     if a.json:

@@ -1,1 +1,33 @@
-"""hmaclient: the client library of hmad (arrives with the daemon)."""
+"""hmaclient: the client library of hmad (wire format in ``hmaclient.protocol``)."""
+
+from hmaclient.client import (
+    AsyncClient,
+    AsyncStream,
+    Client,
+    ConnectionLost,
+    DaemonUnreachable,
+    HmadTimeout,
+    HmaError,
+    Piece,
+    RequestCancelled,
+    RequestError,
+    Result,
+)
+from hmaclient.protocol import PROTOCOL_VERSION, ProtocolError, default_socket_path
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "AsyncClient",
+    "AsyncStream",
+    "Client",
+    "ConnectionLost",
+    "DaemonUnreachable",
+    "HmaError",
+    "HmadTimeout",
+    "Piece",
+    "ProtocolError",
+    "RequestCancelled",
+    "RequestError",
+    "Result",
+    "default_socket_path",
+]

@@ -102,8 +102,10 @@ class Server:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.wake_pull, zmq.POLLIN)
-        while not tick():
+        while True:
             ready = dict(poller.poll(POLL_MS))
+            if tick():  # after the poll: a signal that interrupted it is seen before any new request
+                break
             if self.wake_pull in ready:
                 self._drain_wake()
             self._forward_events()
@@ -161,10 +163,15 @@ class Server:
             ids, params = self._prepare(req)
         except ValueError as e:
             return self._send(peer, P.error(req.id, P.BAD_REQUEST, str(e)))
+        context = self.engine.scheduler.context
+        if len(ids) >= context:
+            msg = f"the prompt is {len(ids)} tokens; the context holds {context}"
+            return self._send(peer, P.error(req.id, P.PROMPT_TOO_LONG, msg))
         rid = self.next_rid
         self.next_rid += 1
         self.routes[rid] = Route(peer, req.id, req.stream)
-        self.by_client[key] = rid
+        if req.id is not None:  # id-less requests cannot be cancelled by id
+            self.by_client[key] = rid
         self._send(peer, P.accepted(req.id, rid))
         self.engine.submit(Request(rid, ids, params, tag=key))
 

@@ -1,0 +1,239 @@
+"""`hmactl`: ask a running hmad.
+
+    hmactl [--socket PATH] [--timeout S] status [--json]
+    hmactl [--socket PATH] [--timeout S] ping [--wait S]
+    hmactl [--socket PATH] [--timeout S] query [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
+           [--min-p P] [--repetition-penalty R] [--seed S] [--stop STR]... [--raw] [--json] PROMPT|-
+
+``query`` streams the answer to stdout as it arrives (``-`` reads the prompt from stdin; ``--raw`` skips the
+chat template); with ``--json`` it prints one JSON object at the end instead. Ctrl-C cancels the request.
+
+Exit codes: 0 ok, 1 the request failed (error reply, timeout), 2 usage, 3 hmad unreachable, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from typing import Any, TextIO
+
+from hmaclient.client import Client, DaemonUnreachable, HmadTimeout, HmaError, RequestError
+from hmaclient.protocol import ProtocolError, default_socket_path
+
+EXIT_OK, EXIT_REQUEST, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hmactl", description="Talk to a running hmad daemon.")
+    ap.add_argument("--socket", metavar="PATH", help=f"hmad's socket (default: {default_socket_path()})")
+    ap.add_argument("--timeout", type=float, metavar="S", help="give up after S seconds (default: no limit)")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    st = sub.add_parser("status", help="what the daemon is doing: model, memory, requests, speed")
+    st.add_argument("--json", action="store_true", help="print the status map as JSON")
+    pg = sub.add_parser("ping", help="check that hmad answers")
+    pg.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="keep trying for up to S seconds (e.g. while hmad loads its model)",
+    )
+    q = sub.add_parser("query", help="generate an answer, streamed to stdout")
+    q.add_argument("--max-tokens", type=int)
+    q.add_argument("--temperature", type=float, help="0 = greedy")
+    q.add_argument("--top-k", type=int)
+    q.add_argument("--top-p", type=float)
+    q.add_argument("--min-p", type=float)
+    q.add_argument("--repetition-penalty", type=float)
+    q.add_argument("--seed", type=int)
+    q.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable)")
+    q.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    q.add_argument("--json", action="store_true", help="print one JSON object at the end, no streaming")
+    q.add_argument("prompt", metavar="PROMPT|-", help="the prompt, or - to read it from stdin")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)  # exits 2 on a usage error
+    try:
+        client = Client(args.socket, timeout=args.timeout)
+    except ValueError as e:  # e.g. a socket path too long for a Unix socket
+        return _fail(f"error: {e}", EXIT_USAGE)
+    try:
+        if args.command == "status":
+            return _status(client, args.json, sys.stdout)
+        if args.command == "ping":
+            client = _ping(client, args)
+            print(f"hmad is running at {client.path}")
+            return EXIT_OK
+        return _query(client, args, sys.stdout)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED  # the request was cancelled on the way out (Client.close below)
+    except ProtocolError as e:
+        return _fail(f"error: {e.message}", EXIT_USAGE)
+    except DaemonUnreachable as e:
+        return _fail(str(e), EXIT_UNREACHABLE)
+    except RequestError as e:
+        return _fail(f"error: {e.code}: {e.message}", EXIT_REQUEST)
+    except (HmadTimeout, HmaError) as e:
+        return _fail(f"error: {e}", EXIT_REQUEST)
+    except BrokenPipeError:
+        with contextlib.suppress(OSError):  # stdout's reader left: say nothing more
+            sys.stdout = open("/dev/null", "w")  # noqa: SIM115 - keeps the interpreter's final flush quiet
+        return EXIT_REQUEST
+    finally:
+        with contextlib.suppress(KeyboardInterrupt):
+            client.close()
+
+
+def _ping(client: Client, args: argparse.Namespace) -> Client:
+    """Ping, retrying with a fresh client until ``--wait`` seconds have passed; returns the client that
+    got the answer (the caller closes it)."""
+    deadline = time.monotonic() + args.wait
+    while True:
+        try:
+            client.ping()
+            return client
+        except DaemonUnreachable:
+            if time.monotonic() >= deadline:
+                raise
+        client.close()
+        time.sleep(0.25)
+        client = Client(args.socket, timeout=args.timeout)
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"hmactl: {message}", file=sys.stderr)
+    return code
+
+
+# -- query ------------------------------------------------------------------------------------------------
+
+
+def _query(client: Client, args: argparse.Namespace, out: TextIO) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    params: dict[str, Any] = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+        "seed": args.seed,
+        "stop": args.stop,
+        "raw": True if args.raw else None,
+    }
+    if args.json:
+        r = client.generate(prompt, **params)
+        obj = {
+            "text": r.text,
+            "token_ids": r.token_ids,
+            "prompt_tokens": r.prompt_tokens,
+            "generated_tokens": r.generated_tokens,
+            "finish_reason": r.finish_reason,
+            "timings": r.timings,
+        }
+        print(json.dumps(obj, ensure_ascii=False), file=out)
+        return EXIT_OK
+    last = ""
+    with contextlib.closing(client.stream(prompt, **params)) as pieces:
+        for piece in pieces:
+            if piece.text:
+                out.write(piece.text)
+                out.flush()
+                last = piece.text
+    if last and not last.endswith("\n"):
+        out.write("\n")
+    out.flush()
+    return EXIT_OK
+
+
+# -- status -----------------------------------------------------------------------------------------------
+
+
+def _status(client: Client, as_json: bool, out: TextIO) -> int:
+    info = client.status()
+    if as_json:
+        print(json.dumps(info, indent=2, ensure_ascii=False, default=repr), file=out)
+    else:
+        print(f"hmad at {client.path}", file=out)
+        print("\n".join(format_status(info)), file=out)
+    return EXIT_OK
+
+
+def format_status(info: dict[str, Any], indent: int = 2, sizes: bool = False) -> list[str]:
+    """The status map as aligned ``label  value`` lines; nested maps indented under their key.
+
+    Whatever keys the daemon sends are shown; ``*_bytes`` keys (and every int under a ``memory`` or
+    ``heap`` key) print as sizes, ``*_per_s`` as rates and ``*_s`` as durations.
+    """
+    lines: list[str] = []
+    pad = " " * indent
+    width = max((len(_label(k)) for k in info), default=0)
+    for key, value in info.items():
+        inner = sizes or any(word in str(key).lower() for word in ("memory", "heap"))
+        if isinstance(value, dict) and value:
+            lines.append(f"{pad}{_label(key)}:")
+            lines += format_status(value, indent + 2, inner)
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            lines.append(f"{pad}{_label(key)}:")
+            for item in value:
+                sub = format_status(item, indent + 4, inner)
+                lines += [f"{pad}  - {sub[0].lstrip()}", *sub[1:]] if sub else [f"{pad}  -"]
+        else:
+            shown = format_value(str(key) + ("_bytes" if inner else ""), value)
+            lines.append(f"{pad}{_label(key):<{width}}  {shown}")
+    return lines
+
+
+def _label(key: Any) -> str:
+    """``uptime_s`` -> ``uptime``, ``tokens_per_s`` -> ``tokens/s``, ``used_bytes`` -> ``used``."""
+    k = str(key).replace("_per_s", "/s")
+    return k.removesuffix("_bytes").removesuffix("_s").replace("_", " ")
+
+
+def format_value(key: str, value: Any) -> str:
+    """One status value, formatted by what its key says it is."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, list):
+        return ", ".join(format_value("", v) for v in value) or "-"
+    if isinstance(value, dict):
+        return "{}"
+    if not isinstance(value, int | float):
+        return str(value)
+    if key.endswith("bytes") and isinstance(value, int):
+        return human_bytes(value)
+    if key.endswith("_per_s"):
+        unit = "tok/s" if "token" in key else "/s"
+        return f"{value:.1f} {unit}"
+    if key.endswith("_s"):
+        return human_seconds(value)
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def human_seconds(s: float) -> str:
+    if s < 60:
+        return f"{s:.3g} s"
+    s = int(s)
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    return (f"{d}d " if d else "") + f"{h}h {m:02d}m {s:02d}s"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,592 @@
+"""Talk to hmad: ``AsyncClient`` (asyncio), and ``Client``, its blocking wrapper.
+
+    async with AsyncClient() as c:                       with Client() as c:
+        r = await c.generate("Why is the sky blue?")          r = c.generate("Why is the sky blue?")
+        async for piece in c.stream("Tell a story"):          for piece in c.stream("Tell a story"):
+            print(piece.text, end="")                             print(piece.text, end="")
+
+One client owns one ZeroMQ DEALER socket (the wire format is in ``hmaclient.protocol``). A background task
+reads every reply and hands it to the queue of the request whose ``id`` it carries; ids are numbered by
+the client unless the caller gives one. Leaving a stream early (``break``, ``aclose()``/``close()``, an
+exception, a timeout) sends ``cancel`` for its request; so does ``close()`` for every request still
+running.
+
+Errors: ``RequestError`` (the daemon's ``error`` reply: ``.code``, ``.message``), ``HmadTimeout`` (a
+``TimeoutError``), ``DaemonUnreachable`` (a ``ConnectionError``: no socket file, or no answer to a ping
+within ``connect_timeout``), ``ConnectionLost`` (a ``DaemonUnreachable``: the daemon went away while a
+request ran). Bad parameters raise ``protocol.ProtocolError`` (a ``ValueError``) before anything is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from hmaclient import protocol as P
+
+log = logging.getLogger("hmaclient")
+
+T = TypeVar("T")
+_DEFAULT: Any = object()  # "use the client's default timeout"
+_LOST = object()  # queue sentinel: the connection to the daemon dropped
+_CLOSED = object()  # queue sentinel: the client was closed
+
+HEARTBEAT_IVL_MS = 2000  # ZMTP PING every 2 s ...
+HEARTBEAT_TIMEOUT_MS = 6000  # ... and the connection is dropped when nothing comes back for 6 s;
+HEARTBEAT_TTL_MS = 6000  # the daemon drops us when it hears nothing for 6 s.
+LINGER_MS = 1000  # on close: time to deliver the last cancels
+LOST_GRACE_S = 0.2  # after a disconnect, replies already received still get read before requests fail
+STATUS_TIMEOUT_S = 10.0  # default for status() and ping() when the client has no timeout
+
+
+class HmaError(Exception):
+    """Base class of the errors the client raises."""
+
+
+class RequestError(HmaError):
+    """The daemon answered ``error``: ``code`` is a protocol error code, ``message`` says why."""
+
+    def __init__(self, code: str, message: str, id: P.Id = None):
+        super().__init__(f"{code}: {message}")
+        self.code, self.message, self.id = code, message, id
+
+
+class RequestCancelled(RequestError):
+    """``generate()``'s request was cancelled (by ``cancel(id)`` or by the daemon)."""
+
+    def __init__(self, id: P.Id, generated_tokens: int):
+        super().__init__("cancelled", f"request {id!r} was cancelled after {generated_tokens} tokens", id)
+        self.generated_tokens = generated_tokens
+
+
+class HmadTimeout(HmaError, TimeoutError):
+    """No answer within the call's ``timeout``; a running generation has been cancelled."""
+
+
+class DaemonUnreachable(HmaError, ConnectionError):
+    """hmad is not running at the socket path (or does not answer)."""
+
+    def __init__(self, path: str, detail: str = ""):
+        self.path = path
+        super().__init__(
+            f"hmad is not running at {path}: start it with `systemctl start hmad` or `hmad --foreground`"
+            + (f" ({detail})" if detail else "")
+        )
+
+
+class ConnectionLost(DaemonUnreachable):
+    """The connection to hmad dropped while a request was running (daemon stopped or restarted)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        why = "the daemon stopped or restarted"
+        ConnectionError.__init__(self, f"lost the connection to hmad at {path} while the request ran ({why})")
+
+
+@dataclass
+class Piece:
+    """One streamed piece of an answer."""
+
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class Result:
+    """A finished generation. ``finish_reason``: "stop", "length", or (streams only) "cancelled"."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float = 0.0
+    tokens_per_s: float = 0.0
+    total_s: float = 0.0
+    id: P.Id = None
+    rid: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def timings(self) -> dict[str, float]:
+        return {"ttft_s": self.ttft_s, "tokens_per_s": self.tokens_per_s, "total_s": self.total_s}
+
+
+class _Pending:
+    """One request in flight: the replies the reader routed to it."""
+
+    __slots__ = ("id", "queue", "generation")
+
+    def __init__(self, id: P.Id, generation: bool):
+        self.id, self.generation = id, generation
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+
+
+class AsyncClient:
+    """An asyncio client of hmad. Use it from one event loop; ``close()`` it (or ``async with``).
+
+    ``timeout`` is the default per-call timeout in seconds (None: wait as long as it takes);
+    ``connect_timeout`` bounds the ping that checks the daemon is there before the first request.
+    """
+
+    def __init__(
+        self, socket_path: str | None = None, *, timeout: float | None = None, connect_timeout: float = 3.0
+    ):
+        self.path = socket_path or P.default_socket_path()
+        self._endpoint = P.endpoint(self.path)
+        self.timeout, self.connect_timeout = timeout, connect_timeout
+        self._ids = itertools.count(1)
+        self._pending: dict[P.Id, _Pending] = {}
+        self._sock: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reachable = False
+        self._closed = False
+        self._connect_lock: asyncio.Lock | None = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- public API ----------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        timeout: float | None = _DEFAULT,
+        id: P.Id = None,
+        **params: Any,
+    ) -> Result:
+        """Generate a whole answer (sent with stream=false). ``timeout`` bounds the whole call.
+
+        ``params``: raw, max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, repeat_last_n,
+        seed, stop (a str or a list of str). Raises RequestCancelled if the request is cancelled.
+        """
+        timeout = self.timeout if timeout is _DEFAULT else timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        stream = self._stream(prompt, messages, id, params, stream=False, deadline=deadline)
+        async with stream:
+            async for _ in stream:
+                pass
+        result = stream.result
+        assert result is not None
+        if result.finish_reason == "cancelled":
+            raise RequestCancelled(result.id, result.generated_tokens)
+        return result
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        timeout: float | None = _DEFAULT,
+        id: P.Id = None,
+        **params: Any,
+    ) -> AsyncStream:
+        """An async iterator of ``Piece``s, ending after the terminal reply (then ``.result`` is set).
+
+        Nothing is sent until the first ``__anext__``. ``timeout`` bounds each wait for the next reply.
+        Leaving early (``break``, ``aclose()``, ``async with`` exit) cancels the request.
+        """
+        timeout = self.timeout if timeout is _DEFAULT else timeout
+        return self._stream(prompt, messages, id, params, stream=True, timeout=timeout)
+
+    async def cancel(self, id: P.Id) -> None:
+        """Ask the daemon to cancel request ``id``; its stream or ``generate()`` then ends as cancelled."""
+        await self.connect()
+        await self._send(P.cancel_request(id))
+
+    async def status(self, timeout: float | None = _DEFAULT) -> dict[str, Any]:
+        """The daemon's status map (model, backend, memory, requests, ...)."""
+        reply = await self._call(P.status_request, P.Status, timeout)
+        return reply.info
+
+    async def ping(self, timeout: float | None = _DEFAULT) -> float:
+        """Round trip to the daemon; returns the daemon's wall clock (seconds since the epoch)."""
+        reply = await self._call(P.ping_request, P.Pong, timeout)
+        return reply.time
+
+    async def connect(self) -> None:
+        """Open the socket and check the daemon answers (once; again after a lost connection)."""
+        if self._closed:
+            raise RuntimeError("this hmaclient is closed")
+        if self._sock is None:
+            self._open()
+        if self._reachable:
+            return
+        async with self._connect_lock:
+            if self._reachable:
+                return
+            if not os.path.exists(self.path):
+                raise DaemonUnreachable(self.path, "no socket file there")
+            try:
+                await self._roundtrip(P.ping_request, P.Pong, self.connect_timeout)
+            except HmadTimeout:
+                detail = f"no answer to ping within {self.connect_timeout:g} s"
+                raise DaemonUnreachable(self.path, detail) from None
+            self._reachable = True
+
+    async def close(self) -> None:
+        """Cancel the generations still running, stop the reader and close the socket."""
+        if self._closed:
+            return
+        self._closed = True
+        for p in list(self._pending.values()):
+            if p.generation:
+                self._cancel_nowait(p.id)
+            p.queue.put_nowait(_CLOSED)
+        self._pending.clear()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._sock.close(linger=LINGER_MS)
+
+    # -- socket and reader -----------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._connect_lock = asyncio.Lock()
+        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TTL_MS)
+        sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_REPLY_BYTES)
+        sock.setsockopt(zmq.LINGER, LINGER_MS)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(self._endpoint)
+        self._sock = sock
+        self._tasks = [
+            asyncio.create_task(self._read_replies(), name="hmaclient-reader"),
+            asyncio.create_task(self._watch_connection(), name="hmaclient-monitor"),
+        ]
+
+    async def _read_replies(self) -> None:
+        """Route every reply to its request's queue; drop those of requests no one waits for."""
+        while True:
+            frames = await self._sock.recv_multipart()
+            if len(frames) != 1:
+                log.warning("dropped a reply of %d frames (the protocol sends one)", len(frames))
+                continue
+            try:
+                reply = P.parse_reply(frames[0])
+            except P.ProtocolError as e:
+                log.warning("dropped a malformed reply: %s", e)
+                continue
+            pending = self._pending.get(reply.id)
+            if pending is None:
+                log.debug("dropped a %s reply for id %r (not waited for)", type(reply).__name__, reply.id)
+            else:
+                pending.queue.put_nowait(reply)
+
+    async def _watch_connection(self) -> None:
+        """On a disconnect, fail the requests in flight (after replies already received are read)."""
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._reachable = False
+                stranded = list(self._pending.values())
+                self._loop.call_later(LOST_GRACE_S, self._fail_lost, stranded)
+
+    def _fail_lost(self, stranded: list[_Pending]) -> None:
+        for p in stranded:
+            if self._pending.get(p.id) is p:
+                p.queue.put_nowait(_LOST)
+
+    # -- requests ---------------------------------------------------------------------------------------
+
+    def _stream(
+        self, prompt: str | None, messages: Any, id: P.Id, params: dict[str, Any], **kw: Any
+    ) -> AsyncStream:
+        if isinstance(params.get("stop"), str):
+            params = {**params, "stop": [params["stop"]]}
+        rid = next(self._ids) if id is None else id
+        msg = P.generate_request(rid, prompt, messages, stream=kw.pop("stream"), **params)
+        return AsyncStream(self, msg, **kw)
+
+    def _register(self, id: P.Id, generation: bool) -> _Pending:
+        if id in self._pending:
+            raise ValueError(f"request id {id!r} is already in flight on this client")
+        p = self._pending[id] = _Pending(id, generation)
+        return p
+
+    def _unregister(self, p: _Pending) -> None:
+        if self._pending.get(p.id) is p:
+            del self._pending[p.id]
+
+    async def _send(self, msg: dict[str, Any]) -> None:
+        frame = P.pack(msg)
+        if len(frame) > P.MAX_FRAME_BYTES:
+            raise P.ProtocolError(P.TOO_LARGE, f"request of {len(frame)} bytes is over {P.MAX_FRAME_BYTES}")
+        await self._sock.send(frame)
+
+    def _cancel_nowait(self, id: P.Id) -> None:
+        """Send ``cancel`` without waiting (from cleanup code, even inside a cancelled task)."""
+        if self._sock is None or self._sock.closed:
+            return
+        try:
+            fut = self._sock.send(P.pack(P.cancel_request(id)), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.warning("could not send cancel for %r: %s", id, e)
+            return
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieve, never raise
+
+    async def _next_reply(self, p: _Pending, timeout: float | None) -> P.Reply:
+        try:
+            async with asyncio.timeout(timeout):
+                reply = await p.queue.get()
+        except TimeoutError:
+            raise HmadTimeout(f"no reply from hmad within {timeout:.3g} s (request {p.id!r})") from None
+        if reply is _LOST:
+            raise ConnectionLost(self.path)
+        if reply is _CLOSED:
+            raise RuntimeError("this hmaclient was closed while the request ran")
+        return reply
+
+    async def _call(self, build: Any, expect: type[T], timeout: float | None) -> T:
+        if timeout is _DEFAULT:
+            timeout = self.timeout if self.timeout is not None else STATUS_TIMEOUT_S
+        await self.connect()
+        return await self._roundtrip(build, expect, timeout)
+
+    async def _roundtrip(self, build: Any, expect: type[T], timeout: float | None) -> T:
+        """One request, one reply (status, ping)."""
+        p = self._register(next(self._ids), generation=False)
+        try:
+            await self._send(build(p.id))
+            reply = await self._next_reply(p, timeout)
+        finally:
+            self._unregister(p)
+        if isinstance(reply, P.Error):
+            raise RequestError(reply.code, reply.message, reply.id)
+        if not isinstance(reply, expect):
+            raise P.ProtocolError(P.BAD_REQUEST, f"expected a {expect.__name__} reply, got {reply!r:.200}")
+        return reply
+
+
+class AsyncStream:
+    """The pieces of one generation as they arrive; ``.result`` once the terminal reply has come.
+
+    Async iterator and async context manager; ``aclose()`` (also on context exit, or when the object is
+    dropped unfinished) cancels the request.
+    """
+
+    def __init__(
+        self,
+        client: AsyncClient,
+        msg: dict[str, Any],
+        timeout: float | None = None,
+        deadline: float | None = None,
+    ):
+        self._client, self._msg = client, msg
+        self.id: P.Id = msg["id"]
+        self.rid: int | None = None
+        self.result: Result | None = None
+        self._timeout, self._deadline = timeout, deadline
+        self._pending: _Pending | None = None
+        self._finished = False
+        self._text: list[str] = []
+        self._ids: list[int] = []
+
+    def __aiter__(self) -> AsyncStream:
+        return self
+
+    async def __aenter__(self) -> AsyncStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def __anext__(self) -> Piece:
+        if self._finished:
+            raise StopAsyncIteration
+        try:
+            if self._pending is None:
+                await self._start()
+            while True:
+                reply = await self._client._next_reply(self._pending, self._wait_time())
+                piece = self._take(reply)
+                if piece is not None:
+                    return piece
+                if self._finished:
+                    raise StopAsyncIteration
+        except BaseException:
+            self._abandon()
+            raise
+
+    async def aclose(self) -> None:
+        """Stop: cancel the request if it is still running (the daemon then answers ``cancelled``)."""
+        self._abandon()
+
+    def __del__(self) -> None:
+        if self._pending is not None and not self._finished:
+            client = self._client
+            with contextlib.suppress(RuntimeError):  # the loop is already closed: nothing to cancel through
+                client._loop.call_soon_threadsafe(self._abandon)
+
+    async def _start(self) -> None:
+        await self._client.connect()
+        self._pending = self._client._register(self.id, generation=True)
+        await self._client._send(self._msg)
+
+    def _wait_time(self) -> float | None:
+        if self._deadline is None:
+            return self._timeout
+        left = max(0.0, self._deadline - time.monotonic())
+        return left if self._timeout is None else min(left, self._timeout)
+
+    def _take(self, reply: P.Reply) -> Piece | None:
+        """Apply one reply; a Piece for a token, None otherwise (``_finished`` set on a terminal one)."""
+        if isinstance(reply, P.Accepted):
+            self.rid = reply.rid
+        elif isinstance(reply, P.Token):
+            self._text.append(reply.text)
+            self._ids += reply.token_ids
+            return Piece(reply.text, list(reply.token_ids))
+        elif isinstance(reply, P.Done):
+            self._finish(self._done_result(reply))
+        elif isinstance(reply, P.Cancelled):
+            self._finish(self._result("cancelled", generated_tokens=reply.generated_tokens))
+        elif isinstance(reply, P.Error):
+            self._finish(None)
+            raise RequestError(reply.code, reply.message, self.id)
+        else:
+            log.warning("ignored a %s reply to generation %r", type(reply).__name__, self.id)
+        return None
+
+    def _done_result(self, d: P.Done) -> Result:
+        return self._result(
+            d.finish_reason,
+            text=d.text,
+            token_ids=d.token_ids,
+            prompt_tokens=d.prompt_tokens,
+            generated_tokens=d.generated_tokens,
+            ttft_s=float(d.ttft_s),
+            tokens_per_s=float(d.tokens_per_s),
+            total_s=float(d.total_s),
+            extra=d.extra,
+        )
+
+    def _result(self, reason: str, text: str | None = None, token_ids: Any = None, **kw: Any) -> Result:
+        text = "".join(self._text) if text is None else text
+        ids = list(self._ids) if token_ids is None else list(token_ids)
+        return Result(text, ids, reason, id=self.id, rid=self.rid, **kw)
+
+    def _finish(self, result: Result | None) -> None:
+        self.result, self._finished = result, True
+        self._client._unregister(self._pending)
+
+    def _abandon(self) -> None:
+        """Leave the request: cancel it if it was sent and has not ended."""
+        if self._pending is not None and not self._finished:
+            self._finished = True
+            self._client._unregister(self._pending)
+            self._client._cancel_nowait(self.id)
+        self._finished = True
+
+
+class Client:
+    """The blocking client: an AsyncClient driven on a private event loop thread.
+
+    Calls may come from several threads (each runs as a task on the private loop), and from inside a
+    running event loop (e.g. Jupyter), where ``asyncio.run`` would fail.
+    Same methods as AsyncClient; ``stream()`` returns a plain iterator whose early ``break`` or
+    ``close()`` cancels the request. Ctrl-C during a call cancels that call's request.
+    """
+
+    def __init__(
+        self, socket_path: str | None = None, *, timeout: float | None = None, connect_timeout: float = 3.0
+    ):
+        self._async = AsyncClient(socket_path, timeout=timeout, connect_timeout=connect_timeout)
+        self.path = self._async.path
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="hmaclient-loop", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def generate(self, prompt: str | None = None, **kw: Any) -> Result:
+        return self._run(self._async.generate(prompt, **kw))
+
+    def stream(self, prompt: str | None = None, **kw: Any) -> Iterator[Piece]:
+        """A generator of Pieces; building the request (and any ProtocolError) happens at this call."""
+        astream = self._async.stream(prompt, **kw)
+        return self._iterate(astream)
+
+    def cancel(self, id: P.Id) -> None:
+        self._run(self._async.cancel(id))
+
+    def status(self, timeout: float | None = _DEFAULT) -> dict[str, Any]:
+        return self._run(self._async.status(timeout))
+
+    def ping(self, timeout: float | None = _DEFAULT) -> float:
+        return self._run(self._async.ping(timeout))
+
+    def connect(self) -> None:
+        self._run(self._async.connect())
+
+    def close(self) -> None:
+        """Cancel running generations, close the socket and stop the loop thread."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._run(self._async.close())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+
+    def _iterate(self, astream: AsyncStream) -> Iterator[Piece]:
+        try:
+            while True:
+                piece = self._run(_next_or_none(astream))
+                if piece is None:
+                    return
+                yield piece
+        finally:
+            if not self._closed:
+                self._run(astream.aclose())
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._closed and self._loop.is_closed():
+            coro.close()
+            raise RuntimeError("this hmaclient is closed")
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result()
+        except BaseException:
+            fut.cancel()  # KeyboardInterrupt and friends: the task's cleanup cancels its request
+            raise
+
+
+async def _next_or_none(astream: AsyncIterator[Piece]) -> Piece | None:
+    try:
+        return await astream.__anext__()
+    except StopAsyncIteration:
+        return None

@@ -1,0 +1,82 @@
+"""Start a real `hmad` process on a real ipc:// socket in a temp dir, for daemon and client tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import zmq
+
+from hmaclient import protocol as P
+
+
+class Daemon:
+    """A running hmad (``python -m hmad``) with its socket, log file and exit status."""
+
+    def __init__(self, model: str | Path, tmp: Path, *sets: str, backend: str = "cpu"):
+        self.socket = str(tmp / "run" / "hmad.sock")
+        self.log_path = tmp / "hmad.log"
+        cmd = [
+            sys.executable,
+            "-m",
+            "hmad",
+            "--model",
+            str(model),
+            "--backend",
+            backend,
+            "--socket",
+            self.socket,
+            "--log-level",
+            "info",
+        ]
+        for s in sets:
+            cmd += ["--set", s]
+        env = {**os.environ, "HMAD_CONFIG": str(tmp / "none.yaml")}
+        (tmp / "none.yaml").write_text("{}\n")
+        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout: float = 120.0) -> Daemon:
+        """Until the daemon answers a ping (raises with its log if it exits or takes too long)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"hmad exited with {self.proc.returncode}:\n{self.log_text()}")
+            if os.path.exists(self.socket) and self.ping(0.5):
+                return self
+            time.sleep(0.1)
+        raise TimeoutError(f"hmad not ready in {timeout} s:\n{self.log_text()}")
+
+    def ping(self, timeout: float = 2.0) -> bool:
+        with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as s:
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(P.endpoint(self.socket))
+            s.send(P.pack(P.ping_request("harness")))
+            if not s.poll(int(timeout * 1000)):
+                return False
+            return P.unpack(s.recv())["type"] == "pong"
+
+    def rss_kib(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise RuntimeError("no VmRSS")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self.log.close()
+        return code
+
+    def log_text(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()

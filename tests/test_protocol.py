@@ -1,0 +1,402 @@
+"""The wire protocol: every message round-trips; every malformed frame gets its error code, fast and small."""
+
+from __future__ import annotations
+
+import random
+import struct
+import time
+import tracemalloc
+
+import msgpack
+import pytest
+
+from hmaclient import protocol as P
+
+
+def raw(obj) -> bytes:
+    """Pack without pack()'s help (no v added), to build malformed messages."""
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+USER = {"role": "user", "content": "a"}
+
+
+def gen(**fields) -> dict:
+    return {"v": 1, "type": "generate", "id": "r1", "prompt": "hi", **fields}
+
+
+def refused(frame: bytes, code: str, id=None, match: str = "") -> P.ProtocolError:
+    """parse_request refuses ``frame`` with ``code`` (and ``id``), quickly and without big allocations."""
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(P.ProtocolError) as info:
+            P.parse_request(frame)
+    finally:
+        elapsed = time.perf_counter() - t0
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    e = info.value
+    assert e.code == code, e
+    assert e.id == id
+    assert match in e.message
+    assert elapsed < 0.5
+    assert peak < 4 * len(frame) + (1 << 20), f"peak {peak} bytes for a {len(frame)}-byte frame"
+    reply = P.parse_reply(P.pack(e.reply()))  # the daemon's answer is itself a valid reply
+    assert (reply.code, reply.id) == (code, id)
+    return e
+
+
+# -- round trips -------------------------------------------------------------------------------------------
+
+
+def test_generate_roundtrip_every_field():
+    msg = P.generate_request(
+        "abc",
+        "Why?",
+        raw=True,
+        stream=False,
+        max_tokens=10,
+        temperature=0.7,
+        top_k=40,
+        top_p=0.9,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        repeat_last_n=32,
+        seed=2**64 - 1,
+        stop=["\n\n", "END"],
+    )
+    req = P.parse_request(P.pack(msg))
+    assert req == P.GenerateRequest(
+        id="abc",
+        prompt="Why?",
+        raw=True,
+        stream=False,
+        max_tokens=10,
+        temperature=0.7,
+        top_k=40,
+        top_p=0.9,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        repeat_last_n=32,
+        seed=2**64 - 1,
+        stop=["\n\n", "END"],
+    )
+    assert req.sampling() == {
+        "max_tokens": 10,
+        "temperature": 0.7,
+        "top_k": 40,
+        "top_p": 0.9,
+        "min_p": 0.05,
+        "repetition_penalty": 1.1,
+        "repeat_last_n": 32,
+        "seed": 2**64 - 1,
+        "stop": ["\n\n", "END"],
+    }
+
+
+def test_generate_defaults_and_messages():
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Bye"},
+    ]
+    req = P.parse_request(P.pack(P.generate_request(7, messages=msgs)))
+    assert req.id == 7 and req.messages == msgs and req.prompt is None
+    assert (req.raw, req.stream, req.sampling()) == (False, True, {})
+    # Integers are accepted for float fields and come out as floats; nil means "default".
+    req = P.parse_request(raw(gen(temperature=1, top_p=1, seed=None, stop=None)))
+    assert req.temperature == 1.0 and isinstance(req.temperature, float) and req.seed is None
+    assert P.parse_request(raw({"v": 1, "type": "generate", "prompt": ""})).id is None
+
+
+@pytest.mark.parametrize(
+    "msg, cls",
+    [
+        (P.cancel_request("x"), P.CancelRequest("x")),
+        (P.cancel_request(-5), P.CancelRequest(-5)),
+        (P.status_request(3), P.StatusRequest(3)),
+        (P.status_request(), P.StatusRequest(None)),
+        (P.ping_request("p"), P.PingRequest("p")),
+        (P.ping_request(), P.PingRequest(None)),
+    ],
+)
+def test_small_requests_roundtrip(msg, cls):
+    assert P.parse_request(P.pack(msg)) == cls
+
+
+@pytest.mark.parametrize(
+    "msg, expected",
+    [
+        (P.accepted("a", 12), P.Accepted("a", 12)),
+        (P.token("a", "Hel", [1, 2]), P.Token("a", "Hel", [1, 2])),
+        (P.token(3, "", []), P.Token(3, "", [])),
+        (
+            P.done("a", "stop", 5, 3, 0.25, 10.0, 0.5),
+            P.Done("a", "stop", 5, 3, 0.25, 10.0, 0.5),
+        ),
+        (
+            P.done(2, "length", 5, 2, 0.1, 3, 1, text="ab", token_ids=[4, 5], seed=9),
+            P.Done(2, "length", 5, 2, 0.1, 3.0, 1.0, text="ab", token_ids=[4, 5], extra={"seed": 9}),
+        ),
+        (P.error("a", P.BUSY, "queue full"), P.Error("a", "busy", "queue full")),
+        (P.error(None, P.BAD_REQUEST, "?"), P.Error(None, "bad_request", "?")),
+        (P.cancelled("a", 4), P.Cancelled("a", 4)),
+        (P.status(1, {"model": "g", "memory": {"heaps": [{"used_bytes": 1}]}}), None),
+        (P.pong(None, 1.5), P.Pong(None, 1.5)),
+    ],
+)
+def test_replies_roundtrip(msg, expected):
+    reply = P.parse_reply(P.pack(msg))
+    if expected is None:
+        expected = P.Status(1, msg["status"])
+    assert reply == expected
+    assert msg["v"] == P.PROTOCOL_VERSION
+
+
+def test_replies_ignore_unknown_fields():
+    assert P.parse_reply(raw({**P.accepted(1, 2), "queue_position": 3})) == P.Accepted(1, 2)
+
+
+def test_pack_adds_version_and_refuses_non_messages():
+    assert P.unpack(P.pack({"type": "ping"})) == {"v": 1, "type": "ping"}
+    with pytest.raises(TypeError):
+        P.pack({"no": "type"})
+
+
+def test_error_builder_refuses_unknown_codes():
+    with pytest.raises(ValueError):
+        P.error(1, "oops", "x")
+    assert {P.BAD_REQUEST, P.INTERNAL, P.NOT_FOUND, P.PROMPT_TOO_LONG} <= P.ERROR_CODES
+
+
+@pytest.mark.parametrize(
+    "frame, kind",
+    [
+        (raw({"v": 1, "type": "done", "id": 1}), P.BAD_REQUEST),  # fields missing
+        (raw({"v": 1, "type": "token", "id": 1, "text": 3, "token_ids": []}), P.BAD_REQUEST),
+        (raw({"v": 1, "type": "accepted", "id": 1, "rid": True}), P.BAD_REQUEST),
+        (raw({"v": 1, "type": "surprise", "id": 1}), P.UNKNOWN_TYPE),
+        (raw({"v": 2, "type": "pong", "time": 1.0}), P.UNSUPPORTED_VERSION),
+    ],
+)
+def test_bad_replies(frame, kind):
+    with pytest.raises(P.ProtocolError) as info:
+        P.parse_reply(frame)
+    assert info.value.code == kind
+
+
+# -- malformed frames ------------------------------------------------------------------------------------
+
+
+def test_random_bytes():
+    rng = random.Random(1)
+    for _ in range(2000):
+        frame = rng.randbytes(rng.randrange(0, 64))
+        with pytest.raises(P.ProtocolError) as info:
+            P.parse_request(frame)
+        assert info.value.code in (P.BAD_REQUEST, P.TOO_LARGE, P.UNSUPPORTED_VERSION, P.UNKNOWN_TYPE)
+
+
+def test_empty_and_truncated():
+    refused(b"", P.BAD_REQUEST)
+    full = P.pack(P.generate_request("id", "some prompt", max_tokens=5))
+    for n in range(1, len(full)):
+        with pytest.raises(P.ProtocolError) as info:
+            P.parse_request(full[:n])
+        assert info.value.code == P.BAD_REQUEST
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"\xdd" + struct.pack(">I", 2**31),  # array32 of 2^31 items, no data
+        b"\xdf" + struct.pack(">I", 2**31),  # map32 of 2^31 pairs, no data
+        b"\xdb" + struct.pack(">I", 2**32 - 1),  # str32 of 4 GiB, no data
+        b"\xc6" + struct.pack(">I", 2**32 - 1),  # bin32 of 4 GiB
+        b"\x81\xa1k\xdd" + struct.pack(">I", 2**31),  # the same inside a map
+    ],
+)
+def test_huge_declared_lengths(frame):
+    refused(frame, P.BAD_REQUEST)  # the frame cannot hold what the header declares: truncated
+
+
+def test_counts_over_protocol_limits():
+    refused(raw({**gen(), **{f"k{i}": 0 for i in range(P.MAX_MAP_LEN + 1)}}), P.TOO_LARGE, match="map")
+    refused(raw({**gen(), "stop": [[0]] * 1_000_000}), P.TOO_LARGE, match="arrays and maps")  # stops early
+    with pytest.raises(P.ProtocolError, match="too_large: array"):  # replies may be big enough to try
+        P.parse_reply(raw({**P.token(1, "", []), "token_ids": [0] * (P.MAX_ARRAY_LEN + 1)}))
+
+
+def test_deep_nesting():
+    refused(b"\x91" * 1000 + b"\xc0", P.TOO_LARGE, match="nesting")
+    refused(b"\x91" * 100_000 + b"\xc0", P.TOO_LARGE)
+    deep = {"a": [[[[[[[[1]]]]]]]]}
+    refused(raw({**gen(), "stop": deep}), P.TOO_LARGE, match="nesting")
+    # Depth MAX_DEPTH itself is fine at the unpack level (the schema then refuses it).
+    ok = 1
+    for _ in range(P.MAX_DEPTH):
+        ok = [ok]
+    assert P.unpack(raw(ok)) == ok
+
+
+def test_ext_types():
+    refused(raw(msgpack.ExtType(5, b"abc")), P.BAD_REQUEST, match="ext")
+    refused(raw({**gen(), "prompt": msgpack.ExtType(1, b"")}), P.BAD_REQUEST, match="ext")
+    timestamp = b"\xd6\xff" + struct.pack(">I", 5)  # ext -1: msgpack decodes it without ext_hook
+    refused(raw({"v": 1, "type": "ping"})[:-5] + b"\xa4type" + timestamp, P.BAD_REQUEST)
+    refused(b"\x81\xa1t" + timestamp, P.BAD_REQUEST)
+
+
+def test_non_str_map_keys():
+    refused(raw({1: 2}), P.BAD_REQUEST)
+    refused(raw({b"v": 1}), P.BAD_REQUEST, match="keys")
+    refused(raw({**gen(), "messages": None, "prompt": {b"x": 1}}), P.BAD_REQUEST)
+
+
+def test_two_objects_in_one_frame():
+    refused(P.pack(P.ping_request(1)) + P.pack(P.ping_request(2)), P.BAD_REQUEST, match="trailing")
+    refused(P.pack(P.ping_request(1)) + b"\x00", P.BAD_REQUEST, match="trailing")
+
+
+def test_oversized_frame():
+    big = P.pack(gen(prompt="x" * (P.MAX_FRAME_BYTES + 1)))
+    refused(big, P.TOO_LARGE, match="frame")  # refused before unpacking: no id known
+    assert P.parse_reply(P.pack(P.token(1, "x" * P.MAX_FRAME_BYTES, []))).text  # replies may be bigger
+
+
+def test_not_a_map():
+    for obj in (None, 1, "generate", [1, 2], 1.5, True):
+        refused(raw(obj), P.BAD_REQUEST, match="map")
+
+
+def test_version():
+    refused(raw({"type": "ping", "id": 4}), P.BAD_REQUEST, id=4, match="'v'")
+    refused(raw({"v": "1", "type": "ping"}), P.BAD_REQUEST, match="'v'")
+    refused(raw({"v": True, "type": "ping"}), P.BAD_REQUEST)
+    e = refused(raw(gen(v=2)), P.UNSUPPORTED_VERSION, id="r1")
+    assert "2" in e.message and "1" in e.message
+    refused(raw(gen(v=0)), P.UNSUPPORTED_VERSION, id="r1")
+
+
+def test_type():
+    refused(raw({"v": 1, "id": 1}), P.BAD_REQUEST, id=1, match="'type'")
+    refused(raw({"v": 1, "type": 5}), P.BAD_REQUEST)
+    refused(raw({"v": 1, "type": "explode", "id": "z"}), P.UNKNOWN_TYPE, id="z", match="explode")
+    refused(raw({"v": 1, "type": "done", "id": "z"}), P.UNKNOWN_TYPE, id="z")  # a reply is no request
+
+
+def test_unknown_fields_named():
+    refused(raw(gen(temprature=0.5)), P.BAD_REQUEST, id="r1", match="temprature")
+    refused(raw({"v": 1, "type": "ping", "extra": 1}), P.BAD_REQUEST, match="extra")
+    refused(raw({"v": 1, "type": "cancel", "id": 1, "prompt": "x"}), P.BAD_REQUEST, id=1, match="prompt")
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -0.1),
+        ("temperature", 100.5),
+        ("temperature", float("nan")),
+        ("temperature", float("inf")),
+        ("temperature", "hot"),
+        ("temperature", True),
+        ("top_k", -1),
+        ("top_k", 1.5),
+        ("top_p", 0),
+        ("top_p", 1.01),
+        ("min_p", -0.01),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0),
+        ("repetition_penalty", -1.0),
+        ("max_tokens", 0),
+        ("max_tokens", 1_000_001),
+        ("max_tokens", 10.0),
+        ("max_tokens", False),
+        ("seed", -1),
+        ("seed", 1.0),
+        ("seed", "7"),
+        ("repeat_last_n", -1),
+        ("raw", 1),
+        ("stream", "no"),
+        ("stop", "END"),
+        ("stop", ["ok", 3]),
+        ("stop", [""]),
+        ("stop", ["x" * (P.MAX_STOP_CHARS + 1)]),
+        ("stop", ["s"] * (P.MAX_STOP_STRINGS + 1)),
+    ],
+)
+def test_out_of_range_or_wrong_type(field, value):
+    e = refused(raw(gen(**{field: value})), P.BAD_REQUEST, id="r1")
+    assert field in e.message
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"prompt": None}, "exactly one"),
+        ({"messages": [{"role": "user", "content": "x"}]}, "exactly one"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": None, "messages": []}, "messages"),
+        ({"prompt": None, "messages": "hi"}, "messages"),
+        ({"prompt": None, "messages": [{"role": "user"}]}, "messages[0]"),
+        ({"prompt": None, "messages": [{"role": "user", "content": "a", "name": "b"}]}, "messages[0]"),
+        ({"prompt": None, "messages": [{"role": "robot", "content": "a"}]}, "role"),
+        ({"prompt": None, "messages": [{"role": ["user"], "content": "a"}]}, "role"),
+        ({"prompt": None, "messages": [{"role": "user", "content": 1}]}, "content"),
+        (
+            {
+                "prompt": None,
+                "messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}],
+            },
+            "system",
+        ),
+        ({"prompt": None, "messages": [{"role": "user", "content": "a"}], "raw": True}, "raw"),
+    ],
+)
+def test_prompt_and_messages_schema(fields, match):
+    msg = {k: v for k, v in gen(**fields).items() if v is not None}
+    e = refused(raw(msg), P.BAD_REQUEST, id="r1")
+    assert match in e.message
+
+
+def test_prompt_limits():
+    refused(raw(gen(prompt="x" * (P.MAX_PROMPT_CHARS + 1))), P.TOO_LARGE, id="r1", match="prompt")
+    assert P.parse_request(raw(gen(prompt="x" * P.MAX_PROMPT_CHARS))).prompt
+    half = {"role": "user", "content": "x" * (P.MAX_PROMPT_CHARS // 2 + 1)}
+    refused(raw(gen(prompt=None, messages=[half, half])), P.TOO_LARGE, id="r1")
+    many = [{"role": "user", "content": ""}] * (P.MAX_MESSAGES + 1)
+    refused(raw({**gen(), "prompt": None, "messages": many}), P.TOO_LARGE, id="r1")
+
+
+def test_ids():
+    assert P.parse_request(raw(gen(id="x" * P.MAX_ID_CHARS))).id == "x" * P.MAX_ID_CHARS
+    assert P.parse_request(raw(gen(id=2**64 - 1))).id == 2**64 - 1
+    assert P.parse_request(raw(gen(id=-(2**63)))).id == -(2**63)
+    for bad in ("x" * (P.MAX_ID_CHARS + 1), "", 1.5, True, [1], {"a": 1}):
+        refused(raw(gen(id=bad)), P.BAD_REQUEST, id=None, match="id")
+    refused(raw({"v": 1, "type": "cancel"}), P.BAD_REQUEST, match="id")
+    # A valid id rides along on errors found later in the request.
+    refused(raw(gen(id=42, top_k=-1)), P.BAD_REQUEST, id=42)
+
+
+def test_generate_request_validates_on_the_client_side():
+    with pytest.raises(P.ProtocolError) as info:
+        P.generate_request(1, "hi", temperature=-1)
+    assert isinstance(info.value, ValueError) and info.value.code == P.BAD_REQUEST
+
+
+def test_socket_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("HMAD_SOCKET", "/x/y.sock")
+    assert P.default_socket_path() == "/x/y.sock"
+    monkeypatch.delenv("HMAD_SOCKET")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setattr(P.os.path, "isdir", lambda p: False)
+    assert P.default_socket_path() == str(tmp_path / "hmad" / "hmad.sock")
+    monkeypatch.setattr(P.os.path, "isdir", lambda p: p == "/run/hmad")
+    monkeypatch.setattr(P.os, "access", lambda p, mode: True)
+    assert P.default_socket_path() == "/run/hmad/hmad.sock"
+    assert P.endpoint("/run/hmad/hmad.sock") == "ipc:///run/hmad/hmad.sock"
+    with pytest.raises(ValueError, match="107"):
+        P.endpoint("/" + "x" * 200)
