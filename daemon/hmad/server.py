@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import queue
 import time
 from dataclasses import dataclass, field
 
@@ -88,6 +89,7 @@ class Server:
         self.drain_deadline = 0.0
         self.started = time.time()
         self.counters = collections.Counter()
+        self.forward_s, self.events_forwarded = 0.0, 0  # time the loop spends per reply (pack + send)
 
     # -- engine side -----------------------------------------------------------------------------------
     def wake(self) -> None:
@@ -210,6 +212,8 @@ class Server:
             "queued": snap.get("queued", 0),
             "in_flight": len(self.routes),
             "recent_batch_sizes": snap.get("recent_batch_sizes", []),
+            "step_ms": snap.get("step_ms", 0.0),
+            "server_us_per_reply": round(1e6 * self.forward_s / max(1, self.events_forwarded), 2),
             "tokens_per_s": snap.get("tokens_per_s", 0.0),
             "tokens_generated": snap.get("tokens_generated", 0),
             "kv": snap.get("kv", {}),
@@ -223,10 +227,13 @@ class Server:
         while True:
             try:
                 batch = self.engine.events.get_nowait()
-            except Exception:  # queue.Empty
+            except queue.Empty:
                 return
+            t0 = time.perf_counter()
             for ev in batch:
                 self._forward(ev)
+            self.forward_s += time.perf_counter() - t0
+            self.events_forwarded += len(batch)
 
     def _forward(self, ev: Event) -> None:
         route = self.routes.get(ev.request_id)

@@ -1,7 +1,8 @@
 """The numpy reference backend: every op eager, in float32, written for clarity first.
 
-``numerics="ggml"`` (the default) rounds where llama.cpp's CPU backend rounds (activation quantization
-before quantized matmuls, float16 GELU table, float32 RoPE angles: see ggml_numerics.py), so greedy output
+``numerics="ggml"`` (the default) rounds where llama.cpp's CPU backend rounds (RMS norm with a double
+accumulator, activation quantization before quantized matmuls, float16 GELU table, float32 RoPE angles and
+fma rotation, Q scaled before QK^T, softmax summed in double: see ggml_numerics.py), so greedy output
 follows llama.cpp; ``numerics="f32"`` computes everything in plain float32 (used against transformers).
 
 Quantized weights are dequantized to float32 once and kept while they fit ``weight_cache_bytes``; a
@@ -92,15 +93,23 @@ class CpuBackend(Backend):
     def describe(self) -> dict:
         kv = sum(a.nbytes + b.nbytes for a, b in self.pools.values())
         mapped = sum(w.tensor.nbytes for w in self.loaded.values())
-        return {"backend": self.name, "device": self.device,
-                "memory": {"host RAM: float32 weights": self.cached_bytes, "host RAM: KV cache": kv,
-                           "page cache: mapped model file": mapped}}
+        return {
+            "backend": self.name,
+            "device": self.device,
+            "memory": {
+                "host RAM: float32 weights": self.cached_bytes,
+                "host RAM: KV cache": kv,
+                "page cache: mapped model file": mapped,
+            },
+        }
 
     # -- ops ---------------------------------------------------------------------------------------------
     def embed(self, table: CpuWeight, tokens, scale: float):
         return table.rows(np.asarray(tokens)) * np.float32(scale)
 
     def rms_norm(self, x, w: CpuWeight, eps: float):
+        if self.ggml:
+            return ggml.rms_norm(x, w.f32, eps)
         ms = np.mean(np.square(x), axis=-1, keepdims=True)
         return (x / np.sqrt(ms + np.float32(eps))) * w.f32
 
@@ -115,12 +124,11 @@ class CpuBackend(Backend):
         return out
 
     def rope(self, x, positions, base: float, scale: float):
-        half = x.shape[-1] // 2
         if self.ggml:
-            ang = ggml.rope_angles(positions, x.shape[-1], base, scale)  # (T, Dh/2)
-        else:
-            inv = base ** (-np.arange(0, half, dtype=np.float64) * 2.0 / x.shape[-1])
-            ang = (np.asarray(positions, np.float64)[:, None] / scale) * inv[None, :]
+            return ggml.rope_neox(x, positions, base, scale)
+        half = x.shape[-1] // 2
+        inv = base ** (-np.arange(0, half, dtype=np.float64) * 2.0 / x.shape[-1])
+        ang = (np.asarray(positions, np.float64)[:, None] / scale) * inv[None, :]
         cos = np.cos(ang).astype(np.float32)[:, None, :]
         sin = np.sin(ang).astype(np.float32)[:, None, :]
         x1, x2 = x[..., :half], x[..., half:]
@@ -138,7 +146,7 @@ class CpuBackend(Backend):
             lo = 0 if window is None else max(0, s.pos0 - window + 1)
             kpos = np.arange(lo, s.end_pos)
             ks = _slots(table, kpos, batch.block_size)
-            out[rows] = _attend(q[rows], kc[ks], vc[ks], s.pos0, kpos, window, scale)
+            out[rows] = _attend(q[rows], kc[ks], vc[ks], s.pos0, kpos, window, scale, self.ggml)
         return out
 
     def geglu(self, gate, up):
@@ -166,23 +174,32 @@ def _slots(table: np.ndarray, pos: np.ndarray, block_size: int) -> np.ndarray:
     return table[(pos // block_size) % len(table)] * block_size + pos % block_size
 
 
-def _attend(q, keys, vals, pos0: int, kpos, window: int | None, scale: float):
+def _attend(q, keys, vals, pos0: int, kpos, window: int | None, scale: float, ggml_order: bool = False):
     """Causal (optionally windowed) GQA attention of one sequence.
 
     q (n, H, Dh) at positions pos0..pos0+n-1; keys/vals (L, Hkv, Dh) at positions kpos -> (n, H*Dh).
+    ``ggml_order``: llama.cpp's gemma3 graph scales Q (ggml_scale after RoPE) and runs soft_max_ext with
+    scale 1, rather than scaling the scores; the softmax is ggml's (ggml_numerics.softmax_rows).
     """
     n, h, dh = q.shape
     hkv = keys.shape[1]
+    if ggml_order:
+        q = q * np.float32(scale)
     qg = q.reshape(n, hkv, h // hkv, dh).transpose(1, 2, 0, 3)  # (Hkv, G, n, Dh)
     kt = keys.astype(np.float32).transpose(1, 2, 0)[:, None]  # (Hkv, 1, Dh, L)
-    scores = (qg @ kt) * np.float32(scale)  # (Hkv, G, n, L)
+    scores = qg @ kt  # (Hkv, G, n, L)
+    if not ggml_order:
+        scores *= np.float32(scale)
     qpos = np.arange(pos0, pos0 + n)[:, None]
     masked = kpos[None, :] > qpos
     if window is not None:
         masked |= qpos - kpos[None, :] >= window
     scores = np.where(masked, -np.inf, scores)
-    scores -= scores.max(axis=-1, keepdims=True)
-    p = np.exp(scores)
-    p /= p.sum(axis=-1, keepdims=True)
+    if ggml_order:
+        p = ggml.softmax_rows(scores)
+    else:
+        scores -= scores.max(axis=-1, keepdims=True)
+        p = np.exp(scores)
+        p /= p.sum(axis=-1, keepdims=True)
     out = p @ vals.astype(np.float32).transpose(1, 0, 2)[:, None]  # (Hkv, G, n, Dh)
     return out.transpose(2, 0, 1, 3).reshape(n, h * dh)

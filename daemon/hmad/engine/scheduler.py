@@ -61,6 +61,7 @@ class Scheduler:
         self._cancelled: set[int] = set()
         self.eot = set(model.tokenizer.eot_ids)
         self.recent_batches: collections.deque[int] = collections.deque(maxlen=32)
+        self.recent_step_s: collections.deque[float] = collections.deque(maxlen=32)
         self.steps = 0
         self.tokens_out = 0
 
@@ -97,10 +98,12 @@ class Scheduler:
         self._admit()
         parts = self._plan()
         if parts:
+            t0 = time.perf_counter()
             batch = StepBatch.build([(s, toks, want) for _, s, toks, want in parts], self.layout.block_size)
             logits = self.model.forward(batch)  # (S_out, V)
             events += self._sample([r for r, _, _, want in parts if want], logits)
             self.recent_batches.append(len(parts))
+            self.recent_step_s.append(time.perf_counter() - t0)
             self.steps += 1
         self._release_finished()
         return events
@@ -188,6 +191,7 @@ class Scheduler:
             "running": len(self.running),
             "queued": len(self.waiting),
             "recent_batch_sizes": list(self.recent_batches),
+            "step_ms": round(1e3 * sum(self.recent_step_s) / max(1, len(self.recent_step_s)), 3),
             "steps": self.steps,
             "kv": self.kv.usage(),
         }
