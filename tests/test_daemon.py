@@ -247,3 +247,48 @@ def test_request_errors_reach_the_client(daemon):
     with Client(daemon.socket, timeout=10) as c, pytest.raises(RequestError) as e:
         c.generate("x" * 5000, max_tokens=10, raw=True)
     assert e.value.code in (P.BAD_REQUEST, P.PROMPT_TOO_LONG)
+
+
+def test_sd_notify_sequence(tiny_path, tmp_path):
+    """STATUS/EXTEND_TIMEOUT while loading, READY=1 once serving, WATCHDOG=1 while the engine runs,
+    STOPPING=1 on SIGTERM — read from a real AF_UNIX datagram socket standing where systemd's would."""
+    import socket as so
+
+    notify_path = str(tmp_path / "notify.sock")
+    listener = so.socket(so.AF_UNIX, so.SOCK_DGRAM)
+    listener.bind(notify_path)
+    listener.settimeout(30)
+    os.environ["NOTIFY_SOCKET"], os.environ["WATCHDOG_USEC"] = notify_path, "400000"
+    try:
+        d = Daemon(tiny_path, tmp_path)
+    finally:
+        del os.environ["NOTIFY_SOCKET"], os.environ["WATCHDOG_USEC"]
+    lines: list[str] = []
+
+    def until(prefix: str) -> None:
+        while not any(x.startswith(prefix) for x in lines):
+            lines.extend(listener.recv(4096).decode().split("\n"))
+
+    until("READY=1")
+    before_ready = lines[: lines.index("READY=1")]
+    assert any(x.startswith("STATUS=loading") for x in before_ready), lines
+    assert any(x.startswith("EXTEND_TIMEOUT_USEC=") for x in before_ready), lines
+    until("WATCHDOG=1")
+    d.proc.send_signal(signal.SIGTERM)
+    until("STOPPING=1")
+    assert d.proc.wait(30) == 0, d.log_text()
+    listener.close()
+
+
+def test_slow_reader_does_not_stall_others(daemon):
+    """A client that never reads its stream: its replies queue in its own outbox while others are served."""
+    with zmq.Context() as ctx:
+        slow = raw_socket(ctx, daemon.socket)
+        slow.setsockopt(zmq.RCVHWM, 1)
+        slow.send(P.pack(P.generate_request("slow", prompt="the cat", max_tokens=3000, temperature=0)))
+        time.sleep(0.5)
+        with Client(daemon.socket, timeout=30) as c:
+            for _ in range(3):
+                assert c.generate("the dog", max_tokens=20, temperature=0, raw=True).generated_tokens >= 1
+            st = c.status()
+        assert st["in_flight"] >= 1  # the slow one is still going (or its replies are still queued)
