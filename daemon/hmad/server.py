@@ -309,6 +309,10 @@ class Server:
             self.drain_deadline = time.monotonic() + grace_s
 
     def _drained(self) -> bool:
+        if self.engine.failed:  # nothing will answer what the engine had not taken yet: answer it here
+            for rid in list(self.routes):
+                route = self.routes[rid]
+                self._end(rid, P.error(route.client_id, P.INTERNAL, "engine failure; see the daemon log"))
         if self.routes and time.monotonic() >= self.drain_deadline:
             for rid in list(self.routes):
                 self.engine.cancel(rid)

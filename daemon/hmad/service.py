@@ -63,6 +63,7 @@ class Service:
         self.stop_signal: int | None = None
         self.loading = threading.Event()
         self.stopping = False
+        self.exit_code = 0
 
     def run(self) -> int:
         lock = self._lock()
@@ -149,8 +150,8 @@ class Service:
             ctx.term()
             if os.path.exists(self.path):
                 os.unlink(self.path)
-        log.info("stopped cleanly")
-        return 0
+        log.info("stopped cleanly" if self.exit_code == 0 else "stopped after an engine failure")
+        return self.exit_code
 
     def _socket_permissions(self) -> None:
         os.chmod(self.path, self.cfg.socket.mode)
@@ -168,7 +169,11 @@ class Service:
         signal.signal(signal.SIGINT, on_signal)
 
     def _tick(self, server: Server) -> bool:
-        """Called by the server loop: start the drain once a stop signal arrived."""
+        """Called by the server loop: start the drain once a stop signal arrived or the engine failed."""
+        if server.engine.failed and not self.stopping:
+            self.stopping, self.exit_code = True, 1
+            self.notify("STOPPING=1", "STATUS=engine failure")
+            server.begin_drain(0.0)
         if self.stop_signal is not None and not self.stopping:
             self.stopping = True
             log.info(

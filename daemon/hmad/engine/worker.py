@@ -32,6 +32,7 @@ class EngineThread:
         self.events: queue.SimpleQueue[list[Event]] = queue.SimpleQueue()
         self.last_progress = time.monotonic()
         self.snapshot: dict = scheduler.status()
+        self.failed = False  # set when a step raised: the service then stops (exit 1) so systemd restarts it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hmad-engine", daemon=True)
         self._tok_window: list[tuple[float, int]] = []
@@ -61,8 +62,8 @@ class EngineThread:
                 self._update_snapshot()
         except Exception:  # the engine must never die silently: fail every request, then stop
             log.exception("engine step failed")
+            self.failed = True
             self._fail_all("internal", "engine failure; see the daemon log")
-            raise
 
     def _drain_commands(self, block: bool) -> None:
         events: list[Event] = []
