@@ -127,10 +127,11 @@ class Result:
 class _Pending:
     """One request in flight: the replies the reader routed to it."""
 
-    __slots__ = ("id", "queue", "generation")
+    __slots__ = ("id", "queue", "generation", "abandoned")
 
     def __init__(self, id: P.Id, generation: bool):
         self.id, self.generation = id, generation
+        self.abandoned = False  # left before its terminal reply: the id stays taken until that reply
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
 
 
@@ -249,7 +250,7 @@ class AsyncClient:
             return
         self._closed = True
         for p in list(self._pending.values()):
-            if p.generation:
+            if p.generation and not p.abandoned:  # abandoned ones were cancelled already
                 self._cancel_nowait(p.id)
             p.queue.put_nowait(_CLOSED)
         self._pending.clear()
@@ -296,6 +297,9 @@ class AsyncClient:
             pending = self._pending.get(reply.id)
             if pending is None:
                 log.debug("dropped a %s reply for id %r (not waited for)", type(reply).__name__, reply.id)
+            elif pending.abandoned:  # a left stream: drop its replies; its id is free after the last one
+                if isinstance(reply, P.Done | P.Error | P.Cancelled):
+                    del self._pending[reply.id]
             else:
                 pending.queue.put_nowait(reply)
 
@@ -311,7 +315,10 @@ class AsyncClient:
     def _fail_lost(self, stranded: list[_Pending]) -> None:
         for p in stranded:
             if self._pending.get(p.id) is p:
-                p.queue.put_nowait(_LOST)
+                if p.abandoned:
+                    del self._pending[p.id]
+                else:
+                    p.queue.put_nowait(_LOST)
 
     # -- requests ---------------------------------------------------------------------------------------
 
@@ -326,7 +333,8 @@ class AsyncClient:
 
     def _register(self, id: P.Id, generation: bool) -> _Pending:
         if id in self._pending:
-            raise ValueError(f"request id {id!r} is already in flight on this client")
+            state = "still being cancelled" if self._pending[id].abandoned else "already in flight"
+            raise ValueError(f"request id {id!r} is {state} on this client")
         p = self._pending[id] = _Pending(id, generation)
         return p
 
@@ -500,7 +508,7 @@ class AsyncStream:
         """Leave the request: cancel it if it was sent and has not ended."""
         if self._pending is not None and not self._finished:
             self._finished = True
-            self._client._unregister(self._pending)
+            self._pending.abandoned = True  # the reader drops its replies and frees the id after the last
             self._client._cancel_nowait(self.id)
         self._finished = True
 

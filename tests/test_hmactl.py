@@ -1,0 +1,210 @@
+"""hmactl: usage errors (2), hmad unreachable (3), and query/status/ping against a real ``hmad`` process
+on a tiny random GGUF (daemon_harness.py, tiny_gguf.py), including Ctrl-C cancelling a running query (130).
+
+The tiny model repeats a raw prompt's last token ("x b" -> " b b b ..."); ``--max-tokens 100000`` makes a
+query that runs for seconds.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+from daemon_harness import Daemon
+from tiny_gguf import MIXED, make_tiny_gguf
+
+from hmaclient import Client, cli
+
+
+@pytest.fixture
+def sock_path():
+    d = tempfile.mkdtemp(prefix="hma")
+    yield os.path.join(d, "hmad.sock")
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return make_tiny_gguf(tmp_path_factory.mktemp("model") / "tiny.gguf", seed=5, types=MIXED)
+
+
+@pytest.fixture(scope="module")
+def shared_daemon(tiny_path, tmp_path_factory):
+    d = Daemon(tiny_path, tmp_path_factory.mktemp("hmad"), "engine.max_seqs=8").wait_ready()
+    yield d
+    assert d.stop() == 0, d.log_text()
+
+
+@pytest.fixture
+def hmad(shared_daemon):
+    """The module's daemon; after the test nothing of it may still run (queries ended or were cancelled)."""
+    yield shared_daemon
+    assert shared_daemon.proc.poll() is None, shared_daemon.log_text()
+    wait_idle(shared_daemon.socket)
+
+
+def wait_idle(path: str, timeout: float = 5.0) -> None:
+    with Client(path) as c:
+        _wait(lambda: _load(c) == (0, 0, 0), timeout)
+
+
+def _load(c: Client) -> tuple[int, int, int]:
+    st = c.status()
+    return st["running"], st["queued"], st["in_flight"]
+
+
+def _wait(cond, timeout=5.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not met in time"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["frobnicate"],
+        ["query"],
+        ["query", "--temperature", "hot", "hi"],
+        ["query", "--max-tokens", "1.5", "hi"],
+        ["status", "--verbose"],
+        ["--timeout", "soon", "status"],
+    ],
+)
+def test_usage_errors_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    assert "usage: hmactl" in capsys.readouterr().err
+
+
+def test_out_of_range_values_exit_2_before_connecting(sock_path, capsys):
+    assert cli.main(["--socket", sock_path, "query", "--temperature", "-1", "hi"]) == 2
+    assert "temperature" in capsys.readouterr().err
+    assert cli.main(["--socket", sock_path, "query", "--top-p", "0", "--json", "hi"]) == 2
+    assert cli.main(["--socket", "/tmp/" + "x" * 200, "status"]) == 2
+
+
+@pytest.mark.parametrize("argv", [["status"], ["status", "--json"], ["ping"], ["query", "hi"]])
+def test_unreachable_exit_3(argv, sock_path, capsys):
+    assert cli.main(["--socket", sock_path, *argv]) == 3
+    err = capsys.readouterr().err
+    assert f"hmad is not running at {sock_path}" in err and "systemctl start hmad" in err
+
+
+def test_unreachable_via_env_and_console_script(sock_path):
+    env = {**os.environ, "HMAD_SOCKET": sock_path}
+    hmactl = shutil.which("hmactl")
+    cmd = [hmactl] if hmactl else [sys.executable, "-m", "hmaclient.cli"]
+    p = subprocess.run([*cmd, "status"], env=env, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 3, p.stderr
+    assert sock_path in p.stderr
+
+
+# Dropped from the fake-daemon version: asserting on the request exactly as the server decoded it (raw,
+# stream, seed, max_tokens, stop). The real daemon does not expose it; the options are checked by their
+# effect on the answer instead (the streamed text, its length, where --stop cuts it, prompt_tokens).
+
+
+def test_query_streams(hmad, capsys):
+    q = ["--socket", hmad.socket, "query"]
+    assert cli.main([*q, "--raw", "--max-tokens", "4", "--stop", "X", "x b"]) == 0
+    assert capsys.readouterr().out == " b b b b\n"  # the newline hmactl adds after an answer without one
+    assert cli.main([*q, "--raw", "--max-tokens", "9", "--stop", "b b", "x b"]) == 0
+    assert capsys.readouterr().out == " \n"  # cut before the stop string
+    assert cli.main([*q, "--max-tokens", "3", "--temperature", "0", "x b"]) == 0
+    assert capsys.readouterr().out == "\n\n\n"  # chat template: the answer repeats its final newline
+
+
+def test_query_stdin_raw_json(hmad, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("from stdin"))
+    argv = ["--socket", hmad.socket, "query", "--raw", "--json", "--seed", "3", "--temperature", "0"]
+    assert cli.main([*argv, "--max-tokens", "4", "-"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    with Client(hmad.socket) as c:
+        r = c.generate("from stdin", raw=True, max_tokens=4, temperature=0)
+        templated = c.generate("from stdin", max_tokens=1).prompt_tokens
+    assert (obj["text"], obj["token_ids"], obj["prompt_tokens"]) == (r.text, r.token_ids, r.prompt_tokens)
+    assert obj["prompt_tokens"] < templated  # --raw reached the daemon
+    assert (obj["finish_reason"], obj["generated_tokens"], len(obj["token_ids"])) == ("length", 4, 4)
+    assert set(obj["timings"]) == {"ttft_s", "tokens_per_s", "total_s"}
+
+
+def test_query_error_exit_1(hmad, capsys):
+    assert cli.main(["--socket", hmad.socket, "query", "--raw", "x " * 5000]) == 1
+    assert "prompt_too_long" in capsys.readouterr().err
+    t0 = time.monotonic()
+    argv = ["--socket", hmad.socket, "--timeout", "0.3", "query", "--json", "--max-tokens", "100000", "x a"]
+    assert cli.main(argv) == 1
+    assert time.monotonic() - t0 < 5
+    assert "error: no reply from hmad within" in capsys.readouterr().err
+    # (the hmad fixture then checks the timed-out generation was cancelled)
+
+
+def test_status(hmad, tiny_path, capsys):
+    assert cli.main(["--socket", hmad.socket, "status"]) == 0
+    out = capsys.readouterr().out
+    assert f"hmad at {hmad.socket}" in out
+    assert str(tiny_path) in out and "tiny-gemma3-seed5" in out and "MiB" in out  # memory as sizes
+    assert cli.main(["--socket", hmad.socket, "status", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    with Client(hmad.socket) as c:
+        assert set(info) == set(c.status())
+    assert info["model"] == str(tiny_path) and info["context_length"] == 4096
+    assert info["memory"] and all(isinstance(v, int) for v in info["memory"].values())
+    assert cli.main(["--socket", hmad.socket, "ping"]) == 0
+    assert capsys.readouterr().out == f"hmad is running at {hmad.socket}\n"
+
+
+def test_format_status_shows_every_key():
+    info = {
+        "model": "gemma-3-4b",
+        "uptime_s": 3725.2,
+        "tokens_per_s": 41.26,
+        "memory": {"heaps": [{"name": "vram", "used_bytes": 1536}, {"name": "gtt", "used_bytes": 0}]},
+        "batch_sizes": [1, 4, 4],
+        "draining": False,
+        "kv_cache": {"used_blocks": 3, "total_blocks": 100},
+        "extra": None,
+    }
+    text = "\n".join(cli.format_status(info))
+    for expected in [
+        "gemma-3-4b",
+        "1h 02m 05s",
+        "41.3 tok/s",
+        "vram",
+        "1.5 KiB",
+        "1, 4, 4",
+        "no",
+        "used blocks",
+    ]:
+        assert expected in text
+
+
+@pytest.mark.parametrize("json_mode", [False, True])
+def test_ctrl_c_cancels_and_exits_130(hmad, json_mode):
+    cmd = [sys.executable, "-m", "hmaclient.cli", "--socket", hmad.socket, "query", "--raw"]
+    cmd += ["--max-tokens", "100000", *(["--json"] if json_mode else []), "x b"]
+    with (
+        Client(hmad.socket) as c,
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p,
+    ):
+        if json_mode:
+            _wait(lambda: _load(c)[0] == 1)  # the generation runs
+        else:
+            assert p.stdout.read(4) == " b b"  # streaming has begun
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=10) == 130
+        assert "Traceback" not in p.stderr.read()
+        # Nothing left running. (The daemon also cancels the requests of a peer that disconnects, so this
+        # checks what the interrupted hmactl leaves behind, not which of the two ended the generation.)
+        _wait(lambda: _load(c) == (0, 0, 0))
