@@ -62,7 +62,8 @@ Replies (daemon -> client)
 ==========================
 ``accepted``   {id, rid}: the generation is queued; rid (int) is the daemon's own request number (logs).
 ``token``      {id, text, token_ids}: the next piece of the answer. text (str) may be "" (a token that
-               completes no character yet); token_ids (list of int) are the ids this piece covers.
+               completes no character yet); token_ids (list of int) are the ids this piece covers
+               (the ids of a stop string's tokens are included though its text is never sent).
                Concatenating every piece's text and token_ids gives what ``done`` would carry with
                stream=false.
 ``done``       {id, finish_reason, prompt_tokens, generated_tokens, ttft_s, tokens_per_s, total_s,
