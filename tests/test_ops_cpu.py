@@ -120,8 +120,17 @@ def test_embed_scales_rows():
 @pytest.mark.parametrize("window", [None, 5])
 def test_paged_attention_matches_dense(window):
     """Two sequences in one batch, blocks scattered through the pool, GQA 4 over 2 heads."""
-    cfg = ModelConfig("gemma3", n_layers=6, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=64,
-                      vocab_size=10, sliding_window=5)
+    cfg = ModelConfig(
+        "gemma3",
+        n_layers=6,
+        d_model=64,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        d_ff=64,
+        vocab_size=10,
+        sliding_window=5,
+    )
     layer = 5 if window is None else 0
     lay = KVLayout.plan(cfg, max_tokens=64, max_seqs=2, max_chunk=20, block_size=4)
     be = CpuBackend()

@@ -1,0 +1,559 @@
+"""GPU memory: the placement plan (VRAM/GTT), arenas with sub-allocated tensors, and upload/readback.
+
+Scheme (why arenas): a model has hundreds of tensors and drivers cap the number of allocations, so each pool
+allocates a few large *arenas* (one VkDeviceMemory + one VkBuffer spanning it, at most ``arena_bytes`` each,
+a tensor bigger than that gets an arena of its own) and tensors are sub-allocated inside at offsets aligned to
+``alignment`` (>= minStorageBufferOffsetAlignment, and 256 so vec4/block reads stay aligned). A buffer can be
+larger than ``maxStorageBufferRange`` (128 MiB on lavapipe), a descriptor range cannot: a tensor larger than
+that is bound as several ranges, each a whole number of rows (:meth:`BufferView.ranges`), and an op over it is
+recorded as one dispatch per range. Quantized matmul shaders will read the GGUF blocks from these ranges as
+they lie in the file (no repacking on upload).
+
+Pools: ``device`` (device-local memory: an APU's VRAM carve-out, a dGPU's VRAM) and ``host`` (host-visible
+memory the GPU reads over the bus: an APU's GTT, a dGPU's system-memory heap). The plan places hot tensors,
+the KV cache and scratch first in ``device``, then the cold weights while they fit, and spills the rest to
+``host``; it fails with :class:`MemoryPlanError` when the model does not fit both. Budgets come from
+VK_EXT_memory_budget when present (budget − usage), else the heap size; caps (config keys
+``device_local_bytes``/``host_visible_bytes``) can only lower them.
+
+Upload: weights go from the memory-mapped file straight into a mapped arena (host-visible memory), or
+through a ring of staging buffers (``np.frombuffer`` view of the mapped staging memory, one memcpy from the
+file's pages, vkCmdCopyBuffer, fence) into device-local memory: no second copy of the model in RAM.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import vulkan as vk
+
+from hmad.backends.vulkan.device import Device, MemoryHeap, MemoryType, check, ffi, lib, new
+from hmad.errors import HmadError
+
+DEVICE_LOCAL, HOST_VISIBLE, HOST_COHERENT, HOST_CACHED = 1, 2, 4, 8
+MIB = 1 << 20
+DEFAULT_ALIGNMENT = 256
+DEFAULT_ARENA_BYTES = 1 << 30
+BUFFER_USAGE = (
+    vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT
+    | vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
+    | vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT
+)
+
+
+class MemoryPlanError(HmadError):
+    """The tensors do not fit the device's memory (the message says how much is needed and available)."""
+
+
+# -- memory type choice --------------------------------------------------------------------------------------
+# kind -> (required flags, preferred flags, avoided flags)
+_TYPE_WANTS = {
+    "device": (DEVICE_LOCAL, 0, HOST_VISIBLE),  # VRAM proper; on a UMA driver the only type is also mappable
+    "host": (
+        HOST_VISIBLE | HOST_COHERENT,
+        0,
+        DEVICE_LOCAL | HOST_CACHED,
+    ),  # GTT / system heap, write-combined
+    "upload": (HOST_VISIBLE | HOST_COHERENT, 0, DEVICE_LOCAL | HOST_CACHED),  # staging the CPU writes once
+    "mapped": (HOST_VISIBLE | HOST_COHERENT, DEVICE_LOCAL, 0),  # small per-step inputs: ReBAR/UMA if any
+    "readback": (HOST_VISIBLE | HOST_COHERENT, HOST_CACHED, 0),  # the CPU reads it
+}
+
+
+def choose_memory_type(
+    types: list[MemoryType], kind: str, heaps: list[MemoryHeap] | None = None
+) -> MemoryType:
+    """The best memory type for ``kind`` (``_TYPE_WANTS``); ties: the larger heap, then the lower index."""
+    need, prefer, avoid = _TYPE_WANTS[kind]
+    ok = [t for t in types if t.flags & need == need]
+    if not ok:
+        raise MemoryPlanError(f"no memory type for {kind!r} memory (need flags {need:#x})")
+    size = {h.index: h.size for h in heaps or []}
+    return min(
+        ok,
+        key=lambda t: (
+            bin(t.flags & avoid).count("1"),
+            -bin(t.flags & prefer).count("1"),
+            -size.get(t.heap, 0),
+            t.index,
+        ),
+    )
+
+
+def heap_available(heap: MemoryHeap) -> int:
+    """Bytes this process may still allocate on ``heap``: budget − usage (VK_EXT_memory_budget), else size."""
+    if heap.budget is not None:
+        return max(0, heap.budget - (heap.usage or 0))
+    return heap.size
+
+
+# -- the plan (pure python: unit-tested with synthetic heaps) ------------------------------------------------
+@dataclass(frozen=True)
+class PlanItem:
+    """One thing to place. ``kind``: weight | kv | scratch; ``row_bytes`` lets big tensors split on rows."""
+
+    name: str
+    nbytes: int
+    hot: bool = False
+    kind: str = "weight"
+    row_bytes: int = 0
+
+    @property
+    def prioritised(self) -> bool:
+        return self.hot or self.kind in ("kv", "scratch")
+
+
+@dataclass
+class Placement:
+    name: str
+    pool: str
+    arena: int  # index into the pool's arenas
+    offset: int  # byte offset inside the arena (aligned)
+    nbytes: int
+    row_bytes: int = 0
+
+
+@dataclass
+class Pool:
+    name: str
+    memory_type: int
+    heap: int
+    capacity: int
+    used: int = 0
+    arenas: list[int] = field(default_factory=list)  # bytes per arena
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.used
+
+
+@dataclass
+class MemoryPlan:
+    pools: dict[str, Pool]
+    placements: dict[str, Placement]
+    alignment: int
+
+    def pool_of(self, name: str) -> str:
+        return self.placements[name].pool
+
+    def report(self, tensors: bool = False) -> dict[str, Any]:
+        """For ``hmactl status``: bytes per pool/heap, capacity, counts; ``tensors=True``: name -> pool."""
+        out: dict[str, Any] = {"pools": {}}
+        for p in self.pools.values():
+            names = [n for n, pl in self.placements.items() if pl.pool == p.name]
+            out["pools"][p.name] = {
+                "heap": p.heap,
+                "memory_type": p.memory_type,
+                "bytes": p.used,
+                "capacity": p.capacity,
+                "arenas": len(p.arenas),
+                "tensors": len(names),
+            }
+        if tensors:
+            out["tensors"] = {n: pl.pool for n, pl in self.placements.items()}
+        return out
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def make_pools(
+    heaps: list[MemoryHeap],
+    types: list[MemoryType],
+    device_local_bytes: int | None = None,
+    host_visible_bytes: int | None = None,
+) -> dict[str, Pool]:
+    """The device and host pools with their capacities (budget or size, lowered by the caps).
+
+    On a driver with a single heap (lavapipe) both pools live on it and share its bytes: the host pool gets
+    whatever the device pool leaves (see :func:`plan_memory`).
+    """
+    dev_t = choose_memory_type(types, "device", heaps)
+    host_t = choose_memory_type(types, "host", heaps)
+    by_index = {h.index: h for h in heaps}
+    dev_cap = heap_available(by_index[dev_t.heap])
+    host_cap = heap_available(by_index[host_t.heap])
+    if device_local_bytes is not None:
+        dev_cap = min(dev_cap, device_local_bytes)
+    if host_visible_bytes is not None:
+        host_cap = min(host_cap, host_visible_bytes)
+    return {
+        "device": Pool("device", dev_t.index, dev_t.heap, dev_cap),
+        "host": Pool("host", host_t.index, host_t.heap, host_cap),
+    }
+
+
+def plan_memory(
+    items: Iterable[PlanItem],
+    heaps: list[MemoryHeap],
+    types: list[MemoryType],
+    *,
+    alignment: int = DEFAULT_ALIGNMENT,
+    arena_bytes: int = DEFAULT_ARENA_BYTES,
+    device_local_bytes: int | None = None,
+    host_visible_bytes: int | None = None,
+) -> MemoryPlan:
+    """Place every item in the ``device`` or ``host`` pool and pack each pool into arenas.
+
+    Hot items (``hot=True``, the KV cache, scratch) go first, then the rest in the given order (the forward
+    pass's order, so a spill moves whole late layers); each goes to ``device`` while it fits, else ``host``.
+    """
+    items = list(items)
+    pools = make_pools(heaps, types, device_local_bytes, host_visible_bytes)
+    dev, host = pools["device"], pools["host"]
+    shared_heap = dev.heap == host.heap
+    heap_cap = {h.index: heap_available(h) for h in heaps}
+    chosen: dict[str, str] = {}
+    for it in sorted(
+        items, key=lambda i: not i.prioritised
+    ):  # stable: keeps the given order within each group
+        need = _align(it.nbytes, alignment)
+        if need <= dev.free:
+            pool = dev
+        elif need <= host.free and (not shared_heap or dev.used + host.used + need <= heap_cap[host.heap]):
+            pool = host
+        else:
+            raise _does_not_fit(items, it, pools, alignment)
+        pool.used += need
+        chosen[it.name] = pool.name
+    placements = {}
+    for pool in pools.values():
+        placements.update(
+            _pack_arenas(pool, [i for i in items if chosen[i.name] == pool.name], alignment, arena_bytes)
+        )
+    return MemoryPlan(pools, placements, alignment)
+
+
+def _pack_arenas(pool: Pool, items: list[PlanItem], alignment: int, arena_bytes: int) -> dict[str, Placement]:
+    """First-fit in order into arenas of at most ``arena_bytes`` (an item bigger than that gets its own)."""
+    out = {}
+    for it in items:
+        need = _align(it.nbytes, alignment)
+        if not pool.arenas or pool.arenas[-1] + need > arena_bytes:
+            pool.arenas.append(0)
+        out[it.name] = Placement(
+            it.name, pool.name, len(pool.arenas) - 1, pool.arenas[-1], it.nbytes, it.row_bytes
+        )
+        pool.arenas[-1] += need
+    return out
+
+
+def _does_not_fit(items: list[PlanItem], failed: PlanItem, pools: dict[str, Pool], alignment: int):
+    total = sum(_align(i.nbytes, alignment) for i in items)
+    dev, host = pools["device"], pools["host"]
+    return MemoryPlanError(
+        f"model does not fit: needs {total / MIB:.1f} MiB in all; device-local pool (heap {dev.heap}) holds "
+        f"{dev.capacity / MIB:.1f} MiB, host-visible pool (heap {host.heap}) {host.capacity / MIB:.1f} MiB "
+        f"(after budgets and caps); {failed.name!r} ({failed.nbytes / MIB:.1f} MiB) found no room"
+    )
+
+
+# -- device-side buffers -------------------------------------------------------------------------------------
+class Arena:
+    """One VkDeviceMemory with one VkBuffer over all of it; persistently mapped when host-visible."""
+
+    def __init__(self, device: Device, nbytes: int, memory_type: int):
+        self.device, self.nbytes, self.memory_type = device, nbytes, memory_type
+        self.flags = device.memory_types[memory_type].flags
+        self.buffer = self.memory = None
+        self.mapped: np.ndarray | None = None
+        d = device.handle
+        bci = new(
+            "VkBufferCreateInfo",
+            sType=vk.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO,
+            size=nbytes,
+            usage=BUFFER_USAGE,
+            sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE,
+        )
+        buf = ffi.new("VkBuffer*")
+        check(lib.vkCreateBuffer(d, bci, ffi.NULL, buf), "vkCreateBuffer")
+        self.buffer = buf[0]
+        req = new("VkMemoryRequirements")
+        lib.vkGetBufferMemoryRequirements(d, self.buffer, req)
+        if not req.memoryTypeBits & (1 << memory_type):
+            self.close()
+            raise MemoryPlanError(f"memory type {memory_type} cannot back a storage buffer on this device")
+        mai = new(
+            "VkMemoryAllocateInfo",
+            sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO,
+            allocationSize=req.size,
+            memoryTypeIndex=memory_type,
+        )
+        mem = ffi.new("VkDeviceMemory*")
+        try:
+            check(
+                lib.vkAllocateMemory(d, mai, ffi.NULL, mem),
+                f"vkAllocateMemory({nbytes} bytes, type {memory_type})",
+            )
+        except BaseException:
+            self.close()
+            raise
+        self.memory = mem[0]
+        check(lib.vkBindBufferMemory(d, self.buffer, self.memory, 0), "vkBindBufferMemory")
+        if self.flags & HOST_VISIBLE:
+            ptr = ffi.new("void**")
+            check(lib.vkMapMemory(d, self.memory, 0, (1 << 64) - 1, 0, ptr), "vkMapMemory")
+            self.mapped = np.frombuffer(ffi.buffer(ptr[0], nbytes), dtype=np.uint8)
+
+    @property
+    def host_visible(self) -> bool:
+        return self.mapped is not None
+
+    def close(self) -> None:
+        d = self.device.handle
+        if self.mapped is not None:
+            self.mapped = None
+            lib.vkUnmapMemory(d, self.memory)
+        if self.buffer is not None:
+            lib.vkDestroyBuffer(d, self.buffer, ffi.NULL)
+            self.buffer = None
+        if self.memory is not None:
+            lib.vkFreeMemory(d, self.memory, ffi.NULL)
+            self.memory = None
+
+
+@dataclass
+class BufferView:
+    """A tensor's bytes: ``nbytes`` at ``offset`` in ``arena``. What a descriptor binds."""
+
+    arena: Arena
+    offset: int
+    nbytes: int
+    row_bytes: int = 0
+    name: str = ""
+
+    @property
+    def buffer(self):
+        return self.arena.buffer
+
+    @property
+    def host(self) -> np.ndarray | None:
+        """The mapped bytes (uint8) when the arena is host-visible, else None."""
+        m = self.arena.mapped
+        return None if m is None else m[self.offset : self.offset + self.nbytes]
+
+    def array(self, dtype, shape=None) -> np.ndarray:
+        """A typed numpy view of the mapped bytes (host-visible arenas only)."""
+        h = self.host
+        if h is None:
+            raise ValueError(f"{self.name or 'buffer'} is not host-visible; use Uploader.download()")
+        a = h.view(dtype)
+        return a if shape is None else a.reshape(shape)
+
+    def ranges(self, max_range: int, alignment: int = DEFAULT_ALIGNMENT) -> list[tuple[int, int]]:
+        """(offset, nbytes) pieces of at most ``max_range`` bytes, each aligned and holding whole rows."""
+        if self.nbytes <= max_range:
+            return [(self.offset, self.nbytes)]
+        unit = math.lcm(self.row_bytes or 1, alignment)
+        step = max_range // unit * unit
+        if step == 0:
+            raise MemoryPlanError(
+                f"{self.name}: a row of {self.row_bytes} bytes exceeds the bind range {max_range}"
+            )
+        return [(self.offset + s, min(step, self.nbytes - s)) for s in range(0, self.nbytes, step)]
+
+
+def create_buffer(device: Device, nbytes: int, kind: str = "device", name: str = "") -> BufferView:
+    """A standalone buffer (its own arena) of ``kind`` device | host | upload | mapped | readback."""
+    t = choose_memory_type(device.memory_types, kind, device.heaps)
+    return BufferView(Arena(device, max(nbytes, 4), t.index), 0, nbytes, name=name)
+
+
+class ResidentMemory:
+    """A :class:`MemoryPlan` made real: its arenas allocated, one :class:`BufferView` per placed name."""
+
+    def __init__(self, device: Device, plan: MemoryPlan):
+        self.device, self.plan = device, plan
+        self.arenas: dict[str, list[Arena]] = {}
+        self.views: dict[str, BufferView] = {}
+        try:
+            for pool in plan.pools.values():
+                self.arenas[pool.name] = [Arena(device, n, pool.memory_type) for n in pool.arenas]
+        except BaseException:
+            self.close()
+            raise
+        for name, p in plan.placements.items():
+            self.views[name] = BufferView(self.arenas[p.pool][p.arena], p.offset, p.nbytes, p.row_bytes, name)
+
+    def __getitem__(self, name: str) -> BufferView:
+        return self.views[name]
+
+    def close(self) -> None:
+        for arenas in self.arenas.values():
+            for a in arenas:
+                a.close()
+        self.arenas = {}
+
+
+# -- upload and readback -------------------------------------------------------------------------------------
+def _flat_bytes(src: np.ndarray) -> np.ndarray:
+    """A uint8 view of a C-contiguous array (a memory-mapped tensor stays mapped: no copy)."""
+    if not src.flags.c_contiguous:
+        raise ValueError("upload source must be C-contiguous (tensors are views of their file)")
+    return src.reshape(-1).view(np.uint8)
+
+
+class _Slot:
+    def __init__(self, device: Device, nbytes: int):
+        self.staging = create_buffer(device, nbytes, "upload", "staging")
+        self.fence = device.create_fence(signaled=True)
+        cba = new(
+            "VkCommandBufferAllocateInfo",
+            sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO,
+            commandPool=device.command_pool,
+            level=vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY,
+            commandBufferCount=1,
+        )
+        cb = ffi.new("VkCommandBuffer*")
+        check(lib.vkAllocateCommandBuffers(device.handle, cba, cb), "vkAllocateCommandBuffers")
+        self.cmd = cb[0]
+        self.used = 0
+        self.copies: list[tuple[Any, int, int, int]] = []  # (dst buffer, src offset, dst offset, n)
+
+
+class Uploader:
+    """A ring of staging buffers for host -> device copies, and readback through a staging buffer.
+
+    ``upload(view, src)`` writes straight into ``view`` when it is mapped (host-visible arena) unless
+    ``force_staging``; otherwise it copies ``chunk_bytes`` at a time into the next free slot and submits a
+    vkCmdCopyBuffer with that slot's fence. Small tensors share a slot (one submit for many copies).
+    ``progress(done_bytes, total_bytes)`` is called after each chunk when given to :meth:`upload_all`.
+    """
+
+    def __init__(
+        self, device: Device, chunk_bytes: int = 16 * MIB, slots: int = 3, force_staging: bool = False
+    ):
+        self.device, self.chunk, self.force_staging = device, chunk_bytes, force_staging
+        self.slots = [_Slot(device, chunk_bytes) for _ in range(slots)]
+        self.next = 0
+        self.bytes_staged = 0
+
+    def upload(
+        self, view: BufferView, src: np.ndarray, on_chunk: Callable[[int], None] | None = None
+    ) -> None:
+        data = _flat_bytes(src)
+        if data.nbytes > view.nbytes:
+            raise ValueError(f"{view.name}: {data.nbytes} bytes do not fit {view.nbytes}")
+        if view.host is not None and not self.force_staging:
+            for s in range(0, data.nbytes, self.chunk):
+                e = min(data.nbytes, s + self.chunk)
+                view.host[s:e] = data[s:e]
+                if on_chunk:
+                    on_chunk(e - s)
+            return
+        for s in range(0, data.nbytes, self.chunk):
+            e = min(data.nbytes, s + self.chunk)
+            slot = self._slot_with_room(e - s)
+            slot.staging.host[slot.used : slot.used + e - s] = data[s:e]
+            slot.copies.append((view.buffer, slot.used, view.offset + s, e - s))
+            slot.used += _align(e - s, 16)
+            self.bytes_staged += e - s
+            if on_chunk:
+                on_chunk(e - s)
+
+    def upload_all(
+        self,
+        pairs: Iterable[tuple[BufferView, np.ndarray]],
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """Upload every (view, source) pair, then wait; ``progress(done, total)`` after each chunk."""
+        pairs = list(pairs)
+        total, done = sum(int(a.nbytes) for _, a in pairs), 0
+
+        def step(n: int) -> None:
+            nonlocal done
+            done += n
+            if progress:
+                progress(done, total)
+
+        for view, src in pairs:
+            self.upload(view, src, step)
+        self.flush()
+
+    def _slot_with_room(self, n: int) -> _Slot:
+        slot = self.slots[self.next]
+        if slot.used + n > self.chunk:
+            self._submit(slot)
+            self.next = (self.next + 1) % len(self.slots)
+            slot = self.slots[self.next]
+            self._wait(slot)
+        return slot
+
+    def _wait(self, slot: _Slot) -> None:
+        f = ffi.new("VkFence*", slot.fence)
+        check(lib.vkWaitForFences(self.device.handle, 1, f, 1, 60 * 10**9), "vkWaitForFences(staging)")
+        slot.used, slot.copies = 0, []
+
+    def _submit(self, slot: _Slot) -> None:
+        if not slot.copies:
+            return
+        cmd = slot.cmd
+        begin = new(
+            "VkCommandBufferBeginInfo",
+            sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO,
+            flags=vk.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT,
+        )
+        check(lib.vkBeginCommandBuffer(cmd, begin), "vkBeginCommandBuffer(staging)")
+        for dst, src_off, dst_off, n in slot.copies:
+            region = new("VkBufferCopy", srcOffset=src_off, dstOffset=dst_off, size=n)
+            lib.vkCmdCopyBuffer(cmd, slot.staging.buffer, dst, 1, region)
+        check(lib.vkEndCommandBuffer(cmd), "vkEndCommandBuffer(staging)")
+        f = ffi.new("VkFence*", slot.fence)
+        check(lib.vkResetFences(self.device.handle, 1, f), "vkResetFences")
+        cmds = ffi.new("VkCommandBuffer[]", [cmd])
+        si = new(
+            "VkSubmitInfo", sType=vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, commandBufferCount=1, pCommandBuffers=cmds
+        )
+        check(lib.vkQueueSubmit(self.device.queue, 1, si, slot.fence), "vkQueueSubmit(staging)")
+        slot.copies = []  # recorded; `used` stays until the fence says the bytes were read
+
+    def flush(self) -> None:
+        """Submit what is pending and wait for every slot (then the uploaded data is visible on the GPU)."""
+        self._submit(self.slots[self.next])
+        for slot in self.slots:
+            self._wait(slot)
+
+    def download(self, view: BufferView) -> np.ndarray:
+        """A host copy (uint8) of ``view``'s bytes, through the staging ring when not mapped."""
+        if view.host is not None and not self.force_staging:
+            return view.host.copy()
+        self.flush()
+        out = np.empty(view.nbytes, np.uint8)
+        slot = self.slots[self.next]
+        for s in range(0, view.nbytes, self.chunk):
+            n = min(self.chunk, view.nbytes - s)
+            self._copy_to_slot(slot, view, s, n)
+            out[s : s + n] = slot.staging.host[:n]
+        return out
+
+    def _copy_to_slot(self, slot: _Slot, view: BufferView, start: int, n: int) -> None:
+        slot.copies = []
+        cmd = slot.cmd
+        begin = new("VkCommandBufferBeginInfo", sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO)
+        check(lib.vkBeginCommandBuffer(cmd, begin), "vkBeginCommandBuffer(readback)")
+        region = new("VkBufferCopy", srcOffset=view.offset + start, dstOffset=0, size=n)
+        lib.vkCmdCopyBuffer(cmd, view.buffer, slot.staging.buffer, 1, region)
+        check(lib.vkEndCommandBuffer(cmd), "vkEndCommandBuffer(readback)")
+        f = ffi.new("VkFence*", slot.fence)
+        check(lib.vkResetFences(self.device.handle, 1, f), "vkResetFences")
+        cmds = ffi.new("VkCommandBuffer[]", [cmd])
+        si = new(
+            "VkSubmitInfo", sType=vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, commandBufferCount=1, pCommandBuffers=cmds
+        )
+        check(lib.vkQueueSubmit(self.device.queue, 1, si, slot.fence), "vkQueueSubmit(readback)")
+        self._wait(slot)
+
+    def close(self) -> None:
+        self.flush()
+        for slot in self.slots:
+            lib.vkFreeCommandBuffers(
+                self.device.handle, self.device.command_pool, 1, ffi.new("VkCommandBuffer*", slot.cmd)
+            )
+            lib.vkDestroyFence(self.device.handle, slot.fence, ffi.NULL)
+            slot.staging.arena.close()
+        self.slots = []

@@ -1,0 +1,467 @@
+"""Compute pipelines (:class:`Kernel`) and recorded, replayable command buffers (:class:`CommandRecorder`).
+
+A kernel is one SPIR-V variant from ``shaders/spv`` built once: shader module, a descriptor-set layout of N
+storage buffers, a pipeline layout with one push-constant range, and the pipeline with its workgroup size as
+specialization constant 0. Its push constants are the ctypes struct registered in :data:`KERNELS`, which
+mirrors the shader's ``Push`` block field by field; the struct's offsets are checked against the SPIR-V when
+the kernel is built, and the binding count and struct type are asserted at every ``record``.
+
+Descriptor sets are made once per distinct tuple of buffer ranges and cached, so a recorded graph binds the
+same sets on every replay. The forward pass will be recorded once per batch-size bucket into a
+:class:`CommandRecorder` and replayed every step (one queue submit + one fence wait), with the per-step values
+(token ids, positions, sequence lengths, block tables) written into a small host-visible buffer the shaders
+read; quantized matmul kernels will read the GGUF blocks from their weight ranges directly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import vulkan as vk
+
+from hmad.backends.vulkan.device import Device, OutOfPoolMemory, check, ffi, lib, new
+from hmad.backends.vulkan.memory import BufferView
+from hmad.backends.vulkan.program import load_spirv, reflect
+
+u32, f32 = ctypes.c_uint32, ctypes.c_float
+
+
+# -- push-constant structs: one per shader Push block, same fields in the same order ----------------------
+class CopyPush(ctypes.Structure):
+    """shaders/copy.comp"""
+
+    _fields_ = [("n", u32)]  # vec4 elements
+
+
+class AddPush(ctypes.Structure):
+    """shaders/add.comp"""
+
+    _fields_ = [("n", u32)]
+
+
+class RmsNormPush(ctypes.Structure):
+    """shaders/rms_norm.comp"""
+
+    _fields_ = [("ncols", u32), ("nrows", u32), ("x_stride", u32), ("y_stride", u32), ("eps", f32)]
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    source: str  # the .comp it is built from (documentation; the build list is in shaders/build.py)
+    n_buffers: int
+    push: type[ctypes.Structure]
+    block_size: int  # default workgroup size (specialization constant 0)
+
+
+#: SPIR-V variant name -> interface. Variants share a .comp and its push struct.
+KERNELS: dict[str, KernelSpec] = {
+    "copy_vec4": KernelSpec("copy.comp", 2, CopyPush, 256),
+    "copy_vec4_x4": KernelSpec("copy.comp", 2, CopyPush, 256),
+    "copy_vec4_x8": KernelSpec("copy.comp", 2, CopyPush, 256),
+    "add_f32": KernelSpec("add.comp", 3, AddPush, 256),
+    "rms_norm_f32": KernelSpec("rms_norm.comp", 3, RmsNormPush, 128),
+    "rms_norm_f32_subgroup": KernelSpec("rms_norm.comp", 3, RmsNormPush, 128),
+}
+
+# A binding: a whole view, or (view, offset inside the view, nbytes) for one range of a big tensor.
+Binding = BufferView | tuple[BufferView, int, int]
+
+
+def _range_of(b: Binding) -> tuple[Any, int, int]:
+    if isinstance(b, BufferView):
+        return b.buffer, b.offset, b.nbytes
+    view, off, n = b
+    return view.buffer, view.offset + off, n
+
+
+def _handle_key(h) -> int:
+    return int(ffi.cast("uintptr_t", h))
+
+
+class DescriptorAllocator:
+    """Descriptor pools of storage-buffer sets, a new pool whenever the current one is full."""
+
+    def __init__(self, device: Device, sets_per_pool: int = 256, max_bindings: int = 8):
+        self.device, self.sets_per_pool, self.max_bindings = device, sets_per_pool, max_bindings
+        self.pools: list[Any] = []
+        self._new_pool()
+
+    def _new_pool(self) -> None:
+        size = new(
+            "VkDescriptorPoolSize",
+            type=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
+            descriptorCount=self.sets_per_pool * self.max_bindings,
+        )
+        ci = new(
+            "VkDescriptorPoolCreateInfo",
+            sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO,
+            maxSets=self.sets_per_pool,
+            poolSizeCount=1,
+            pPoolSizes=size,
+        )
+        out = ffi.new("VkDescriptorPool*")
+        check(lib.vkCreateDescriptorPool(self.device.handle, ci, ffi.NULL, out), "vkCreateDescriptorPool")
+        self.pools.append(out[0])
+
+    def allocate(self, layout) -> Any:
+        layouts = ffi.new("VkDescriptorSetLayout[]", [layout])
+        for attempt in range(2):
+            ai = new(
+                "VkDescriptorSetAllocateInfo",
+                sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_ALLOCATE_INFO,
+                descriptorPool=self.pools[-1],
+                descriptorSetCount=1,
+                pSetLayouts=layouts,
+            )
+            out = ffi.new("VkDescriptorSet*")
+            r = lib.vkAllocateDescriptorSets(self.device.handle, ai, out)
+            if r in (vk.VK_ERROR_OUT_OF_POOL_MEMORY, vk.VK_ERROR_FRAGMENTED_POOL) and attempt == 0:
+                self._new_pool()
+                continue
+            check(r, "vkAllocateDescriptorSets")
+            return out[0]
+        raise OutOfPoolMemory("vkAllocateDescriptorSets", vk.VK_ERROR_OUT_OF_POOL_MEMORY)
+
+    def close(self) -> None:
+        for p in self.pools:
+            lib.vkDestroyDescriptorPool(self.device.handle, p, ffi.NULL)
+        self.pools = []
+
+
+class Kernel:
+    """One compute pipeline; ``record()`` binds its cached descriptor set, pushes constants, dispatches."""
+
+    def __init__(self, device: Device, name: str, block_size: int | None = None, descriptors=None):
+        spec = KERNELS[name]
+        self.device, self.name, self.spec = device, name, spec
+        self.block_size = block_size or spec.block_size
+        self.n_buffers, self.push_type = spec.n_buffers, spec.push
+        self.push_size = ctypes.sizeof(spec.push)
+        self.descriptors = descriptors or DescriptorAllocator(device)
+        self._own_descriptors = descriptors is None
+        self._sets: dict[tuple, Any] = {}
+        code = load_spirv(name)
+        self._check_interface(reflect(code))
+        self.module = self._create_module(code)
+        self.set_layout = self._create_set_layout()
+        self.layout = self._create_pipeline_layout()
+        self.pipeline = self._create_pipeline()
+
+    def _check_interface(self, iface) -> None:
+        want = tuple(range(self.n_buffers))
+        if iface.bindings != want:
+            raise ValueError(
+                f"{self.name}: shader bindings {iface.bindings}, KERNELS says {self.n_buffers} buffers"
+            )
+        mine = tuple(getattr(self.push_type, f).offset for f, _ in self.push_type._fields_)
+        if mine != iface.push_offsets or iface.push_size != self.push_size:
+            raise ValueError(
+                f"{self.name}: push block offsets {iface.push_offsets} size {iface.push_size} in the shader, "
+                f"{mine} size {self.push_size} in {self.push_type.__name__}"
+            )
+        if self.push_size > self.device.limits["maxPushConstantsSize"]:
+            raise ValueError(f"{self.name}: push constants exceed maxPushConstantsSize")
+
+    def _create_module(self, code: bytes):
+        words = ffi.new("uint32_t[]", len(code) // 4)
+        ffi.memmove(words, code, len(code))
+        ci = new(
+            "VkShaderModuleCreateInfo",
+            sType=vk.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO,
+            codeSize=len(code),
+            pCode=words,
+        )
+        out = ffi.new("VkShaderModule*")
+        check(
+            lib.vkCreateShaderModule(self.device.handle, ci, ffi.NULL, out),
+            f"vkCreateShaderModule({self.name})",
+        )
+        return out[0]
+
+    def _create_set_layout(self):
+        binds = ffi.new("VkDescriptorSetLayoutBinding[]", self.n_buffers)
+        for i in range(self.n_buffers):
+            binds[i].binding = i
+            binds[i].descriptorType = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
+            binds[i].descriptorCount = 1
+            binds[i].stageFlags = vk.VK_SHADER_STAGE_COMPUTE_BIT
+        ci = new(
+            "VkDescriptorSetLayoutCreateInfo",
+            sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO,
+            bindingCount=self.n_buffers,
+            pBindings=binds,
+        )
+        out = ffi.new("VkDescriptorSetLayout*")
+        check(
+            lib.vkCreateDescriptorSetLayout(self.device.handle, ci, ffi.NULL, out),
+            "vkCreateDescriptorSetLayout",
+        )
+        return out[0]
+
+    def _create_pipeline_layout(self):
+        pcr = new(
+            "VkPushConstantRange", stageFlags=vk.VK_SHADER_STAGE_COMPUTE_BIT, offset=0, size=self.push_size
+        )
+        layouts = ffi.new("VkDescriptorSetLayout[]", [self.set_layout])
+        ci = new(
+            "VkPipelineLayoutCreateInfo",
+            sType=vk.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO,
+            setLayoutCount=1,
+            pSetLayouts=layouts,
+            pushConstantRangeCount=1 if self.push_size else 0,
+            pPushConstantRanges=pcr if self.push_size else ffi.NULL,
+        )
+        out = ffi.new("VkPipelineLayout*")
+        check(lib.vkCreatePipelineLayout(self.device.handle, ci, ffi.NULL, out), "vkCreatePipelineLayout")
+        return out[0]
+
+    def _create_pipeline(self):
+        # Every nested struct and string lives in a local until vkCreateComputePipelines returns (GPU.md).
+        entry = ffi.new("char[]", b"main")
+        spec_data = ffi.new("uint32_t[]", [self.block_size])
+        spec_entry = new("VkSpecializationMapEntry", constantID=0, offset=0, size=4)
+        spec = new(
+            "VkSpecializationInfo", mapEntryCount=1, pMapEntries=spec_entry, dataSize=4, pData=spec_data
+        )
+        ci = new(
+            "VkComputePipelineCreateInfo",
+            sType=vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO,
+            layout=self.layout,
+            basePipelineIndex=-1,
+        )
+        ci.stage.sType = vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO
+        ci.stage.stage = vk.VK_SHADER_STAGE_COMPUTE_BIT
+        ci.stage.module = self.module
+        ci.stage.pName = entry
+        ci.stage.pSpecializationInfo = spec
+        out = ffi.new("VkPipeline*")
+        r = lib.vkCreateComputePipelines(self.device.handle, ffi.NULL, 1, ci, ffi.NULL, out)
+        check(r, f"vkCreateComputePipelines({self.name})")
+        return out[0]
+
+    # -- binding and recording ----------------------------------------------------------------------------
+    def descriptor_set(self, buffers: Sequence[Binding]):
+        """The (cached) descriptor set binding ``buffers`` as bindings 0..N-1."""
+        ranges = [_range_of(b) for b in buffers]
+        key = tuple((_handle_key(h), o, n) for h, o, n in ranges)
+        ds = self._sets.get(key)
+        if ds is None:
+            ds = self._write_set(ranges)
+            self._sets[key] = ds
+        return ds
+
+    def _write_set(self, ranges):
+        limits = self.device.limits
+        align, max_range = limits["minStorageBufferOffsetAlignment"], limits["maxStorageBufferRange"]
+        for i, (_, off, n) in enumerate(ranges):
+            if off % align or n > max_range:
+                raise ValueError(
+                    f"{self.name} binding {i}: range (offset {off}, {n} bytes) breaks alignment {align} "
+                    f"or maxStorageBufferRange {max_range}: bind big tensors in ranges (BufferView.ranges)"
+                )
+        ds = self.descriptors.allocate(self.set_layout)
+        infos = ffi.new("VkDescriptorBufferInfo[]", len(ranges))
+        writes = ffi.new("VkWriteDescriptorSet[]", len(ranges))
+        for i, (h, off, n) in enumerate(ranges):
+            infos[i].buffer, infos[i].offset, infos[i].range = h, off, n
+            w = writes[i]
+            w.sType = vk.VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET
+            w.dstSet, w.dstBinding, w.descriptorCount = ds, i, 1
+            w.descriptorType = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
+            w.pBufferInfo = infos + i
+        lib.vkUpdateDescriptorSets(self.device.handle, len(ranges), writes, 0, ffi.NULL)
+        return ds
+
+    def record(self, cmd, buffers: Sequence[Binding], push: ctypes.Structure, groups) -> None:
+        """Bind, push and dispatch into ``cmd``. ``groups``: an int or (x, y, z) workgroup counts."""
+        assert len(buffers) == self.n_buffers, (
+            f"{self.name}: {len(buffers)} buffers given, needs {self.n_buffers}"
+        )
+        assert type(push) is self.push_type, f"{self.name}: push constants must be {self.push_type.__name__}"
+        assert ctypes.sizeof(push) == self.push_size
+        gx, gy, gz = (groups, 1, 1) if isinstance(groups, int) else tuple(groups) + (1,) * (3 - len(groups))
+        sets = ffi.new("VkDescriptorSet[]", [self.descriptor_set(buffers)])
+        lib.vkCmdBindPipeline(cmd, vk.VK_PIPELINE_BIND_POINT_COMPUTE, self.pipeline)
+        lib.vkCmdBindDescriptorSets(
+            cmd, vk.VK_PIPELINE_BIND_POINT_COMPUTE, self.layout, 0, 1, sets, 0, ffi.NULL
+        )
+        if self.push_size:
+            data = ffi.new("char[]", bytes(push))
+            lib.vkCmdPushConstants(cmd, self.layout, vk.VK_SHADER_STAGE_COMPUTE_BIT, 0, self.push_size, data)
+        lib.vkCmdDispatch(cmd, gx, gy, gz)
+
+    def groups_for(self, n_groups: int) -> tuple[int, int, int]:
+        """Split a group count over (x, y) past maxComputeWorkGroupCount[0] (shaders use group_index())."""
+        max_x = self.device.limits["maxComputeWorkGroupCount"][0]
+        if n_groups <= max_x:
+            return (max(n_groups, 1), 1, 1)
+        return (max_x, -(-n_groups // max_x), 1)
+
+    def close(self) -> None:
+        d = self.device.handle
+        lib.vkDestroyPipeline(d, self.pipeline, ffi.NULL)
+        lib.vkDestroyPipelineLayout(d, self.layout, ffi.NULL)
+        lib.vkDestroyDescriptorSetLayout(d, self.set_layout, ffi.NULL)
+        lib.vkDestroyShaderModule(d, self.module, ffi.NULL)
+        if self._own_descriptors:
+            self.descriptors.close()
+        self._sets = {}
+
+
+# -- recorded command buffers --------------------------------------------------------------------------------
+_ALL_ACCESS = (
+    vk.VK_ACCESS_SHADER_READ_BIT
+    | vk.VK_ACCESS_SHADER_WRITE_BIT
+    | vk.VK_ACCESS_TRANSFER_READ_BIT
+    | vk.VK_ACCESS_TRANSFER_WRITE_BIT
+)
+_WORK_STAGES = vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT
+
+
+class CommandRecorder:
+    """Dispatches and copies recorded into one command buffer, separated by barriers; submitted many times.
+
+    ``begin()``, then ``dispatch()``/``copy()`` any number of times, ``end()``; then ``submit()`` as often as
+    wanted (one vkQueueSubmit + one fence wait each; the host writes inputs into mapped buffers in between).
+    With ``timestamps=True`` a timestamp is written before the first and after every command;
+    :meth:`gpu_times` returns the GPU nanoseconds of each (label, ns) and of the whole submit.
+    Barriers are conservative for now (every command waits for all earlier compute/transfer writes); the
+    graph recorder will place them from buffer dependencies.
+    """
+
+    def __init__(self, device: Device, timestamps: bool = False, max_commands: int = 4096):
+        self.device = device
+        self.timestamps = timestamps and device.caps["timestamps"]
+        self.max_queries = max_commands + 1
+        self.labels: list[str] = []
+        cba = new(
+            "VkCommandBufferAllocateInfo",
+            sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO,
+            commandPool=device.command_pool,
+            level=vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY,
+            commandBufferCount=1,
+        )
+        self._cmds = ffi.new("VkCommandBuffer[]", 1)
+        check(lib.vkAllocateCommandBuffers(device.handle, cba, self._cmds), "vkAllocateCommandBuffers")
+        self.cmd = self._cmds[0]
+        self.fence = device.create_fence()
+        self._fences = ffi.new("VkFence[]", [self.fence])
+        self._submit_info = new(
+            "VkSubmitInfo",
+            sType=vk.VK_STRUCTURE_TYPE_SUBMIT_INFO,
+            commandBufferCount=1,
+            pCommandBuffers=self._cmds,
+        )
+        self.query_pool = self._create_query_pool() if self.timestamps else None
+        self._recording = False
+        self.submits = 0
+
+    def _create_query_pool(self):
+        ci = new(
+            "VkQueryPoolCreateInfo",
+            sType=vk.VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO,
+            queryType=vk.VK_QUERY_TYPE_TIMESTAMP,
+            queryCount=self.max_queries,
+        )
+        out = ffi.new("VkQueryPool*")
+        check(lib.vkCreateQueryPool(self.device.handle, ci, ffi.NULL, out), "vkCreateQueryPool")
+        return out[0]
+
+    def begin(self) -> CommandRecorder:
+        check(lib.vkResetCommandBuffer(self.cmd, 0), "vkResetCommandBuffer")
+        bi = new("VkCommandBufferBeginInfo", sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO)
+        check(lib.vkBeginCommandBuffer(self.cmd, bi), "vkBeginCommandBuffer")
+        self.labels, self._recording = [], True
+        if self.query_pool is not None:
+            lib.vkCmdResetQueryPool(self.cmd, self.query_pool, 0, self.max_queries)
+            lib.vkCmdWriteTimestamp(self.cmd, vk.VK_PIPELINE_STAGE_TOP_OF_PIPE_BIT, self.query_pool, 0)
+        return self
+
+    def barrier(self, dst_stage: int = _WORK_STAGES, dst_access: int = _ALL_ACCESS) -> None:
+        mb = new(
+            "VkMemoryBarrier",
+            sType=vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER,
+            srcAccessMask=vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT,
+            dstAccessMask=dst_access,
+        )
+        lib.vkCmdPipelineBarrier(self.cmd, _WORK_STAGES, dst_stage, 0, 1, mb, 0, ffi.NULL, 0, ffi.NULL)
+
+    def _after(self, label: str) -> None:
+        self.labels.append(label)
+        if len(self.labels) >= self.max_queries:
+            raise ValueError(f"more than {self.max_queries - 1} commands: raise max_commands")
+        if self.query_pool is not None:
+            stage = vk.VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT
+            lib.vkCmdWriteTimestamp(self.cmd, stage, self.query_pool, len(self.labels))
+
+    def dispatch(self, kernel: Kernel, buffers: Sequence[Binding], push, groups, label: str = "") -> None:
+        assert self._recording, "begin() first"
+        if self.labels:
+            self.barrier()
+        kernel.record(self.cmd, buffers, push, groups)
+        self._after(label or kernel.name)
+
+    def copy(self, src: BufferView, dst: BufferView, nbytes: int | None = None, label: str = "copy") -> None:
+        assert self._recording, "begin() first"
+        if self.labels:
+            self.barrier()
+        n = src.nbytes if nbytes is None else nbytes
+        region = new("VkBufferCopy", srcOffset=src.offset, dstOffset=dst.offset, size=n)
+        lib.vkCmdCopyBuffer(self.cmd, src.buffer, dst.buffer, 1, region)
+        self._after(label)
+
+    def end(self) -> CommandRecorder:
+        # Make the last writes visible to the host (mapped readback) after the fence.
+        self.barrier(vk.VK_PIPELINE_STAGE_HOST_BIT, vk.VK_ACCESS_HOST_READ_BIT)
+        check(lib.vkEndCommandBuffer(self.cmd), "vkEndCommandBuffer")
+        self._recording = False
+        return self
+
+    def submit(self, wait: bool = True, timeout_s: float = 60.0) -> float:
+        """Run the recorded buffer once; returns host seconds from submit to fence (when ``wait``)."""
+        assert not self._recording, "end() first"
+        t0 = time.perf_counter()
+        check(lib.vkResetFences(self.device.handle, 1, self._fences), "vkResetFences")
+        check(lib.vkQueueSubmit(self.device.queue, 1, self._submit_info, self.fence), "vkQueueSubmit")
+        self.submits += 1
+        if wait:
+            self.wait(timeout_s)
+        return time.perf_counter() - t0
+
+    def wait(self, timeout_s: float = 60.0) -> None:
+        r = lib.vkWaitForFences(self.device.handle, 1, self._fences, 1, int(timeout_s * 1e9))
+        check(r, "vkWaitForFences(recorded step)")
+
+    def gpu_times(self) -> dict[str, Any]:
+        """GPU ns per command and for the whole buffer, from the last submit's timestamps."""
+        if self.query_pool is None:
+            return {}
+        n = len(self.labels) + 1
+        data = np.zeros(n, np.uint64)
+        flags = vk.VK_QUERY_RESULT_64_BIT | vk.VK_QUERY_RESULT_WAIT_BIT
+        r = lib.vkGetQueryPoolResults(
+            self.device.handle, self.query_pool, 0, n, data.nbytes, ffi.from_buffer(data), 8, flags
+        )
+        check(r, "vkGetQueryPoolResults")
+        bits = self.device.info.timestamp_valid_bits
+        if bits < 64:
+            data &= np.uint64((1 << bits) - 1)
+        ns = np.diff(data.astype(np.int64)) * self.device.limits["timestampPeriod"]
+        return {
+            "total_ns": float(ns.sum()),
+            "commands": [(lab, float(t)) for lab, t in zip(self.labels, ns, strict=True)],
+        }
+
+    def close(self) -> None:
+        d = self.device.handle
+        if self.submits:
+            lib.vkWaitForFences(d, 1, self._fences, 1, 10**10)
+        lib.vkFreeCommandBuffers(d, self.device.command_pool, 1, self._cmds)
+        lib.vkDestroyFence(d, self.fence, ffi.NULL)
+        if self.query_pool is not None:
+            lib.vkDestroyQueryPool(d, self.query_pool, ffi.NULL)

@@ -1,0 +1,92 @@
+"""SPIR-V programs: find the committed ``shaders/spv/<name>.spv``, and read what its interface is.
+
+The reflection is deliberately tiny (a few opcodes of the SPIR-V binary): the storage-buffer bindings of set 0
+and the push-constant block's member offsets and size. :class:`~hmad.backends.vulkan.pipelines.Kernel` uses it
+to assert, when a pipeline is built, that the Python push-constant struct mirrors the shader's block and that
+the binding count it will be given matches the shader: a drifted struct fails loudly at load, not as garbage.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+SPIRV_MAGIC = 0x07230203
+# opcodes
+OP_TYPE_INT, OP_TYPE_FLOAT, OP_TYPE_VECTOR, OP_TYPE_STRUCT, OP_TYPE_POINTER = 21, 22, 23, 30, 32
+OP_VARIABLE, OP_DECORATE, OP_MEMBER_DECORATE = 59, 71, 72
+# decorations, storage classes
+DEC_BINDING, DEC_SET, DEC_OFFSET = 33, 34, 35
+SC_UNIFORM, SC_PUSH_CONSTANT, SC_STORAGE_BUFFER = 2, 9, 12
+
+
+def shader_dir() -> Path:
+    """``HMAD_SHADER_DIR`` if set, else ``shaders/spv`` of the source tree this package lives in."""
+    env = os.environ.get("HMAD_SHADER_DIR")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[4] / "shaders" / "spv"
+
+
+def load_spirv(name: str) -> bytes:
+    path = shader_dir() / f"{name}.spv"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no compiled shader {name!r} (python3 shaders/build.py makes it)")
+    code = path.read_bytes()
+    if len(code) % 4 or struct.unpack_from("<I", code)[0] != SPIRV_MAGIC:
+        raise ValueError(f"{path}: not a SPIR-V module")
+    return code
+
+
+@dataclass(frozen=True)
+class Interface:
+    bindings: tuple[int, ...]  # storage-buffer binding numbers in set 0, sorted
+    push_offsets: tuple[int, ...]  # byte offset of each push-constant member, in declaration order
+    push_size: int  # bytes up to the end of the last member (0: no push constants)
+
+
+def reflect(code: bytes) -> Interface:
+    """Bindings and push-constant layout of a compute module (scalars and vectors in the push block)."""
+    words = struct.unpack(f"<{len(code) // 4}I", code)
+    sizes: dict[int, int] = {}
+    structs: dict[int, list[int]] = {}
+    pointers: dict[int, int] = {}
+    variables: list[tuple[int, int, int]] = []  # (pointer type, id, storage class)
+    binding: dict[int, int] = {}
+    dset: dict[int, int] = {}
+    offsets: dict[tuple[int, int], int] = {}
+    i = 5
+    while i < len(words):
+        op, n = words[i] & 0xFFFF, words[i] >> 16
+        a = words[i + 1 : i + n]
+        if op in (OP_TYPE_INT, OP_TYPE_FLOAT):
+            sizes[a[0]] = a[1] // 8
+        elif op == OP_TYPE_VECTOR:
+            sizes[a[0]] = sizes.get(a[1], 4) * a[2]
+        elif op == OP_TYPE_STRUCT:
+            structs[a[0]] = list(a[1:])
+        elif op == OP_TYPE_POINTER:
+            pointers[a[0]] = a[2]
+        elif op == OP_VARIABLE:
+            variables.append((a[0], a[1], a[2]))
+        elif op == OP_DECORATE and a[1] in (DEC_BINDING, DEC_SET):
+            (binding if a[1] == DEC_BINDING else dset)[a[0]] = a[2]
+        elif op == OP_MEMBER_DECORATE and a[2] == DEC_OFFSET:
+            offsets[(a[0], a[1])] = a[3]
+        i += max(n, 1)
+    bufs = sorted(
+        binding[v]
+        for _, v, sc in variables
+        if sc in (SC_STORAGE_BUFFER, SC_UNIFORM) and v in binding and dset.get(v, 0) == 0
+    )
+    push_offsets: tuple[int, ...] = ()
+    push_size = 0
+    for ptr, _, sc in variables:
+        if sc == SC_PUSH_CONSTANT:
+            sid = pointers[ptr]
+            members = structs[sid]
+            push_offsets = tuple(offsets[(sid, m)] for m in range(len(members)))
+            push_size = push_offsets[-1] + sizes.get(members[-1], 4) if members else 0
+    return Interface(tuple(bufs), push_offsets, push_size)

@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""Compile the compute shaders to SPIR-V: ``python3 shaders/build.py`` (needs glslc), ``--check`` to verify.
+
+The build list below is the single place variants are made: (output name, source, defines). Outputs go to
+``shaders/spv/<name>.spv`` and are committed (users and the device machine have no glslc), together with
+``shaders/spv/manifest.json``: the glslc version and flags, and per shader the SHA-256 of its inputs (source,
+every shared header, defines, flags) and of its SPIR-V. (Not ``shaders/build/``: ``build/`` is git-ignored,
+and an ignored folder would neither be committed nor travel to the device machine.)
+
+``--check`` fails when a committed output is stale: inputs changed since the manifest was written, a .spv
+missing or edited, or extra .spv files. With glslc present it also rebuilds everything into a temp dir and
+compares bytes (when the glslc version equals the manifest's; another version may emit different bytes).
+The build is deterministic: fixed flags, no debug info (-g is never passed), sorted defines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "spv"
+FLAGS = ["-fshader-stage=compute", "--target-env=vulkan1.2", "-O"]
+
+# (output name, source, defines)
+BUILD: list[tuple[str, str, dict[str, str]]] = [
+    ("copy_vec4", "copy.comp", {}),
+    ("copy_vec4_x4", "copy.comp", {"UNROLL": "4"}),
+    ("copy_vec4_x8", "copy.comp", {"UNROLL": "8"}),
+    ("add_f32", "add.comp", {}),
+    ("rms_norm_f32", "rms_norm.comp", {}),
+    ("rms_norm_f32_subgroup", "rms_norm.comp", {"SUBGROUP": "1"}),
+]
+
+
+def _sha(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+def inputs_hash(source: str, defines: dict[str, str]) -> str:
+    h = hashlib.sha256()
+    for p in [HERE / source, *sorted(HERE.glob("*.glsl"))]:
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    h.update(json.dumps([sorted(defines.items()), FLAGS]).encode())
+    return h.hexdigest()
+
+
+def glslc_version() -> str | None:
+    exe = shutil.which("glslc")
+    if exe is None:
+        return None
+    out = subprocess.run([exe, "--version"], capture_output=True, text=True, check=True).stdout
+    return out.splitlines()[0].strip() if out else "unknown"
+
+
+def compile_one(source: str, defines: dict[str, str], dst: Path) -> None:
+    cmd = ["glslc", *FLAGS, f"-I{HERE}", *[f"-D{k}={v}" for k, v in sorted(defines.items())]]
+    cmd += [str(HERE / source), "-o", str(dst)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"glslc failed for {dst.name}:\n{r.stderr}")
+
+
+def build(out: Path) -> dict:
+    version = glslc_version()
+    if version is None:
+        raise SystemExit(
+            "glslc not found (apt-get install glslc); the committed shaders/spv/*.spv still work"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = {"glslc": version, "flags": FLAGS, "shaders": {}}
+    for name, source, defines in BUILD:
+        dst = out / f"{name}.spv"
+        compile_one(source, defines, dst)
+        manifest["shaders"][name] = {
+            "source": source,
+            "defines": dict(sorted(defines.items())),
+            "inputs_sha256": inputs_hash(source, defines),
+            "spv_sha256": _sha(dst.read_bytes()),
+        }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return manifest
+
+
+def check() -> list[str]:
+    """Problems with the committed outputs (empty list: up to date)."""
+    mf = OUT / "manifest.json"
+    if not mf.exists():
+        return [f"{mf} missing: run python3 shaders/build.py"]
+    manifest = json.loads(mf.read_text())
+    problems = []
+    names = {n for n, _, _ in BUILD}
+    for name, source, defines in BUILD:
+        entry = manifest["shaders"].get(name)
+        spv = OUT / f"{name}.spv"
+        if entry is None or not spv.exists():
+            problems.append(f"{name}: not built")
+            continue
+        if entry["inputs_sha256"] != inputs_hash(source, defines):
+            problems.append(f"{name}: {source} (or a .glsl header, defines, flags) changed since the build")
+        if entry["spv_sha256"] != _sha(spv.read_bytes()):
+            problems.append(f"{name}: {spv.name} differs from the manifest")
+    problems += [f"{p.name}: not in the build list" for p in OUT.glob("*.spv") if p.stem not in names]
+    problems += [
+        f"{n}: in the manifest, not in the build list" for n in manifest["shaders"] if n not in names
+    ]
+    version = glslc_version()
+    if version is not None and version == manifest.get("glslc"):
+        with tempfile.TemporaryDirectory() as tmp:
+            build(Path(tmp))
+            for name, _, _ in BUILD:
+                new, old = Path(tmp, f"{name}.spv"), OUT / f"{name}.spv"
+                if old.exists() and new.read_bytes() != old.read_bytes():
+                    problems.append(f"{name}: rebuilt SPIR-V differs from the committed one")
+    elif version is not None:
+        print(f"note: glslc is {version!r}, the manifest's is {manifest.get('glslc')!r}: bytes not compared")
+    return problems
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="fail if any committed .spv is stale")
+    args = ap.parse_args()
+    if args.check:
+        problems = check()
+        for p in problems:
+            print("stale:", p)
+        print(
+            "shaders up to date"
+            if not problems
+            else f"{len(problems)} problem(s): run python3 shaders/build.py"
+        )
+        return 1 if problems else 0
+    for stale in OUT.glob("*.spv"):
+        stale.unlink()
+    manifest = build(OUT)
+    print(f"built {len(manifest['shaders'])} shaders into {OUT} with {manifest['glslc']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+// Shared header of every hmad compute shader. Each .comp starts with `#version 450` then includes this.
+//
+// Conventions (mirrored by hmad/backends/vulkan/pipelines.py):
+// - workgroup size x is specialization constant 0 (BLOCK_SIZE), set per pipeline from Python;
+// - bindings are storage buffers 0..N-1 in set 0, each bound as one (offset, range) of an arena: a shader
+//   indexes from 0 and never sees arena offsets; tensors bigger than maxStorageBufferRange come in ranges;
+// - the push-constant block of each op is mirrored field by field by one ctypes.Structure in pipelines.py
+//   (std430 layout: 4-byte scalars only, in the same order).
+#extension GL_EXT_shader_16bit_storage : require
+#extension GL_EXT_shader_8bit_storage : require
+#extension GL_EXT_shader_explicit_arithmetic_types : require
+#extension GL_EXT_control_flow_attributes : enable
+
+layout(local_size_x_id = 0, local_size_y = 1, local_size_z = 1) in;
+layout(constant_id = 0) const uint BLOCK_SIZE = 64;
+
+#ifndef A_TYPE
+#define A_TYPE float
+#endif
+#ifndef D_TYPE
+#define D_TYPE float
+#endif
+
+// Flat index of this workgroup when a dispatch uses (x, y) groups to go past maxComputeWorkGroupCount[0].
+uint group_index() {
+    return gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
+}
+
+// Invocations in the whole dispatch (the stride of grid-stride loops).
+uint grid_size() {
+    return gl_NumWorkGroups.x * gl_NumWorkGroups.y * BLOCK_SIZE;
+}
+
+uint global_index() {
+    return group_index() * BLOCK_SIZE + gl_LocalInvocationID.x;
+}
