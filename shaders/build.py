@@ -36,6 +36,26 @@ BUILD: list[tuple[str, str, dict[str, str]]] = [
     ("add_f32", "add.comp", {}),
     ("rms_norm_f32", "rms_norm.comp", {}),
     ("rms_norm_f32_subgroup", "rms_norm.comp", {"SUBGROUP": "1"}),
+    ("embed_f32", "embed.comp", {}),
+    ("embed_f16", "embed.comp", {"TABLE_F16": "1"}),
+    ("embed_q8_0", "embed.comp", {"TABLE_Q8_0": "1"}),
+    ("rope_f32", "rope.comp", {}),
+    ("geglu_f32", "geglu.comp", {}),
+    ("kv_write_f32", "kv_write.comp", {}),
+    ("kv_write_f16", "kv_write.comp", {"POOL_TYPE": "float16_t"}),
+    ("attention_f32", "attention.comp", {}),
+    ("attention_f16", "attention.comp", {"POOL_TYPE": "float16_t"}),
+    ("argmax_f32", "argmax.comp", {}),
+    # quantized matmul per weight type: mat-vec (shared / subgroup reduce), tiled mat-mat (kernels_matmul.py)
+    *[
+        (f"{op}_{t.lower()}{suffix}", f"{op}.comp", {f"TYPE_{t}": "1", **extra})
+        for t in ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q4_K", "Q6_K")
+        for op, suffix, extra in (
+            ("mul_mat_vec", "", {}),
+            ("mul_mat_vec", "_subgroup", {"SUBGROUP": "1"}),
+            ("mul_mat", "", {}),
+        )
+    ],
 ]
 
 

@@ -25,6 +25,7 @@ import numpy as np
 import vulkan as vk
 
 from hmad.backends.vulkan.device import Device, OutOfPoolMemory, check, ffi, lib, new
+from hmad.backends.vulkan.kernels_matmul import MatMulPush, kernel_specs  # noqa: F401 (re-export)
 from hmad.backends.vulkan.memory import BufferView
 from hmad.backends.vulkan.program import load_spirv, reflect
 
@@ -50,6 +51,54 @@ class RmsNormPush(ctypes.Structure):
     _fields_ = [("ncols", u32), ("nrows", u32), ("x_stride", u32), ("y_stride", u32), ("eps", f32)]
 
 
+# The *_off fields below are word offsets of sections of the step metadata (hmad/backends/vulkan/stepmeta.py).
+class EmbedPush(ctypes.Structure):
+    """shaders/embed.comp"""
+
+    _fields_ = [
+        *[(n, u32) for n in ("n_tokens", "dim", "ids_off", "row_begin", "n_rows", "y_stride")],
+        ("scale", f32),
+    ]
+
+
+class RopePush(ctypes.Structure):
+    """shaders/rope.comp"""
+
+    _fields_ = [
+        *[(n, u32) for n in ("n_tokens", "n_heads", "head_dim", "x_stride", "y_stride", "pos_off")],
+        ("base", f32),
+        ("scale", f32),
+    ]
+
+
+class GegluPush(ctypes.Structure):
+    """shaders/geglu.comp"""
+
+    _fields_ = [(n, u32) for n in ("n_cols", "n_rows", "gate_stride", "up_stride", "y_stride")]
+
+
+class KvWritePush(ctypes.Structure):
+    """shaders/kv_write.comp"""
+
+    _fields_ = [(n, u32) for n in ("n_tokens", "row", "k_stride", "v_stride", "slot_off")]
+
+
+class AttentionPush(ctypes.Structure):
+    """shaders/attention.comp"""
+
+    _fields_ = [
+        *[(n, u32) for n in ("n_tokens", "n_heads", "n_kv_heads", "head_dim", "q_stride", "o_stride")],
+        *[(n, u32) for n in ("block_size", "window", "pos_off", "seq_off", "info_off")],
+        ("scale", f32),
+    ]
+
+
+class ArgmaxPush(ctypes.Structure):
+    """shaders/argmax.comp"""
+
+    _fields_ = [(n, u32) for n in ("n_rows", "n_cols", "row_stride")]
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     source: str  # the .comp it is built from (documentation; the build list is in shaders/build.py)
@@ -66,6 +115,17 @@ KERNELS: dict[str, KernelSpec] = {
     "add_f32": KernelSpec("add.comp", 3, AddPush, 256),
     "rms_norm_f32": KernelSpec("rms_norm.comp", 3, RmsNormPush, 128),
     "rms_norm_f32_subgroup": KernelSpec("rms_norm.comp", 3, RmsNormPush, 128),
+    "embed_f32": KernelSpec("embed.comp", 3, EmbedPush, 128),
+    "embed_f16": KernelSpec("embed.comp", 3, EmbedPush, 128),
+    "embed_q8_0": KernelSpec("embed.comp", 3, EmbedPush, 128),
+    "rope_f32": KernelSpec("rope.comp", 3, RopePush, 256),
+    "geglu_f32": KernelSpec("geglu.comp", 3, GegluPush, 256),
+    "kv_write_f32": KernelSpec("kv_write.comp", 5, KvWritePush, 256),
+    "kv_write_f16": KernelSpec("kv_write.comp", 5, KvWritePush, 256),
+    "attention_f32": KernelSpec("attention.comp", 5, AttentionPush, 64),
+    "attention_f16": KernelSpec("attention.comp", 5, AttentionPush, 64),
+    "argmax_f32": KernelSpec("argmax.comp", 2, ArgmaxPush, 256),
+    **kernel_specs(KernelSpec),  # mul_mat_vec_<type>[_subgroup], mul_mat_<type>: kernels_matmul.py
 }
 
 # A binding: a whole view, or (view, offset inside the view, nbytes) for one range of a big tensor.

@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""Quantized mat-vec (and tiled mat-mat) bandwidth at a Gemma 3 27B-like shape, next to the copy ceiling.
+
+Default shape: the 27B FFN up projection, K = 5376, N = 21504, Q4_K (65 MB of blocks). For each mat-vec
+variant (shared-memory / subgroup reduction), workgroup size and token count T, records ``--iters``
+dispatches with a timestamp after each, submits once to warm up and once measured, and reports the median
+GPU time and the achieved bandwidth = weight bytes / GPU time (x and y are < 0.2 % of the traffic). The
+ceiling is ``copy_vec4_x4`` (bench_vulkan_copy.py) over a buffer the size of W in the same run, reported as
+(read + write) bytes / time as that bench does. ``--prefill T`` also times mul_mat_<type> (TFLOP/s).
+A few rows of the T = 1 result are checked against the numpy dequantization.
+
+    python3 bench/bench_vulkan_matmul.py --iters 20 --out result.json       # device machine
+    python3 bench/bench_vulkan_matmul.py --n 2048 --iters 2 --prefill 64     # lavapipe smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
+
+from bench_vulkan_copy import bench_variant  # noqa: E402
+
+from hmad.backends.vulkan.device import Device  # noqa: E402
+from hmad.backends.vulkan.kernels_matmul import MATMUL_TYPES, record_matmul, weight_row_bytes  # noqa: E402
+from hmad.backends.vulkan.memory import Uploader, create_buffer  # noqa: E402
+from hmad.backends.vulkan.pipelines import CommandRecorder, Kernel  # noqa: E402
+from hmad.model.quants import dequantize, random_blocks  # noqa: E402
+
+
+def time_kernel(dev, kernel, w, x, y, k, n, t, iters) -> float:
+    """Median GPU ns of one y = x · Wᵀ (summed over its bind ranges)."""
+    rec = CommandRecorder(dev, timestamps=True, max_commands=iters * 8).begin()
+    per_call = 0
+    for _ in range(iters):
+        per_call = record_matmul(rec, kernel, w, x, y, k, n, t)
+    rec.end()
+    rec.submit()  # warm-up
+    rec.submit()
+    ns = np.array([v for _, v in rec.gpu_times()["commands"]]).reshape(iters, per_call).sum(axis=1)
+    rec.close()
+    return float(np.median(ns))
+
+
+def check_rows(up, w_host, qtype, y, x, k, n) -> float:
+    """Max error (relative to the output scale) of the first and last 32 rows of the T = 1 result."""
+    rows = np.r_[0:32, n - 32 : n]
+    ref = dequantize(w_host[rows], qtype, (len(rows), k)).astype(np.float64) @ x[0].astype(np.float64)
+    got = up.download(y).view(np.float32)[:n][rows]
+    return float(np.abs(got - ref).max() / np.abs(ref).max())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--type", default="q4_k", choices=sorted(MATMUL_TYPES))
+    ap.add_argument("--k", type=int, default=5376)
+    ap.add_argument("--n", type=int, default=21504)
+    ap.add_argument("--tokens", default="1,2,4,8", help="mat-vec token counts")
+    ap.add_argument("--blocks", default="64,128,256", help="mat-vec workgroup sizes")
+    ap.add_argument("--prefill", type=int, default=512, help="T of the mat-mat run (0: skip)")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dev = Device(args.device)
+    qtype, k, n = MATMUL_TYPES[args.type], args.k, args.n
+    rb = weight_row_bytes(qtype, k)
+    w_host = np.ascontiguousarray(random_blocks(qtype, (n, k), np.random.default_rng(0))).view(np.uint8)
+    w_host = w_host.reshape(n, rb)
+    t_max = max(8, args.prefill)
+    x_host = np.random.default_rng(1).standard_normal((t_max, k)).astype(np.float32)
+    up = Uploader(dev)
+    w, x = create_buffer(dev, w_host.nbytes, "device", "W"), create_buffer(dev, x_host.nbytes, "device", "x")
+    y = create_buffer(dev, t_max * n * 4, "device", "y")
+    w.row_bytes = rb
+    up.upload(w, w_host)
+    up.upload(x, x_host)
+    up.flush()
+    res = {"device": dev.describe()["name"], "type": args.type, "K": k, "N": n, "weight_bytes": w.nbytes}
+
+    src, dst = (
+        create_buffer(dev, w.nbytes // 4096 * 4096, "device"),
+        create_buffer(dev, w.nbytes // 4096 * 4096),
+    )
+    copy = bench_variant(dev, "copy_vec4_x4", 256, src, dst, args.iters)
+    res["copy_ceiling_GBps"] = copy["GBps"]
+    print(
+        f"{res['device']}: copy_vec4_x4 over {src.nbytes / 1e6:.0f} MB: {copy['GBps']:.1f} GB/s (read+write)"
+    )
+
+    res["matvec"] = []
+    for variant in (f"mul_mat_vec_{args.type}", f"mul_mat_vec_{args.type}_subgroup"):
+        for block in map(int, args.blocks.split(",")):
+            kern = Kernel(dev, variant, block_size=block)
+            for t in map(int, args.tokens.split(",")):
+                ns = time_kernel(dev, kern, w, x, y, k, n, t, args.iters)
+                r = {"variant": variant, "block": block, "T": t, "us": ns / 1e3, "GBps": w.nbytes / ns}
+                r["of_copy"] = r["GBps"] / copy["GBps"]
+                res["matvec"].append(r)
+                print(
+                    f"{variant:26s} block {block:3d} T={t}: {ns / 1e3:9.1f} us  {r['GBps']:8.1f} GB/s "
+                    f"({100 * r['of_copy']:.0f}% of copy)",
+                    flush=True,
+                )
+                if t == 1:
+                    r["max_err"] = check_rows(up, w_host, qtype, y, x_host, k, n)
+                    assert r["max_err"] < 1e-4, r
+            kern.close()
+    if args.prefill:
+        kern = Kernel(dev, f"mul_mat_{args.type}")
+        ns = time_kernel(dev, kern, w, x, y, k, n, args.prefill, max(1, args.iters // 2))
+        res["matmul"] = {"T": args.prefill, "us": ns / 1e3, "TFLOPs": 2 * k * n * args.prefill / ns / 1e3}
+        print(
+            f"mul_mat_{args.type} T={args.prefill}: {ns / 1e3:.1f} us, {res['matmul']['TFLOPs']:.2f} TFLOP/s"
+        )
+        kern.close()
+    best = max(res["matvec"], key=lambda r: r["GBps"])
+    print(f"best mat-vec: {best['variant']} block {best['block']} T={best['T']}: {best['GBps']:.1f} GB/s")
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    up.close()
+    for b in (w, x, y, src, dst):
+        b.arena.close()
+    dev.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

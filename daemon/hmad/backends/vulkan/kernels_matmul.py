@@ -1,0 +1,131 @@
+"""Quantized matmul kernels: y (T, N) = x (T, K) · Wᵀ, W (N, K) read as GGUF blocks (shaders/dequant.glsl).
+
+Variants (one per weight type ``<t>`` in :data:`MATMUL_TYPES`):
+
+- ``mul_mat_vec_<t>`` / ``mul_mat_vec_<t>_subgroup`` (shaders/mul_mat_vec.comp): T ≤ 8 tokens (decode, small
+  batches); one workgroup per :data:`MATVEC_ROWS` rows, every weight read once for all T tokens; the reduction
+  through shared memory, or subgroupAdd first in the ``_subgroup`` variant.
+- ``mul_mat_<t>`` (shaders/mul_mat.comp): any T (prefill); 64 × 64 output tiles, W tiles dequantized into
+  shared memory; workgroup size fixed at 256.
+
+Bindings: 0 = W (the raw bytes of its rows, bound whole or as one range of whole rows), 1 = x float32,
+2 = y float32. A W bigger than maxStorageBufferRange is bound as several ranges (:meth:`BufferView.ranges`)
+and recorded as one dispatch per range, ``row_offset`` telling each which y columns it writes
+(:func:`record_matmul`).
+This module imports nothing from pipelines.py (pipelines.py imports it to register the variants).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from hmad.model.tensors import QType, block_layout
+
+u32 = ctypes.c_uint32
+
+#: Weight types with a decoder in dequant.glsl: variant suffix -> GGUF type.
+MATMUL_TYPES: dict[str, QType] = {
+    "f32": QType.F32,
+    "f16": QType.F16,
+    "bf16": QType.BF16,
+    "q8_0": QType.Q8_0,
+    "q5_0": QType.Q5_0,
+    "q4_k": QType.Q4_K,
+    "q6_k": QType.Q6_K,
+}
+MATVEC_ROWS = 2  # rows of W per mat-vec workgroup (NUM_ROWS in mul_mat_vec.comp)
+MATVEC_MAX_T = 8  # tokens per mat-vec dispatch (MAX_T)
+MATMUL_TILE = 64  # BN = BT of mul_mat.comp
+MATMUL_BLOCK = 256  # mul_mat.comp's fixed workgroup size
+MATVEC_BLOCK = 128  # default mat-vec workgroup size (any power of two)
+
+
+class MatMulPush(ctypes.Structure):
+    """shaders/mul_mat_vec.comp and shaders/mul_mat.comp"""
+
+    _fields_ = [
+        ("K", u32),  # weights per row
+        ("N", u32),  # rows of W in the bound range
+        ("T", u32),  # tokens
+        ("x_stride", u32),  # floats between rows of x (multiple of 4)
+        ("y_stride", u32),  # floats between rows of y
+        ("row_bytes", u32),  # bytes of one stored W row
+        ("row_offset", u32),  # y column of the range's first row
+    ]
+
+
+def build_entries() -> list[tuple[str, str, dict[str, str]]]:
+    """The (name, source, defines) rows of shaders/build.py for every variant."""
+    out = []
+    for t in MATMUL_TYPES:
+        d = {f"TYPE_{t.upper()}": "1"}
+        out += [
+            (f"mul_mat_vec_{t}", "mul_mat_vec.comp", d),
+            (f"mul_mat_vec_{t}_subgroup", "mul_mat_vec.comp", {**d, "SUBGROUP": "1"}),
+            (f"mul_mat_{t}", "mul_mat.comp", d),
+        ]
+    return out
+
+
+def kernel_specs(spec_type) -> dict:
+    """name -> ``spec_type(source, 3, MatMulPush, block)`` for :data:`pipelines.KERNELS`."""
+    return {
+        name: spec_type(src, 3, MatMulPush, MATMUL_BLOCK if src == "mul_mat.comp" else MATVEC_BLOCK)
+        for name, src, _ in build_entries()
+    }
+
+
+def weight_row_bytes(qtype: QType, k: int) -> int:
+    elems, nbytes = block_layout(qtype)
+    if k % elems or k % 8:
+        raise ValueError(f"K={k} is not whole {qtype.name} blocks (and a multiple of 8)")
+    return k // elems * nbytes
+
+
+def record_matmul(
+    rec,
+    kernel,
+    w,
+    x,
+    y,
+    k: int,
+    n: int,
+    t: int,
+    x_stride: int | None = None,
+    y_stride: int | None = None,
+    max_range: int | None = None,
+) -> int:
+    """Record y[:t, :n] = x[:t, :k] · Wᵀ into ``rec`` (a CommandRecorder); returns the dispatch count.
+
+    ``kernel`` a mul_mat_vec_* (t ≤ 8) or mul_mat_* Kernel; ``w`` the BufferView of W's rows (its
+    ``row_bytes`` set, or computed here from the kernel's type); one dispatch per bind range of W
+    (``max_range``: the device's maxStorageBufferRange unless given smaller, e.g. to test the split).
+    """
+    qtype = MATMUL_TYPES[kernel.name.removeprefix("mul_mat_vec_").removeprefix("mul_mat_").split("_sub")[0]]
+    rb = weight_row_bytes(qtype, k)
+    x_stride, y_stride = x_stride or k, y_stride or n
+    if x_stride % 4:
+        raise ValueError(f"x_stride {x_stride} must be a multiple of 4 (x is read as vec4)")
+    w.row_bytes = w.row_bytes or rb
+    assert w.row_bytes == rb and w.nbytes >= n * rb, f"{kernel.name}: W holds {w.nbytes} B, needs {n} × {rb}"
+    vec = kernel.name.startswith("mul_mat_vec_")
+    if vec and not 1 <= t <= MATVEC_MAX_T:
+        raise ValueError(f"{kernel.name}: T={t} tokens, mat-vec takes 1..{MATVEC_MAX_T}")
+    limits = kernel.device.limits
+    align = max(256, limits["minStorageBufferOffsetAlignment"])
+    ranges = w.ranges(
+        min(max_range or limits["maxStorageBufferRange"], limits["maxStorageBufferRange"]), align
+    )
+    row0 = 0
+    for off, nbytes in ranges:
+        rows = min(nbytes // rb, n - row0)
+        if rows <= 0:
+            break
+        push = MatMulPush(k, rows, t, x_stride, y_stride, rb, row0)
+        if vec:
+            groups = kernel.groups_for(-(-rows // MATVEC_ROWS))
+        else:
+            groups = (-(-rows // MATMUL_TILE), -(-t // MATMUL_TILE), 1)
+        rec.dispatch(kernel, [(w, off - w.offset, nbytes), x, y], push, groups)
+        row0 += rows
+    return len(ranges)

@@ -1,0 +1,131 @@
+"""Step metadata: the per-step values of a :class:`~hmad.engine.batch.StepBatch` as one uint32 array.
+
+The recorded forward pass keeps one host-visible buffer of this layout per batch-size bucket; each step the
+host writes :meth:`StepMetaLayout.pack` into it and replays. The layout is fixed by the bucket's capacities
+(``max_tokens`` rows, ``max_seqs`` sequences, ``max_table`` block-table entries), so every section's word
+offset is a constant recorded into the push constants of the kernels that read it; the shaders bind the whole
+buffer and index ``meta[section_off + i]``. Layout, in uint32 words (T = max_tokens, S = max_seqs)::
+
+    header      [0, 8)            n_tokens, n_seqs, block_size B, n_logit_rows, 4 words reserved (0)
+    tokens      [8, 8+T)          token id of row t                               embed.comp (ids_off)
+    positions   +T                position of row t in its sequence               rope.comp, attention.comp
+    seq         +T                sequence index s of row t (0..n_seqs-1)         attention.comp (seq_off)
+    slot_global +T                global-pool KV slot of row t's position         kv_write.comp (slot_off)
+    slot_local  +T                local-pool (ring) KV slot of row t's position   kv_write.comp (slot_off)
+    info_global +2S               per sequence: (table start, table entries)      attention.comp (info_off)
+    info_local  +2S               per sequence: (ring start, ring entries R)      attention.comp (info_off)
+    logit_rows  +S                rows whose logits the step returns (argmax/gather)
+    tables      +max_table        the block tables, flattened: each sequence's global table, then its ring
+
+- A table start is an absolute word index into the buffer (``tables`` offset included), so a shader reads
+  block ``meta[start + (p // B) % entries]``; position p of a sequence is in slot ``block * B + p % B``.
+  Global tables cover every position (the modulo never wraps); a local ring of R blocks wraps.
+- A layer's pool picks the section: a global layer's kernels get ``slot_global``/``info_global`` offsets, a
+  sliding-window layer's ``slot_local``/``info_local``. Slots are computed on the host (one per row).
+- Rows ``n_tokens..T-1`` are padding: token 0, position 0, sequence and both slots ``NONE`` (0xFFFFFFFF):
+  kv_write skips them, attention writes zeros. Unused sequences and table entries are 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hmad.engine.batch import StepBatch
+
+NONE = 0xFFFFFFFF
+HEADER_WORDS = 8
+
+
+@dataclass(frozen=True)
+class StepMetaLayout:
+    """Word offsets of the sections for a bucket of capacities (see the module docstring)."""
+
+    max_tokens: int
+    max_seqs: int
+    max_table: int
+
+    @property
+    def tokens(self) -> int:
+        return HEADER_WORDS
+
+    @property
+    def positions(self) -> int:
+        return self.tokens + self.max_tokens
+
+    @property
+    def seq(self) -> int:
+        return self.positions + self.max_tokens
+
+    @property
+    def slot_global(self) -> int:
+        return self.seq + self.max_tokens
+
+    @property
+    def slot_local(self) -> int:
+        return self.slot_global + self.max_tokens
+
+    @property
+    def info_global(self) -> int:
+        return self.slot_local + self.max_tokens
+
+    @property
+    def info_local(self) -> int:
+        return self.info_global + 2 * self.max_seqs
+
+    @property
+    def logit_rows(self) -> int:
+        return self.info_local + 2 * self.max_seqs
+
+    @property
+    def tables(self) -> int:
+        return self.logit_rows + self.max_seqs
+
+    @property
+    def words(self) -> int:
+        return self.tables + self.max_table
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.words
+
+    def pack(self, batch: StepBatch, out: np.ndarray | None = None) -> np.ndarray:
+        """The batch as this layout's uint32 words, written into ``out`` (e.g. the mapped buffer) if given."""
+        t, s = batch.n_tokens, len(batch.seqs)
+        n_table = sum(len(q.global_table) + len(q.local_table) for q in batch.seqs)
+        if t > self.max_tokens or s > self.max_seqs or n_table > self.max_table:
+            raise ValueError(
+                f"step of {t} tokens, {s} sequences, {n_table} table entries exceeds the bucket {self}"
+            )
+        m = np.zeros(self.words, np.uint32) if out is None else out
+        m[:] = 0
+        m[:HEADER_WORDS] = [t, s, batch.block_size, len(batch.logit_rows), 0, 0, 0, 0]
+        m[self.tokens : self.tokens + t] = batch.tokens
+        m[self.positions : self.positions + t] = batch.positions
+        pad = slice(t, self.max_tokens)
+        for sec in (self.seq, self.slot_global, self.slot_local):
+            m[sec : sec + self.max_tokens][pad] = NONE
+        at = self.tables
+        for i, q in enumerate(batch.seqs):
+            rows = slice(q.start, q.start + q.n)
+            m[self.seq : self.seq + t][rows] = i
+            pos = np.arange(q.pos0, q.end_pos)
+            for table, info, slots in (
+                (q.global_table, self.info_global, self.slot_global),
+                (q.local_table, self.info_local, self.slot_local),
+            ):
+                m[info + 2 * i : info + 2 * i + 2] = [at, len(table)]
+                m[at : at + len(table)] = table
+                at += len(table)
+                if len(table):
+                    m[slots : slots + t][rows] = kv_slots(table, pos, batch.block_size)
+                else:
+                    m[slots : slots + t][rows] = NONE
+        m[self.logit_rows : self.logit_rows + len(batch.logit_rows)] = batch.logit_rows
+        return m
+
+
+def kv_slots(table: np.ndarray, pos: np.ndarray, block_size: int) -> np.ndarray:
+    """Cache slot of each position: block table[(p // B) % len(table)], offset p % B."""
+    return table[(pos // block_size) % len(table)] * block_size + pos % block_size

@@ -1,0 +1,305 @@
+"""The non-matmul ops of the Gemma 3 forward pass as compute shaders, each against the numpy reference.
+
+Every op runs on fresh random inputs with its output poisoned with NaN first, and is compared with
+``CpuBackend(numerics="f32")`` (embed, rope, geglu, attention with its KV writes) or a direct numpy formula
+(argmax). Needs a Vulkan device (lavapipe in CI); skipped with the reason when there is none. Small shapes.
+
+Tolerances (float32 unless said):
+- embed: exact (the same roundings: f16 -> f32 and Q8_0 d * q are exact or one f32 product, then * scale);
+- rope: atol 4e-5 * (1 + position / 64) + rtol 1e-5: the angle is computed in float32 on the GPU
+  (exp2 of the frequency exponent, pos * inv_freq), the reference does it in float64, so the error grows
+  with the position (as llama.cpp's float32 angles do);
+- geglu: |error| <= 4e-7 |gate * up| + 2e-6 |y|: the GPU writes 0.5 (1 + tanh u) as 1 / (1 + exp(-2u)); for
+  negative gates the reference's 1 + tanh(u) cancels, so both sit ~1.6e-7 |gate * up| from the float64 value;
+- kv_write: exact (float32 copy, or the same float16 rounding as numpy's astype);
+- attention: rtol 2e-5, atol 2e-6 (online softmax in a different summation order);
+- argmax: exact ids, ties to the lowest id.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import test_vulkan_runtime as rt
+
+from hmad.backends.cpu import CpuBackend, CpuWeight
+from hmad.backends.vulkan import device as vkdev
+from hmad.backends.vulkan.stepmeta import NONE, StepMetaLayout, kv_slots
+from hmad.engine.batch import SeqSlice, StepBatch
+from hmad.engine.kvcache import KVLayout
+from hmad.model.quants import quantize_q8_0
+from hmad.model.tensors import QType, WeightTensor
+
+REF = CpuBackend(numerics="f32")
+
+
+@pytest.fixture(scope="module")
+def dev():
+    try:
+        d = vkdev.Device()
+    except (vkdev.NoVulkanDeviceError, vkdev.DeviceUnsuitableError, OSError) as e:
+        pytest.skip(f"no usable Vulkan device ({e}); apt-get install mesa-vulkan-drivers provides lavapipe")
+    yield d
+    d.close()
+
+
+@pytest.fixture(scope="module")
+def kernel(dev):
+    from hmad.backends.vulkan.pipelines import Kernel
+
+    made: dict[str, Kernel] = {}
+
+    def get(name: str) -> Kernel:
+        if name not in made:
+            made[name] = Kernel(dev, name)
+        return made[name]
+
+    yield get
+    for k in made.values():
+        k.close()
+
+
+@pytest.fixture
+def gpu(dev):
+    g = rt.Gpu(dev)
+    yield g
+    g.close()
+
+
+def run(dev, *dispatches):
+    """Record (kernel, buffers, push, groups) dispatches into one command buffer, submit once, wait."""
+    from hmad.backends.vulkan.pipelines import CommandRecorder
+
+    rec = CommandRecorder(dev).begin()
+    for k, bufs, push, groups in dispatches:
+        rec.dispatch(k, bufs, push, groups)
+    rec.end()
+    rec.submit()
+    rec.close()
+
+
+# -- step metadata (no device) -------------------------------------------------------------------------------
+def _batch(block_size=4):
+    """Three sequences: A prefills 5 more positions after 37 cached, B decodes at 9, C starts a prompt."""
+    rng = np.random.default_rng(11)
+    glob = rng.permutation(32).astype(np.int32)  # scattered global blocks
+    loc = rng.permutation(12).astype(np.int32)  # rings of 4 blocks
+    parts = [
+        (SeqSlice(7, 0, 0, 37, glob[:11], loc[:4]), rng.integers(0, 300, 5), True),
+        (SeqSlice(8, 0, 0, 9, glob[11:14], loc[4:8]), rng.integers(0, 300, 1), True),
+        (SeqSlice(9, 0, 0, 0, glob[14:15], loc[8:9]), rng.integers(0, 300, 3), False),
+    ]
+    return StepBatch.build(parts, block_size)
+
+
+def test_step_meta_layout_and_pack():
+    b = _batch()
+    lay = StepMetaLayout(max_tokens=b.n_tokens + 2, max_seqs=4, max_table=40)
+    m = lay.pack(b)
+    t, tmax = b.n_tokens, lay.max_tokens
+    assert m.dtype == np.uint32 and len(m) == lay.words == lay.tables + 40
+    assert list(m[:4]) == [t, 3, 4, 2]
+    assert np.array_equal(m[lay.tokens : lay.tokens + t], b.tokens)
+    assert np.array_equal(m[lay.positions : lay.positions + t], b.positions)
+    assert list(m[lay.seq : lay.seq + tmax]) == [0] * 5 + [1] + [2] * 3 + [NONE] * 2
+    for sec, info, table_of in (
+        (lay.slot_global, lay.info_global, lambda s: s.global_table),
+        (lay.slot_local, lay.info_local, lambda s: s.local_table),
+    ):
+        assert list(m[sec + t : sec + tmax]) == [NONE] * 2
+        for i, s in enumerate(b.seqs):
+            start, n = m[info + 2 * i : info + 2 * i + 2]
+            assert np.array_equal(m[start : start + n], table_of(s))
+            want = kv_slots(table_of(s), np.arange(s.pos0, s.end_pos), 4)
+            assert np.array_equal(m[sec + s.start : sec + s.start + s.n], want)
+    assert list(m[lay.logit_rows : lay.logit_rows + 2]) == list(b.logit_rows)
+    with pytest.raises(ValueError, match="exceeds the bucket"):
+        StepMetaLayout(max_tokens=4, max_seqs=4, max_table=40).pack(b)
+
+
+# -- embed ---------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("table_type", ["f32", "f16", "q8_0"])
+def test_embed_matches_reference(dev, kernel, gpu, table_type):
+    from hmad.backends.vulkan.pipelines import EmbedPush
+
+    rng = np.random.default_rng(5)
+    vocab, dim, split = 300, 96, 128
+    f32 = rng.standard_normal((vocab, dim)).astype(np.float32)
+    if table_type == "q8_0":
+        data, qtype = quantize_q8_0(f32), QType.Q8_0
+    else:
+        data = f32.astype(np.float16) if table_type == "f16" else f32
+        qtype = QType.F16 if table_type == "f16" else QType.F32
+    row_bytes = data.nbytes // vocab
+    tokens = np.array([3, 299, 0, 128, 127, 42, 3, 200], np.uint32)
+    ids = np.concatenate([np.full(5, 7, np.uint32), tokens])  # token 0's id at ids_off = 5
+    scale = float(np.sqrt(dim))
+    want = REF.embed(CpuWeight(WeightTensor("t", qtype, (vocab, dim), data), True), tokens, scale)
+
+    b_ids, b_tab = gpu.put(ids), gpu.put(data)
+    b_y = gpu.poison(gpu.alloc(len(tokens) * dim * 4))
+    k = kernel(f"embed_{table_type}")
+    # the table bound as two ranges of whole rows, one dispatch each (as for one > maxStorageBufferRange)
+    ranges = [(0, split), (split, vocab - split)]
+    run(
+        dev,
+        *[
+            (
+                k,
+                [b_ids, (b_tab, r0 * row_bytes, n * row_bytes), b_y],
+                EmbedPush(len(tokens), dim, 5, r0, n, dim, scale),
+                k.groups_for(len(tokens)),
+            )
+            for r0, n in ranges
+        ],
+    )
+    np.testing.assert_array_equal(gpu.get(b_y, shape=(len(tokens), dim)), want)
+
+
+# -- rope ----------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("base,scale", [(10_000.0, 1.0), (1_000_000.0, 8.0)])
+def test_rope_out_of_place_matches_reference(dev, kernel, gpu, base, scale):
+    from hmad.backends.vulkan.pipelines import RopePush
+
+    rng = np.random.default_rng(int(base))
+    t, h, dh = 6, 4, 64
+    x = rng.standard_normal((t, h, dh)).astype(np.float32)
+    pos = np.array([0, 1, 17, 255, 1000, 4095], np.uint32)
+    want = REF.rope(x, pos, base, scale)
+    b_x, b_pos = gpu.put(x), gpu.put(np.concatenate([np.zeros(3, np.uint32), pos]))
+    b_y = gpu.poison(gpu.alloc(x.nbytes))
+    k = kernel("rope_f32")
+    run(dev, (k, [b_x, b_pos, b_y], RopePush(t, h, dh, h * dh, h * dh, 3, base, scale), 8))
+    got = gpu.get(b_y, shape=(t, h, dh))
+    atol = 4e-5 * (1 + pos.astype(np.float32) / 64)[:, None, None]
+    assert np.all(np.abs(got - want) <= atol + 1e-5 * np.abs(want)), np.abs(got - want).max()
+    np.testing.assert_array_equal(gpu.get(b_x, shape=x.shape), x)  # input untouched
+
+
+@pytest.mark.gpu
+def test_rope_in_place_on_the_q_part_of_fused_rows(dev, kernel, gpu):
+    """Rotate heads 0..3 of rows holding 4 q heads then 2 k heads, in place; the k part stays as it was."""
+    from hmad.backends.vulkan.pipelines import RopePush
+
+    rng = np.random.default_rng(9)
+    t, h, hk, dh = 5, 4, 2, 32
+    rows = rng.standard_normal((t, (h + hk) * dh)).astype(np.float32)
+    pos = rng.integers(0, 300, t).astype(np.uint32)
+    want = rows.copy()
+    want[:, : h * dh] = REF.rope(rows[:, : h * dh].reshape(t, h, dh), pos, 10_000.0, 1.0).reshape(t, -1)
+    b_rows, b_pos = gpu.put(rows), gpu.put(pos)
+    k = kernel("rope_f32")
+    stride = (h + hk) * dh
+    run(dev, (k, [b_rows, b_pos, b_rows], RopePush(t, h, dh, stride, stride, 0, 10_000.0, 1.0), 4))
+    np.testing.assert_allclose(gpu.get(b_rows, shape=rows.shape), want, rtol=1e-5, atol=2e-4)
+    np.testing.assert_array_equal(gpu.get(b_rows, shape=rows.shape)[:, h * dh :], rows[:, h * dh :])
+
+
+# -- geglu ---------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_geglu_on_fused_gate_up_rows_matches_reference(dev, kernel, gpu):
+    from hmad.backends.vulkan.pipelines import GegluPush
+
+    rng = np.random.default_rng(3)
+    t, f = 5, 1024  # f * 4 bytes: an aligned offset for the up half
+    gu = (rng.standard_normal((t, 2 * f)) * 3).astype(np.float32)
+    gu[0, :4] = [-60.0, 60.0, -1e6, 1e6]  # tanh saturation both ways
+    gate, up = gu[:, :f], gu[:, f:]
+    want = REF.geglu(gate, up)
+    b_gu = gpu.put(gu)
+    b_y = gpu.poison(gpu.alloc(t * f * 4))
+    k = kernel("geglu_f32")
+    # gate and up are the two halves of each row: bind the same buffer at two offsets
+    halves = [(b_gu, 0, gu.nbytes - f * 4), (b_gu, f * 4, gu.nbytes - f * 4)]
+    run(dev, (k, [*halves, b_y], GegluPush(f, t, 2 * f, 2 * f, f), 16))
+    err = np.abs(gpu.get(b_y, shape=(t, f)) - want)
+    assert np.all(err <= 4e-7 * np.abs(gate * up) + 2e-6 * np.abs(want)), err.max()
+
+
+# -- kv_write + attention ------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("pool", ["f32", "f16"])
+@pytest.mark.parametrize("head_dim", [32, 256])
+def test_kv_write_and_paged_attention_match_reference(dev, kernel, gpu, pool, head_dim):
+    """Two layers (global, sliding window 6) over three sequences of different lengths in one batch.
+
+    Blocks of 4 positions, scattered; the local ring of 4 blocks wraps (sequence A is at 37..41); GQA of 4
+    query heads over 2 KV heads; one padding row past the batch (zeros out, nothing written)."""
+    from hmad.backends.vulkan.pipelines import AttentionPush, KvWritePush
+
+    rng = np.random.default_rng(head_dim)
+    h, hkv, bs, window = 4, 2, 4, 6
+    batch = _batch(bs)
+    t = batch.n_tokens
+    dtype = np.float16 if pool == "f16" else np.float32
+    layout = KVLayout(bs, 32, 12, 4, (0,), (1,), hkv, head_dim)
+    cpu = CpuBackend(numerics="f32", kv_dtype=np.dtype(dtype).name)
+    cpu.alloc_kv(layout)
+    for kp, vp in cpu.pools.values():  # history: every slot filled with random values
+        kp[:] = rng.standard_normal(kp.shape).astype(dtype)
+        vp[:] = rng.standard_normal(vp.shape).astype(dtype)
+    init = {n: (kp[0].copy(), vp[0].copy()) for n, (kp, vp) in cpu.pools.items()}
+    q = rng.standard_normal((t, h, head_dim)).astype(np.float32)
+    k = rng.standard_normal((t, hkv, head_dim)).astype(np.float32)
+    v = rng.standard_normal((t, hkv, head_dim)).astype(np.float32)
+    scale = head_dim**-0.5
+
+    lay = StepMetaLayout(max_tokens=t + 1, max_seqs=4, max_table=40)  # row t: padding
+    pad = np.zeros((1, *q.shape[1:]), np.float32)
+    b_meta = gpu.put(lay.pack(batch))
+    b_q, b_k, b_v = (gpu.put(np.concatenate([a, pad[:, : a.shape[1]]])) for a in (q, k, v))
+    kw, att = kernel(f"kv_write_{pool}"), kernel(f"attention_{pool}")
+    for layer, name, win in ((0, "global", None), (1, "local", window)):
+        want = cpu.attention(q, k, v, layer, batch, win, scale)
+        b_kp, b_vp = gpu.put(init[name][0]), gpu.put(init[name][1])
+        b_o = gpu.poison(gpu.alloc((t + 1) * h * head_dim * 4))
+        slot_off = lay.slot_global if name == "global" else lay.slot_local
+        info_off = lay.info_global if name == "global" else lay.info_local
+        row = hkv * head_dim
+        write = KvWritePush(n_tokens=t + 1, row=row, k_stride=row, v_stride=row, slot_off=slot_off)
+        attend = AttentionPush(
+            n_tokens=t + 1,
+            n_heads=h,
+            n_kv_heads=hkv,
+            head_dim=head_dim,
+            q_stride=h * head_dim,
+            o_stride=h * head_dim,
+            block_size=bs,
+            window=win or 0,
+            pos_off=lay.positions,
+            seq_off=lay.seq,
+            info_off=info_off,
+            scale=scale,
+        )
+        run(
+            dev,
+            (kw, [b_k, b_v, b_meta, b_kp, b_vp], write, 4),
+            (att, [b_q, b_kp, b_vp, b_meta, b_o], attend, att.groups_for((t + 1) * h)),
+        )
+        got = gpu.get(b_o, shape=(t + 1, h * head_dim))
+        np.testing.assert_allclose(got[:t], want, rtol=2e-5, atol=2e-6, err_msg=f"{name} layer")
+        assert np.all(got[t] == 0)
+        kp_want, vp_want = cpu.pools[name][0][0], cpu.pools[name][1][0]
+        np.testing.assert_array_equal(gpu.get(b_kp, dtype, kp_want.shape), kp_want)
+        np.testing.assert_array_equal(gpu.get(b_vp, dtype, vp_want.shape), vp_want)
+
+
+# -- argmax --------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_argmax_rows_of_a_full_vocabulary(dev, kernel, gpu):
+    from hmad.backends.vulkan.pipelines import ArgmaxPush
+
+    rng = np.random.default_rng(1)
+    s, vocab = 4, 262_144
+    logits = rng.standard_normal((s, vocab)).astype(np.float32)
+    logits[1, [5000, 200_000]] = 50.0  # a tie: the lowest id wins
+    logits[2] = 0.5  # all equal: id 0
+    logits[3, [0, 17, vocab - 1]] = [np.nan, 80.0, np.nan]  # NaN never wins
+    want = [int(np.argmax(logits[0])), 5000, 0, 17]
+    b_l = gpu.put(logits)
+    b_ids = gpu.put(np.full(s, 12345, np.uint32))
+    k = kernel("argmax_f32")
+    run(dev, (k, [b_l, b_ids], ArgmaxPush(s, vocab, vocab), k.groups_for(s)))
+    assert gpu.get(b_ids, np.uint32).tolist() == want
