@@ -34,12 +34,19 @@ def generate(
     cfg: SchedulerConfig | None = None,
     on_event: Callable[[Event], None] | None = None,
 ) -> list[Result]:
-    """Generate for every prompt (text, or token ids) concurrently; returns results in prompt order."""
+    """Generate for every prompt (text, or token ids) concurrently; returns results in prompt order.
+
+    Without ``cfg`` the KV cache is sized to what these prompts can use (prompt + max_tokens each).
+    """
     plist = params if isinstance(params, list) else [params] * len(prompts)
-    sched = Scheduler(model, cfg or SchedulerConfig(max_seqs=max(1, len(prompts))))
+    encoded = [model.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    if cfg is None:
+        ctx = model.config.context_length
+        need = sum(min(len(ids) + p.max_tokens, ctx) for ids, p in zip(encoded, plist, strict=True))
+        cfg = SchedulerConfig(max_seqs=max(1, len(prompts)), kv_tokens=max(need, 16))
+    sched = Scheduler(model, cfg)
     results = {}
-    for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
-        ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    for i, (ids, p) in enumerate(zip(encoded, plist, strict=True)):
         p.validate()
         sched.submit(Request(i, ids, dataclasses.replace(p)))
         results[i] = Result(ids)

@@ -29,6 +29,7 @@ MATMUL_TYPES: dict[str, QType] = {
     "f16": QType.F16,
     "bf16": QType.BF16,
     "q8_0": QType.Q8_0,
+    "q4_0": QType.Q4_0,
     "q5_0": QType.Q5_0,
     "q4_k": QType.Q4_K,
     "q6_k": QType.Q6_K,
