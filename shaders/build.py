@@ -49,7 +49,7 @@ BUILD: list[tuple[str, str, dict[str, str]]] = [
     # quantized matmul per weight type: mat-vec (shared / subgroup reduce), tiled mat-mat (kernels_matmul.py)
     *[
         (f"{op}_{t.lower()}{suffix}", f"{op}.comp", {f"TYPE_{t}": "1", **extra})
-        for t in ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q4_K", "Q6_K")
+        for t in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K")
         for op, suffix, extra in (
             ("mul_mat_vec", "", {}),
             ("mul_mat_vec", "_subgroup", {"SUBGROUP": "1"}),

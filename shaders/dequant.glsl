@@ -1,6 +1,6 @@
 // Weight decoders of the matmul shaders: GGUF rows read as they lie in the file, block by block.
 //
-// One type per variant, chosen by a #define: TYPE_F32, TYPE_F16, TYPE_BF16, TYPE_Q8_0, TYPE_Q5_0, TYPE_Q4_K,
+// One type per variant, chosen by a #define: TYPE_F32, TYPE_F16, TYPE_BF16, TYPE_Q8_0, TYPE_Q4_0, TYPE_Q5_0, TYPE_Q4_K,
 // TYPE_Q6_K. Each declares the weight buffer (binding 0) with the widest element the type's block alignment
 // allows, and defines
 //   WSIZE                        bytes per element of that buffer (a row starts at element row*row_bytes/WSIZE);
@@ -52,6 +52,28 @@ void dq8(uint rb, uint k, out vec4 lo, out vec4 hi) {
         const int h = int(uint(w16[q + i]));
         v[2u * i] = float(bitfieldExtract(h, 0, 8));
         v[2u * i + 1u] = float(bitfieldExtract(h, 8, 8));
+    }
+    lo = d * vec4(v[0], v[1], v[2], v[3]);
+    hi = d * vec4(v[4], v[5], v[6], v[7]);
+}
+
+#elif defined(TYPE_Q4_0)
+// Q4_0: 32 weights in 18 bytes: d f16, qs 16 (weight j in the low nibble of byte j, weight 16+j in the high
+//       nibble).   w = d * (q - 8)
+// 9 uint16 per block: [0] d, [1 + j/2] qs bytes j, j+1.
+#define WSIZE 2u
+layout(binding = 0) readonly buffer W { uint16_t w16[]; };
+void dq8(uint rb, uint k, out vec4 lo, out vec4 hi) {
+    const uint b = rb + (k / 32u) * 9u;
+    const uint j = k % 32u;
+    const float d = HALF16(w16[b]);
+    const uint q = b + 1u + (j % 16u) / 2u;
+    const uint shift = (j / 16u) * 4u;
+    float v[8];
+    [[unroll]] for (uint i = 0; i < 4u; ++i) {
+        const uint h = uint(w16[q + i]) >> shift;
+        v[2u * i] = float(int(h & 0xFu) - 8);
+        v[2u * i + 1u] = float(int((h >> 8) & 0xFu) - 8);
     }
     lo = d * vec4(v[0], v[1], v[2], v[3]);
     hi = d * vec4(v[4], v[5], v[6], v[7]);
@@ -141,5 +163,5 @@ void dq8(uint rb, uint k, out vec4 lo, out vec4 hi) {
 }
 
 #else
-#error "define one of TYPE_F32, TYPE_F16, TYPE_BF16, TYPE_Q8_0, TYPE_Q5_0, TYPE_Q4_K, TYPE_Q6_K"
+#error "define one of TYPE_F32, TYPE_F16, TYPE_BF16, TYPE_Q8_0, TYPE_Q4_0, TYPE_Q5_0, TYPE_Q4_K, TYPE_Q6_K"
 #endif

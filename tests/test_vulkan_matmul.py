@@ -25,7 +25,7 @@ from hmad.model.quants import random_blocks
 from hmad.model.tensors import QType
 
 RTOL_SCALE = 1e-5
-TYPES = ["f32", "f16", "bf16", "q8_0", "q5_0", "q4_k", "q6_k"]
+TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q5_0", "q4_k", "q6_k"]
 
 pytestmark = pytest.mark.gpu
 

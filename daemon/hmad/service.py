@@ -29,7 +29,7 @@ from hmad.config import Config
 from hmad.engine.scheduler import Scheduler
 from hmad.engine.worker import EngineThread
 from hmad.errors import HmadError
-from hmad.model.loader import load_model
+from hmad.model.loader import load_model, resolve_backend_name
 from hmad.server import Server
 
 log = logging.getLogger("hmad.service")
@@ -98,7 +98,7 @@ class Service:
 
     def _load(self):
         cfg = self.cfg
-        backend = "cpu" if cfg.backend == "auto" else cfg.backend
+        backend = resolve_backend_name(cfg.backend)  # auto: vulkan on a GPU, else cpu
         self.notify(f"STATUS=loading {cfg.model}", f"EXTEND_TIMEOUT_USEC={EXTEND_BY_US}")
         self.loading.set()
         keepalive = threading.Thread(target=self._extend_while_loading, daemon=True)

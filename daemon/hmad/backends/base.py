@@ -9,7 +9,10 @@ Hkv KV heads, Dh head dim, N output features, S_out rows whose logits are wanted
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from hmad.engine.batch import StepBatch
 from hmad.engine.kvcache import KVLayout
@@ -24,11 +27,17 @@ class Backend(ABC):
 
     name: str = "base"
     device: str = ""
+    #: ``greedy()`` runs on the device and reads back only token ids (the scheduler uses it when every
+    #: sequence of a step is greedy); False: it would read the logits back anyway.
+    greedy_on_device: bool = False
 
     # -- residency -------------------------------------------------------------------------------------
     @abstractmethod
-    def load_weights(self, tensors: dict[str, WeightTensor]) -> dict[str, Weight]:
-        """Make every weight resident; returns handles keyed like ``tensors``."""
+    def load_weights(
+        self, tensors: dict[str, WeightTensor], progress: Callable[[str], None] | None = None
+    ) -> dict[str, Weight]:
+        """Make every weight resident; returns handles keyed like ``tensors``. ``progress(message)``
+        may be called while uploading (the service forwards it to systemd's STATUS=)."""
 
     @abstractmethod
     def alloc_kv(self, layout: KVLayout) -> None:
@@ -36,6 +45,15 @@ class Backend(ABC):
 
     def begin_step(self, batch: StepBatch) -> None:  # noqa: B027 - optional hook
         """Called before a step's ops: a recording backend uploads the per-step values here."""
+
+    def run(self, net, batch: StepBatch) -> Act:
+        """One step's logits handle. Eager backends call ``net.forward(batch)``; a recording backend
+        records the forward pass once per batch-size bucket and replays it (backends/vulkan/backend.py)."""
+        return net.forward(batch)
+
+    def greedy(self, logits: Act) -> np.ndarray:
+        """Argmax token id of each logits row (ties: the lowest id), as int64."""
+        return np.argmax(self.to_numpy(logits), axis=-1).astype(np.int64)
 
     # -- ops ---------------------------------------------------------------------------------------------
     @abstractmethod

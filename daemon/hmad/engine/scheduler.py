@@ -100,8 +100,11 @@ class Scheduler:
         if parts:
             t0 = time.perf_counter()
             batch = StepBatch.build([(s, toks, want) for _, s, toks, want in parts], self.layout.block_size)
-            logits = self.model.forward(batch)  # (S_out, V)
-            events += self._sample([r for r, _, _, want in parts if want], logits)
+            wanting = [r for r, _, _, want in parts if want]
+            if self._greedy_on_device(wanting):
+                events += self._take_ids(wanting, self.model.forward_argmax(batch))  # (S_out,) ids
+            else:
+                events += self._sample(wanting, self.model.forward(batch))  # logits (S_out, V)
             self.recent_batches.append(len(parts))
             self.recent_step_s.append(time.perf_counter() - t0)
             self.steps += 1
@@ -152,6 +155,21 @@ class Scheduler:
             tok = r.sampler.sample(row, r.prompt_ids + r.output_ids)
             r.state = State.DECODE
             events += self._accept_token(r, tok)
+        return events
+
+    def _greedy_on_device(self, reqs: list[Request]) -> bool:
+        """Whether the backend can pick every token of this step itself (all greedy, no penalty)."""
+        return (
+            bool(reqs)
+            and getattr(self.model.backend, "greedy_on_device", False)
+            and all(r.params.temperature == 0 and r.params.repetition_penalty == 1.0 for r in reqs)
+        )
+
+    def _take_ids(self, reqs: list[Request], ids: np.ndarray) -> list[Event]:
+        events = []
+        for r, tok in zip(reqs, ids.tolist(), strict=True):
+            r.state = State.DECODE
+            events += self._accept_token(r, int(tok))
         return events
 
     def _accept_token(self, r: Request, tok: int) -> list[Event]:

@@ -48,7 +48,11 @@ class Model:
 
     def forward(self, batch: StepBatch) -> np.ndarray:
         """Logits (S_out, V) float32 for ``batch.logit_rows``."""
-        return self.backend.to_numpy(self.net.forward(batch))
+        return self.backend.to_numpy(self.backend.run(self.net, batch))
+
+    def forward_argmax(self, batch: StepBatch) -> np.ndarray:
+        """Greedy token id (S_out,) for ``batch.logit_rows``; on a GPU backend only the ids come back."""
+        return self.backend.greedy(self.backend.run(self.net, batch))
 
     def forward_full(self, token_ids: list[int]) -> np.ndarray:
         """Logits (T, V) of every position of one sequence, from an empty cache.
@@ -111,13 +115,32 @@ def check_tensors(files: ModelFiles) -> None:
         )
 
 
+def resolve_backend_name(name: str) -> str:
+    """``auto`` -> ``vulkan`` when a Vulkan GPU is present (not a CPU driver: lavapipe), else ``cpu``."""
+    if name != "auto":
+        return name
+    try:
+        from hmad.backends.vulkan.device import Device
+
+        with Device() as dev:
+            return "cpu" if dev.info.is_cpu else "vulkan"
+    except Exception as e:  # no loader, no driver, no suitable device: the CPU backend serves
+        log.info("backend auto: no usable Vulkan GPU (%s); using cpu", e)
+        return "cpu"
+
+
 def make_backend(name: str, **opts) -> Backend:
-    """A backend by name (``cpu``; ``vulkan`` and ``npu`` once they exist)."""
-    if name in ("cpu", "auto"):
+    """A backend by name: ``cpu``, ``vulkan``, or ``auto`` (see :func:`resolve_backend_name`)."""
+    name = resolve_backend_name(name)
+    if name == "cpu":
         from hmad.backends.cpu import CpuBackend
 
         return CpuBackend(**opts)
-    raise ValueError(f"backend {name!r} is not available (allowed: cpu, auto)")
+    if name == "vulkan":
+        from hmad.backends.vulkan.backend import VulkanBackend
+
+        return VulkanBackend(**opts)
+    raise ValueError(f"backend {name!r} is not available (allowed: cpu, vulkan, auto)")
 
 
 def load_model(
@@ -139,7 +162,7 @@ def load_model(
     check_tensors(files)
     ops = backend if isinstance(backend, Backend) else make_backend(backend, **backend_opts)
     note(f"uploading {len(files.tensors)} tensors to {ops.name}")
-    weights = ops.load_weights(files.tensors)
+    weights = ops.load_weights(files.tensors, progress=note)
     net = get_architecture(files.config.arch).model_cls(files.config, weights, ops)
     model = Model(str(path), files.config, files.tokenizer, ops, net, time.perf_counter() - t0)
     note(f"model resident in {model.load_seconds:.1f} s")

@@ -1,0 +1,602 @@
+"""VulkanBackend: the Gemma 3 forward pass recorded into a command buffer once per batch-size bucket.
+
+Design (why not "ops become no-ops on replay"): :meth:`Backend.run` is the step entry point
+(``Model.forward`` calls ``backend.run(net, batch)``; the CPU backend's ``run`` is just ``net.forward``).
+Here ``run`` does, per step:
+
+1. **bucket**: T tokens -> ``T_b`` (1, 2, 4 ... 512, then multiples of 512), S_out logit rows -> ``O_b``
+   (the same ladder, at least 1); the key ``(T_b, O_b)`` names one recording;
+2. **metadata**: :class:`StepMetaLayout` ``(T_b, T_b, max_table)`` packs the real batch into the one
+   host-visible metadata buffer (rows past T are padding: token 0, slots NONE, so kv_write skips them and
+   attention writes zeros; logit rows past S_out point at row 0 and are never read back);
+3. **record once**: with no recording for the key, ``net.forward`` runs *once* on a shape-only batch of
+   ``T_b`` rows while the ops append dispatches to a :class:`CommandRecorder` instead of computing
+   (activations are :class:`Act` handles = a scratch range + a shape; ``reshape`` is a view). Later steps of
+   the bucket skip ``net.forward`` entirely: no Python per op on the hot path;
+4. ``to_numpy(logits)`` / ``greedy(logits)`` submit the step's command buffer plus a tiny per-bucket *tail*
+   (copy the logits rows into a host-visible readback buffer, or argmax them into a mapped id buffer) in
+   **one** vkQueueSubmit with one fence wait, and read back only S_out × V floats or S_out ids.
+
+Every per-step value (token ids, positions, slots, block tables) is read by the shaders from the metadata
+buffer at word offsets baked into the recorded push constants, so a recording is valid for any batch of its
+bucket. Scratch: each recording allocates its activations from a shared pool of device-local buffers
+(:class:`ScratchPool`); a buffer returns to the pool when the last handle to it dies (CPython reference
+counting during the straight-line forward pass), so the live set stays a few activations, and recordings
+share buffers (steps never overlap: each one waits on its fence before the next is submitted).
+
+Memory plan (``load_weights``): 1-D tensors (norms), the token embedding and the output projection are
+*hot* and placed first; the other weights follow in file (= forward) order into the device-local pool while
+it has room (``device_local_bytes`` caps it), the rest spill to the host-visible pool (an APU's GTT, a dGPU's
+system heap). The KV pools are planned in ``alloc_kv`` into what the weights left, device-local first.
+Norm weights are uploaded as float32; a 2-D weight of a type no matmul shader reads is dequantized to
+float16 on the host first (the only case where a second copy of a tensor exists in RAM, briefly).
+Matmul: the mat-vec kernels for T_b <= 8, the tiled mat-mat kernel above; weights beyond
+maxStorageBufferRange are bound in ranges (record_matmul, and embed's row_begin/n_rows).
+Nothing is fused yet.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import vulkan as vk
+
+from hmad.backends.base import Backend
+from hmad.backends.vulkan.device import Device, check, ffi, lib, new
+from hmad.backends.vulkan.kernels_matmul import MATMUL_TYPES, MATVEC_MAX_T, record_matmul
+from hmad.backends.vulkan.memory import (
+    BufferView,
+    MemoryPlan,
+    PlanItem,
+    ResidentMemory,
+    Uploader,
+    create_buffer,
+    plan_memory,
+)
+from hmad.backends.vulkan.pipelines import (
+    AddPush,
+    ArgmaxPush,
+    AttentionPush,
+    CommandRecorder,
+    DescriptorAllocator,
+    EmbedPush,
+    GegluPush,
+    Kernel,
+    KvWritePush,
+    RmsNormPush,
+    RopePush,
+)
+from hmad.backends.vulkan.stepmeta import StepMetaLayout
+from hmad.engine.batch import StepBatch
+from hmad.engine.kvcache import KVLayout
+from hmad.model.tensors import QType, WeightTensor
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+EMBED_TYPES = {QType.F32: "f32", QType.F16: "f16", QType.Q8_0: "q8_0"}
+KV_DTYPES = {"float32": ("f32", 4), "float16": ("f16", 2)}
+MIB = 1 << 20
+
+
+def bucket(n: int) -> int:
+    """The padded size of ``n`` rows: the next of :data:`BUCKETS`, then multiples of the largest."""
+    for b in BUCKETS:
+        if n <= b:
+            return b
+    return -(-n // BUCKETS[-1]) * BUCKETS[-1]
+
+
+@dataclass
+class VkWeight:
+    """A resident weight: its bytes on the GPU as stored in the file (or converted, see the docstring)."""
+
+    name: str
+    view: BufferView
+    qtype: QType
+    shape: tuple[int, ...]
+    embed_view: BufferView | None = None  # float16 copy for the gather when the type has no embed shader
+    embed_qtype: QType | None = None
+
+
+class _Buf:
+    """A scratch range owned by one recording epoch; returned to the pool when the last Act drops it."""
+
+    __slots__ = ("view", "__weakref__")
+
+    def __init__(self, view: BufferView):
+        self.view = view
+
+
+class Act:
+    """A recorded activation: a scratch range and its (padded) shape. ``reshape`` shares the range."""
+
+    __slots__ = ("buf", "shape")
+
+    def __init__(self, buf: _Buf, shape: tuple[int, ...]):
+        self.buf, self.shape = buf, tuple(shape)
+
+    @property
+    def view(self) -> BufferView:
+        return self.buf.view
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+class ScratchPool:
+    """Device-local activation buffers, reused across and within recordings (best fit by size)."""
+
+    def __init__(self, device: Device, min_bytes: int = 64 << 10):
+        self.device, self.min_bytes = device, min_bytes
+        self.buffers: list[BufferView] = []
+        self.free: list[BufferView] = []
+        self.epoch = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+    def begin(self) -> None:
+        """A new recording: every buffer is free again (recordings never run at the same time)."""
+        self.epoch += 1
+        self.free = list(self.buffers)
+
+    def take(self, nbytes: int) -> _Buf:
+        fits = [b for b in self.free if b.nbytes >= nbytes]
+        if fits:
+            whole = min(fits, key=lambda b: b.nbytes)
+            self.free.remove(whole)
+        else:
+            cap = self.device.limits["maxStorageBufferRange"]
+            if nbytes > cap:
+                raise ValueError(f"an activation of {nbytes} bytes exceeds maxStorageBufferRange {cap}")
+            size = min(max(self.min_bytes, 1 << (nbytes - 1).bit_length()), cap)
+            whole = create_buffer(self.device, size, "device", "scratch")
+            self.buffers.append(whole)
+        buf = _Buf(BufferView(whole.arena, whole.offset, nbytes, name="scratch"))
+        weakref.finalize(buf, self._give, whole, self.epoch)
+        return buf
+
+    def _give(self, whole: BufferView, epoch: int) -> None:
+        if epoch == self.epoch:
+            self.free.append(whole)
+
+    def close(self) -> None:
+        for b in self.buffers:
+            b.arena.close()
+        self.buffers, self.free = [], []
+
+
+@dataclass
+class Graph:
+    """One bucket's recording: the forward pass, its logits handle, and the two readback tails."""
+
+    key: tuple[int, int]
+    layout: StepMetaLayout
+    rec: CommandRecorder
+    logits: Act
+    argmax_tail: CommandRecorder
+    copy_tail: CommandRecorder | None = None
+    copy_generation: int = -1
+
+    def close(self) -> None:
+        for r in (self.rec, self.argmax_tail, self.copy_tail):
+            if r is not None:
+                r.close()
+
+
+class StepOutput:
+    """What ``run`` returns: the step's logits handle, the real row count and the graph to submit."""
+
+    __slots__ = ("graph", "n_out", "shape")
+
+    def __init__(self, graph: Graph, n_out: int, vocab: int):
+        self.graph, self.n_out, self.shape = graph, n_out, (n_out, vocab)
+
+
+class VulkanBackend(Backend):
+    """The forward pass on a Vulkan device; see the module docstring for the recording scheme."""
+
+    name = "vulkan"
+    greedy_on_device = True
+
+    def __init__(
+        self,
+        device: int | str | None = None,
+        device_local_bytes: int | None = None,
+        host_visible_bytes: int | None = None,
+        kv_dtype: str = "float32",
+        timestamps: bool = False,
+    ):
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
+        self.dev = Device(device)
+        self.device = self.dev.name
+        self.caps_bytes = (device_local_bytes, host_visible_bytes)
+        self.kv_dtype, self.timestamps = kv_dtype, timestamps
+        self.max_range = self.dev.limits["maxStorageBufferRange"]
+        self.align = max(256, self.dev.limits["minStorageBufferOffsetAlignment"])
+        self.kernels: dict[str, Kernel] = {}
+        # One allocator for every kernel, large pools: a model's recordings make thousands of sets.
+        self.descriptors = DescriptorAllocator(self.dev, sets_per_pool=4096, max_bindings=5)
+        self.scratch = ScratchPool(self.dev)
+        self.graphs: dict[tuple[int, int], Graph] = {}
+        self.recordings = 0  # forward passes recorded (a replay test counts them)
+        self.steps = 0  # steps submitted
+        self.weights_plan: MemoryPlan | None = None
+        self.weights_mem: ResidentMemory | None = None
+        self.kv_plan: MemoryPlan | None = None
+        self.kv_mem: ResidentMemory | None = None
+        self.kv_layout: KVLayout | None = None
+        self.kv_views: dict[tuple[str, int], tuple[BufferView, BufferView]] = {}
+        self.meta: BufferView | None = None
+        self.ids: BufferView | None = None
+        self.readback: BufferView | None = None
+        self.readback_generation = 0
+        self.fence = self.dev.create_fence()
+        self._fences = ffi.new("VkFence[]", [self.fence])
+        self.vocab = 0
+        self.last_gpu_ns: float | None = None
+        self._rec: CommandRecorder | None = None
+        self._layout: StepMetaLayout | None = None
+        sub = self.dev.caps["subgroup_arithmetic"]
+        self._vec_suffix = "_subgroup" if sub else ""
+        self._norm = "rms_norm_f32_subgroup" if sub else "rms_norm_f32"
+
+    # -- residency -------------------------------------------------------------------------------------
+    def load_weights(
+        self, tensors: dict[str, WeightTensor], progress: Callable[[str], None] | None = None
+    ) -> dict[str, VkWeight]:
+        forms = {name: _upload_form(t) for name, t in tensors.items()}  # name -> (array, qtype)
+        emb = tensors.get("token_embd.weight")
+        if emb is not None and emb.qtype not in EMBED_TYPES:  # a float16 copy for the gather
+            forms["token_embd.weight@f16"] = (emb.dequantize().astype(np.float16), QType.F16)
+        items = [
+            PlanItem(name, int(data.nbytes), _is_hot(name, data), "weight", _row_bytes(data))
+            for name, (data, _) in forms.items()
+        ]
+        dev_cap, host_cap = self.caps_bytes
+        self.dev.refresh_heaps()
+        plan = plan_memory(
+            items,
+            self.dev.heaps,
+            self.dev.memory_types,
+            alignment=self.align,
+            device_local_bytes=dev_cap,
+            host_visible_bytes=host_cap,
+        )
+        self.weights_plan, self.weights_mem = plan, ResidentMemory(self.dev, plan)
+        self._upload([(self.weights_mem[n], data) for n, (data, _) in forms.items()], progress)
+        out = {n: VkWeight(n, self.weights_mem[n], forms[n][1], tuple(t.shape)) for n, t in tensors.items()}
+        if "token_embd.weight@f16" in forms:
+            out["token_embd.weight"].embed_view = self.weights_mem["token_embd.weight@f16"]
+            out["token_embd.weight"].embed_qtype = QType.F16
+        return out
+
+    def _upload(self, pairs, progress: Callable[[str], None] | None) -> None:
+        last = [0.0]
+
+        def report(done: int, total: int) -> None:
+            now = time.monotonic()
+            if progress and (now - last[0] >= 1.0 or done == total):
+                last[0] = now
+                progress(f"uploading weights to {self.device}: {done / MIB:.0f}/{total / MIB:.0f} MiB")
+
+        up = Uploader(self.dev)
+        try:
+            up.upload_all(pairs, report)
+        finally:
+            up.close()
+
+    def alloc_kv(self, layout: KVLayout) -> None:
+        """Plan and allocate the paged pools (one K and one V range per layer) where the weights left room."""
+        self._drop_graphs()
+        if self.kv_mem is not None:
+            self.kv_mem.close()
+        self.kv_layout, self.kv_views = layout, {}
+        _, itemsize = KV_DTYPES[self.kv_dtype]
+        items = []
+        for pool, layers, blocks in (
+            ("global", layout.global_layers, layout.n_global_blocks),
+            ("local", layout.local_layers, layout.n_local_blocks),
+        ):
+            n = blocks * layout.block_size * layout.n_kv_heads * layout.head_dim * itemsize
+            for slot in range(len(layers) if n else 0):
+                items += [PlanItem(f"kv.{pool}.{slot}.{kv}", n, kind="kv") for kv in "kv"]
+        wp = self.weights_plan
+        left = {p: (wp.pools[p].capacity - wp.pools[p].used) if wp else None for p in ("device", "host")}
+        self.kv_plan = plan_memory(
+            items,
+            self.dev.heaps,
+            self.dev.memory_types,
+            alignment=self.align,
+            device_local_bytes=left["device"],
+            host_visible_bytes=left["host"],
+        )
+        self.kv_mem = ResidentMemory(self.dev, self.kv_plan)
+        for it in items[::2]:
+            _, pool, slot, _ = it.name.split(".")
+            base = f"kv.{pool}.{slot}."
+            self.kv_views[(pool, int(slot))] = (self.kv_mem[base + "k"], self.kv_mem[base + "v"])
+        self._ensure_meta(BUCKETS[-1])
+
+    def _max_table(self) -> int:
+        lay = self.kv_layout
+        return lay.n_global_blocks + lay.n_local_blocks + 1
+
+    def _ensure_meta(self, t_b: int) -> None:
+        """The metadata buffer holds the layout of bucket ``t_b``; growing it drops every recording."""
+        words = StepMetaLayout(t_b, t_b, self._max_table()).words
+        if self.meta is not None and self.meta.nbytes >= 4 * words:
+            return
+        self._drop_graphs()
+        if self.meta is not None:
+            self.meta.arena.close()
+        self.meta = create_buffer(self.dev, 4 * words, "mapped", "step metadata")
+        if self.ids is None or self.ids.nbytes < 4 * t_b:
+            if self.ids is not None:
+                self.ids.arena.close()
+            self.ids = create_buffer(self.dev, 4 * t_b, "readback", "token ids")
+
+    def describe(self) -> dict[str, Any]:
+        mem: dict[str, int] = {}
+        for what, plan in (("weights", self.weights_plan), ("KV cache", self.kv_plan)):
+            for pool in plan.pools.values() if plan else []:
+                kind = "device-local" if pool.name == "device" else "host-visible"
+                if pool.used:
+                    mem[f"heap {pool.heap} {kind}: {what}"] = pool.used
+        mem["device-local: scratch activations"] = self.scratch.nbytes
+        return {
+            "backend": self.name,
+            "device": self.device,
+            "memory": mem,
+            "recordings": self.recordings,
+            "buckets": sorted(self.graphs),
+        }
+
+    def close(self) -> None:
+        self.dev.wait_idle()
+        self._drop_graphs()
+        for k in self.kernels.values():
+            k.close()
+        self.kernels = {}
+        self.descriptors.close()
+        self.scratch.close()
+        for m in (self.weights_mem, self.kv_mem):
+            if m is not None:
+                m.close()
+        for b in (self.meta, self.ids, self.readback):
+            if b is not None:
+                b.arena.close()
+        self.weights_mem = self.kv_mem = self.meta = self.ids = self.readback = None
+        if self.fence is not None:
+            lib.vkDestroyFence(self.dev.handle, self.fence, ffi.NULL)
+            self.fence = None
+        self.dev.close()
+
+    # -- the step: bucket, metadata, record once, replay ----------------------------------------------
+    def run(self, net, batch: StepBatch) -> StepOutput:
+        assert self.kv_layout is not None, "alloc_kv() before the first step"
+        t_b = bucket(max(1, batch.n_tokens))
+        o_b = min(bucket(max(1, len(batch.logit_rows))), t_b)
+        self._ensure_meta(t_b)
+        graph = self.graphs.get((t_b, o_b)) or self._record(net, t_b, o_b)
+        words = graph.layout.words
+        graph.layout.pack(batch, out=self.meta.array(np.uint32)[:words])
+        return StepOutput(graph, len(batch.logit_rows), graph.logits.shape[1])
+
+    def _record(self, net, t_b: int, o_b: int) -> Graph:
+        layout = StepMetaLayout(t_b, t_b, self._max_table())
+        rec = CommandRecorder(self.dev, timestamps=self.timestamps, max_commands=8192).begin()
+        shape_batch = StepBatch(
+            tokens=np.zeros(t_b, np.int32),
+            positions=np.zeros(t_b, np.int32),
+            seqs=[],
+            logit_rows=np.zeros(o_b, np.int32),
+            block_size=self.kv_layout.block_size,
+        )
+        self.scratch.begin()
+        self._rec, self._layout = rec, layout
+        try:
+            logits = net.forward(shape_batch)
+            rec.end()
+        except BaseException:
+            rec.close()
+            raise
+        finally:
+            self._rec = self._layout = None
+        graph = Graph((t_b, o_b), layout, rec, logits, self._argmax_tail(logits))
+        self.graphs[graph.key] = graph
+        self.recordings += 1
+        return graph
+
+    def _argmax_tail(self, logits: Act) -> CommandRecorder:
+        rows, vocab = logits.shape
+        k = self._kernel("argmax_f32")
+        tail = CommandRecorder(self.dev).begin()
+        tail.barrier()  # after the forward pass's command buffer in the same submit
+        tail.dispatch(k, [logits.view, self.ids], ArgmaxPush(rows, vocab, vocab), k.groups_for(rows))
+        return tail.end()
+
+    def _copy_tail(self, graph: Graph) -> CommandRecorder:
+        """The logits -> host-visible readback copy of ``graph`` (re-made when the readback buffer grew)."""
+        need = graph.logits.view.nbytes
+        if self.readback is None or self.readback.nbytes < need:
+            if self.readback is not None:
+                self.readback.arena.close()
+            self.readback = create_buffer(self.dev, need, "readback", "logits readback")
+            self.readback_generation += 1
+        if graph.copy_tail is None or graph.copy_generation != self.readback_generation:
+            if graph.copy_tail is not None:
+                graph.copy_tail.close()
+            tail = CommandRecorder(self.dev).begin()
+            tail.barrier()
+            tail.copy(graph.logits.view, self.readback, need)
+            graph.copy_tail, graph.copy_generation = tail.end(), self.readback_generation
+        return graph.copy_tail
+
+    def _submit(self, graph: Graph, tail: CommandRecorder) -> None:
+        cmds = ffi.new("VkCommandBuffer[]", [graph.rec.cmd, tail.cmd])
+        si = new(
+            "VkSubmitInfo", sType=vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, commandBufferCount=2, pCommandBuffers=cmds
+        )
+        check(lib.vkResetFences(self.dev.handle, 1, self._fences), "vkResetFences")
+        check(lib.vkQueueSubmit(self.dev.queue, 1, si, self.fence), "vkQueueSubmit(step)")
+        r = lib.vkWaitForFences(self.dev.handle, 1, self._fences, 1, 600 * 10**9)
+        check(r, "vkWaitForFences(step)")
+        self.steps += 1
+        if graph.rec.query_pool is not None:
+            graph.rec.submits += 1
+            self.last_gpu_ns = graph.rec.gpu_times()["total_ns"]
+
+    def to_numpy(self, x) -> np.ndarray:
+        """Run the step and read back its logits rows (S_out, V) float32."""
+        if not isinstance(x, StepOutput):
+            raise TypeError("VulkanBackend.to_numpy reads a step's logits (what run() returns)")
+        self._submit(x.graph, self._copy_tail(x.graph))
+        vocab = x.shape[1]
+        return self.readback.array(np.float32)[: x.n_out * vocab].reshape(x.n_out, vocab).copy()
+
+    def greedy(self, x) -> np.ndarray:
+        """Run the step with the argmax on the GPU; read back one token id per logits row."""
+        self._submit(x.graph, x.graph.argmax_tail)
+        return self.ids.array(np.uint32)[: x.n_out].astype(np.int64)
+
+    def _drop_graphs(self) -> None:
+        if self.graphs:
+            self.dev.wait_idle()
+        for g in self.graphs.values():
+            g.close()
+        self.graphs = {}
+
+    # -- recording helpers -----------------------------------------------------------------------------
+    def _kernel(self, name: str) -> Kernel:
+        k = self.kernels.get(name)
+        if k is None:
+            k = self.kernels[name] = Kernel(self.dev, name, descriptors=self.descriptors)
+        return k
+
+    def _new(self, shape: tuple[int, ...]) -> Act:
+        return Act(self.scratch.take(4 * math.prod(shape)), shape)
+
+    def _dispatch(self, name: str, buffers, push, groups) -> None:
+        assert self._rec is not None, "VulkanBackend ops run only while recording (through run())"
+        k = self._kernel(name)
+        self._rec.dispatch(k, buffers, push, groups if isinstance(groups, tuple) else k.groups_for(groups))
+
+    @staticmethod
+    def _grid(n: int, block: int = 256, cap: int = 4096) -> int:
+        """Workgroups for a grid-stride loop over ``n`` items."""
+        return max(1, min(cap, -(-n // block)))
+
+    # -- ops: append dispatches --------------------------------------------------------------------------
+    def embed(self, table: VkWeight, tokens, scale: float) -> Act:
+        t_b, dim = len(tokens), table.shape[1]
+        view, qtype = table.view, table.qtype
+        if table.embed_view is not None:
+            view, qtype = table.embed_view, table.embed_qtype
+        rb = view.row_bytes or view.nbytes // table.shape[0]
+        y = self._new((t_b, dim))
+        for off, nbytes in view.ranges(self.max_range, self.align):
+            r0 = (off - view.offset) // rb
+            push = EmbedPush(t_b, dim, self._layout.tokens, r0, nbytes // rb, dim, scale)
+            binding = (view, off - view.offset, nbytes)
+            self._dispatch(f"embed_{EMBED_TYPES[qtype]}", [self.meta, binding, y.view], push, t_b)
+        return y
+
+    def rms_norm(self, x: Act, w: VkWeight, eps: float) -> Act:
+        cols = x.shape[-1]
+        assert w.shape == (cols,), f"{w.name}: shape {w.shape}, normalising rows of {cols}"
+        rows = x.size // cols
+        y = self._new(x.shape)
+        self._dispatch(self._norm, [x.view, w.view, y.view], RmsNormPush(cols, rows, cols, cols, eps), rows)
+        return y
+
+    def matmul(self, x: Act, w: VkWeight) -> Act:
+        t, k = x.shape
+        n = w.shape[0]
+        assert w.shape[1] == k, f"{w.name}: shape {w.shape}, x has {k} columns"
+        y = self._new((t, n))
+        t_name = next(s for s, q in MATMUL_TYPES.items() if q == w.qtype)
+        name = f"mul_mat_vec_{t_name}{self._vec_suffix}" if t <= MATVEC_MAX_T else f"mul_mat_{t_name}"
+        assert self._rec is not None, "VulkanBackend ops run only while recording (through run())"
+        record_matmul(self._rec, self._kernel(name), w.view, x.view, y.view, k, n, t)
+        return y
+
+    def rope(self, x: Act, positions, base: float, scale: float) -> Act:
+        t, h, dh = x.shape
+        y = self._new(x.shape)
+        push = RopePush(t, h, dh, h * dh, h * dh, self._layout.positions, base, scale)
+        self._dispatch("rope_f32", [x.view, self.meta, y.view], push, self._grid(t * h * dh // 2))
+        return y
+
+    def attention(self, q: Act, k: Act, v: Act, layer: int, batch, window: int | None, scale: float) -> Act:
+        lay, meta = self.kv_layout, self._layout
+        t, h, dh = q.shape
+        hkv = k.shape[1]
+        assert dh <= 4 * 64, f"head_dim {dh} > 256: attention.comp keeps 4 dims per invocation"
+        pool, slot = lay.pool_of(layer)
+        kp, vp = self.kv_views[(pool, slot)]
+        slot_off = meta.slot_global if pool == "global" else meta.slot_local
+        info_off = meta.info_global if pool == "global" else meta.info_local
+        pool_t, _ = KV_DTYPES[self.kv_dtype]
+        row = hkv * dh
+        write = KvWritePush(t, row, row, row, slot_off)
+        self._dispatch(f"kv_write_{pool_t}", [k.view, v.view, self.meta, kp, vp], write, self._grid(t * row))
+        o = self._new((t, h * dh))
+        push = AttentionPush(
+            *(t, h, hkv, dh, h * dh, h * dh, lay.block_size, window or 0),
+            *(meta.positions, meta.seq, info_off, scale),
+        )
+        self._dispatch(f"attention_{pool_t}", [q.view, kp, vp, self.meta, o.view], push, t * h)
+        return o
+
+    def geglu(self, gate: Act, up: Act) -> Act:
+        t, f = gate.shape
+        y = self._new(gate.shape)
+        self._dispatch("geglu_f32", [gate.view, up.view, y.view], GegluPush(f, t, f, f, f), self._grid(t * f))
+        return y
+
+    def add(self, a: Act, b: Act) -> Act:
+        assert a.size == b.size
+        y = self._new(a.shape)
+        self._dispatch("add_f32", [a.view, b.view, y.view], AddPush(a.size), self._grid(a.size))
+        return y
+
+    def rows(self, x: Act, idx) -> Act:
+        """Gather the step's logit rows (indices from the metadata) with the float32 embed kernel."""
+        t, d = x.shape
+        y = self._new((len(idx), d))
+        push = EmbedPush(len(idx), d, self._layout.logit_rows, 0, t, d, 1.0)
+        self._dispatch("embed_f32", [self.meta, x.view, y.view], push, len(idx))
+        return y
+
+    def reshape(self, x: Act, shape: tuple[int, ...]) -> Act:
+        assert math.prod(shape) == x.size, f"reshape {x.shape} -> {shape}"
+        return Act(x.buf, shape)
+
+
+# -- weight forms and placement ------------------------------------------------------------------------------
+def _upload_form(t: WeightTensor) -> tuple[np.ndarray, QType]:
+    """The array uploaded for ``t`` and its type: the file's bytes when a shader reads them, else float."""
+    if len(t.shape) == 1:
+        data = t.data if t.qtype == QType.F32 else t.dequantize()
+        return np.ascontiguousarray(data, dtype=np.float32), QType.F32
+    if t.qtype in MATMUL_TYPES.values():
+        return t.data, t.qtype
+    return t.dequantize().astype(np.float16), QType.F16
+
+
+def _row_bytes(data: np.ndarray) -> int:
+    return int(data.nbytes // data.shape[0]) if data.ndim > 1 else 0
+
+
+def _is_hot(name: str, data: np.ndarray) -> bool:
+    """Norms, and the token embedding / output projection (read every step)."""
+    return data.ndim == 1 or name.split("@")[0] in ("token_embd.weight", "output.weight")
