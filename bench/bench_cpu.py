@@ -65,16 +65,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--numerics", default="ggml", choices=["ggml", "f32"], help="the CPU backend's numerics")
     ap.add_argument("--json")
     a = ap.parse_args()
     path = resolve_model_path(a.model)
-    model = load_model(path, backend="cpu")
+    model = load_model(path, backend="cpu", numerics=a.numerics)
     ids = prompt_ids(model.tokenizer, a.prefill)
     short = ids[:16]
     hmad_prefill(model, ids[:64])  # warm-up
     out = {
         "device": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "model": str(path),
+        "numerics": a.numerics,
         "date": time.strftime("%Y-%m-%d"),
         "hmad": {
             "prefill_tok_s": hmad_prefill(model, ids),

@@ -140,6 +140,7 @@ class Service:
         engine.start()
         self._install_signals()
         threading.Thread(target=self._watchdog, args=(engine,), daemon=True).start()
+        threading.Thread(target=self._status_updates, args=(engine,), daemon=True).start()
         self.notify("READY=1", f"STATUS=serving {model.config.name or model.path} on {model.backend.name}")
         log.info("serving %s (%s) at %s", model.path, model.backend.name, self.path)
         try:
@@ -184,6 +185,18 @@ class Service:
             self.notify("STOPPING=1", "STATUS=draining")
             server.begin_drain(self.cfg.service.drain_grace_s)
         return False
+
+    def _status_updates(self, engine: EngineThread) -> None:
+        """STATUS= every service.status_every_s while serving (what `systemctl status hmad` shows)."""
+        every = self.cfg.service.status_every_s
+        while every > 0 and not self.stopping:
+            time.sleep(every)
+            snap = engine.snapshot
+            if not self.stopping:
+                self.notify(
+                    f"STATUS=serving: {snap.get('running', 0)} running, {snap.get('queued', 0)} queued, "
+                    f"{snap.get('tokens_per_s', 0.0)} tok/s"
+                )
 
     def _watchdog(self, engine: EngineThread) -> None:
         usec = int(os.environ.get("WATCHDOG_USEC", "0") or 0)

@@ -93,6 +93,22 @@ class AttentionPush(ctypes.Structure):
     ]
 
 
+class AttentionSplitPush(ctypes.Structure):
+    """shaders/attention_split.comp"""
+
+    _fields_ = [
+        *[(n, u32) for n in ("n_tokens", "n_heads", "n_kv_heads", "head_dim", "q_stride", "n_splits")],
+        *[(n, u32) for n in ("block_size", "window", "pos_off", "seq_off", "info_off")],
+        ("scale", f32),
+    ]
+
+
+class AttentionReducePush(ctypes.Structure):
+    """shaders/attention_reduce.comp"""
+
+    _fields_ = [(n, u32) for n in ("n_tokens", "n_heads", "head_dim", "n_splits", "o_stride")]
+
+
 class ArgmaxPush(ctypes.Structure):
     """shaders/argmax.comp"""
 
@@ -124,6 +140,9 @@ KERNELS: dict[str, KernelSpec] = {
     "kv_write_f16": KernelSpec("kv_write.comp", 5, KvWritePush, 256),
     "attention_f32": KernelSpec("attention.comp", 5, AttentionPush, 64),
     "attention_f16": KernelSpec("attention.comp", 5, AttentionPush, 64),
+    "attention_split_f32": KernelSpec("attention_split.comp", 5, AttentionSplitPush, 256),
+    "attention_split_f16": KernelSpec("attention_split.comp", 5, AttentionSplitPush, 256),
+    "attention_reduce_f32": KernelSpec("attention_reduce.comp", 2, AttentionReducePush, 256),
     "argmax_f32": KernelSpec("argmax.comp", 2, ArgmaxPush, 256),
     **kernel_specs(KernelSpec),  # mul_mat_vec_<type>[_subgroup], mul_mat_<type>: kernels_matmul.py
 }
