@@ -43,8 +43,9 @@ BUILD: list[tuple[str, str, dict[str, str]]] = [
     ("geglu_f32", "geglu.comp", {}),
     ("kv_write_f32", "kv_write.comp", {}),
     ("kv_write_f16", "kv_write.comp", {"POOL_TYPE": "float16_t"}),
-    ("attention_f32", "attention.comp", {}),
-    ("attention_f16", "attention.comp", {"POOL_TYPE": "float16_t"}),
+    ("attention_split_f32", "attention_split.comp", {}),
+    ("attention_split_f16", "attention_split.comp", {"POOL_TYPE": "float16_t"}),
+    ("attention_reduce_f32", "attention_reduce.comp", {}),
     ("argmax_f32", "argmax.comp", {}),
     # quantized matmul per weight type: mat-vec (shared / subgroup reduce), tiled mat-mat (kernels_matmul.py)
     *[

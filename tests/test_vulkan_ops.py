@@ -43,8 +43,10 @@ def dev():
     d.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def kernel(dev):
+    # Per test, like ``gpu``: a Kernel caches descriptor sets by raw VkBuffer handle, and a later test's
+    # buffer may reuse a freed buffer's handle (same offset and size): a stale set (seen on NVIDIA).
     from hmad.backends.vulkan.pipelines import Kernel
 
     made: dict[str, Kernel] = {}
@@ -222,12 +224,15 @@ def test_geglu_on_fused_gate_up_rows_matches_reference(dev, kernel, gpu):
 @pytest.mark.gpu
 @pytest.mark.parametrize("pool", ["f32", "f16"])
 @pytest.mark.parametrize("head_dim", [32, 256])
-def test_kv_write_and_paged_attention_match_reference(dev, kernel, gpu, pool, head_dim):
+@pytest.mark.parametrize("splits", [1, 3, 64])
+def test_kv_write_and_paged_attention_match_reference(dev, kernel, gpu, pool, head_dim, splits):
     """Two layers (global, sliding window 6) over three sequences of different lengths in one batch.
 
     Blocks of 4 positions, scattered; the local ring of 4 blocks wraps (sequence A is at 37..41); GQA of 4
-    query heads over 2 KV heads; one padding row past the batch (zeros out, nothing written)."""
-    from hmad.backends.vulkan.pipelines import AttentionPush, KvWritePush
+    query heads over 2 KV heads; one padding row past the batch (zeros out, nothing written).
+    ``splits`` per token and KV head of attention_split (then attention_reduce): one split of 3 tiles of 16
+    keys, splits of 16 keys, mostly empty splits."""
+    from hmad.backends.vulkan.pipelines import AttentionReducePush, AttentionSplitPush, KvWritePush
 
     rng = np.random.default_rng(head_dim)
     h, hkv, bs, window = 4, 2, 4, 6
@@ -250,7 +255,8 @@ def test_kv_write_and_paged_attention_match_reference(dev, kernel, gpu, pool, he
     pad = np.zeros((1, *q.shape[1:]), np.float32)
     b_meta = gpu.put(lay.pack(batch))
     b_q, b_k, b_v = (gpu.put(np.concatenate([a, pad[:, : a.shape[1]]])) for a in (q, k, v))
-    kw, att = kernel(f"kv_write_{pool}"), kernel(f"attention_{pool}")
+    kw = kernel(f"kv_write_{pool}")
+    att_s, att_r = kernel(f"attention_split_{pool}"), kernel("attention_reduce_f32")
     for layer, name, win in ((0, "global", None), (1, "local", window)):
         want = cpu.attention(q, k, v, layer, batch, win, scale)
         b_kp, b_vp = gpu.put(init[name][0]), gpu.put(init[name][1])
@@ -259,13 +265,13 @@ def test_kv_write_and_paged_attention_match_reference(dev, kernel, gpu, pool, he
         info_off = lay.info_global if name == "global" else lay.info_local
         row = hkv * head_dim
         write = KvWritePush(n_tokens=t + 1, row=row, k_stride=row, v_stride=row, slot_off=slot_off)
-        attend = AttentionPush(
+        split = AttentionSplitPush(
             n_tokens=t + 1,
             n_heads=h,
             n_kv_heads=hkv,
             head_dim=head_dim,
             q_stride=h * head_dim,
-            o_stride=h * head_dim,
+            n_splits=splits,
             block_size=bs,
             window=win or 0,
             pos_off=lay.positions,
@@ -273,10 +279,13 @@ def test_kv_write_and_paged_attention_match_reference(dev, kernel, gpu, pool, he
             info_off=info_off,
             scale=scale,
         )
+        reduce = AttentionReducePush(t + 1, h, head_dim, splits, h * head_dim)
+        b_part = gpu.poison(gpu.alloc((t + 1) * h * splits * (head_dim + 2) * 4))
         run(
             dev,
             (kw, [b_k, b_v, b_meta, b_kp, b_vp], write, 4),
-            (att, [b_q, b_kp, b_vp, b_meta, b_o], attend, att.groups_for((t + 1) * h)),
+            (att_s, [b_q, b_kp, b_vp, b_meta, b_part], split, att_s.groups_for((t + 1) * hkv * splits)),
+            (att_r, [b_part, b_o], reduce, att_r.groups_for((t + 1) * h)),
         )
         got = gpu.get(b_o, shape=(t + 1, h * head_dim))
         np.testing.assert_allclose(got[:t], want, rtol=2e-5, atol=2e-6, err_msg=f"{name} layer")

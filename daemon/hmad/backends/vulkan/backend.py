@@ -62,7 +62,8 @@ from hmad.backends.vulkan.memory import (
 from hmad.backends.vulkan.pipelines import (
     AddPush,
     ArgmaxPush,
-    AttentionPush,
+    AttentionReducePush,
+    AttentionSplitPush,
     CommandRecorder,
     DescriptorAllocator,
     EmbedPush,
@@ -81,6 +82,9 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 EMBED_TYPES = {QType.F32: "f32", QType.F16: "f16", QType.Q8_0: "q8_0"}
 KV_DTYPES = {"float32": ("f32", 4), "float16": ("f16", 2)}
 MIB = 1 << 20
+# attention_split.comp: splits per (token, KV head) = clamp(TARGET_GROUPS / (tokens * KV heads), 1, MAX)
+ATTENTION_TARGET_GROUPS = 1024
+ATTENTION_MAX_SPLITS = 64
 
 
 def bucket(n: int) -> int:
@@ -540,7 +544,10 @@ class VulkanBackend(Backend):
         lay, meta = self.kv_layout, self._layout
         t, h, dh = q.shape
         hkv = k.shape[1]
-        assert dh <= 4 * 64, f"head_dim {dh} > 256: attention.comp keeps 4 dims per invocation"
+        g = h // hkv
+        assert dh <= 256 and g <= 8, (
+            f"head_dim {dh} > 256 or {g} > 8 query heads per KV head: attention_split"
+        )
         pool, slot = lay.pool_of(layer)
         kp, vp = self.kv_views[(pool, slot)]
         slot_off = meta.slot_global if pool == "global" else meta.slot_local
@@ -549,12 +556,20 @@ class VulkanBackend(Backend):
         row = hkv * dh
         write = KvWritePush(t, row, row, row, slot_off)
         self._dispatch(f"kv_write_{pool_t}", [k.view, v.view, self.meta, kp, vp], write, self._grid(t * row))
-        o = self._new((t, h * dh))
-        push = AttentionPush(
-            *(t, h, hkv, dh, h * dh, h * dh, lay.block_size, window or 0),
+        # split-K: enough workgroups to fill the GPU at small batches (a split takes at least 16 keys, so
+        # splits past the sequence's length / 16 exit at once); the partials stay ~1024 * G * Dh floats
+        splits = max(1, min(ATTENTION_MAX_SPLITS, -(-ATTENTION_TARGET_GROUPS // (t * hkv))))
+        part = self._new((t, h, splits, dh + 2))
+        push = AttentionSplitPush(
+            *(t, h, hkv, dh, h * dh, splits, lay.block_size, window or 0),
             *(meta.positions, meta.seq, info_off, scale),
         )
-        self._dispatch(f"attention_{pool_t}", [q.view, kp, vp, self.meta, o.view], push, t * h)
+        self._dispatch(
+            f"attention_split_{pool_t}", [q.view, kp, vp, self.meta, part.view], push, t * hkv * splits
+        )
+        o = self._new((t, h * dh))
+        reduce = AttentionReducePush(t, h, dh, splits, h * dh)
+        self._dispatch("attention_reduce_f32", [part.view, o.view], reduce, t * h)
         return o
 
     def geglu(self, gate: Act, up: Act) -> Act:

@@ -83,16 +83,6 @@ class KvWritePush(ctypes.Structure):
     _fields_ = [(n, u32) for n in ("n_tokens", "row", "k_stride", "v_stride", "slot_off")]
 
 
-class AttentionPush(ctypes.Structure):
-    """shaders/attention.comp"""
-
-    _fields_ = [
-        *[(n, u32) for n in ("n_tokens", "n_heads", "n_kv_heads", "head_dim", "q_stride", "o_stride")],
-        *[(n, u32) for n in ("block_size", "window", "pos_off", "seq_off", "info_off")],
-        ("scale", f32),
-    ]
-
-
 class AttentionSplitPush(ctypes.Structure):
     """shaders/attention_split.comp"""
 
@@ -138,8 +128,6 @@ KERNELS: dict[str, KernelSpec] = {
     "geglu_f32": KernelSpec("geglu.comp", 3, GegluPush, 256),
     "kv_write_f32": KernelSpec("kv_write.comp", 5, KvWritePush, 256),
     "kv_write_f16": KernelSpec("kv_write.comp", 5, KvWritePush, 256),
-    "attention_f32": KernelSpec("attention.comp", 5, AttentionPush, 64),
-    "attention_f16": KernelSpec("attention.comp", 5, AttentionPush, 64),
     "attention_split_f32": KernelSpec("attention_split.comp", 5, AttentionSplitPush, 256),
     "attention_split_f16": KernelSpec("attention_split.comp", 5, AttentionSplitPush, 256),
     "attention_reduce_f32": KernelSpec("attention_reduce.comp", 2, AttentionReducePush, 256),

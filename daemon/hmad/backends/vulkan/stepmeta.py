@@ -8,12 +8,12 @@ buffer and index ``meta[section_off + i]``. Layout, in uint32 words (T = max_tok
 
     header      [0, 8)            n_tokens, n_seqs, block_size B, n_logit_rows, 4 words reserved (0)
     tokens      [8, 8+T)          token id of row t                               embed.comp (ids_off)
-    positions   +T                position of row t in its sequence               rope.comp, attention.comp
-    seq         +T                sequence index s of row t (0..n_seqs-1)         attention.comp (seq_off)
+    positions   +T                position of row t in its sequence               rope.comp, attention_split
+    seq         +T                sequence index s of row t (0..n_seqs-1)         attention_split (seq_off)
     slot_global +T                global-pool KV slot of row t's position         kv_write.comp (slot_off)
     slot_local  +T                local-pool (ring) KV slot of row t's position   kv_write.comp (slot_off)
-    info_global +2S               per sequence: (table start, table entries)      attention.comp (info_off)
-    info_local  +2S               per sequence: (ring start, ring entries R)      attention.comp (info_off)
+    info_global +2S               per sequence: (table start, table entries)      attention_split (info_off)
+    info_local  +2S               per sequence: (ring start, ring entries R)      attention_split (info_off)
     logit_rows  +S                rows whose logits the step returns (argmax/gather)
     tables      +max_table        the block tables, flattened: each sequence's global table, then its ring
 

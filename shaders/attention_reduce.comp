@@ -1,0 +1,66 @@
+#version 450
+// Split-K attention, pass 2 of 2: combine the n_splits partials (m, l, acc[Dh]) that attention_split.comp
+// wrote per (token, head) into o[t, h] = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c, M = max_c m_c
+// over the splits with l_c > 0 (the others are empty and their acc is never read). No live split (a padding
+// row): zeros. One workgroup per (token, head): the split weights go through shared memory, then invocations
+// over the dims. Host asserts n_splits <= MAX_SPLITS.
+#include "common.glsl"
+#define MAX_SPLITS 256
+
+layout(binding = 0) readonly buffer Part { float part[]; };
+layout(binding = 1) writeonly buffer O { float o[]; };
+
+layout(push_constant) uniform Push {
+    uint n_tokens;
+    uint n_heads;
+    uint head_dim;
+    uint n_splits;
+    uint o_stride;  // elements between tokens of o
+} p;
+
+shared float s_m[MAX_SPLITS];
+shared float s_l[MAX_SPLITS];
+shared uint s_live[MAX_SPLITS];
+shared uint s_n;
+shared float s_inv_l;
+
+void main() {
+    const uint g = group_index();
+    const uint t = g / p.n_heads, h = g % p.n_heads;
+    if (t >= p.n_tokens) return;
+    const uint tid = gl_LocalInvocationID.x;
+    const uint pstride = p.head_dim + 2;
+    const uint pb = (t * p.n_heads + h) * p.n_splits * pstride;
+    for (uint c = tid; c < p.n_splits; c += BLOCK_SIZE) {
+        s_m[c] = part[pb + c * pstride];
+        s_l[c] = part[pb + c * pstride + 1];
+    }
+    barrier();
+    if (tid == 0) {
+        float M = uintBitsToFloat(0xFF800000u);
+        for (uint c = 0; c < p.n_splits; ++c)
+            if (s_l[c] > 0.0) M = max(M, s_m[c]);
+        float L = 0.0;
+        uint n = 0;
+        for (uint c = 0; c < p.n_splits; ++c) {
+            if (s_l[c] > 0.0) {
+                const float w = exp(s_m[c] - M);
+                L += s_l[c] * w;
+                s_m[n] = w;  // n <= c: compacted weights of the live splits
+                s_live[n] = c;
+                ++n;
+            }
+        }
+        s_n = n;
+        s_inv_l = n > 0 ? 1.0 / L : 0.0;
+    }
+    barrier();
+    const uint n = s_n;
+    const float inv_l = s_inv_l;
+    const uint ob = t * p.o_stride + h * p.head_dim;
+    for (uint d = tid; d < p.head_dim; d += BLOCK_SIZE) {
+        float a = 0.0;
+        for (uint i = 0; i < n; ++i) a += part[pb + s_live[i] * pstride + 2 + d] * s_m[i];
+        o[ob + d] = a * inv_l;
+    }
+}
