@@ -19,3 +19,31 @@ def embedded_model_path() -> Path:
     from hmad.model.default import install_default_model
 
     return install_default_model()
+
+
+# -- Vulkan (tests/vk_harness.py) ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def dev():
+    from vk_harness import open_device
+
+    d = open_device()
+    yield d
+    d.close()
+
+
+@pytest.fixture
+def kernels(dev):
+    from vk_harness import Kernels
+
+    k = Kernels(dev)
+    yield k
+    k.close()
+
+
+@pytest.fixture
+def gpu(dev):
+    from vk_harness import Gpu
+
+    g = Gpu(dev)
+    yield g
+    g.close()

@@ -30,43 +30,6 @@ TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q5_0", "q4_k", "q6_k"]
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def dev():
-    from hmad.backends.vulkan import device as vkdev
-
-    try:
-        d = vkdev.Device()
-    except (vkdev.NoVulkanDeviceError, vkdev.DeviceUnsuitableError, OSError) as e:
-        pytest.skip(f"no usable Vulkan device ({e}); apt-get install mesa-vulkan-drivers provides lavapipe")
-    yield d
-    d.close()
-
-
-@pytest.fixture(scope="module")
-def kernels(dev):
-    from hmad.backends.vulkan.pipelines import Kernel
-
-    made: dict[str, Kernel] = {}
-
-    def get(name: str) -> Kernel:
-        if name not in made:
-            made[name] = Kernel(dev, name)
-        return made[name]
-
-    yield get
-    for k in made.values():
-        k.close()
-
-
-@pytest.fixture
-def gpu(dev):
-    from test_vulkan_runtime import Gpu
-
-    g = Gpu(dev)
-    yield g
-    g.close()
-
-
 def _weights(t: str, n: int, k: int, rng) -> tuple[np.ndarray, np.ndarray]:
     """(stored bytes (n, row_bytes) uint8, dequantized float64 (n, k)) of a random valid W."""
     q = QType[t.upper()]

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import test_vulkan_runtime as rt
 
 from hmad.backends.cpu import CpuBackend, CpuWeight
-from hmad.backends.vulkan import device as vkdev
 from hmad.backends.vulkan.stepmeta import NONE, StepMetaLayout, kv_slots
 from hmad.engine.batch import SeqSlice, StepBatch
 from hmad.engine.kvcache import KVLayout
@@ -31,41 +29,6 @@ from hmad.model.quants import quantize_q8_0
 from hmad.model.tensors import QType, WeightTensor
 
 REF = CpuBackend(numerics="f32")
-
-
-@pytest.fixture(scope="module")
-def dev():
-    try:
-        d = vkdev.Device()
-    except (vkdev.NoVulkanDeviceError, vkdev.DeviceUnsuitableError, OSError) as e:
-        pytest.skip(f"no usable Vulkan device ({e}); apt-get install mesa-vulkan-drivers provides lavapipe")
-    yield d
-    d.close()
-
-
-@pytest.fixture
-def kernel(dev):
-    # Per test, like ``gpu``: a Kernel caches descriptor sets by raw VkBuffer handle, and a later test's
-    # buffer may reuse a freed buffer's handle (same offset and size): a stale set (seen on NVIDIA).
-    from hmad.backends.vulkan.pipelines import Kernel
-
-    made: dict[str, Kernel] = {}
-
-    def get(name: str) -> Kernel:
-        if name not in made:
-            made[name] = Kernel(dev, name)
-        return made[name]
-
-    yield get
-    for k in made.values():
-        k.close()
-
-
-@pytest.fixture
-def gpu(dev):
-    g = rt.Gpu(dev)
-    yield g
-    g.close()
 
 
 def run(dev, *dispatches):
@@ -122,7 +85,7 @@ def test_step_meta_layout_and_pack():
 # -- embed ---------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("table_type", ["f32", "f16", "q8_0"])
-def test_embed_matches_reference(dev, kernel, gpu, table_type):
+def test_embed_matches_reference(dev, kernels, gpu, table_type):
     from hmad.backends.vulkan.pipelines import EmbedPush
 
     rng = np.random.default_rng(5)
@@ -141,7 +104,7 @@ def test_embed_matches_reference(dev, kernel, gpu, table_type):
 
     b_ids, b_tab = gpu.put(ids), gpu.put(data)
     b_y = gpu.poison(gpu.alloc(len(tokens) * dim * 4))
-    k = kernel(f"embed_{table_type}")
+    k = kernels(f"embed_{table_type}")
     # the table bound as two ranges of whole rows, one dispatch each (as for one > maxStorageBufferRange)
     ranges = [(0, split), (split, vocab - split)]
     run(
@@ -162,7 +125,7 @@ def test_embed_matches_reference(dev, kernel, gpu, table_type):
 # -- rope ----------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("base,scale", [(10_000.0, 1.0), (1_000_000.0, 8.0)])
-def test_rope_out_of_place_matches_reference(dev, kernel, gpu, base, scale):
+def test_rope_out_of_place_matches_reference(dev, kernels, gpu, base, scale):
     from hmad.backends.vulkan.pipelines import RopePush
 
     rng = np.random.default_rng(int(base))
@@ -172,7 +135,7 @@ def test_rope_out_of_place_matches_reference(dev, kernel, gpu, base, scale):
     want = REF.rope(x, pos, base, scale)
     b_x, b_pos = gpu.put(x), gpu.put(np.concatenate([np.zeros(3, np.uint32), pos]))
     b_y = gpu.poison(gpu.alloc(x.nbytes))
-    k = kernel("rope_f32")
+    k = kernels("rope_f32")
     run(dev, (k, [b_x, b_pos, b_y], RopePush(t, h, dh, h * dh, h * dh, 3, base, scale), 8))
     got = gpu.get(b_y, shape=(t, h, dh))
     atol = 4e-5 * (1 + pos.astype(np.float32) / 64)[:, None, None]
@@ -181,7 +144,7 @@ def test_rope_out_of_place_matches_reference(dev, kernel, gpu, base, scale):
 
 
 @pytest.mark.gpu
-def test_rope_in_place_on_the_q_part_of_fused_rows(dev, kernel, gpu):
+def test_rope_in_place_on_the_q_part_of_fused_rows(dev, kernels, gpu):
     """Rotate heads 0..3 of rows holding 4 q heads then 2 k heads, in place; the k part stays as it was."""
     from hmad.backends.vulkan.pipelines import RopePush
 
@@ -192,7 +155,7 @@ def test_rope_in_place_on_the_q_part_of_fused_rows(dev, kernel, gpu):
     want = rows.copy()
     want[:, : h * dh] = REF.rope(rows[:, : h * dh].reshape(t, h, dh), pos, 10_000.0, 1.0).reshape(t, -1)
     b_rows, b_pos = gpu.put(rows), gpu.put(pos)
-    k = kernel("rope_f32")
+    k = kernels("rope_f32")
     stride = (h + hk) * dh
     run(dev, (k, [b_rows, b_pos, b_rows], RopePush(t, h, dh, stride, stride, 0, 10_000.0, 1.0), 4))
     np.testing.assert_allclose(gpu.get(b_rows, shape=rows.shape), want, rtol=1e-5, atol=2e-4)
@@ -201,7 +164,7 @@ def test_rope_in_place_on_the_q_part_of_fused_rows(dev, kernel, gpu):
 
 # -- geglu ---------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-def test_geglu_on_fused_gate_up_rows_matches_reference(dev, kernel, gpu):
+def test_geglu_on_fused_gate_up_rows_matches_reference(dev, kernels, gpu):
     from hmad.backends.vulkan.pipelines import GegluPush
 
     rng = np.random.default_rng(3)
@@ -212,7 +175,7 @@ def test_geglu_on_fused_gate_up_rows_matches_reference(dev, kernel, gpu):
     want = REF.geglu(gate, up)
     b_gu = gpu.put(gu)
     b_y = gpu.poison(gpu.alloc(t * f * 4))
-    k = kernel("geglu_f32")
+    k = kernels("geglu_f32")
     # gate and up are the two halves of each row: bind the same buffer at two offsets
     halves = [(b_gu, 0, gu.nbytes - f * 4), (b_gu, f * 4, gu.nbytes - f * 4)]
     run(dev, (k, [*halves, b_y], GegluPush(f, t, 2 * f, 2 * f, f), 16))
@@ -225,7 +188,7 @@ def test_geglu_on_fused_gate_up_rows_matches_reference(dev, kernel, gpu):
 @pytest.mark.parametrize("pool", ["f32", "f16"])
 @pytest.mark.parametrize("head_dim", [32, 256])
 @pytest.mark.parametrize("splits", [1, 3, 64])
-def test_kv_write_and_paged_attention_match_reference(dev, kernel, gpu, pool, head_dim, splits):
+def test_kv_write_and_paged_attention_match_reference(dev, kernels, gpu, pool, head_dim, splits):
     """Two layers (global, sliding window 6) over three sequences of different lengths in one batch.
 
     Blocks of 4 positions, scattered; the local ring of 4 blocks wraps (sequence A is at 37..41); GQA of 4
@@ -255,8 +218,8 @@ def test_kv_write_and_paged_attention_match_reference(dev, kernel, gpu, pool, he
     pad = np.zeros((1, *q.shape[1:]), np.float32)
     b_meta = gpu.put(lay.pack(batch))
     b_q, b_k, b_v = (gpu.put(np.concatenate([a, pad[:, : a.shape[1]]])) for a in (q, k, v))
-    kw = kernel(f"kv_write_{pool}")
-    att_s, att_r = kernel(f"attention_split_{pool}"), kernel("attention_reduce_f32")
+    kw = kernels(f"kv_write_{pool}")
+    att_s, att_r = kernels(f"attention_split_{pool}"), kernels("attention_reduce_f32")
     for layer, name, win in ((0, "global", None), (1, "local", window)):
         want = cpu.attention(q, k, v, layer, batch, win, scale)
         b_kp, b_vp = gpu.put(init[name][0]), gpu.put(init[name][1])
@@ -297,7 +260,7 @@ def test_kv_write_and_paged_attention_match_reference(dev, kernel, gpu, pool, he
 
 # -- argmax --------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-def test_argmax_rows_of_a_full_vocabulary(dev, kernel, gpu):
+def test_argmax_rows_of_a_full_vocabulary(dev, kernels, gpu):
     from hmad.backends.vulkan.pipelines import ArgmaxPush
 
     rng = np.random.default_rng(1)
@@ -309,6 +272,6 @@ def test_argmax_rows_of_a_full_vocabulary(dev, kernel, gpu):
     want = [int(np.argmax(logits[0])), 5000, 0, 17]
     b_l = gpu.put(logits)
     b_ids = gpu.put(np.full(s, 12345, np.uint32))
-    k = kernel("argmax_f32")
+    k = kernels("argmax_f32")
     run(dev, (k, [b_l, b_ids], ArgmaxPush(s, vocab, vocab), k.groups_for(s)))
     assert gpu.get(b_ids, np.uint32).tolist() == want
