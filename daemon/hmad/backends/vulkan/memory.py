@@ -492,25 +492,31 @@ class Uploader:
     def _submit(self, slot: _Slot) -> None:
         if not slot.copies:
             return
+        copies = [(slot.staging.buffer, dst, src_off, dst_off, n) for dst, src_off, dst_off, n in slot.copies]
+        self._record_and_submit(slot, copies, "staging")
+        slot.copies = []  # recorded; `used` stays until the fence says the bytes were read
+
+    def _record_and_submit(self, slot: _Slot, copies: list, what: str) -> None:
+        """Record (src buffer, dst buffer, src offset, dst offset, bytes) copies into the slot's command
+        buffer and submit it with the slot's fence (the caller waits on it when it needs the bytes)."""
         cmd = slot.cmd
         begin = new(
             "VkCommandBufferBeginInfo",
             sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO,
             flags=vk.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT,
         )
-        check(lib.vkBeginCommandBuffer(cmd, begin), "vkBeginCommandBuffer(staging)")
-        for dst, src_off, dst_off, n in slot.copies:
+        check(lib.vkBeginCommandBuffer(cmd, begin), f"vkBeginCommandBuffer({what})")
+        for src, dst, src_off, dst_off, n in copies:
             region = new("VkBufferCopy", srcOffset=src_off, dstOffset=dst_off, size=n)
-            lib.vkCmdCopyBuffer(cmd, slot.staging.buffer, dst, 1, region)
-        check(lib.vkEndCommandBuffer(cmd), "vkEndCommandBuffer(staging)")
+            lib.vkCmdCopyBuffer(cmd, src, dst, 1, region)
+        check(lib.vkEndCommandBuffer(cmd), f"vkEndCommandBuffer({what})")
         f = ffi.new("VkFence*", slot.fence)
         check(lib.vkResetFences(self.device.handle, 1, f), "vkResetFences")
         cmds = ffi.new("VkCommandBuffer[]", [cmd])
         si = new(
             "VkSubmitInfo", sType=vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, commandBufferCount=1, pCommandBuffers=cmds
         )
-        check(lib.vkQueueSubmit(self.device.queue, 1, si, slot.fence), "vkQueueSubmit(staging)")
-        slot.copies = []  # recorded; `used` stays until the fence says the bytes were read
+        check(lib.vkQueueSubmit(self.device.queue, 1, si, slot.fence), f"vkQueueSubmit({what})")
 
     def flush(self) -> None:
         """Submit what is pending and wait for every slot (then the uploaded data is visible on the GPU)."""
@@ -533,19 +539,8 @@ class Uploader:
 
     def _copy_to_slot(self, slot: _Slot, view: BufferView, start: int, n: int) -> None:
         slot.copies = []
-        cmd = slot.cmd
-        begin = new("VkCommandBufferBeginInfo", sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO)
-        check(lib.vkBeginCommandBuffer(cmd, begin), "vkBeginCommandBuffer(readback)")
-        region = new("VkBufferCopy", srcOffset=view.offset + start, dstOffset=0, size=n)
-        lib.vkCmdCopyBuffer(cmd, view.buffer, slot.staging.buffer, 1, region)
-        check(lib.vkEndCommandBuffer(cmd), "vkEndCommandBuffer(readback)")
-        f = ffi.new("VkFence*", slot.fence)
-        check(lib.vkResetFences(self.device.handle, 1, f), "vkResetFences")
-        cmds = ffi.new("VkCommandBuffer[]", [cmd])
-        si = new(
-            "VkSubmitInfo", sType=vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, commandBufferCount=1, pCommandBuffers=cmds
-        )
-        check(lib.vkQueueSubmit(self.device.queue, 1, si, slot.fence), "vkQueueSubmit(readback)")
+        copy = (view.buffer, slot.staging.buffer, view.offset + start, 0, n)
+        self._record_and_submit(slot, [copy], "readback")
         self._wait(slot)
 
     def close(self) -> None:
