@@ -122,8 +122,15 @@ import sys, zmq
 from hmaclient import protocol as P
 s = zmq.Context().socket(zmq.DEALER); s.connect(P.endpoint(sys.argv[1]))
 s.send(P.pack(P.generate_request("k", prompt="the dog", max_tokens=100000, temperature=0)))
-while P.unpack(s.recv())["type"] != "token":
-    pass
+while True:  # print "streaming" once a token arrives, else the refusal's code (e.g. busy), never hang
+    if not s.poll(60000):
+        sys.exit("no reply in 60 s")
+    msg = P.unpack(s.recv())
+    if msg["type"] == "token":
+        break
+    if msg["type"] in P.TERMINAL_TYPES:
+        print(msg.get("code", msg["type"]), flush=True)
+        sys.exit(1)
 print("streaming", flush=True)
 s.recv()
 import time; time.sleep(3600)
