@@ -85,6 +85,10 @@ InvalidExternalHandle = _err("InvalidExternalHandle", "VK_ERROR_INVALID_EXTERNAL
 FragmentationError = _err("FragmentationError", "VK_ERROR_FRAGMENTATION")
 InvalidOpaqueCaptureAddress = _err("InvalidOpaqueCaptureAddress", "VK_ERROR_INVALID_OPAQUE_CAPTURE_ADDRESS")
 
+# Codes we branch on. Not vk.VK_ERROR_*: the ``vulkan`` package has VK_ERROR_OUT_OF_POOL_MEMORY as +1000069000.
+VK_ERROR_FRAGMENTED_POOL = -12
+VK_ERROR_OUT_OF_POOL_MEMORY = -1000069000
+
 RESULT_ERRORS: dict[int, type[VulkanError]] = {
     1: NotReady,
     2: Timeout,
@@ -204,6 +208,7 @@ class PhysicalDeviceInfo:
     types: list[MemoryType] = field(default_factory=list)
     compute_queue_family: int | None = None
     timestamp_valid_bits: int = 0
+    coopmat_shapes: list[dict[str, Any]] = field(default_factory=list)  # VK_KHR_cooperative_matrix
     handle: Any = None
 
     @property
@@ -466,7 +471,50 @@ def enumerate_devices(instance) -> list[PhysicalDeviceInfo]:
         "vkEnumeratePhysicalDevices",
         "VkPhysicalDevice",
     )
-    return [read_physical_device(h, i) for i, h in enumerate(handles)]
+    infos = [read_physical_device(h, i) for i, h in enumerate(handles)]
+    for info in infos:
+        if info.features.get("cooperativeMatrix"):
+            info.coopmat_shapes = _read_coopmat_shapes(instance, info.handle)
+    return infos
+
+
+_COMPONENT_TYPES = {
+    vk.VK_COMPONENT_TYPE_FLOAT16_KHR: "f16",
+    vk.VK_COMPONENT_TYPE_FLOAT32_KHR: "f32",
+    vk.VK_COMPONENT_TYPE_SINT8_KHR: "s8",
+    vk.VK_COMPONENT_TYPE_UINT8_KHR: "u8",
+    vk.VK_COMPONENT_TYPE_SINT32_KHR: "s32",
+    vk.VK_COMPONENT_TYPE_UINT32_KHR: "u32",
+}
+
+
+def _read_coopmat_shapes(instance, handle) -> list[dict[str, Any]]:
+    """The (M, N, K, A/B/C/result types, scope) combinations VK_KHR_cooperative_matrix supports."""
+    name = b"vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR"
+    ptr = lib.vkGetInstanceProcAddr(instance, name)
+    if ptr == ffi.NULL:
+        return []
+    fn = ffi.cast("PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR", ptr)
+    n = ffi.new("uint32_t*")
+    check(fn(handle, n, ffi.NULL), "vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR")
+    arr = ffi.new("VkCooperativeMatrixPropertiesKHR[]", n[0])
+    for i in range(n[0]):
+        arr[i].sType = vk.VK_STRUCTURE_TYPE_COOPERATIVE_MATRIX_PROPERTIES_KHR
+    check(fn(handle, n, arr), "vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR")
+    ct = _COMPONENT_TYPES
+    return [
+        {
+            "M": p.MSize,
+            "N": p.NSize,
+            "K": p.KSize,
+            "A": ct.get(p.AType, str(p.AType)),
+            "B": ct.get(p.BType, str(p.BType)),
+            "C": ct.get(p.CType, str(p.CType)),
+            "result": ct.get(p.ResultType, str(p.ResultType)),
+            "subgroup_scope": p.scope == vk.VK_SCOPE_SUBGROUP_KHR,
+        }
+        for p in arr[0 : n[0]]
+    ]
 
 
 class Device:

@@ -24,7 +24,16 @@ from typing import Any
 import numpy as np
 import vulkan as vk
 
-from hmad.backends.vulkan.device import Device, OutOfPoolMemory, check, ffi, lib, new
+from hmad.backends.vulkan.device import (
+    VK_ERROR_FRAGMENTED_POOL,
+    VK_ERROR_OUT_OF_POOL_MEMORY,
+    Device,
+    OutOfPoolMemory,
+    check,
+    ffi,
+    lib,
+    new,
+)
 from hmad.backends.vulkan.kernels_matmul import MatMulPush, kernel_specs  # noqa: F401 (re-export)
 from hmad.backends.vulkan.memory import BufferView
 from hmad.backends.vulkan.program import load_spirv, reflect
@@ -174,8 +183,14 @@ class DescriptorAllocator:
         out = ffi.new("VkDescriptorPool*")
         check(lib.vkCreateDescriptorPool(self.device.handle, ci, ffi.NULL, out), "vkCreateDescriptorPool")
         self.pools.append(out[0])
+        self.in_pool = 0  # sets allocated from the newest pool
 
     def allocate(self, layout) -> Any:
+        """One set of ``layout``. A pool holds ``sets_per_pool`` sets: counted here, so a new pool is made
+        before the driver has to refuse (lavapipe never refuses; NVIDIA does, with
+        VK_ERROR_OUT_OF_POOL_MEMORY, which the ``vulkan`` package spells with the wrong sign)."""
+        if self.in_pool >= self.sets_per_pool:
+            self._new_pool()
         layouts = ffi.new("VkDescriptorSetLayout[]", [layout])
         for attempt in range(2):
             ai = new(
@@ -187,12 +202,13 @@ class DescriptorAllocator:
             )
             out = ffi.new("VkDescriptorSet*")
             r = lib.vkAllocateDescriptorSets(self.device.handle, ai, out)
-            if r in (vk.VK_ERROR_OUT_OF_POOL_MEMORY, vk.VK_ERROR_FRAGMENTED_POOL) and attempt == 0:
+            if r in (VK_ERROR_OUT_OF_POOL_MEMORY, VK_ERROR_FRAGMENTED_POOL) and attempt == 0:
                 self._new_pool()
                 continue
             check(r, "vkAllocateDescriptorSets")
+            self.in_pool += 1
             return out[0]
-        raise OutOfPoolMemory("vkAllocateDescriptorSets", vk.VK_ERROR_OUT_OF_POOL_MEMORY)
+        raise OutOfPoolMemory("vkAllocateDescriptorSets", VK_ERROR_OUT_OF_POOL_MEMORY)
 
     def close(self) -> None:
         for p in self.pools:
@@ -213,7 +229,9 @@ class Kernel:
         self._own_descriptors = descriptors is None
         self._sets: dict[tuple, Any] = {}
         code = load_spirv(name)
-        self._check_interface(reflect(code))
+        iface = reflect(code)
+        self._check_interface(iface)
+        self.written = iface.written  # bindings the shader may write: what the recorder's barriers track
         self.module = self._create_module(code)
         self.set_layout = self._create_set_layout()
         self.layout = self._create_pipeline_layout()
@@ -346,11 +364,7 @@ class Kernel:
 
     def record(self, cmd, buffers: Sequence[Binding], push: ctypes.Structure, groups) -> None:
         """Bind, push and dispatch into ``cmd``. ``groups``: an int or (x, y, z) workgroup counts."""
-        assert len(buffers) == self.n_buffers, (
-            f"{self.name}: {len(buffers)} buffers given, needs {self.n_buffers}"
-        )
-        assert type(push) is self.push_type, f"{self.name}: push constants must be {self.push_type.__name__}"
-        assert ctypes.sizeof(push) == self.push_size
+        self.check_args(buffers, push)
         gx, gy, gz = (groups, 1, 1) if isinstance(groups, int) else tuple(groups) + (1,) * (3 - len(groups))
         sets = ffi.new("VkDescriptorSet[]", [self.descriptor_set(buffers)])
         lib.vkCmdBindPipeline(cmd, vk.VK_PIPELINE_BIND_POINT_COMPUTE, self.pipeline)
@@ -361,6 +375,14 @@ class Kernel:
             data = ffi.new("char[]", bytes(push))
             lib.vkCmdPushConstants(cmd, self.layout, vk.VK_SHADER_STAGE_COMPUTE_BIT, 0, self.push_size, data)
         lib.vkCmdDispatch(cmd, gx, gy, gz)
+
+    def check_args(self, buffers: Sequence[Binding], push: ctypes.Structure) -> None:
+        """The binding count and push-constant type this kernel was built for."""
+        assert len(buffers) == self.n_buffers, (
+            f"{self.name}: {len(buffers)} buffers given, needs {self.n_buffers}"
+        )
+        assert type(push) is self.push_type, f"{self.name}: push constants must be {self.push_type.__name__}"
+        assert ctypes.sizeof(push) == self.push_size
 
     def groups_for(self, n_groups: int) -> tuple[int, int, int]:
         """Split a group count over (x, y) past maxComputeWorkGroupCount[0] (shaders use group_index())."""
@@ -381,6 +403,35 @@ class Kernel:
 
 
 # -- recorded command buffers --------------------------------------------------------------------------------
+class Hazards:
+    """Buffer ranges ``(VkBuffer, offset, nbytes)`` read and written since the last barrier."""
+
+    def __init__(self):
+        self.reads: list[tuple[int, int, int]] = []
+        self.writes: list[tuple[int, int, int]] = []
+
+    @staticmethod
+    def _key(r) -> tuple[int, int, int]:
+        h, off, n = r
+        return _handle_key(h), off, off + n
+
+    @staticmethod
+    def _overlap(a: list, b: list) -> bool:
+        return any(x[0] == y[0] and x[1] < y[2] and y[1] < x[2] for x in a for y in b)
+
+    def conflicts(self, reads: list[tuple], writes: list[tuple]) -> bool:
+        """Read-after-write, write-after-write or write-after-read against the pending ranges."""
+        r, w = [self._key(x) for x in reads], [self._key(x) for x in writes]
+        return self._overlap(self.writes, r + w) or self._overlap(self.reads, w)
+
+    def add(self, reads: list[tuple], writes: list[tuple]) -> None:
+        self.reads += [self._key(x) for x in reads]
+        self.writes += [self._key(x) for x in writes]
+
+    def clear(self) -> None:
+        self.reads, self.writes = [], []
+
+
 _ALL_ACCESS = (
     vk.VK_ACCESS_SHADER_READ_BIT
     | vk.VK_ACCESS_SHADER_WRITE_BIT
@@ -397,8 +448,11 @@ class CommandRecorder:
     wanted (one vkQueueSubmit + one fence wait each; the host writes inputs into mapped buffers in between).
     With ``timestamps=True`` a timestamp is written before the first and after every command;
     :meth:`gpu_times` returns the GPU nanoseconds of each (label, ns) and of the whole submit.
-    Barriers are conservative for now (every command waits for all earlier compute/transfer writes); the
-    graph recorder will place them from buffer dependencies.
+
+    Barriers are placed from buffer ranges (:class:`Hazards`): a command waits for the earlier ones only
+    when it reads or writes a range written since the last barrier, or writes a range read since then; so
+    independent dispatches (q, k and v projections of one input) run back to back and may overlap on the
+    GPU. A kernel's writes are the bindings its SPIR-V does not declare ``readonly``.
     """
 
     def __init__(self, device: Device, timestamps: bool = False, max_commands: int = 4096):
@@ -427,6 +481,8 @@ class CommandRecorder:
         self.query_pool = self._create_query_pool() if self.timestamps else None
         self._recording = False
         self.submits = 0
+        self.hazards = Hazards()
+        self.barriers = 0  # placed by the last recording (a test and the benchmarks read it)
 
     def _create_query_pool(self):
         ci = new(
@@ -444,6 +500,7 @@ class CommandRecorder:
         bi = new("VkCommandBufferBeginInfo", sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO)
         check(lib.vkBeginCommandBuffer(self.cmd, bi), "vkBeginCommandBuffer")
         self.labels, self._recording = [], True
+        self.hazards, self.barriers = Hazards(), 0
         if self.query_pool is not None:
             lib.vkCmdResetQueryPool(self.cmd, self.query_pool, 0, self.max_queries)
             lib.vkCmdWriteTimestamp(self.cmd, vk.VK_PIPELINE_STAGE_TOP_OF_PIPE_BIT, self.query_pool, 0)
@@ -457,6 +514,14 @@ class CommandRecorder:
             dstAccessMask=dst_access,
         )
         lib.vkCmdPipelineBarrier(self.cmd, _WORK_STAGES, dst_stage, 0, 1, mb, 0, ffi.NULL, 0, ffi.NULL)
+        self.hazards.clear()
+        self.barriers += 1
+
+    def _order(self, reads: list[tuple], writes: list[tuple]) -> None:
+        """A barrier first when this command depends on, or overwrites, work since the last one."""
+        if self.hazards.conflicts(reads, writes):
+            self.barrier()
+        self.hazards.add(reads, writes)
 
     def _after(self, label: str) -> None:
         self.labels.append(label)
@@ -468,16 +533,17 @@ class CommandRecorder:
 
     def dispatch(self, kernel: Kernel, buffers: Sequence[Binding], push, groups, label: str = "") -> None:
         assert self._recording, "begin() first"
-        if self.labels:
-            self.barrier()
+        kernel.check_args(buffers, push)
+        ranges = [_range_of(b) for b in buffers]
+        writes = [ranges[i] for i in kernel.written]
+        self._order([r for i, r in enumerate(ranges) if i not in kernel.written], writes)
         kernel.record(self.cmd, buffers, push, groups)
         self._after(label or kernel.name)
 
     def copy(self, src: BufferView, dst: BufferView, nbytes: int | None = None, label: str = "copy") -> None:
         assert self._recording, "begin() first"
-        if self.labels:
-            self.barrier()
         n = src.nbytes if nbytes is None else nbytes
+        self._order([(src.buffer, src.offset, n)], [(dst.buffer, dst.offset, n)])
         region = new("VkBufferCopy", srcOffset=src.offset, dstOffset=dst.offset, size=n)
         lib.vkCmdCopyBuffer(self.cmd, src.buffer, dst.buffer, 1, region)
         self._after(label)

@@ -1,7 +1,8 @@
 """SPIR-V programs: find the committed ``shaders/spv/<name>.spv``, and read what its interface is.
 
 The reflection is deliberately tiny (a few opcodes of the SPIR-V binary): the storage-buffer bindings of set 0
-and the push-constant block's member offsets and size. :class:`~hmad.backends.vulkan.pipelines.Kernel` uses it
+(and which of them the shader may write: a ``readonly`` block is decorated NonWritable) and the push-constant
+block's member offsets and size. :class:`~hmad.backends.vulkan.pipelines.Kernel` uses it
 to assert, when a pipeline is built, that the Python push-constant struct mirrors the shader's block and that
 the binding count it will be given matches the shader: a drifted struct fails loudly at load, not as garbage.
 """
@@ -18,7 +19,7 @@ SPIRV_MAGIC = 0x07230203
 OP_TYPE_INT, OP_TYPE_FLOAT, OP_TYPE_VECTOR, OP_TYPE_STRUCT, OP_TYPE_POINTER = 21, 22, 23, 30, 32
 OP_VARIABLE, OP_DECORATE, OP_MEMBER_DECORATE = 59, 71, 72
 # decorations, storage classes
-DEC_BINDING, DEC_SET, DEC_OFFSET = 33, 34, 35
+DEC_NON_WRITABLE, DEC_BINDING, DEC_SET, DEC_OFFSET = 24, 33, 34, 35
 SC_UNIFORM, SC_PUSH_CONSTANT, SC_STORAGE_BUFFER = 2, 9, 12
 
 
@@ -45,6 +46,7 @@ class Interface:
     bindings: tuple[int, ...]  # storage-buffer binding numbers in set 0, sorted
     push_offsets: tuple[int, ...]  # byte offset of each push-constant member, in declaration order
     push_size: int  # bytes up to the end of the last member (0: no push constants)
+    written: tuple[int, ...] = ()  # the bindings the shader may write (not declared readonly)
 
 
 def reflect(code: bytes) -> Interface:
@@ -57,6 +59,7 @@ def reflect(code: bytes) -> Interface:
     binding: dict[int, int] = {}
     dset: dict[int, int] = {}
     offsets: dict[tuple[int, int], int] = {}
+    readonly: set[int] = set()  # variables, and (struct, member) pairs, decorated NonWritable
     i = 5
     while i < len(words):
         op, n = words[i] & 0xFFFF, words[i] >> 16
@@ -73,14 +76,26 @@ def reflect(code: bytes) -> Interface:
             variables.append((a[0], a[1], a[2]))
         elif op == OP_DECORATE and a[1] in (DEC_BINDING, DEC_SET):
             (binding if a[1] == DEC_BINDING else dset)[a[0]] = a[2]
+        elif op == OP_DECORATE and a[1] == DEC_NON_WRITABLE:
+            readonly.add(a[0])
         elif op == OP_MEMBER_DECORATE and a[2] == DEC_OFFSET:
             offsets[(a[0], a[1])] = a[3]
+        elif op == OP_MEMBER_DECORATE and a[2] == DEC_NON_WRITABLE:
+            readonly.add((a[0], a[1]))
         i += max(n, 1)
-    bufs = sorted(
-        binding[v]
-        for _, v, sc in variables
+    buffers = [
+        (binding[v], ptr, v)
+        for ptr, v, sc in variables
         if sc in (SC_STORAGE_BUFFER, SC_UNIFORM) and v in binding and dset.get(v, 0) == 0
-    )
+    ]
+    bufs = sorted(b for b, _, _ in buffers)
+
+    def is_readonly(ptr: int, var: int) -> bool:
+        members = structs.get(pointers.get(ptr, -1), [])
+        sid = pointers.get(ptr, -1)
+        return var in readonly or (bool(members) and all((sid, m) in readonly for m in range(len(members))))
+
+    written = tuple(sorted(b for b, ptr, v in buffers if not is_readonly(ptr, v)))
     push_offsets: tuple[int, ...] = ()
     push_size = 0
     for ptr, _, sc in variables:
@@ -89,4 +104,4 @@ def reflect(code: bytes) -> Interface:
             members = structs[sid]
             push_offsets = tuple(offsets[(sid, m)] for m in range(len(members)))
             push_size = push_offsets[-1] + sizes.get(members[-1], 4) if members else 0
-    return Interface(tuple(bufs), push_offsets, push_size)
+    return Interface(tuple(bufs), push_offsets, push_size, written)
