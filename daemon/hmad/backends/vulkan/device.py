@@ -85,7 +85,7 @@ InvalidExternalHandle = _err("InvalidExternalHandle", "VK_ERROR_INVALID_EXTERNAL
 FragmentationError = _err("FragmentationError", "VK_ERROR_FRAGMENTATION")
 InvalidOpaqueCaptureAddress = _err("InvalidOpaqueCaptureAddress", "VK_ERROR_INVALID_OPAQUE_CAPTURE_ADDRESS")
 
-# Codes we branch on. Not vk.VK_ERROR_*: the ``vulkan`` package has VK_ERROR_OUT_OF_POOL_MEMORY as +1000069000.
+# Codes we branch on (not vk.VK_ERROR_*: the vulkan package has VK_ERROR_OUT_OF_POOL_MEMORY as +1000069000).
 VK_ERROR_FRAGMENTED_POOL = -12
 VK_ERROR_OUT_OF_POOL_MEMORY = -1000069000
 
