@@ -47,6 +47,17 @@ BUILD: list[tuple[str, str, dict[str, str]]] = [
     ("attention_split_f16", "attention_split.comp", {"POOL_TYPE": "float16_t"}),
     ("attention_reduce_f32", "attention_reduce.comp", {}),
     ("argmax_f32", "argmax.comp", {}),
+    ("norm_rope_f32", "norm_rope.comp", {}),
+    ("quantize_q8", "quantize_q8.comp", {}),
+    ("residual_norm", "residual_norm.comp", {}),
+    ("residual_norm_next", "residual_norm.comp", {"NEXT": "1"}),
+    ("residual_norm_next_q8", "residual_norm.comp", {"NEXT": "1", "Q8OUT": "1"}),
+    # int8 mat-vec over q8 activations (kernels_matmul.py: Q8_MATVEC_TYPES), plain and fused with GeGLU
+    *[
+        (f"mul_mat_vec_q8x_{t.lower()}{suffix}", "mul_mat_vec_q8.comp", {f"TYPE_{t}": "1", **extra})
+        for t in ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K")
+        for suffix, extra in (("", {}), ("_geglu", {"GEGLU": "1"}))
+    ],
     # quantized matmul per weight type: mat-vec (shared / subgroup reduce), tiled mat-mat (kernels_matmul.py)
     *[
         (f"{op}_{t.lower()}{suffix}", f"{op}.comp", {f"TYPE_{t}": "1", **extra})

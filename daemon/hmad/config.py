@@ -427,6 +427,7 @@ class VulkanConfig:
     device: int | str | None = _key(None, _Device())
     device_local_bytes: int | None = _key(None, _OrNull(_Bytes(), "all the heap's budget"))
     host_visible_bytes: int | None = _key(None, _OrNull(_Bytes(), "all the heap's budget"))
+    matvec: str = _key("int8", _OneOf(("int8", "float")))
 
 
 @dataclass(frozen=True)

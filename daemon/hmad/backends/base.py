@@ -91,6 +91,28 @@ class Backend(ABC):
     def rows(self, x: Act, idx: Act) -> Act:
         """(T, D) -> (len(idx), D): gather rows."""
 
+    # -- fused ops: the forward pass calls these; the defaults compose the primitives above, and a backend
+    # overrides one where doing it in one pass pays (the Vulkan backend: fewer dispatches and barriers) ---
+    def matmuls(self, x: Act, ws: list[Weight]) -> list[Act]:
+        """Several projections of one input (q, k and v): ``[matmul(x, w) for w in ws]``."""
+        return [self.matmul(x, w) for w in ws]
+
+    def norm_rope(self, x: Act, w: Weight, eps: float, positions: Act, base: float, scale: float) -> Act:
+        """Per-head RMS norm, then RoPE: x (T, H, Dh), w (Dh,) -> (T, H, Dh)."""
+        return self.rope(self.rms_norm(x, w, eps), positions, base, scale)
+
+    def geglu_matmul(self, x: Act, gate: Weight, up: Weight) -> Act:
+        """gelu_tanh(x · gateᵀ) * (x · upᵀ): x (T, D) -> (T, F)."""
+        return self.geglu(self.matmul(x, gate), self.matmul(x, up))
+
+    def residual_norm(
+        self, x: Act, a: Act, w_a: Weight, w_next: Weight | None, eps: float
+    ) -> tuple[Act, Act | None]:
+        """The step between sub-layers: x' = x + rms_norm(a, w_a), and h = rms_norm(x', w_next) (None when
+        ``w_next`` is None). x, a (T, D) -> (x', h)."""
+        x = self.add(x, self.rms_norm(a, w_a, eps))
+        return x, None if w_next is None else self.rms_norm(x, w_next, eps)
+
     @abstractmethod
     def reshape(self, x: Act, shape: tuple[int, ...]) -> Act:
         """A view of x with a new shape (same element count)."""

@@ -32,7 +32,11 @@ Norm weights are uploaded as float32; a 2-D weight of a type no matmul shader re
 float16 on the host first (the only case where a second copy of a tensor exists in RAM, briefly).
 Matmul: the mat-vec kernels for T_b <= 8, the tiled mat-mat kernel above; weights beyond
 maxStorageBufferRange are bound in ranges (record_matmul, and embed's row_begin/n_rows).
-Nothing is fused yet.
+Fused (the ops of backends/base.py that Gemma3 calls): residual_norm (post-norm + residual + next pre-norm,
+one dispatch that also writes h quantized for the int8 mat-vec), norm_rope (per-head q/k norm + RoPE),
+geglu_matmul (gate and up projections + GeGLU in one int8 mat-vec). Decode-sized steps (T_b <= 8) run every
+quantized matmul as the int8 mat-vec (mul_mat_vec_q8.comp) on activations quantized once per input
+(Act.q8), and independent dispatches (q, k, v) carry no barrier between them (CommandRecorder).
 """
 
 from __future__ import annotations
@@ -49,7 +53,13 @@ import vulkan as vk
 
 from hmad.backends.base import Backend
 from hmad.backends.vulkan.device import Device, check, ffi, lib, new
-from hmad.backends.vulkan.kernels_matmul import MATMUL_TYPES, MATVEC_MAX_T, record_matmul
+from hmad.backends.vulkan.kernels_matmul import (
+    MATMUL_TYPES,
+    MATVEC_MAX_T,
+    Q8_MATVEC_TYPES,
+    record_matmul,
+    record_matvec_q8,
+)
 from hmad.backends.vulkan.memory import (
     BufferView,
     MemoryPlan,
@@ -70,6 +80,9 @@ from hmad.backends.vulkan.pipelines import (
     GegluPush,
     Kernel,
     KvWritePush,
+    NormRopePush,
+    QuantizeQ8Push,
+    ResidualNormPush,
     RmsNormPush,
     RopePush,
 )
@@ -117,12 +130,16 @@ class _Buf:
 
 
 class Act:
-    """A recorded activation: a scratch range and its (padded) shape. ``reshape`` shares the range."""
+    """A recorded activation: a scratch range and its (padded) shape. ``reshape`` shares the range.
 
-    __slots__ = ("buf", "shape")
+    ``q8``: the same values quantized for the int8 mat-vec (xq words, xd block scales: shaders/q8act.glsl),
+    once some op made them (residual_norm writes them with h; matmul quantizes on first use and keeps them).
+    """
+
+    __slots__ = ("buf", "shape", "q8")
 
     def __init__(self, buf: _Buf, shape: tuple[int, ...]):
-        self.buf, self.shape = buf, tuple(shape)
+        self.buf, self.shape, self.q8 = buf, tuple(shape), None
 
     @property
     def view(self) -> BufferView:
@@ -217,9 +234,13 @@ class VulkanBackend(Backend):
         host_visible_bytes: int | None = None,
         kv_dtype: str = "float32",
         timestamps: bool = False,
+        matvec: str = "int8",
     ):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
+        if matvec not in ("int8", "float"):
+            raise ValueError(f"matvec must be 'int8' or 'float', got {matvec!r}")
+        self.int8_matvec = matvec == "int8"
         self.dev = Device(device)
         self.device = self.dev.name
         self.caps_bytes = (device_local_bytes, host_visible_bytes)
@@ -228,7 +249,7 @@ class VulkanBackend(Backend):
         self.align = max(256, self.dev.limits["minStorageBufferOffsetAlignment"])
         self.kernels: dict[str, Kernel] = {}
         # One allocator for every kernel, large pools: a model's recordings make thousands of sets.
-        self.descriptors = DescriptorAllocator(self.dev, sets_per_pool=4096, max_bindings=5)
+        self.descriptors = DescriptorAllocator(self.dev, sets_per_pool=4096, max_bindings=8)
         self.scratch = ScratchPool(self.dev)
         self.graphs: dict[tuple[int, int], Graph] = {}
         self.recordings = 0  # forward passes recorded (a replay test counts them)
@@ -527,10 +548,70 @@ class VulkanBackend(Backend):
         n = w.shape[0]
         assert w.shape[1] == k, f"{w.name}: shape {w.shape}, x has {k} columns"
         y = self._new((t, n))
-        t_name = next(s for s, q in MATMUL_TYPES.items() if q == w.qtype)
-        name = f"mul_mat_vec_{t_name}{self._vec_suffix}" if t <= MATVEC_MAX_T else f"mul_mat_{t_name}"
         assert self._rec is not None, "VulkanBackend ops run only while recording (through run())"
+        if self._q8_path(t, w):
+            xq, xd = self._q8(x)
+            kern = self._kernel(f"mul_mat_vec_q8x_{_type_name(w.qtype, Q8_MATVEC_TYPES)}")
+            record_matvec_q8(self._rec, kern, w.view, xq.view, xd.view, y.view, k, n, t)
+            return y
+        t_name = _type_name(w.qtype, MATMUL_TYPES)
+        name = f"mul_mat_vec_{t_name}{self._vec_suffix}" if t <= MATVEC_MAX_T else f"mul_mat_{t_name}"
         record_matmul(self._rec, self._kernel(name), w.view, x.view, y.view, k, n, t)
+        return y
+
+    def geglu_matmul(self, x: Act, gate: VkWeight, up: VkWeight) -> Act:
+        """One int8 mat-vec dispatch for both projections and the GeGLU (decode), else the plain ops."""
+        t, k = x.shape
+        if not (self._q8_path(t, gate) and gate.qtype == up.qtype and gate.shape == up.shape):
+            return super().geglu_matmul(x, gate, up)
+        n = gate.shape[0]
+        y = self._new((t, n))
+        xq, xd = self._q8(x)
+        kern = self._kernel(f"mul_mat_vec_q8x_{_type_name(gate.qtype, Q8_MATVEC_TYPES)}_geglu")
+        record_matvec_q8(self._rec, kern, gate.view, xq.view, xd.view, y.view, k, n, t, w_up=up.view)
+        return y
+
+    def _q8_path(self, t: int, w: VkWeight) -> bool:
+        """Decode-sized steps of a weight type the int8 mat-vec reads (unless ``matvec="float"``)."""
+        k = w.shape[1]
+        return self.int8_matvec and t <= MATVEC_MAX_T and w.qtype in Q8_MATVEC_TYPES.values() and k % 64 == 0
+
+    def _q8(self, x: Act) -> tuple[Act, Act]:
+        """x's q8 form (quantized here on first use, then kept on the Act)."""
+        if x.q8 is None:
+            t, k = x.shape
+            xq, xd = self._new((t, k // 4)), self._new((t, k // 32, 2))
+            self._dispatch(
+                "quantize_q8",
+                [x.view, xq.view, xd.view],
+                QuantizeQ8Push(k, t, k),
+                self._grid(t * k // 32, 128),
+            )
+            x.q8 = (xq, xd)
+        return x.q8
+
+    def residual_norm(self, x: Act, a: Act, w_a: VkWeight, w_next: VkWeight | None, eps: float):
+        t, d = x.shape
+        xo = self._new(x.shape)
+        push = ResidualNormPush(d, t, eps)
+        if w_next is None:
+            self._dispatch("residual_norm", [x.view, a.view, w_a.view, xo.view], push, t)
+            return xo, None
+        h = self._new(x.shape)
+        binds = [x.view, a.view, w_a.view, xo.view, w_next.view, h.view]
+        if self.int8_matvec and t <= MATVEC_MAX_T and d % 32 == 0:  # int8 mat-vecs follow: quantize h too
+            h.q8 = (self._new((t, d // 4)), self._new((t, d // 32, 2)))
+            self._dispatch("residual_norm_next_q8", [*binds, h.q8[0].view, h.q8[1].view], push, t)
+        else:
+            self._dispatch("residual_norm_next", binds, push, t)
+        return xo, h
+
+    def norm_rope(self, x: Act, w: VkWeight, eps: float, positions, base: float, scale: float) -> Act:
+        t, h, dh = x.shape
+        assert w.shape == (dh,), f"{w.name}: shape {w.shape}, heads of {dh}"
+        y = self._new(x.shape)
+        push = NormRopePush(t, h, dh, h * dh, h * dh, self._layout.positions, base, scale, eps)
+        self._dispatch("norm_rope_f32", [x.view, w.view, self.meta, y.view], push, t * h)
         return y
 
     def rope(self, x: Act, positions, base: float, scale: float) -> Act:
@@ -598,6 +679,11 @@ class VulkanBackend(Backend):
 
 
 # -- weight forms and placement ------------------------------------------------------------------------------
+def _type_name(qtype: QType, table: dict[str, QType]) -> str:
+    """The variant suffix of ``qtype`` in a kernel table (MATMUL_TYPES, Q8_MATVEC_TYPES)."""
+    return next(s for s, q in table.items() if q == qtype)
+
+
 def _upload_form(t: WeightTensor) -> tuple[np.ndarray, QType]:
     """The array uploaded for ``t`` and its type: the file's bytes when a shader reads them, else float."""
     if len(t.shape) == 1:

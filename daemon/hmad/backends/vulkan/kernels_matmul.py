@@ -34,6 +34,16 @@ MATMUL_TYPES: dict[str, QType] = {
     "q4_k": QType.Q4_K,
     "q6_k": QType.Q6_K,
 }
+#: Weight types the int8 mat-vec (mul_mat_vec_q8.comp, x quantized by quantize_q8.comp) decodes.
+Q8_MATVEC_TYPES: dict[str, QType] = {
+    "q8_0": QType.Q8_0,
+    "q4_0": QType.Q4_0,
+    "q5_0": QType.Q5_0,
+    "q4_k": QType.Q4_K,
+    "q6_k": QType.Q6_K,
+}
+Q8_MATVEC_LANES = 32  # invocations per row (LANES in mul_mat_vec_q8.comp)
+Q8_MATVEC_BLOCK = 128  # workgroup size: 4 rows per workgroup
 MATVEC_ROWS = 2  # rows of W per mat-vec workgroup (NUM_ROWS in mul_mat_vec.comp)
 MATVEC_MAX_T = 8  # tokens per mat-vec dispatch (MAX_T)
 MATMUL_TILE = 64  # BN = BT of mul_mat.comp
@@ -69,11 +79,15 @@ def build_entries() -> list[tuple[str, str, dict[str, str]]]:
 
 
 def kernel_specs(spec_type) -> dict:
-    """name -> ``spec_type(source, 3, MatMulPush, block)`` for :data:`pipelines.KERNELS`."""
-    return {
+    """name -> ``spec_type(source, n_buffers, MatMulPush, block)`` for :data:`pipelines.KERNELS`."""
+    specs = {
         name: spec_type(src, 3, MatMulPush, MATMUL_BLOCK if src == "mul_mat.comp" else MATVEC_BLOCK)
         for name, src, _ in build_entries()
     }
+    for t in Q8_MATVEC_TYPES:  # bindings: W, XQ, XD, y [, W_up]
+        specs[f"mul_mat_vec_q8x_{t}"] = spec_type("mul_mat_vec_q8.comp", 4, MatMulPush, Q8_MATVEC_BLOCK)
+        specs[f"mul_mat_vec_q8x_{t}_geglu"] = spec_type("mul_mat_vec_q8.comp", 5, MatMulPush, Q8_MATVEC_BLOCK)
+    return specs
 
 
 def weight_row_bytes(qtype: QType, k: int) -> int:
@@ -130,3 +144,53 @@ def record_matmul(
         rec.dispatch(kernel, [(w, off - w.offset, nbytes), x, y], push, groups)
         row0 += rows
     return len(ranges)
+
+
+def record_matvec_q8(
+    rec,
+    kernel,
+    w,
+    xq,
+    xd,
+    y,
+    k: int,
+    n: int,
+    t: int,
+    y_stride: int | None = None,
+    w_up=None,
+    max_range: int | None = None,
+) -> int:
+    """Record y[:t, :n] = x · Wᵀ with x as q8 activations (``xq`` words, ``xd`` block scales: q8act.glsl)
+    into ``rec``; a ``mul_mat_vec_q8x_<type>_geglu`` kernel also takes ``w_up`` and writes
+    gelu(x · Wᵀ) * (x · W_upᵀ). One dispatch per bind range of W (and the same range of W_up); returns
+    the dispatch count."""
+    qtype = Q8_MATVEC_TYPES[kernel.name.removeprefix("mul_mat_vec_q8x_").removesuffix("_geglu")]
+    rb = weight_row_bytes(qtype, k)
+    if k % 64 and qtype == QType.Q4_K:
+        raise ValueError(f"{kernel.name}: K={k} is not whole Q4_K superblocks")
+    if not 1 <= t <= MATVEC_MAX_T:
+        raise ValueError(f"{kernel.name}: T={t} tokens, the q8 mat-vec takes 1..{MATVEC_MAX_T}")
+    ws = [w] if w_up is None else [w, w_up]
+    for v in ws:
+        v.row_bytes = v.row_bytes or rb
+        assert v.row_bytes == rb and v.nbytes >= n * rb, (
+            f"{kernel.name}: W holds {v.nbytes} B, needs {n} × {rb}"
+        )
+    limits = kernel.device.limits
+    align = max(256, limits["minStorageBufferOffsetAlignment"])
+    cap = min(max_range or limits["maxStorageBufferRange"], limits["maxStorageBufferRange"])
+    ranges = [v.ranges(cap, align) for v in ws]
+    rows_per_group = Q8_MATVEC_BLOCK // Q8_MATVEC_LANES
+    row0 = 0
+    for i, (off, nbytes) in enumerate(ranges[0]):
+        rows = min(nbytes // rb, n - row0)
+        if rows <= 0:
+            break
+        push = MatMulPush(k, rows, t, k, y_stride or n, rb, row0)
+        binds = [(w, off - w.offset, nbytes), xq, xd, y]
+        if w_up is not None:
+            uoff, unbytes = ranges[1][i]
+            binds.append((w_up, uoff - w_up.offset, unbytes))
+        rec.dispatch(kernel, binds, push, kernel.groups_for(-(-rows // rows_per_group)))
+        row0 += rows
+    return len(ranges[0])

@@ -108,6 +108,27 @@ class AttentionReducePush(ctypes.Structure):
     _fields_ = [(n, u32) for n in ("n_tokens", "n_heads", "head_dim", "n_splits", "o_stride")]
 
 
+class QuantizeQ8Push(ctypes.Structure):
+    """shaders/quantize_q8.comp"""
+
+    _fields_ = [(n, u32) for n in ("K", "T", "x_stride")]
+
+
+class ResidualNormPush(ctypes.Structure):
+    """shaders/residual_norm.comp"""
+
+    _fields_ = [("ncols", u32), ("nrows", u32), ("eps", f32)]
+
+
+class NormRopePush(ctypes.Structure):
+    """shaders/norm_rope.comp"""
+
+    _fields_ = [
+        *[(n, u32) for n in ("n_tokens", "n_heads", "head_dim", "x_stride", "y_stride", "pos_off")],
+        *[(n, f32) for n in ("base", "scale", "eps")],
+    ]
+
+
 class ArgmaxPush(ctypes.Structure):
     """shaders/argmax.comp"""
 
@@ -141,6 +162,11 @@ KERNELS: dict[str, KernelSpec] = {
     "attention_split_f16": KernelSpec("attention_split.comp", 5, AttentionSplitPush, 256),
     "attention_reduce_f32": KernelSpec("attention_reduce.comp", 2, AttentionReducePush, 256),
     "argmax_f32": KernelSpec("argmax.comp", 2, ArgmaxPush, 256),
+    "norm_rope_f32": KernelSpec("norm_rope.comp", 4, NormRopePush, 128),
+    "quantize_q8": KernelSpec("quantize_q8.comp", 3, QuantizeQ8Push, 128),
+    "residual_norm": KernelSpec("residual_norm.comp", 4, ResidualNormPush, 256),
+    "residual_norm_next": KernelSpec("residual_norm.comp", 6, ResidualNormPush, 256),
+    "residual_norm_next_q8": KernelSpec("residual_norm.comp", 8, ResidualNormPush, 256),
     **kernel_specs(KernelSpec),  # mul_mat_vec_<type>[_subgroup], mul_mat_<type>: kernels_matmul.py
 }
 

@@ -1,0 +1,16 @@
+// Activations quantized for the int8 mat-vec (ggml's q8_1 idea), per block of 32 values along K:
+//   XQ  T rows of K/4 uint words; word i holds values 4i..4i+3 as int8, value 4i in the low byte;
+//   XD  T rows of K/32 vec2 (d, s): value ~ d * q, and s = d * sum(q) over the block (for weight minimums).
+// d = max|x| / 127 and q = round(x / d), as ggml's quantize_row_q8_1.
+//
+// sdot4(a, b): the dot product of two words read as 4 signed int8 each (OpSDot, SPV_KHR_integer_dot_product;
+// declared through GL_EXT_spirv_intrinsics because the GLSL extension is newer than Debian's glslc). Needs the
+// Vulkan 1.3 feature shaderIntegerDotProduct (lavapipe, RADV and NVIDIA have it).
+#extension GL_EXT_spirv_intrinsics : require
+
+spirv_instruction(extensions = ["SPV_KHR_integer_dot_product"], capabilities = [6019, 6018], id = 4450)
+int sdot4_packed(int a, int b, spirv_literal int packed_vector_format);
+
+int sdot4(uint a, uint b) {
+    return sdot4_packed(int(a), int(b), 0);  // 0: PackedVectorFormat4x8Bit
+}

@@ -1,0 +1,211 @@
+"""The decode-path kernels: q8 activation quantization, the int8 mat-vec (plain and fused with GeGLU), the
+fused residual + norm step and the fused per-head norm + RoPE, each against an independent numpy reference
+on fresh random inputs with the outputs poisoned (NaN) first.
+
+References and tolerances:
+- quantize_q8.comp vs a numpy q8_1 quantizer written here: the int8 values equal (a value exactly halfway
+  between two steps may round either way in float32: at most 1 step on at most 1 in 1000 values), d and s
+  within 1e-6 relative.
+- mul_mat_vec_q8.comp vs gguf's dequantize(W) in float64 times the *dequantized* q8 activations
+  (d * q): the int8 dots are exact, the float scale products round once per block, so max |y - ref| <=
+  1e-5 of the output scale (max |ref|); against the float x itself the q8 rounding (~0.4 % per value, random
+  signs) stays under 2e-2 of the scale.
+- residual_norm.comp vs float64 numpy: 2e-5 relative (float32 sums over <= 5376 values).
+- norm_rope.comp vs CpuBackend(numerics="f32"): the rope tolerance of test_vulkan_ops.py (float32 angles on
+  the GPU: atol 4e-5 (1 + position / 64) per unit of value scale, rtol 1e-5).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import gguf
+import numpy as np
+import pytest
+from gguf.quants import dequantize as gguf_dequantize
+
+from hmad.model.quants import random_blocks
+from hmad.model.tensors import QType
+
+pytestmark = pytest.mark.gpu
+Q8_TYPES = ["q8_0", "q4_0", "q5_0", "q4_k", "q6_k"]
+
+
+def q8_reference(x: np.ndarray):
+    """(q int8 (T, K), d, s (T, K/32)) as ggml's quantize_row_q8_1: d = amax / 127, q = roundf(x / d)."""
+    t, k = x.shape
+    blocks = x.astype(np.float32).reshape(t, k // 32, 32)
+    d = (np.abs(blocks).max(axis=-1) / np.float32(127)).astype(np.float32)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
+    r = blocks * inv[..., None]
+    q = (np.sign(r) * np.floor(np.abs(r) + np.float32(0.5))).astype(np.int8)
+    return q.reshape(t, k), d, d * q.astype(np.float32).sum(axis=-1)
+
+
+def _put_q8(gpu, x):
+    """Quantize x on the GPU; returns (xq view, xd view, words, pairs) read back."""
+    from hmad.backends.vulkan.pipelines import CommandRecorder, QuantizeQ8Push
+
+    t, k = x.shape
+    bx = gpu.put(x)
+    bq, bd = gpu.poison(gpu.alloc(t * k)), gpu.poison(gpu.alloc(t * k // 32 * 8))
+    return bx, bq, bd, CommandRecorder, QuantizeQ8Push
+
+
+def _quantize(dev, kernels, gpu, x):
+    bx, bq, bd, CommandRecorder, QuantizeQ8Push = _put_q8(gpu, x)
+    t, k = x.shape
+    rec = CommandRecorder(dev).begin()
+    rec.dispatch(kernels("quantize_q8"), [bx, bq, bd], QuantizeQ8Push(k, t, k), 7)
+    rec.end()
+    rec.submit()
+    rec.close()
+    return bq, bd
+
+
+def test_quantize_q8_matches_reference(dev, kernels, gpu):
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((5, 640)) * rng.uniform(0.01, 30, (5, 1))).astype(np.float32)
+    x[2, 64:96] = 0.0  # an all-zero block: d = 0, q = 0
+    bq, bd = _quantize(dev, kernels, gpu, x)
+    q_ref, d_ref, s_ref = q8_reference(x)
+    q = gpu.get(bq, np.int8, (5, 640))
+    ds = gpu.get(bd, np.float32, (5, 20, 2))
+    diff = np.abs(q.astype(np.int32) - q_ref)
+    assert diff.max() <= 1 and (diff > 0).mean() <= 1e-3
+    np.testing.assert_allclose(ds[..., 0], d_ref, rtol=1e-6)
+    np.testing.assert_allclose(ds[..., 1], d_ref * q.astype(np.float32).reshape(5, 20, 32).sum(-1), rtol=1e-5)
+    assert (q[2, 64:96] == 0).all() and ds[2, 2, 0] == 0
+
+
+def _weights(t: str, n: int, k: int, rng):
+    q = QType[t.upper()]
+    raw = np.ascontiguousarray(random_blocks(q, (n, k), rng)).view(np.uint8).reshape(n, -1)
+    return raw, gguf_dequantize(raw, gguf.GGMLQuantizationType[t.upper()]).astype(np.float64)
+
+
+def _gelu(g):
+    return 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g**3)))
+
+
+@pytest.mark.parametrize("t", Q8_TYPES)
+@pytest.mark.parametrize("geglu", [False, True])
+def test_mul_mat_vec_q8(dev, kernels, gpu, t, geglu):
+    from hmad.backends.vulkan.kernels_matmul import record_matvec_q8
+    from hmad.backends.vulkan.pipelines import CommandRecorder
+
+    rng = np.random.default_rng()
+    kern = kernels(f"mul_mat_vec_q8x_{t}" + ("_geglu" if geglu else ""))
+    for k, n, ntok in [(256, 37, 1), (768, 22, 3), (2048, 9, 8)]:
+        raw, wref = _weights(t, n, k, rng)
+        raw_u, uref = _weights(t, n, k, rng)
+        x = rng.standard_normal((ntok, k)).astype(np.float32)
+        bq, bd = _quantize(dev, kernels, gpu, x)
+        q_ref, d_ref, _ = q8_reference(x)
+        xhat = (q_ref.reshape(ntok, -1, 32).astype(np.float64) * d_ref[..., None]).reshape(ntok, k)
+        ys = n + 3
+        by = gpu.poison(gpu.alloc(ntok * ys * 4))
+        rec = CommandRecorder(dev).begin()
+        up = gpu.put(raw_u) if geglu else None
+        record_matvec_q8(rec, kern, gpu.put(raw), bq, bd, by, k, n, ntok, ys, w_up=up)
+        rec.end()
+        rec.submit()
+        rec.close()
+        y = gpu.get(by, shape=(ntok, ys))
+        assert np.isnan(y[:, n:]).all(), "wrote past N"
+        for xs, tol in ((xhat, 1e-5), (x.astype(np.float64), 2e-2)):
+            ref = xs @ wref.T
+            if geglu:
+                ref = _gelu(ref) * (xs @ uref.T)
+            err = np.abs(y[:, :n] - ref).max() / np.abs(ref).max()
+            assert err <= tol, f"{kern.name} K={k} N={n} T={ntok}: error {err:.2e} of the scale (tol {tol})"
+
+
+def test_mul_mat_vec_q8_over_several_ranges(dev, kernels, gpu):
+    from hmad.backends.vulkan.kernels_matmul import record_matvec_q8, weight_row_bytes
+    from hmad.backends.vulkan.pipelines import CommandRecorder
+
+    rng = np.random.default_rng(7)
+    k, ntok = 256, 2
+    rb = weight_row_bytes(QType.Q6_K, k)
+    max_range = int(np.lcm(rb, 256))
+    n = 2 * (max_range // rb) + 5
+    raw, wref = _weights("q6_k", n, k, rng)
+    x = rng.standard_normal((ntok, k)).astype(np.float32)
+    bq, bd = _quantize(dev, kernels, gpu, x)
+    by = gpu.poison(gpu.alloc(ntok * n * 4))
+    rec = CommandRecorder(dev).begin()
+    got = record_matvec_q8(
+        rec, kernels("mul_mat_vec_q8x_q6_k"), gpu.put(raw), bq, bd, by, k, n, ntok, max_range=max_range
+    )
+    rec.end()
+    rec.submit()
+    rec.close()
+    assert got == 3
+    ref = x.astype(np.float64) @ wref.T
+    assert np.abs(gpu.get(by, shape=(ntok, n)) - ref).max() / np.abs(ref).max() < 2e-2
+
+
+def _rms(v, w, eps):
+    v = v.astype(np.float64)
+    return v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps) * w
+
+
+@pytest.mark.parametrize("variant", ["residual_norm", "residual_norm_next", "residual_norm_next_q8"])
+def test_residual_norm(dev, kernels, gpu, variant):
+    from hmad.backends.vulkan.pipelines import CommandRecorder, ResidualNormPush
+
+    rng = np.random.default_rng([zlib.crc32(variant.encode()), rng_seed()])
+    t, d, eps = 3, 1152, 1e-6
+    x, a = (rng.standard_normal((t, d)).astype(np.float32) * 3 for _ in range(2))
+    wa, wh = (rng.uniform(0.5, 2, d).astype(np.float32) for _ in range(2))
+    bx, ba, bwa, bwh = gpu.put(x), gpu.put(a), gpu.put(wa), gpu.put(wh)
+    bxo, bh = gpu.poison(gpu.alloc(t * d * 4)), gpu.poison(gpu.alloc(t * d * 4))
+    bq, bd = gpu.poison(gpu.alloc(t * d)), gpu.poison(gpu.alloc(t * d // 32 * 8))
+    binds = (
+        [bx, ba, bwa, bxo] + ([bwh, bh] if "next" in variant else []) + ([bq, bd] if "q8" in variant else [])
+    )
+    rec = CommandRecorder(dev).begin()
+    rec.dispatch(kernels(variant), binds, ResidualNormPush(d, t, eps), t)
+    rec.end()
+    rec.submit()
+    rec.close()
+    x_ref = x + _rms(a, wa, eps)
+    np.testing.assert_allclose(gpu.get(bxo, shape=(t, d)), x_ref, rtol=2e-5, atol=2e-5 * np.abs(x_ref).max())
+    if "next" in variant:
+        h_ref = _rms(x_ref, wh, eps)
+        h = gpu.get(bh, shape=(t, d))
+        np.testing.assert_allclose(h, h_ref, rtol=2e-5, atol=2e-5 * np.abs(h_ref).max())
+    if "q8" in variant:
+        q_ref, d_ref, _ = q8_reference(h)
+        q = gpu.get(bq, np.int8, (t, d)).astype(np.int32)
+        assert np.abs(q - q_ref).max() <= 1 and (q != q_ref).mean() <= 1e-3
+        np.testing.assert_allclose(gpu.get(bd, np.float32, (t, d // 32, 2))[..., 0], d_ref, rtol=1e-6)
+
+
+def rng_seed() -> int:
+    return np.random.SeedSequence().entropy % (1 << 32)
+
+
+def test_norm_rope_matches_cpu_reference(dev, kernels, gpu):
+    from hmad.backends.cpu import CpuBackend
+    from hmad.backends.vulkan.pipelines import CommandRecorder, NormRopePush
+
+    rng = np.random.default_rng()
+    t, h, dh, eps = 5, 4, 256, 1e-6
+    x = rng.standard_normal((t, h, dh)).astype(np.float32) * 4
+    w = rng.uniform(0.5, 2, dh).astype(np.float32)
+    pos = np.array([0, 17, 1000, 4095, rng.integers(0, 30000)], np.uint32)
+    meta = np.concatenate([np.zeros(3, np.uint32), pos])
+    by = gpu.poison(gpu.alloc(t * h * dh * 4))
+    rec = CommandRecorder(dev).begin()
+    push = NormRopePush(t, h, dh, h * dh, h * dh, 3, 1e6, 8.0, eps)
+    rec.dispatch(kernels("norm_rope_f32"), [gpu.put(x), gpu.put(w), gpu.put(meta), by], push, t * h)
+    rec.end()
+    rec.submit()
+    rec.close()
+    cpu = CpuBackend(numerics="f32")
+    ref = cpu.rope(_rms(x, w, eps).astype(np.float32), pos.astype(np.int64), 1e6, 8.0)
+    got = gpu.get(by, shape=(t, h, dh))
+    atol = 4e-5 * (1 + pos.astype(np.float32) / 64)[:, None, None] * np.abs(ref).max()
+    assert np.all(np.abs(got - ref) <= atol + 1e-5 * np.abs(ref)), np.abs(got - ref).max()
