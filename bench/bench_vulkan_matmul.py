@@ -27,9 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 from bench_vulkan_copy import bench_variant  # noqa: E402
 
 from hmad.backends.vulkan.device import Device  # noqa: E402
-from hmad.backends.vulkan.kernels_matmul import MATMUL_TYPES, record_matmul, weight_row_bytes  # noqa: E402
+from hmad.backends.vulkan.kernels_matmul import (  # noqa: E402
+    MATMUL_TYPES,
+    Q8_MATVEC_TYPES,
+    record_matmul,
+    record_matvec_q8,
+    weight_row_bytes,
+)
 from hmad.backends.vulkan.memory import Uploader, create_buffer  # noqa: E402
-from hmad.backends.vulkan.pipelines import CommandRecorder, Kernel  # noqa: E402
+from hmad.backends.vulkan.pipelines import CommandRecorder, Kernel, QuantizeQ8Push  # noqa: E402
 from hmad.model.quants import dequantize, random_blocks  # noqa: E402
 
 
@@ -45,6 +51,51 @@ def time_kernel(dev, kernel, w, x, y, k, n, t, iters) -> float:
     ns = np.array([v for _, v in rec.gpu_times()["commands"]]).reshape(iters, per_call).sum(axis=1)
     rec.close()
     return float(np.median(ns))
+
+
+def time_q8(dev, kernel, w, xq, xd, y, k, n, t, iters) -> float:
+    """Median GPU ns of one int8 mat-vec (x already quantized)."""
+    rec = CommandRecorder(dev, timestamps=True, max_commands=iters * 8).begin()
+    per_call = 0
+    for _ in range(iters):
+        per_call = record_matvec_q8(rec, kernel, w, xq, xd, y, k, n, t)
+    rec.end()
+    rec.submit()
+    rec.submit()
+    ns = np.array([v for _, v in rec.gpu_times()["commands"]]).reshape(iters, per_call).sum(axis=1)
+    rec.close()
+    return float(np.median(ns))
+
+
+def bench_q8(dev, args, w, x, y, k, n, copy_gbps) -> list[dict]:
+    """The int8 mat-vec at each T, next to the copy ceiling; x quantized once on the GPU first."""
+    t_max = 8
+    xq, xd = create_buffer(dev, t_max * k, "device"), create_buffer(dev, t_max * k // 32 * 8, "device")
+    quant = Kernel(dev, "quantize_q8")
+    rec = CommandRecorder(dev).begin()
+    rec.dispatch(quant, [x, xq, xd], QuantizeQ8Push(k, t_max, k), 64)
+    rec.end()
+    rec.submit()
+    rec.close()
+    out = []
+    kern = Kernel(dev, f"mul_mat_vec_q8x_{args.type}")
+    for t in map(int, args.tokens.split(",")):
+        ns = time_q8(dev, kern, w, xq, xd, y, k, n, t, args.iters)
+        r = {
+            "variant": kern.name,
+            "T": t,
+            "us": ns / 1e3,
+            "GBps": w.nbytes / ns,
+            "of_copy": w.nbytes / ns / copy_gbps,
+        }
+        out.append(r)
+        pct = 100 * r["of_copy"]
+        print(f"{kern.name:26s} T={t}: {ns / 1e3:9.1f} us  {r['GBps']:8.1f} GB/s ({pct:.0f}% of copy)")
+    for b in (kern, quant):
+        b.close()
+    xq.arena.close()
+    xd.arena.close()
+    return out
 
 
 def check_rows(up, w_host, qtype, y, x, k, n) -> float:
@@ -94,6 +145,8 @@ def main() -> int:
     )
 
     res["matvec"] = []
+    if args.type in Q8_MATVEC_TYPES:
+        res["matvec_q8"] = bench_q8(dev, args, w, x, y, k, n, copy["GBps"])
     for variant in (f"mul_mat_vec_{args.type}", f"mul_mat_vec_{args.type}_subgroup"):
         for block in map(int, args.blocks.split(",")):
             kern = Kernel(dev, variant, block_size=block)

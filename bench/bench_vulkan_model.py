@@ -1,15 +1,24 @@
 #!/usr/bin/env python3
-"""VulkanBackend on a Gemma-3-270M-shaped model: prefill, decode at batch 1/8/32, GPU vs host time per step.
+"""VulkanBackend on Gemma-3-shaped models: prefill, decode at batch 1/8/32, the engine end to end, GPU time.
 
-The model is synthetic (timing does not depend on weight values): a GGUF with the real 270M shapes and quant
-mix (18 layers, d 640, 4 heads over 1 KV head of 256, ffn 2048, vocab 262144; Q8_0 embedding,
-Q5_0 q/k/gate/up, Q8_0 v, Q4_K attn_output, Q6_K ffn_down) written with random valid blocks into ``--dir``.
-Steps are driven directly (StepBatch, KV blocks reserved for ``--context`` positions per sequence;
-decode at position ``--context``/2), with the argmax on the GPU as the scheduler does for greedy requests.
-The copy-kernel ceiling (bench_vulkan_copy.py) is measured in the same run; decode is reported as a fraction
-of the roofline: bytes of weights read per step / GPU time per step / ceiling.
+Models are synthetic (timing does not depend on weight values): GGUFs with the real shapes written with
+random valid blocks into ``--dir`` (``write_model``; the 27B one reuses each tensor kind's blocks in every
+layer, so 16 GB write in seconds):
+- ``270m``: 18 layers, d 640, 4 heads over 1 KV head of 256, ffn 2048, vocab 262144; the embedded model's
+  quant mix (Q8_0 embedding = output, Q5_0 q/k/gate/up, Q8_0 v, Q4_K attn_output, Q6_K ffn_down).
+- ``27b``: 62 layers, d 5376, 32 heads over 16 KV heads of 128, ffn 21504, vocab 262144; every matrix
+  Q4_K (~16 GB, the shape llama.cpp's anchor figures were measured on).
+Per model, in one run:
+- ``steps``: StepBatch driven directly (KV blocks reserved for ``--context`` positions per sequence; decode
+  at position context/2), greedy argmax on the GPU as the scheduler does for greedy requests; wall time per
+  step (no timestamps recorded) -> tokens/s; decode weights-read rate as a fraction of the copy ceiling
+  measured at the start of the same run (bench_vulkan_copy.py's kernels).
+- ``engine``: ``generate()`` (scheduler, sampling, stop checks: what the daemon runs) with 1, 8, 32 prompts
+  of 32 tokens and ``--gen`` greedy tokens each: generated tokens / wall time.
+- ``profile``: the steps again with a GPU timestamp after every command: GPU vs host time per step and the
+  GPU microseconds per kernel (top kinds).
 
-    python3 bench/bench_vulkan_model.py --out result.json
+    python3 bench/bench_vulkan_model.py --models 270m,27b --out result.json
 """
 
 from __future__ import annotations
@@ -30,26 +39,41 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf import GGUFWriter  # noqa: E402
 
 from hmad.engine.batch import SeqSlice, StepBatch  # noqa: E402
+from hmad.engine.generate import generate  # noqa: E402
 from hmad.engine.kvcache import KVCacheManager, KVLayout  # noqa: E402
+from hmad.engine.sampling import SamplingParams  # noqa: E402
 from hmad.model.loader import load_model  # noqa: E402
 from hmad.model.quants import random_blocks  # noqa: E402
 
-SHAPE = dict(n_layers=18, d=640, heads=4, kv_heads=1, head_dim=256, ffn=2048, vocab=262144, window=512)
+SHAPES = {
+    "270m": dict(n_layers=18, d=640, heads=4, kv_heads=1, head_dim=256, ffn=2048, vocab=262144, window=512),
+    "27b": dict(
+        n_layers=62, d=5376, heads=32, kv_heads=16, head_dim=128, ffn=21504, vocab=262144, window=1024
+    ),
+}
 TYPES = {
-    "attn_q": Q.Q5_0,
-    "attn_k": Q.Q5_0,
-    "attn_v": Q.Q8_0,
-    "attn_output": Q.Q4_K,
-    "ffn_gate": Q.Q5_0,
-    "ffn_up": Q.Q5_0,
-    "ffn_down": Q.Q6_K,
+    "270m": {
+        "token_embd": Q.Q8_0,
+        "attn_q": Q.Q5_0,
+        "attn_k": Q.Q5_0,
+        "attn_v": Q.Q8_0,
+        "attn_output": Q.Q4_K,
+        "ffn_gate": Q.Q5_0,
+        "ffn_up": Q.Q5_0,
+        "ffn_down": Q.Q6_K,
+    },
+    "27b": dict.fromkeys(
+        ("token_embd", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"), Q.Q4_K
+    ),
 }
 
 
-def write_model(path: Path, s=SHAPE) -> Path:
+def write_model(path: Path, name: str) -> Path:
+    """A GGUF of ``SHAPES[name]`` with random valid blocks of ``TYPES[name]``; layers share block bytes."""
+    s, types = SHAPES[name], TYPES[name]
     rng = np.random.default_rng(0)
     w = GGUFWriter(str(path), "gemma3")
-    w.add_name("synthetic-gemma3-270m-shape")
+    w.add_name(f"synthetic-gemma3-{name}-shape")
     w.add_block_count(s["n_layers"])
     w.add_context_length(32768)
     w.add_embedding_length(s["d"])
@@ -71,7 +95,8 @@ def write_model(path: Path, s=SHAPE) -> Path:
     w.add_unk_token_id(3)
     w.add_pad_token_id(0)
     d, q, kv = s["d"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
-    w.add_tensor("token_embd.weight", random_blocks(Q.Q8_0, (s["vocab"], d), rng), raw_dtype=Q.Q8_0)
+    emb = types["token_embd"]
+    w.add_tensor("token_embd.weight", random_blocks(emb, (s["vocab"], d), rng), raw_dtype=emb)
     w.add_tensor("output_norm.weight", np.ones(d, np.float32))
     shapes = {
         "attn_q": (q, d),
@@ -82,15 +107,15 @@ def write_model(path: Path, s=SHAPE) -> Path:
         "ffn_up": (s["ffn"], d),
         "ffn_down": (d, s["ffn"]),
     }
+    blocks = {kind: random_blocks(types[kind], shape, rng) for kind, shape in shapes.items()}
     norms = {"attn_norm": d, "attn_q_norm": s["head_dim"], "attn_k_norm": s["head_dim"]}
     norms |= {"post_attention_norm": d, "ffn_norm": d, "post_ffw_norm": d}
+    ones = {n: np.ones(n, np.float32) for n in set(norms.values())}
     for i in range(s["n_layers"]):
-        for kind, shape in shapes.items():
-            w.add_tensor(
-                f"blk.{i}.{kind}.weight", random_blocks(TYPES[kind], shape, rng), raw_dtype=TYPES[kind]
-            )
+        for kind in shapes:
+            w.add_tensor(f"blk.{i}.{kind}.weight", blocks[kind], raw_dtype=types[kind])
         for kind, n in norms.items():
-            w.add_tensor(f"blk.{i}.{kind}.weight", np.ones(n, np.float32))
+            w.add_tensor(f"blk.{i}.{kind}.weight", ones[n])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -109,33 +134,102 @@ def make_batch(kv, layout, n_seqs: int, n_tok: int, pos0: int) -> StepBatch:
 def time_steps(model, batch, reps: int) -> dict:
     be = model.backend
     model.forward_argmax(batch)  # records the bucket (not timed)
-    host, gpu = [], []
+    wall, gpu = [], []
     for _ in range(reps):
         t0 = time.perf_counter()
         model.forward_argmax(batch)
-        host.append(time.perf_counter() - t0)
-        gpu.append(be.last_gpu_ns / 1e9)
-    return {"host_ms": 1e3 * float(np.median(host)), "gpu_ms": 1e3 * float(np.median(gpu))}
+        wall.append(time.perf_counter() - t0)
+        gpu.append((be.last_gpu_ns or 0) / 1e9)
+    return {"wall_ms": 1e3 * float(np.median(wall)), "gpu_ms": 1e3 * float(np.median(gpu))}
 
 
-def op_breakdown(model, key) -> list:
+def op_breakdown(model, key, top: int = 12) -> list:
     t = model.backend.graphs[key].rec.gpu_times()
     agg = collections.Counter()
     for label, ns in t["commands"]:
         agg[label] += ns
-    return [(k, round(v / 1e3, 1)) for k, v in agg.most_common(10)]
+    return [(k, round(v / 1e3, 1)) for k, v in agg.most_common(top)]
+
+
+def measure_steps(model, kv, layout, context: int, reps: int, ceiling: float, weight_bytes: int) -> dict:
+    out = {}
+    r = time_steps(model, make_batch(kv, layout, 1, 512, 0), max(3, reps // 5))
+    r["tok_s"] = 512 / (r["wall_ms"] / 1e3)
+    out["prefill_512"] = r
+    for b in (1, 8, 32):
+        r = time_steps(model, make_batch(kv, layout, b, 1, context // 2), reps)
+        r["tok_s"] = b / (r["wall_ms"] / 1e3)
+        r["weights_GBps"] = weight_bytes / (r["wall_ms"] / 1e3) / 1e9
+        r["of_ceiling"] = r["weights_GBps"] / ceiling
+        out[f"decode_{b}"] = r
+    return out
+
+
+def measure_engine(model, gen: int) -> dict:
+    out = {}
+    rng = np.random.default_rng(1)
+    greedy = SamplingParams(temperature=0.0, max_tokens=gen, stop=[])
+    generate(model, [list(rng.integers(4, 1000, 32))], SamplingParams(temperature=0.0, max_tokens=4))
+    for n in (1, 8, 32):
+        prompts = [list(map(int, rng.integers(4, 1000, 32))) for _ in range(n)]
+        t0 = time.perf_counter()
+        res = generate(model, prompts, greedy)
+        dt = time.perf_counter() - t0
+        toks = sum(len(r.token_ids) for r in res)
+        out[f"streams_{n}"] = {"generated": toks, "seconds": dt, "tok_s": toks / dt}
+    return out
+
+
+def bench_model(name: str, args, ceiling: float) -> dict:
+    t0 = time.perf_counter()
+    path = write_model(Path(args.dir) / f"synthetic-{name}.gguf", name)
+    res: dict = {"write_model_s": time.perf_counter() - t0}
+    model = load_model(path, "vulkan", matvec=args.matvec)
+    be = model.backend
+    weight_bytes = be.weights_plan.pools["device"].used + be.weights_plan.pools["host"].used
+    res |= {"device": be.device, "load_s": model.load_seconds, "weight_bytes": weight_bytes}
+    print(f"{name}: {weight_bytes / 2**30:.2f} GiB of weights on {be.device} in {model.load_seconds:.1f} s")
+    layout = KVLayout.plan(model.config, 32 * args.context, 32, 512)
+    be.alloc_kv(layout)
+    kv = KVCacheManager(layout)
+    for sid in range(32):
+        kv.reserve(sid, args.context)
+    res["steps"] = measure_steps(model, kv, layout, args.context, args.reps, ceiling, weight_bytes)
+    for k, r in res["steps"].items():
+        extra = f", weights at {r['of_ceiling']:.1%} of the copy ceiling" if "of_ceiling" in r else ""
+        print(f"  {name} {k}: {r['tok_s']:.0f} tok/s ({r['wall_ms']:.3f} ms/step{extra})", flush=True)
+    res["engine"] = measure_engine(model, args.gen)
+    for k, r in res["engine"].items():
+        print(f"  {name} engine {k}: {r['tok_s']:.0f} tok/s ({r['generated']} tokens)", flush=True)
+    be.set_timestamps(True)
+    be.alloc_kv(layout)  # generate() re-planned the KV pools for its prompts; kv's tables are this layout's
+    res["profile"] = measure_steps(
+        model, kv, layout, args.context, max(3, args.reps // 3), ceiling, weight_bytes
+    )
+    res["ops_decode_1_us"] = op_breakdown(model, (1, 1))
+    res["ops_decode_32_us"] = op_breakdown(model, (32, 32))
+    res["ops_prefill_512_us"] = op_breakdown(model, (512, 1))
+    for k in ("prefill_512", "decode_1", "decode_32"):
+        r = res["profile"][k]
+        print(f"  {name} profile {k}: gpu {r['gpu_ms']:.3f} ms, wall {r['wall_ms']:.3f} ms per step")
+    for k in ("ops_decode_1_us", "ops_decode_32_us", "ops_prefill_512_us"):
+        print(f"  {name} {k}: {res[k]}")
+    be.close()
+    path.unlink()
+    return res
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="270m,27b")
     ap.add_argument("--dir", default="/tmp")
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--gen", type=int, default=64, help="greedy tokens per prompt in the engine runs")
+    ap.add_argument("--matvec", default="int8", choices=("int8", "float"))
     ap.add_argument("--copy-mib", type=int, default=1024)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    res: dict = {}
-
     import bench_vulkan_copy as bc
 
     from hmad.backends.vulkan.device import Device
@@ -147,54 +241,16 @@ def main() -> int:
     runs = [
         bc.bench_variant(dev, v, 256, src, dst, 10) for v in ("copy_vec4", "copy_vec4_x4", "copy_vec4_x8")
     ]
-    res["copy"] = runs
     ceiling = max(r["GBps"] for r in runs)
-    res["ceiling_GBps"] = ceiling
+    res: dict = {"copy": runs, "ceiling_GBps": ceiling, "date": time.strftime("%Y-%m-%d"), "models": {}}
     src.arena.close()
     dst.arena.close()
     dev.close()
-    print(f"copy ceiling {ceiling:.0f} GB/s", flush=True)
-
-    t0 = time.perf_counter()
-    path = write_model(Path(args.dir) / "synthetic-270m.gguf")
-    res["write_model_s"] = time.perf_counter() - t0
-    model = load_model(path, "vulkan", timestamps=True)
-    be = model.backend
-    res["device"], res["load_s"] = be.device, model.load_seconds
-    weight_bytes = be.weights_plan.pools["device"].used + be.weights_plan.pools["host"].used
-    res["weight_bytes"] = weight_bytes
-    print(
-        f"{be.device}: model {weight_bytes / 2**20:.0f} MiB loaded in {model.load_seconds:.1f} s", flush=True
-    )
-    max_seqs = 32
-    layout = KVLayout.plan(model.config, max_seqs * args.context, max_seqs, 512)
-    be.alloc_kv(layout)
-    kv = KVCacheManager(layout)
-    for sid in range(max_seqs):
-        kv.reserve(sid, args.context)
-
-    r = time_steps(model, make_batch(kv, layout, 1, 512, 0), max(5, args.reps // 3))
-    r["tok_s"] = 512 / (r["host_ms"] / 1e3)
-    res["prefill_512"] = r
-    res["prefill_ops_us"] = op_breakdown(model, (512, 1))
-    print(f"prefill 512: {r['tok_s']:.0f} tok/s (host {r['host_ms']:.2f} ms, gpu {r['gpu_ms']:.2f} ms)")
-    res["decode"] = {}
-    for b in (1, 8, 32):
-        r = time_steps(model, make_batch(kv, layout, b, 1, args.context // 2), args.reps)
-        r["tok_s"] = b / (r["host_ms"] / 1e3)
-        r["roofline_fraction"] = weight_bytes / (r["gpu_ms"] / 1e3) / 1e9 / ceiling
-        res["decode"][b] = r
-        print(
-            f"decode batch {b:2d}: {r['tok_s']:.0f} tok/s (host {r['host_ms']:.3f} ms/step, gpu "
-            f"{r['gpu_ms']:.3f} ms; weights at {r['roofline_fraction']:.1%} of the copy ceiling)",
-            flush=True,
-        )
-    res["decode1_ops_us"] = op_breakdown(model, (1, 1))
-    print("decode batch 1, GPU us per op kind:", res["decode1_ops_us"])
-    print("prefill 512, GPU us per op kind:", res["prefill_ops_us"])
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1, default=str))
-    be.close()
+    print(f"copy ceiling {ceiling:.0f} GB/s (read + write)", flush=True)
+    for name in args.models.split(","):
+        res["models"][name] = bench_model(name, args, ceiling)
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=1, default=str))
     return 0
 
 

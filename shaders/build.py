@@ -56,7 +56,12 @@ BUILD: list[tuple[str, str, dict[str, str]]] = [
     *[
         (f"mul_mat_vec_q8x_{t.lower()}{suffix}", "mul_mat_vec_q8.comp", {f"TYPE_{t}": "1", **extra})
         for t in ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K")
-        for suffix, extra in (("", {}), ("_geglu", {"GEGLU": "1"}))
+        for suffix, extra in (
+            ("", {}),
+            ("_geglu", {"GEGLU": "1"}),
+            ("_t1", {"MAX_T": "1u"}),
+            ("_geglu_t1", {"GEGLU": "1", "MAX_T": "1u"}),
+        )
     ],
     # quantized matmul per weight type: mat-vec (shared / subgroup reduce), tiled mat-mat (kernels_matmul.py)
     *[

@@ -28,12 +28,14 @@ uint spread4(uint b) {
 #define W_ELEM uvec4
 #define WSIZE 16u
 #define UNIT_W 64u
-// Q4_K scales: 6-bit (sc, m) of sub-block j from the header uvec4 h (d|dmin, then 12 scale bytes).
-uint q4k_byte(uvec4 h, uint n) { return (h[1u + n / 4u] >> (8u * (n % 4u))) & 0xFFu; }
-uvec2 q4k_scale_min(uvec4 h, uint j) {
-    if (j < 4u) return uvec2(q4k_byte(h, j) & 63u, q4k_byte(h, j + 4u) & 63u);
-    const uint hi4 = q4k_byte(h, j + 4u);
-    return uvec2((hi4 & 0xFu) | ((q4k_byte(h, j - 4u) >> 6) << 4), (hi4 >> 4) | ((q4k_byte(h, j) >> 6) << 4));
+// Q4_K scales: 6-bit (sc, m) of sub-block j from the 12 scale bytes held in words s (= header .yzw): bytes
+// 0-3 sc 0-3 (low 6 bits), 4-7 m 0-3, 8-11 low/high nibbles sc/m 4-7 with the top bits of bytes 0-7.
+// Shifts by a variable amount only: a variable index into a vector would go through local memory.
+uint q4k_byte(uint w, uint n) { return (w >> (8u * n)) & 0xFFu; }
+uvec2 q4k_scale_min(uvec3 s, uint j) {
+    if (j < 4u) return uvec2(q4k_byte(s.x, j) & 63u, q4k_byte(s.y, j) & 63u);
+    const uint hi4 = q4k_byte(s.z, j - 4u);
+    return uvec2((hi4 & 0xFu) | ((q4k_byte(s.x, j - 4u) >> 6) << 4), (hi4 >> 4) | ((q4k_byte(s.y, j - 4u) >> 6) << 4));
 }
 #else
 #error "define one of TYPE_Q8_0, TYPE_Q4_0, TYPE_Q5_0, TYPE_Q4_K, TYPE_Q6_K"
@@ -86,7 +88,7 @@ void LOAD_UNIT(uint rb, uint u, out uint q[UNIT_W / 4u], out vec4 f) {
     const uint b = rb + (u / 4u) * 9u, c = u % 4u;
     const uvec4 h = WB[b];
     const vec2 dm = unpackHalf2x16(h.x);
-    const uvec2 s0 = q4k_scale_min(h, 2u * c), s1 = q4k_scale_min(h, 2u * c + 1u);
+    const uvec2 s0 = q4k_scale_min(h.yzw, 2u * c), s1 = q4k_scale_min(h.yzw, 2u * c + 1u);
     f = vec4(dm.x * float(s0.x), dm.x * float(s1.x), -dm.y * float(s0.y), -dm.y * float(s1.y));
     const uvec4 a = WB[b + 1u + 2u * c], e = WB[b + 2u + 2u * c];
     const uint w[8] = uint[8](a.x, a.y, a.z, a.w, e.x, e.y, e.z, e.w);

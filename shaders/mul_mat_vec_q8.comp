@@ -26,7 +26,9 @@ layout(binding = 4) readonly buffer WU { W_ELEM w_up[]; };
 #endif
 
 #define LANES 32u
-#define MAX_T 8u
+#ifndef MAX_T
+#define MAX_T 8u  // the _t1 variants: 1 (decode at batch 1: fewer registers, more rows in flight)
+#endif
 #define UW (UNIT_W / 4u)      // lane words per unit
 #define UB (UNIT_W / 32u)     // x blocks per unit
 

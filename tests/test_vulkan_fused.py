@@ -6,10 +6,12 @@ References and tolerances:
 - quantize_q8.comp vs a numpy q8_1 quantizer written here: the int8 values equal (a value exactly halfway
   between two steps may round either way in float32: at most 1 step on at most 1 in 1000 values), d and s
   within 1e-6 relative.
-- mul_mat_vec_q8.comp vs gguf's dequantize(W) in float64 times the *dequantized* q8 activations
-  (d * q): the int8 dots are exact, the float scale products round once per block, so max |y - ref| <=
-  1e-5 of the output scale (max |ref|); against the float x itself the q8 rounding (~0.4 % per value, random
-  signs) stays under 2e-2 of the scale.
+- mul_mat_vec_q8.comp vs gguf's dequantize(W) in float64 times the *dequantized* q8 activations the GPU
+  made (d * q, read back): the int8 dots are exact, the float scale products round once per block, so
+  max |y - ref| <= 1e-5 of the output scale (max |ref|). Against the float x itself (a sanity bound on the
+  scheme) the q8 rounding (up to max|x| / 254 per value, random signs: ~1 % of a K = 256 dot) keeps the RMS
+  error under 3e-2 of the RMS output, 1e-1 with GeGLU (the product of two such dots; seen up to 4.8e-2
+  with Q4_K's offset weights at K = 256).
 - residual_norm.comp vs float64 numpy: 2e-5 relative (float32 sums over <= 5376 values).
 - norm_rope.comp vs CpuBackend(numerics="f32"): the rope tolerance of test_vulkan_ops.py (float32 angles on
   the GPU: atol 4e-5 (1 + position / 64) per unit of value scale, rtol 1e-5).
@@ -90,19 +92,23 @@ def _gelu(g):
 
 @pytest.mark.parametrize("t", Q8_TYPES)
 @pytest.mark.parametrize("geglu", [False, True])
-def test_mul_mat_vec_q8(dev, kernels, gpu, t, geglu):
+@pytest.mark.parametrize("one", [False, True])
+def test_mul_mat_vec_q8(dev, kernels, gpu, t, geglu, one):
     from hmad.backends.vulkan.kernels_matmul import record_matvec_q8
     from hmad.backends.vulkan.pipelines import CommandRecorder
 
     rng = np.random.default_rng()
-    kern = kernels(f"mul_mat_vec_q8x_{t}" + ("_geglu" if geglu else ""))
-    for k, n, ntok in [(256, 37, 1), (768, 22, 3), (2048, 9, 8)]:
+    kern = kernels(f"mul_mat_vec_q8x_{t}" + ("_geglu" if geglu else "") + ("_t1" if one else ""))
+    shapes = [(256, 37, 1), (768, 22, 3), (2048, 9, 8)]
+    for k, n, ntok in [(k, n, 1) for k, n, _ in shapes] if one else shapes:
         raw, wref = _weights(t, n, k, rng)
         raw_u, uref = _weights(t, n, k, rng)
         x = rng.standard_normal((ntok, k)).astype(np.float32)
         bq, bd = _quantize(dev, kernels, gpu, x)
-        q_ref, d_ref, _ = q8_reference(x)
-        xhat = (q_ref.reshape(ntok, -1, 32).astype(np.float64) * d_ref[..., None]).reshape(ntok, k)
+        # the exact reference takes the GPU's own q8 values (the quantizer is checked on its own above)
+        q = gpu.get(bq, np.int8, (ntok, k)).astype(np.float64)
+        d = gpu.get(bd, np.float32, (ntok, k // 32, 2))[..., 0].astype(np.float64)
+        xhat = (q.reshape(ntok, -1, 32) * d[..., None]).reshape(ntok, k)
         ys = n + 3
         by = gpu.poison(gpu.alloc(ntok * ys * 4))
         rec = CommandRecorder(dev).begin()
@@ -113,12 +119,17 @@ def test_mul_mat_vec_q8(dev, kernels, gpu, t, geglu):
         rec.close()
         y = gpu.get(by, shape=(ntok, ys))
         assert np.isnan(y[:, n:]).all(), "wrote past N"
-        for xs, tol in ((xhat, 1e-5), (x.astype(np.float64), 2e-2)):
+        for xs, exact in ((xhat, True), (x.astype(np.float64), False)):
             ref = xs @ wref.T
             if geglu:
                 ref = _gelu(ref) * (xs @ uref.T)
-            err = np.abs(y[:, :n] - ref).max() / np.abs(ref).max()
-            assert err <= tol, f"{kern.name} K={k} N={n} T={ntok}: error {err:.2e} of the scale (tol {tol})"
+            if exact:
+                err = np.abs(y[:, :n] - ref).max() / np.abs(ref).max()
+                assert err <= 1e-5, f"{kern.name} K={k} N={n} T={ntok}: max error {err:.2e} of the scale"
+            else:
+                err = np.sqrt(np.mean((y[:, :n] - ref) ** 2) / np.mean(ref**2))
+                bound = 1e-1 if geglu else 3e-2
+                assert err <= bound, f"{kern.name} K={k} N={n} T={ntok}: RMS error {err:.2e} vs float x"
 
 
 def test_mul_mat_vec_q8_over_several_ranges(dev, kernels, gpu):

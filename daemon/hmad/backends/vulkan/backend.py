@@ -385,6 +385,12 @@ class VulkanBackend(Backend):
             "buckets": sorted(self.graphs),
         }
 
+    def set_timestamps(self, on: bool) -> None:
+        """Record later graphs with (or without) a GPU timestamp after every command (profiling; it costs
+        time per dispatch). Drops the existing recordings."""
+        self._drop_graphs()
+        self.timestamps = on
+
     def close(self) -> None:
         self.dev.wait_idle()
         self._drop_graphs()
@@ -551,7 +557,7 @@ class VulkanBackend(Backend):
         assert self._rec is not None, "VulkanBackend ops run only while recording (through run())"
         if self._q8_path(t, w):
             xq, xd = self._q8(x)
-            kern = self._kernel(f"mul_mat_vec_q8x_{_type_name(w.qtype, Q8_MATVEC_TYPES)}")
+            kern = self._kernel(f"mul_mat_vec_q8x_{_type_name(w.qtype, Q8_MATVEC_TYPES)}{_t1(t)}")
             record_matvec_q8(self._rec, kern, w.view, xq.view, xd.view, y.view, k, n, t)
             return y
         t_name = _type_name(w.qtype, MATMUL_TYPES)
@@ -567,7 +573,7 @@ class VulkanBackend(Backend):
         n = gate.shape[0]
         y = self._new((t, n))
         xq, xd = self._q8(x)
-        kern = self._kernel(f"mul_mat_vec_q8x_{_type_name(gate.qtype, Q8_MATVEC_TYPES)}_geglu")
+        kern = self._kernel(f"mul_mat_vec_q8x_{_type_name(gate.qtype, Q8_MATVEC_TYPES)}_geglu{_t1(t)}")
         record_matvec_q8(self._rec, kern, gate.view, xq.view, xd.view, y.view, k, n, t, w_up=up.view)
         return y
 
@@ -679,6 +685,11 @@ class VulkanBackend(Backend):
 
 
 # -- weight forms and placement ------------------------------------------------------------------------------
+def _t1(t: int) -> str:
+    """The suffix of the int8 mat-vec variant built for one token."""
+    return "_t1" if t == 1 else ""
+
+
 def _type_name(qtype: QType, table: dict[str, QType]) -> str:
     """The variant suffix of ``qtype`` in a kernel table (MATMUL_TYPES, Q8_MATVEC_TYPES)."""
     return next(s for s, q in table.items() if q == qtype)

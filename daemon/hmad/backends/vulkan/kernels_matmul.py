@@ -84,9 +84,10 @@ def kernel_specs(spec_type) -> dict:
         name: spec_type(src, 3, MatMulPush, MATMUL_BLOCK if src == "mul_mat.comp" else MATVEC_BLOCK)
         for name, src, _ in build_entries()
     }
-    for t in Q8_MATVEC_TYPES:  # bindings: W, XQ, XD, y [, W_up]
-        specs[f"mul_mat_vec_q8x_{t}"] = spec_type("mul_mat_vec_q8.comp", 4, MatMulPush, Q8_MATVEC_BLOCK)
-        specs[f"mul_mat_vec_q8x_{t}_geglu"] = spec_type("mul_mat_vec_q8.comp", 5, MatMulPush, Q8_MATVEC_BLOCK)
+    for t in Q8_MATVEC_TYPES:  # bindings: W, XQ, XD, y [, W_up]; _t1: built for one token
+        for suffix, n_buffers in (("", 4), ("_geglu", 5), ("_t1", 4), ("_geglu_t1", 5)):
+            name = f"mul_mat_vec_q8x_{t}{suffix}"
+            specs[name] = spec_type("mul_mat_vec_q8.comp", n_buffers, MatMulPush, Q8_MATVEC_BLOCK)
     return specs
 
 
@@ -164,12 +165,15 @@ def record_matvec_q8(
     into ``rec``; a ``mul_mat_vec_q8x_<type>_geglu`` kernel also takes ``w_up`` and writes
     gelu(x · Wᵀ) * (x · W_upᵀ). One dispatch per bind range of W (and the same range of W_up); returns
     the dispatch count."""
-    qtype = Q8_MATVEC_TYPES[kernel.name.removeprefix("mul_mat_vec_q8x_").removesuffix("_geglu")]
+    qtype = Q8_MATVEC_TYPES[
+        kernel.name.removeprefix("mul_mat_vec_q8x_").split("_geglu")[0].removesuffix("_t1")
+    ]
     rb = weight_row_bytes(qtype, k)
     if k % 64 and qtype == QType.Q4_K:
         raise ValueError(f"{kernel.name}: K={k} is not whole Q4_K superblocks")
-    if not 1 <= t <= MATVEC_MAX_T:
-        raise ValueError(f"{kernel.name}: T={t} tokens, the q8 mat-vec takes 1..{MATVEC_MAX_T}")
+    max_t = 1 if kernel.name.endswith("_t1") else MATVEC_MAX_T
+    if not 1 <= t <= max_t:
+        raise ValueError(f"{kernel.name}: T={t} tokens, this q8 mat-vec takes 1..{max_t}")
     ws = [w] if w_up is None else [w, w_up]
     for v in ws:
         v.row_bytes = v.row_bytes or rb
