@@ -1,6 +1,7 @@
 #version 450
-// x (T, K) float32 -> XQ / XD (q8act.glsl), one invocation per block of 32 values, grid-stride.
-// Requires K % 32 == 0 and x_stride % 4 == 0.
+// x (T, K) float32 -> XQ / XD (q8act.glsl). Each invocation takes 4 values (one XQ word), 8 invocations a block
+// of 32: the block's max and sum go through shared memory. Grid-stride over the T * K / 4 words.
+// Requires K % 32 == 0, x_stride % 4 == 0, BLOCK_SIZE % 8 == 0.
 #include "common.glsl"
 #include "q8act.glsl"
 
@@ -14,28 +15,33 @@ layout(push_constant) uniform Push {
     uint x_stride;  // floats between rows of x
 } p;
 
+shared float s_max[BLOCK_SIZE];
+shared int s_sum[BLOCK_SIZE];
+
 void main() {
-    const uint per_row = p.K / 32u;
-    const uint n = p.T * per_row;
-    for (uint b = global_index(); b < n; b += grid_size()) {
-        const uint t = b / per_row, j = b % per_row;
-        const uint xo = (t * p.x_stride + 32u * j) / 4u;
-        vec4 v[8];
+    const uint words = p.K / 4u, n = p.T * words, tid = gl_LocalInvocationID.x, first = tid & ~7u;
+    // every invocation runs the same number of rounds (the barriers stay uniform); past n it idles
+    for (uint base = group_index() * BLOCK_SIZE; base < n; base += grid_size()) {
+        const uint w = base + tid;
+        const bool live = w < n;
+        const uint t = live ? w / words : 0u, i = live ? w % words : 0u;
+        const vec4 v = live ? x4[(t * p.x_stride) / 4u + i] : vec4(0.0);
+        s_max[tid] = max(max(abs(v.x), abs(v.y)), max(abs(v.z), abs(v.w)));
+        barrier();
         float amax = 0.0;
-        [[unroll]] for (uint i = 0; i < 8u; ++i) {
-            v[i] = x4[xo + i];
-            amax = max(amax, max(max(abs(v[i].x), abs(v[i].y)), max(abs(v[i].z), abs(v[i].w))));
-        }
+        [[unroll]] for (uint j = 0; j < 8u; ++j) amax = max(amax, s_max[first + j]);
         const float d = amax / 127.0;
         const float id = d != 0.0 ? 1.0 / d : 0.0;
-        int sum = 0;
-        const uint qo = t * (p.K / 4u) + 8u * j;
-        [[unroll]] for (uint i = 0; i < 8u; ++i) {
-            const vec4 r = v[i] * id;
-            const ivec4 q = ivec4(sign(r) * floor(abs(r) + 0.5));  // roundf: halves away from zero
-            sum += q.x + q.y + q.z + q.w;
-            xq[qo + i] = uint(q.x & 0xFF) | (uint(q.y & 0xFF) << 8) | (uint(q.z & 0xFF) << 16) | (uint(q.w) << 24);
+        const vec4 r = v * id;
+        const ivec4 q = ivec4(sign(r) * floor(abs(r) + 0.5));  // roundf: halves away from zero
+        s_sum[tid] = q.x + q.y + q.z + q.w;
+        if (live) xq[w] = uint(q.x & 0xFF) | (uint(q.y & 0xFF) << 8) | (uint(q.z & 0xFF) << 16) | (uint(q.w) << 24);
+        barrier();
+        if (live && tid == first) {
+            int sum = 0;
+            [[unroll]] for (uint j = 0; j < 8u; ++j) sum += s_sum[first + j];
+            xd[w / 8u] = vec2(d, d * float(sum));
         }
-        xd[b] = vec2(d, d * float(sum));
+        barrier();
     }
 }

@@ -3,12 +3,12 @@
 //   x' = x + rms(a) * wa          (the sub-layer output, post-normed, added to the residual stream)
 //   h  = rms(x') * wh             (the next sub-layer's pre-norm; with NEXT defined)
 // rms(v) = v / sqrt(mean(v^2) + eps), sums in float32 as rms_norm.comp. Q8OUT: h is also written quantized
-// for the int8 mat-vec (q8act.glsl); each invocation then owns whole 32-blocks and recomputes their h (the
-// same arithmetic, so the same values) rather than reading back what other invocations wrote.
+// for the int8 mat-vec (q8act.glsl), through a copy of the row in shared memory (D <= MAX_COLS).
 // Bindings: 0 x, 1 a, 2 wa, 3 x' [, 4 wh, 5 h [, 6 hq, 7 hd]].
 #include "common.glsl"
 #ifdef Q8OUT
 #include "q8act.glsl"
+#define MAX_COLS 6144  // Gemma 3 27B: 5376 (24 KiB of shared memory)
 #endif
 
 layout(binding = 0) readonly buffer X { float x[]; };
@@ -31,6 +31,9 @@ layout(push_constant) uniform Push {
 } p;
 
 shared float partial[BLOCK_SIZE];
+#ifdef Q8OUT
+shared float s_h[MAX_COLS];  // this row's h (host asserts ncols <= MAX_COLS)
+#endif
 
 // the sum over the workgroup of every invocation's v
 float workgroup_sum(float v) {
@@ -63,29 +66,29 @@ void main() {
 #ifndef Q8OUT
     for (uint c = tid; c < p.ncols; c += BLOCK_SIZE) h[o + c] = (x[o + c] + a[o + c] * sa * wa[c]) * sh * wh[c];
 #else
-    for (uint j = tid; j < p.ncols / 32u; j += BLOCK_SIZE) {
-        float v[32];
+    // h into shared memory (every invocation, strided), then one XQ word (4 values) per invocation: the
+    // block's max and sum read from shared memory (8 words a block), so no invocation runs a serial chain
+    for (uint c = tid; c < p.ncols; c += BLOCK_SIZE) {
+        const float v = (x[o + c] + a[o + c] * sa * wa[c]) * sh * wh[c];
+        h[o + c] = v;
+        s_h[c] = v;
+    }
+    barrier();
+    for (uint w = tid; w < p.ncols / 4u; w += BLOCK_SIZE) {
+        const uint b0 = (w / 8u) * 32u;
         float amax = 0.0;
-        [[unroll]] for (uint i = 0; i < 32u; ++i) {
-            const uint c = 32u * j + i;
-            v[i] = (x[o + c] + a[o + c] * sa * wa[c]) * sh * wh[c];
-            h[o + c] = v[i];
-            amax = max(amax, abs(v[i]));
-        }
+        for (uint i = 0; i < 32u; ++i) amax = max(amax, abs(s_h[b0 + i]));
         const float d = amax / 127.0;
         const float id = d != 0.0 ? 1.0 / d : 0.0;
-        int sum = 0;
-        [[unroll]] for (uint i = 0; i < 8u; ++i) {
-            uint word = 0u;
-            [[unroll]] for (uint e = 0; e < 4u; ++e) {
-                const float r = v[4u * i + e] * id;
-                const int q = int(sign(r) * floor(abs(r) + 0.5));
-                sum += q;
-                word |= uint(q & 0xFF) << (8u * e);
-            }
-            hq[row * (p.ncols / 4u) + 8u * j + i] = word;
+        const vec4 r = vec4(s_h[4u * w], s_h[4u * w + 1u], s_h[4u * w + 2u], s_h[4u * w + 3u]) * id;
+        const ivec4 q = ivec4(sign(r) * floor(abs(r) + 0.5));  // roundf
+        hq[row * (p.ncols / 4u) + w] = uint(q.x & 0xFF) | (uint(q.y & 0xFF) << 8) | (uint(q.z & 0xFF) << 16)
+                                     | (uint(q.w) << 24);
+        if (w % 8u == 0u) {
+            int sum = 0;
+            for (uint i = 0; i < 32u; ++i) sum += int(sign(s_h[b0 + i] * id) * floor(abs(s_h[b0 + i] * id) + 0.5));
+            hd[row * (p.ncols / 32u) + w / 8u] = vec2(d, d * float(sum));
         }
-        hd[row * (p.ncols / 32u) + j] = vec2(d, d * float(sum));
     }
 #endif
 #endif

@@ -6,7 +6,7 @@ activation quantization, so plain float32 is the reference they should match. Ne
 
 Tolerance for logits: max |vulkan − cpu| ≤ 1e-4 × max |cpu| over the compared rows with ``matvec="float"``.
 Seen on lavapipe: ~5e-7 (float32 sums in another order in the matmuls, norms and the online softmax; a
-random tiny model has no near-ties at this scale). With the default int8 mat-vec, decode-sized steps
+random tiny model has no near-ties at this scale). With the default int8 mat-vec, steps of up to 32 tokens
 quantize activations per 32 values (d = max/127): ≤ 1e-2 × max |cpu| (seen: ~2e-3). Greedy token ids must
 be identical either way.
 The 270M test uses numerics "f32" for the same reason (the GPU does not round activations like ggml): the
@@ -67,7 +67,7 @@ def rtol_for(vk) -> float:
 def test_one_prefill_matches_cpu(pair):
     cpu, vk = pair
     ids = rand_ids(np.random.default_rng(0), 21, cpu.config.vocab_size)
-    close(vk.forward_full(ids), cpu.forward_full(ids))
+    close(vk.forward_full(ids), cpu.forward_full(ids), rtol_for(vk))
 
 
 def test_batched_chunked_prefill_then_decode_matches_cpu(pair):
@@ -119,7 +119,7 @@ def test_weights_forced_into_the_host_heap(tmp_path):
             "device-local: weights" in k for k in mem
         )
         ids = rand_ids(np.random.default_rng(6), 9, cpu.config.vocab_size)
-        close(vk.forward_full(ids), cpu.forward_full(ids))
+        close(vk.forward_full(ids), cpu.forward_full(ids), rtol_for(vk))
     finally:
         vk.backend.close()
 

@@ -34,9 +34,10 @@ Matmul: the mat-vec kernels for T_b <= 8, the tiled mat-mat kernel above; weight
 maxStorageBufferRange are bound in ranges (record_matmul, and embed's row_begin/n_rows).
 Fused (the ops of backends/base.py that Gemma3 calls): residual_norm (post-norm + residual + next pre-norm,
 one dispatch that also writes h quantized for the int8 mat-vec), norm_rope (per-head q/k norm + RoPE),
-geglu_matmul (gate and up projections + GeGLU in one int8 mat-vec). Decode-sized steps (T_b <= 8) run every
-quantized matmul as the int8 mat-vec (mul_mat_vec_q8.comp) on activations quantized once per input
-(Act.q8), and independent dispatches (q, k, v) carry no barrier between them (CommandRecorder).
+geglu_matmul (gate and up projections + GeGLU in one int8 mat-vec). Decode-sized steps (T_b <= 32) run every
+quantized matmul as the int8 mat-vec (mul_mat_vec_q8.comp, 8 tokens a dispatch) on activations quantized
+once per input (Act.q8), and independent dispatches (q, k, v; the 8-token chunks) carry no barrier between
+them (CommandRecorder).
 """
 
 from __future__ import annotations
@@ -98,6 +99,10 @@ MIB = 1 << 20
 # attention_split.comp: splits per (token, KV head) = clamp(TARGET_GROUPS / (tokens * KV heads), 1, MAX)
 ATTENTION_TARGET_GROUPS = 1024
 ATTENTION_MAX_SPLITS = 64
+Q8_MAX_T = (
+    32  # steps of up to 32 tokens (decode batches) run the int8 mat-vec, MATVEC_MAX_T tokens a dispatch
+)
+RESIDUAL_Q8_MAX_COLS = 6144  # MAX_COLS of shaders/residual_norm.comp (its Q8OUT row copy in shared memory)
 
 
 def bucket(n: int) -> int:
@@ -556,9 +561,7 @@ class VulkanBackend(Backend):
         y = self._new((t, n))
         assert self._rec is not None, "VulkanBackend ops run only while recording (through run())"
         if self._q8_path(t, w):
-            xq, xd = self._q8(x)
-            kern = self._kernel(f"mul_mat_vec_q8x_{_type_name(w.qtype, Q8_MATVEC_TYPES)}{_t1(t)}")
-            record_matvec_q8(self._rec, kern, w.view, xq.view, xd.view, y.view, k, n, t)
+            self._matvec_q8(x, [w], y)
             return y
         t_name = _type_name(w.qtype, MATMUL_TYPES)
         name = f"mul_mat_vec_{t_name}{self._vec_suffix}" if t <= MATVEC_MAX_T else f"mul_mat_{t_name}"
@@ -567,20 +570,37 @@ class VulkanBackend(Backend):
 
     def geglu_matmul(self, x: Act, gate: VkWeight, up: VkWeight) -> Act:
         """One int8 mat-vec dispatch for both projections and the GeGLU (decode), else the plain ops."""
-        t, k = x.shape
+        t = x.shape[0]
         if not (self._q8_path(t, gate) and gate.qtype == up.qtype and gate.shape == up.shape):
             return super().geglu_matmul(x, gate, up)
-        n = gate.shape[0]
-        y = self._new((t, n))
-        xq, xd = self._q8(x)
-        kern = self._kernel(f"mul_mat_vec_q8x_{_type_name(gate.qtype, Q8_MATVEC_TYPES)}_geglu{_t1(t)}")
-        record_matvec_q8(self._rec, kern, gate.view, xq.view, xd.view, y.view, k, n, t, w_up=up.view)
+        y = self._new((t, gate.shape[0]))
+        self._matvec_q8(x, [gate, up], y)
         return y
 
+    def _matvec_q8(self, x: Act, ws: list[VkWeight], y: Act) -> None:
+        """y = x · Wᵀ (or the GeGLU of two weights) on the int8 mat-vec, MATVEC_MAX_T tokens a dispatch
+        (the chunks read the same weights back to back; no barrier between them)."""
+        (t, k), n = x.shape, ws[0].shape[0]
+        xq, xd = self._q8(x)
+        base = f"mul_mat_vec_q8x_{_type_name(ws[0].qtype, Q8_MATVEC_TYPES)}" + (
+            "_geglu" if len(ws) > 1 else ""
+        )
+        for t0 in range(0, t, MATVEC_MAX_T):
+            tc = min(MATVEC_MAX_T, t - t0)
+            kern = self._kernel(base + _t1(tc))
+            rows = [_rows(xq.view, t0, tc, k), _rows(xd.view, t0, tc, k // 4), _rows(y.view, t0, tc, 4 * n)]
+            up = ws[1].view if len(ws) > 1 else None
+            record_matvec_q8(self._rec, kern, ws[0].view, *rows, k, n, tc, w_up=up)
+
     def _q8_path(self, t: int, w: VkWeight) -> bool:
-        """Decode-sized steps of a weight type the int8 mat-vec reads (unless ``matvec="float"``)."""
-        k = w.shape[1]
-        return self.int8_matvec and t <= MATVEC_MAX_T and w.qtype in Q8_MATVEC_TYPES.values() and k % 64 == 0
+        """Decode-sized steps (up to Q8_MAX_T tokens) of a weight type the int8 mat-vec reads (unless
+        ``matvec="float"``); steps over MATVEC_MAX_T tokens need chunk offsets the device can bind."""
+        n, k = w.shape
+        if not (self.int8_matvec and t <= Q8_MAX_T and w.qtype in Q8_MATVEC_TYPES.values() and k % 64 == 0):
+            return False
+        align = self.dev.limits["minStorageBufferOffsetAlignment"]
+        step = MATVEC_MAX_T
+        return t <= step or all(b % align == 0 for b in (step * k, step * k // 4, step * 4 * n))
 
     def _q8(self, x: Act) -> tuple[Act, Act]:
         """x's q8 form (quantized here on first use, then kept on the Act)."""
@@ -605,7 +625,8 @@ class VulkanBackend(Backend):
             return xo, None
         h = self._new(x.shape)
         binds = [x.view, a.view, w_a.view, xo.view, w_next.view, h.view]
-        if self.int8_matvec and t <= MATVEC_MAX_T and d % 32 == 0:  # int8 mat-vecs follow: quantize h too
+        if self.int8_matvec and t <= Q8_MAX_T and d % 32 == 0 and d <= RESIDUAL_Q8_MAX_COLS:
+            # int8 mat-vecs follow: quantize h here too
             h.q8 = (self._new((t, d // 4)), self._new((t, d // 32, 2)))
             self._dispatch("residual_norm_next_q8", [*binds, h.q8[0].view, h.q8[1].view], push, t)
         else:
@@ -685,6 +706,11 @@ class VulkanBackend(Backend):
 
 
 # -- weight forms and placement ------------------------------------------------------------------------------
+def _rows(v: BufferView, t0: int, n: int, row_bytes: int) -> BufferView:
+    """Rows t0 .. t0+n-1 of an activation whose rows are ``row_bytes`` apart."""
+    return BufferView(v.arena, v.offset + t0 * row_bytes, n * row_bytes, name=v.name)
+
+
 def _t1(t: int) -> str:
     """The suffix of the int8 mat-vec variant built for one token."""
     return "_t1" if t == 1 else ""
