@@ -11,8 +11,8 @@
 // are POOL_TYPE (float, or float16_t); math in float32.
 //
 // One workgroup per (token, KV head, split): the n_splits splits cut [lo, pos] into runs of
-// per = max(ceil(len / n_splits), MIN_KEYS) keys (trailing splits may be empty: short contexts use few splits,
-// so few partials reach attention_reduce.comp). The G = H / Hkv query heads of the
+// per = max(ceil(len / n_splits), KT) keys (trailing splits may be empty). (At least 64 keys per split was
+// tried: 3x slower decode on an H200 at 512 positions, the tiles of one split run one after the other.) The G = H / Hkv query heads of the
 // KV head share each loaded K/V tile. Keys go KT at a time: for the scores, the workgroup is LANES-wide lane
 // groups, each taking whole keys (lanes over dims: coalesced loads of one key's row), partial dots reduced in
 // shared memory; then the online-softmax update (running max m and sum l per query head) and the output,
@@ -30,7 +30,6 @@
 #define MAX_ELEMS_PER_INVOCATION 8
 #define LANES 32
 #define KT 16
-#define MIN_KEYS 64  // keys per split at least: a split's fixed cost (q load, partial write) is amortised
 #define PART_STRIDE (LANES + 1)
 
 layout(binding = 0) readonly buffer Q { float q[]; };
@@ -82,7 +81,7 @@ void main() {
         const uint pos = meta[p.pos_off + t];
         lo = (p.window != 0 && pos + 1 > p.window) ? pos + 1 - p.window : 0;
         const uint len = pos + 1 - lo;
-        const uint per = max((len + p.n_splits - 1) / p.n_splits, MIN_KEYS);
+        const uint per = max((len + p.n_splits - 1) / p.n_splits, KT);
         c0 = lo + c * per;
         c1 = min(c0 + per, pos + 1);
         tab = meta[p.info_off + 2 * seq];

@@ -4,6 +4,7 @@
 //   angle pos / scale * base^(-2i/Dh), reduced to [-pi, pi] before sin/cos).
 // Bindings: 0 x (T, H, Dh) rows x_stride apart, 1 w (Dh), 2 step metadata (positions at pos_off), 3 y.
 #include "common.glsl"
+#extension GL_KHR_shader_subgroup_arithmetic : require
 
 layout(binding = 0) readonly buffer X { float x[]; };
 layout(binding = 1) readonly buffer W { float w[]; };
@@ -35,13 +36,12 @@ void main() {
     const uint xo = t * p.x_stride + hd * p.head_dim, yo = t * p.y_stride + hd * p.head_dim;
     float ss = 0.0;
     for (uint c = tid; c < p.head_dim; c += BLOCK_SIZE) ss += x[xo + c] * x[xo + c];
-    partial[tid] = ss;
+    ss = subgroupAdd(ss);
+    if (subgroupElect()) partial[gl_SubgroupID] = ss;
     barrier();
-    [[unroll]] for (uint s = BLOCK_SIZE / 2u; s > 0u; s >>= 1) {
-        if (tid < s) partial[tid] += partial[tid + s];
-        barrier();
-    }
-    const float sc = inversesqrt(partial[0] / float(p.head_dim) + p.eps);
+    ss = 0.0;
+    for (uint i = 0; i < gl_NumSubgroups; ++i) ss += partial[i];
+    const float sc = inversesqrt(ss / float(p.head_dim) + p.eps);
     const float log2_base = log2(p.base);
     const float pos = float(meta[p.pos_off + t]);
     for (uint i = tid; i < half_dim; i += BLOCK_SIZE) {

@@ -6,6 +6,7 @@
 // for the int8 mat-vec (q8act.glsl), through a copy of the row in shared memory (D <= MAX_COLS).
 // Bindings: 0 x, 1 a, 2 wa, 3 x' [, 4 wh, 5 h [, 6 hq, 7 hd]].
 #include "common.glsl"
+#extension GL_KHR_shader_subgroup_arithmetic : require
 #ifdef Q8OUT
 #include "q8act.glsl"
 #define MAX_COLS 6144  // Gemma 3 27B: 5376 (24 KiB of shared memory)
@@ -35,17 +36,16 @@ shared float partial[BLOCK_SIZE];
 shared float s_h[MAX_COLS];  // this row's h (host asserts ncols <= MAX_COLS)
 #endif
 
-// the sum over the workgroup of every invocation's v
+// the sum over the workgroup of every invocation's v: subgroupAdd, then the subgroups' sums through shared
+// memory (two barriers, not a log2(BLOCK_SIZE)-level tree: this kernel runs on one token's row at a time)
 float workgroup_sum(float v) {
-    const uint tid = gl_LocalInvocationID.x;
     barrier();  // partial may still be read from the previous call
-    partial[tid] = v;
+    v = subgroupAdd(v);
+    if (subgroupElect()) partial[gl_SubgroupID] = v;
     barrier();
-    [[unroll]] for (uint s = BLOCK_SIZE / 2u; s > 0u; s >>= 1) {
-        if (tid < s) partial[tid] += partial[tid + s];
-        barrier();
-    }
-    return partial[0];
+    float s = 0.0;
+    for (uint i = 0; i < gl_NumSubgroups; ++i) s += partial[i];
+    return s;
 }
 
 void main() {
