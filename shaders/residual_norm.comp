@@ -2,23 +2,27 @@
 // The residual step between two sub-layers, one workgroup per token row (fused: three dispatches -> one):
 //   x' = x + rms(a) * wa          (the sub-layer output, post-normed, added to the residual stream)
 //   h  = rms(x') * wh             (the next sub-layer's pre-norm; with NEXT defined)
-// rms(v) = v / sqrt(mean(v^2) + eps), sums in float32 as rms_norm.comp. Q8OUT: h is also written quantized
-// for the int8 mat-vec (q8act.glsl), through a copy of the row in shared memory (D <= MAX_COLS).
-// Bindings: 0 x, 1 a, 2 wa, 3 x' [, 4 wh, 5 h [, 6 hq, 7 hd]].
+// rms(v) = v / sqrt(mean(v^2) + eps), float32 sums. Q8OUT: h is also written quantized for the int8 mat-vec
+// (q8act.glsl). Decode runs this on one row at a time, so it is written for latency: each invocation loads
+// its (at most WORDS) groups of 4 values once, up front, and keeps them in registers; sums go through
+// subgroupAdd and one shared slot per subgroup; a q8 block (8 words) is 8 neighbouring invocations, which
+// exchange their maxima and sums through shared memory.
+// Bindings: 0 x, 1 a, 2 wa, 3 x' [, 4 wh, 5 h [, 6 hq, 7 hd]]. Requires D % 4 == 0 (Q8OUT: D % 32 == 0),
+// D <= 4 * WORDS * BLOCK_SIZE, BLOCK_SIZE % 8 == 0.
 #include "common.glsl"
 #extension GL_KHR_shader_subgroup_arithmetic : require
 #ifdef Q8OUT
 #include "q8act.glsl"
-#define MAX_COLS 6144  // Gemma 3 27B: 5376 (24 KiB of shared memory)
 #endif
+#define WORDS 2u
 
-layout(binding = 0) readonly buffer X { float x[]; };
-layout(binding = 1) readonly buffer A { float a[]; };
-layout(binding = 2) readonly buffer WA { float wa[]; };
-layout(binding = 3) writeonly buffer XO { float xo[]; };
+layout(binding = 0) readonly buffer X { vec4 x[]; };
+layout(binding = 1) readonly buffer A { vec4 a[]; };
+layout(binding = 2) readonly buffer WA { vec4 wa[]; };
+layout(binding = 3) writeonly buffer XO { vec4 xo[]; };
 #ifdef NEXT
-layout(binding = 4) readonly buffer WH { float wh[]; };
-layout(binding = 5) writeonly buffer H { float h[]; };
+layout(binding = 4) readonly buffer WH { vec4 wh[]; };
+layout(binding = 5) writeonly buffer H { vec4 h[]; };
 #endif
 #ifdef Q8OUT
 layout(binding = 6) writeonly buffer HQ { uint hq[]; };
@@ -33,11 +37,11 @@ layout(push_constant) uniform Push {
 
 shared float partial[BLOCK_SIZE];
 #ifdef Q8OUT
-shared float s_h[MAX_COLS];  // this row's h (host asserts ncols <= MAX_COLS)
+shared float s_max[BLOCK_SIZE];
+shared int s_sum[BLOCK_SIZE];
 #endif
 
-// the sum over the workgroup of every invocation's v: subgroupAdd, then the subgroups' sums through shared
-// memory (two barriers, not a log2(BLOCK_SIZE)-level tree: this kernel runs on one token's row at a time)
+// the sum over the workgroup of every invocation's v
 float workgroup_sum(float v) {
     barrier();  // partial may still be read from the previous call
     v = subgroupAdd(v);
@@ -51,45 +55,52 @@ float workgroup_sum(float v) {
 void main() {
     const uint row = group_index();
     if (row >= p.nrows) return;  // uniform per workgroup
-    const uint tid = gl_LocalInvocationID.x, o = row * p.ncols;
+    const uint tid = gl_LocalInvocationID.x, nw = p.ncols / 4u, o = row * nw;
+    vec4 xv[WORDS], av[WORDS], wv[WORDS];
     float ss = 0.0;
-    for (uint c = tid; c < p.ncols; c += BLOCK_SIZE) ss += a[o + c] * a[o + c];
+    [[unroll]] for (uint i = 0; i < WORDS; ++i) {
+        const uint w = tid + i * BLOCK_SIZE;
+        const bool live = w < nw;
+        xv[i] = live ? x[o + w] : vec4(0.0);
+        av[i] = live ? a[o + w] : vec4(0.0);
+        wv[i] = live ? wa[w] : vec4(0.0);
+        ss += dot(av[i], av[i]);
+    }
     const float sa = inversesqrt(workgroup_sum(ss) / float(p.ncols) + p.eps);
     ss = 0.0;
-    for (uint c = tid; c < p.ncols; c += BLOCK_SIZE) {
-        const float v = x[o + c] + a[o + c] * sa * wa[c];
-        xo[o + c] = v;
-        ss += v * v;
+    [[unroll]] for (uint i = 0; i < WORDS; ++i) {
+        const uint w = tid + i * BLOCK_SIZE;
+        xv[i] = xv[i] + av[i] * sa * wv[i];
+        if (w < nw) xo[o + w] = xv[i];
+        ss += dot(xv[i], xv[i]);
     }
 #ifdef NEXT
     const float sh = inversesqrt(workgroup_sum(ss) / float(p.ncols) + p.eps);
-#ifndef Q8OUT
-    for (uint c = tid; c < p.ncols; c += BLOCK_SIZE) h[o + c] = (x[o + c] + a[o + c] * sa * wa[c]) * sh * wh[c];
-#else
-    // h into shared memory (every invocation, strided), then one XQ word (4 values) per invocation: the
-    // block's max and sum read from shared memory (8 words a block), so no invocation runs a serial chain
-    for (uint c = tid; c < p.ncols; c += BLOCK_SIZE) {
-        const float v = (x[o + c] + a[o + c] * sa * wa[c]) * sh * wh[c];
-        h[o + c] = v;
-        s_h[c] = v;
-    }
-    barrier();
-    for (uint w = tid; w < p.ncols / 4u; w += BLOCK_SIZE) {
-        const uint b0 = (w / 8u) * 32u;
+    [[unroll]] for (uint i = 0; i < WORDS; ++i) {
+        const uint w = tid + i * BLOCK_SIZE;
+        const bool live = w < nw;
+        const vec4 v = xv[i] * sh * (live ? wh[w] : vec4(0.0));
+        if (live) h[o + w] = v;
+#ifdef Q8OUT
+        // word w is 4 values of q8 block w / 8, whose 8 words are invocations tid & ~7 .. (tid & ~7) + 7
+        const uint first = tid & ~7u;
+        s_max[tid] = max(max(abs(v.x), abs(v.y)), max(abs(v.z), abs(v.w)));
+        barrier();
         float amax = 0.0;
-        for (uint i = 0; i < 32u; ++i) amax = max(amax, abs(s_h[b0 + i]));
+        [[unroll]] for (uint j = 0; j < 8u; ++j) amax = max(amax, s_max[first + j]);
         const float d = amax / 127.0;
         const float id = d != 0.0 ? 1.0 / d : 0.0;
-        const vec4 r = vec4(s_h[4u * w], s_h[4u * w + 1u], s_h[4u * w + 2u], s_h[4u * w + 3u]) * id;
-        const ivec4 q = ivec4(sign(r) * floor(abs(r) + 0.5));  // roundf
-        hq[row * (p.ncols / 4u) + w] = uint(q.x & 0xFF) | (uint(q.y & 0xFF) << 8) | (uint(q.z & 0xFF) << 16)
-                                     | (uint(q.w) << 24);
-        if (w % 8u == 0u) {
+        const vec4 r = v * id;
+        const ivec4 q = ivec4(sign(r) * floor(abs(r) + 0.5));  // roundf: halves away from zero
+        s_sum[tid] = q.x + q.y + q.z + q.w;
+        if (live) hq[o + w] = uint(q.x & 0xFF) | (uint(q.y & 0xFF) << 8) | (uint(q.z & 0xFF) << 16) | (uint(q.w) << 24);
+        barrier();
+        if (live && tid == first) {
             int sum = 0;
-            for (uint i = 0; i < 32u; ++i) sum += int(sign(s_h[b0 + i] * id) * floor(abs(s_h[b0 + i] * id) + 0.5));
+            [[unroll]] for (uint j = 0; j < 8u; ++j) sum += s_sum[first + j];
             hd[row * (p.ncols / 32u) + w / 8u] = vec2(d, d * float(sum));
         }
-    }
 #endif
+    }
 #endif
 }

@@ -71,6 +71,7 @@ from hmad.backends.vulkan.memory import (
     plan_memory,
 )
 from hmad.backends.vulkan.pipelines import (
+    RESIDUAL_MAX_COLS,
     AddPush,
     ArgmaxPush,
     AttentionReducePush,
@@ -102,7 +103,6 @@ ATTENTION_MAX_SPLITS = 64
 Q8_MAX_T = (
     32  # steps of up to 32 tokens (decode batches) run the int8 mat-vec, MATVEC_MAX_T tokens a dispatch
 )
-RESIDUAL_Q8_MAX_COLS = 6144  # MAX_COLS of shaders/residual_norm.comp (its Q8OUT row copy in shared memory)
 
 
 def bucket(n: int) -> int:
@@ -618,6 +618,8 @@ class VulkanBackend(Backend):
 
     def residual_norm(self, x: Act, a: Act, w_a: VkWeight, w_next: VkWeight | None, eps: float):
         t, d = x.shape
+        if d % 4 or d > RESIDUAL_MAX_COLS:
+            return super().residual_norm(x, a, w_a, w_next, eps)
         xo = self._new(x.shape)
         push = ResidualNormPush(d, t, eps)
         if w_next is None:
@@ -625,7 +627,7 @@ class VulkanBackend(Backend):
             return xo, None
         h = self._new(x.shape)
         binds = [x.view, a.view, w_a.view, xo.view, w_next.view, h.view]
-        if self.int8_matvec and t <= Q8_MAX_T and d % 32 == 0 and d <= RESIDUAL_Q8_MAX_COLS:
+        if self.int8_matvec and t <= Q8_MAX_T and d % 32 == 0:
             # int8 mat-vecs follow: quantize h here too
             h.q8 = (self._new((t, d // 4)), self._new((t, d // 32, 2)))
             self._dispatch("residual_norm_next_q8", [*binds, h.q8[0].view, h.q8[1].view], push, t)

@@ -135,6 +135,11 @@ class ArgmaxPush(ctypes.Structure):
     _fields_ = [(n, u32) for n in ("n_rows", "n_cols", "row_stride")]
 
 
+#: residual_norm.comp: one row per workgroup, up to 4 * WORDS (2) values per invocation held in registers
+RESIDUAL_BLOCK = 1024
+RESIDUAL_MAX_COLS = 8 * RESIDUAL_BLOCK
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     source: str  # the .comp it is built from (documentation; the build list is in shaders/build.py)
@@ -164,9 +169,9 @@ KERNELS: dict[str, KernelSpec] = {
     "argmax_f32": KernelSpec("argmax.comp", 2, ArgmaxPush, 256),
     "norm_rope_f32": KernelSpec("norm_rope.comp", 4, NormRopePush, 128),
     "quantize_q8": KernelSpec("quantize_q8.comp", 3, QuantizeQ8Push, 128),
-    "residual_norm": KernelSpec("residual_norm.comp", 4, ResidualNormPush, 256),
-    "residual_norm_next": KernelSpec("residual_norm.comp", 6, ResidualNormPush, 256),
-    "residual_norm_next_q8": KernelSpec("residual_norm.comp", 8, ResidualNormPush, 256),
+    "residual_norm": KernelSpec("residual_norm.comp", 4, ResidualNormPush, RESIDUAL_BLOCK),
+    "residual_norm_next": KernelSpec("residual_norm.comp", 6, ResidualNormPush, RESIDUAL_BLOCK),
+    "residual_norm_next_q8": KernelSpec("residual_norm.comp", 8, ResidualNormPush, RESIDUAL_BLOCK),
     **kernel_specs(KernelSpec),  # mul_mat_vec_<type>[_subgroup], mul_mat_<type>: kernels_matmul.py
 }
 
