@@ -231,7 +231,12 @@ def main() -> int:
     ap.add_argument("--engine", default="270m,27b", help="models whose engine runs take 1, 8, 32 streams")
     ap.add_argument("--copy-mib", type=int, default=1024)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--watchdog-s", type=float, default=0, help="dump the stacks and exit after this")
     args = ap.parse_args()
+    if args.watchdog_s:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.watchdog_s, exit=True)
     args.engine, args.engine_streams = args.engine.split(","), (1, 8, 32)
     import bench_vulkan_copy as bc
 
