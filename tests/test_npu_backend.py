@@ -10,7 +10,7 @@ import pytest
 from tiny_gguf import MIXED, make_tiny_gguf
 
 from hmad.backends.npu.backend import NpuBackend
-from hmad.backends.npu.errors import NpuUnavailable, NpuUnsupportedShape
+from hmad.backends.npu.errors import NpuContextError, NpuUnavailable, NpuUnsupportedShape
 from hmad.backends.npu.routing import Route, Router
 from hmad.backends.npu.status import VULKAN_GRAPH_REASON, npu_status, vulkan_npu_status
 from hmad.config import ConfigError, load_config
@@ -136,8 +136,8 @@ def test_context_limit(quant_model, cpu_logits, fake_npu):
     ops = ops_of(m)
     assert ops["attention_prefill"].startswith("cpu: NPU context refused: hw_context for softmax_bf16")
     assert ops["gemm_int8"].startswith("npu (checked")
-    with pytest.raises(Exception, match="NPU context refused"):
-        fake_npu.fail(context_limit=0)
+    fake_npu.fail(context_limit=0)
+    with pytest.raises(NpuContextError, match="hw_context for gemm_bf16"):
         npu_model(quant_model, fake_npu, enabled=True)
 
 
