@@ -47,3 +47,23 @@ def gpu(dev):
     g = Gpu(dev)
     yield g
     g.close()
+
+
+# -- NPU on the XRT stand-in (tests/fake_pyxrt.py, tests/npu_fixtures.py) ---------------------------------
+@pytest.fixture
+def fake_npu(tmp_path, monkeypatch):
+    """hmad's NPU runtime pointed at the fake XRT, with a fake /dev/accel node and fake kernels installed."""
+    from npu_fixtures import FakeNpu, write_fake_kernels
+
+    from hmad.backends.npu.xrt import forget_device
+
+    accel = tmp_path / "accel"
+    accel.mkdir()
+    (accel / "accel0").touch()
+    monkeypatch.setenv("HMAD_PYXRT", "fake_pyxrt")
+    monkeypatch.setenv("HMAD_ACCEL_DIR", str(accel))
+    monkeypatch.delenv("HMAD_FAKE_XRT", raising=False)
+    npu = FakeNpu(write_fake_kernels(tmp_path / "kernels"), accel)
+    npu.fail()
+    yield npu
+    forget_device()

@@ -90,6 +90,10 @@ def test_sections_mirror_the_classes_they_configure():
     assert names(config_mod.EngineConfig) == names(SchedulerConfig)
     assert names(config_mod.SamplingConfig) == names(SamplingParams)
     assert set(names(config_mod.CpuConfig)) == set(inspect.signature(CpuBackend).parameters)
+    from hmad.backends.npu.backend import NpuBackend  # the CPU backend with NPU offload: both sections
+
+    both = names(config_mod.NpuConfig) + names(config_mod.CpuConfig)
+    assert set(both) == set(inspect.signature(NpuBackend).parameters)
 
 
 def test_builds_scheduler_config_sampling_params_and_backend_options():

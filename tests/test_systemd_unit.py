@@ -110,7 +110,8 @@ def test_identity_and_directories(service):
     assert one(service, "CacheDirectory") == "hmad"
     assert "HMAD_CACHE_DIR=/var/cache/hmad" in words(service, "Environment")
     assert one(service, "UMask") == "0027"
-    assert one(service, "LimitMEMLOCK") == "infinity"
+    assert one(service, "LimitMEMLOCK") == "infinity"  # XRT pins the NPU's buffer objects
+    assert "XILINX_XRT=/opt/xilinx/xrt" in words(service, "Environment")
 
 
 def test_devices(service):

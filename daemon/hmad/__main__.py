@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate offline, without the daemon")
     g.add_argument("--model", default="default", help="'default', a .gguf file or an HF checkpoint dir")
-    g.add_argument("--backend", default="cpu", choices=["cpu", "vulkan", "auto"])
+    g.add_argument("--backend", default="cpu", choices=["cpu", "vulkan", "npu", "auto"])
     g.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     g.add_argument("prompt", help="prompt text, or - to read stdin")
     _add_sampling_flags(g)

@@ -432,9 +432,14 @@ class VulkanConfig:
 
 @dataclass(frozen=True)
 class NpuConfig:
+    """Options of hmad.backends.npu.backend.NpuBackend (which also takes the cpu section's), same names."""
+
     enabled: str | bool = _key("auto", _Tristate())
     ops: tuple[str, ...] = _key(NPU_OPS, _Subset(NPU_OPS))
     xclbin_dir: str | None = _key(None, _OrNull(_Text(), "the kernels installed with hmad"))
+    min_rows: int = _key(32, _Int(1))
+    timeout_s: float = _key(5.0, _Real(0.0, 60.0, lo_open=True))
+    idle_s: float = _key(5.0, _Real(0.0))
 
 
 @dataclass(frozen=True)
@@ -481,6 +486,8 @@ class Config:
         """Keyword options of backend ``name`` (cpu, vulkan, npu): its section as a dict."""
         if name not in ("cpu", "vulkan", "npu"):
             raise ValueError(f"no options section for backend {name!r} (allowed: cpu, vulkan, npu)")
+        if name == "npu":  # the CPU backend with NPU offload: both sections
+            return {**dataclasses.asdict(self.cpu), **dataclasses.asdict(self.npu)}
         return dataclasses.asdict(getattr(self, name))
 
 
@@ -687,6 +694,10 @@ def _check_together(cfg: Config) -> None:
             f"must be greater than service.heartbeat_ivl_s ({svc.heartbeat_ivl_s:g}), "
             f"got {svc.heartbeat_timeout_s:g}",
             "service.heartbeat_timeout_s",
+        )
+    if cfg.backend == "npu" and cfg.npu.enabled is False:
+        raise ConfigError(
+            "is false, but backend is npu (set npu.enabled: auto or true, or another backend)", "npu.enabled"
         )
     try:
         cfg.sampling_defaults().validate()  # SamplingParams' own rules, should the two ever drift apart

@@ -25,6 +25,7 @@ import sdnotify
 import zmq
 
 from hmaclient import protocol as P
+from hmad.backends.npu.status import npu_status
 from hmad.config import Config
 from hmad.engine.scheduler import Scheduler
 from hmad.engine.worker import EngineThread
@@ -98,7 +99,7 @@ class Service:
 
     def _load(self):
         cfg = self.cfg
-        backend = resolve_backend_name(cfg.backend)  # auto: vulkan on a GPU, else cpu
+        backend = resolve_backend_name(cfg.backend, cfg.backend_options("npu"))  # auto: vulkan, npu or cpu
         self.notify(f"STATUS=loading {cfg.model}", f"EXTEND_TIMEOUT_USEC={EXTEND_BY_US}")
         self.loading.set()
         keepalive = threading.Thread(target=self._extend_while_loading, daemon=True)
@@ -134,6 +135,7 @@ class Service:
             heartbeat_ivl_s=cfg.service.heartbeat_ivl_s,
             heartbeat_timeout_s=cfg.service.heartbeat_timeout_s,
             max_frame_bytes=cfg.limits.max_frame_bytes,
+            status_extra=lambda: {"npu": npu_status(model.backend)},
         )
         engine = server.engine = EngineThread(scheduler, server.wake)
         self._socket_permissions()

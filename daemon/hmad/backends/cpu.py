@@ -34,6 +34,7 @@ class CpuWeight:
         self.tensor = t
         self.shape = t.shape
         self.f32 = t.dequantize() if keep_f32 else None
+        self.npu = None  # the npu backend's copy for its GEMM kernels (backends/npu/host.py GemmWeight)
 
     def rows(self, idx: np.ndarray) -> np.ndarray:
         if self.f32 is not None:
@@ -146,8 +147,12 @@ class CpuBackend(Backend):
             lo = 0 if window is None else max(0, s.pos0 - window + 1)
             kpos = np.arange(lo, s.end_pos)
             ks = _slots(table, kpos, batch.block_size)
-            out[rows] = _attend(q[rows], kc[ks], vc[ks], s.pos0, kpos, window, scale, self.ggml)
+            out[rows] = self.attend(q[rows], kc[ks], vc[ks], s.pos0, kpos, window, scale)
         return out
+
+    def attend(self, q, keys, vals, pos0: int, kpos, window: int | None, scale: float):
+        """One sequence's attention over its cached keys (see _attend); the npu backend offloads prefill."""
+        return _attend(q, keys, vals, pos0, kpos, window, scale, self.ggml)
 
     def geglu(self, gate, up):
         if self.ggml:

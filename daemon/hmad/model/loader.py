@@ -115,23 +115,32 @@ def check_tensors(files: ModelFiles) -> None:
         )
 
 
-def resolve_backend_name(name: str) -> str:
-    """``auto`` -> ``vulkan`` when a Vulkan GPU is present (not a CPU driver: lavapipe), else ``cpu``."""
+def resolve_backend_name(name: str, npu: dict[str, Any] | None = None) -> str:
+    """``auto`` -> ``vulkan`` when a Vulkan GPU is present (not a CPU driver: lavapipe), else ``npu`` when
+    an NPU and the kernels for ``npu`` (config section npu) are installed, else ``cpu``."""
     if name != "auto":
         return name
     try:
         from hmad.backends.vulkan.device import Device
 
         with Device() as dev:
-            return "cpu" if dev.info.is_cpu else "vulkan"
+            if not dev.info.is_cpu:
+                return "vulkan"
+            log.info("backend auto: the Vulkan device is a CPU driver (%s)", dev.info.name)
     except Exception as e:  # no loader, no driver, no suitable device: the CPU backend serves
-        log.info("backend auto: no usable Vulkan GPU (%s); using cpu", e)
-        return "cpu"
+        log.info("backend auto: no usable Vulkan GPU (%s)", e)
+    from hmad.backends.npu.status import probe
+
+    usable, reason = probe(npu)
+    if usable or (npu or {}).get("enabled") is True:  # true: the npu backend fails loudly if it cannot
+        return "npu"
+    log.info("backend auto: no usable NPU (%s); using cpu", reason)
+    return "cpu"
 
 
 def make_backend(name: str, **opts) -> Backend:
-    """A backend by name: ``cpu``, ``vulkan``, or ``auto`` (see :func:`resolve_backend_name`)."""
-    name = resolve_backend_name(name)
+    """A backend by name: ``cpu``, ``vulkan``, ``npu``, or ``auto`` (see :func:`resolve_backend_name`)."""
+    name = resolve_backend_name(name, opts if name == "auto" else None)
     if name == "cpu":
         from hmad.backends.cpu import CpuBackend
 
@@ -140,7 +149,11 @@ def make_backend(name: str, **opts) -> Backend:
         from hmad.backends.vulkan.backend import VulkanBackend
 
         return VulkanBackend(**opts)
-    raise ValueError(f"backend {name!r} is not available (allowed: cpu, vulkan, auto)")
+    if name == "npu":
+        from hmad.backends.npu.backend import NpuBackend
+
+        return NpuBackend(**opts)
+    raise ValueError(f"backend {name!r} is not available (allowed: cpu, vulkan, npu, auto)")
 
 
 def load_model(
