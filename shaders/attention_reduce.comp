@@ -3,12 +3,22 @@
 // wrote per (token, head) into o[t, h] = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c, M = max_c m_c
 // over the splits with l_c > 0 (the others are empty and their acc is never read). No live split (a padding
 // row): zeros. One workgroup per (token, head): the split weights go through shared memory, then invocations
-// over the dims. Host asserts n_splits <= MAX_SPLITS.
+// over the dims. Host asserts n_splits <= MAX_SPLITS. Q8OUT: o is also written quantized for the int8 mat-vec
+// of the output projection (q8act.glsl; a head's Dh values are whole blocks of 32), through shared memory.
 #include "common.glsl"
+#ifdef Q8OUT
+#include "q8act.glsl"
+#endif
 #define MAX_SPLITS 256
+#define MAX_HEAD_DIM 256
 
 layout(binding = 0) readonly buffer Part { float part[]; };
 layout(binding = 1) writeonly buffer O { float o[]; };
+#ifdef Q8OUT
+layout(binding = 2) writeonly buffer OQ { uint oq[]; };
+layout(binding = 3) writeonly buffer OD { vec2 od[]; };
+shared float s_o[MAX_HEAD_DIM];
+#endif
 
 layout(push_constant) uniform Push {
     uint n_tokens;
@@ -62,5 +72,31 @@ void main() {
         float a = 0.0;
         for (uint i = 0; i < n; ++i) a += part[pb + s_live[i] * pstride + 2 + d] * s_m[i];
         o[ob + d] = a * inv_l;
+#ifdef Q8OUT
+        s_o[d] = a * inv_l;
+#endif
     }
+#ifdef Q8OUT
+    barrier();
+    // one word (4 values) per invocation; the block's max and sum read from shared memory
+    for (uint w = tid; w < p.head_dim / 4u; w += BLOCK_SIZE) {
+        const uint b0 = (w / 8u) * 32u;
+        float amax = 0.0;
+        for (uint i = 0; i < 32u; ++i) amax = max(amax, abs(s_o[b0 + i]));
+        const float d = amax / 127.0;
+        const float id = d != 0.0 ? 1.0 / d : 0.0;
+        const vec4 r = vec4(s_o[4u * w], s_o[4u * w + 1u], s_o[4u * w + 2u], s_o[4u * w + 3u]) * id;
+        const ivec4 q = ivec4(sign(r) * floor(abs(r) + 0.5));  // roundf: halves away from zero
+        oq[(t * p.o_stride + h * p.head_dim) / 4u + w] =
+            uint(q.x & 0xFF) | (uint(q.y & 0xFF) << 8) | (uint(q.z & 0xFF) << 16) | (uint(q.w) << 24);
+        if (w % 8u == 0u) {
+            int sum = 0;
+            for (uint i = 0; i < 32u; ++i) {
+                const float ri = s_o[b0 + i] * id;
+                sum += int(sign(ri) * floor(abs(ri) + 0.5));
+            }
+            od[(t * p.o_stride + h * p.head_dim) / 32u + w / 8u] = vec2(d, d * float(sum));
+        }
+    }
+#endif
 }

@@ -46,6 +46,7 @@ BUILD: list[tuple[str, str, dict[str, str]]] = [
     ("attention_split_f32", "attention_split.comp", {}),
     ("attention_split_f16", "attention_split.comp", {"POOL_TYPE": "float16_t"}),
     ("attention_reduce_f32", "attention_reduce.comp", {}),
+    ("attention_reduce_f32_q8", "attention_reduce.comp", {"Q8OUT": "1"}),
     ("argmax_f32", "argmax.comp", {}),
     ("norm_rope_f32", "norm_rope.comp", {}),
     ("quantize_q8", "quantize_q8.comp", {}),

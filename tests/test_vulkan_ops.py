@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_vulkan_fused import q8_reference
 
 from hmad.backends.cpu import CpuBackend, CpuWeight
 from hmad.backends.vulkan.stepmeta import NONE, StepMetaLayout, kv_slots
@@ -253,6 +254,19 @@ def test_kv_write_and_paged_attention_match_reference(dev, kernels, gpu, pool, h
         got = gpu.get(b_o, shape=(t + 1, h * head_dim))
         np.testing.assert_allclose(got[:t], want, rtol=2e-5, atol=2e-6, err_msg=f"{name} layer")
         assert np.all(got[t] == 0)
+        # the Q8OUT variant: the same o, and o quantized as the q8 reference does (test_vulkan_fused.py)
+        att_q = kernels("attention_reduce_f32_q8")
+        b_o2 = gpu.poison(gpu.alloc((t + 1) * h * head_dim * 4))
+        b_oq, b_od = (
+            gpu.poison(gpu.alloc((t + 1) * h * head_dim)),
+            gpu.poison(gpu.alloc((t + 1) * h * head_dim // 4)),
+        )
+        run(dev, (att_q, [b_part, b_o2, b_oq, b_od], reduce, att_q.groups_for((t + 1) * h)))
+        np.testing.assert_array_equal(gpu.get(b_o2, shape=got.shape), got)
+        q_ref, d_ref, _ = q8_reference(got)
+        oq = gpu.get(b_oq, np.int8, got.shape).astype(np.int32)
+        assert np.abs(oq - q_ref).max() <= 1 and (oq != q_ref).mean() <= 1e-3
+        np.testing.assert_allclose(gpu.get(b_od, np.float32, (t + 1, -1, 2))[..., 0], d_ref, rtol=1e-6)
         kp_want, vp_want = cpu.pools[name][0][0], cpu.pools[name][1][0]
         np.testing.assert_array_equal(gpu.get(b_kp, dtype, kp_want.shape), kp_want)
         np.testing.assert_array_equal(gpu.get(b_vp, dtype, vp_want.shape), vp_want)

@@ -679,7 +679,12 @@ class VulkanBackend(Backend):
         )
         o = self._new((t, h * dh))
         reduce = AttentionReducePush(t, h, dh, splits, h * dh)
-        self._dispatch("attention_reduce_f32", [part.view, o.view], reduce, t * h)
+        if self.int8_matvec and t <= Q8_MAX_T and dh % 32 == 0:  # the output projection's int8 input too
+            o.q8 = (self._new((t, h * dh // 4)), self._new((t, h * dh // 32, 2)))
+            binds = [part.view, o.view, o.q8[0].view, o.q8[1].view]
+            self._dispatch("attention_reduce_f32_q8", binds, reduce, t * h)
+        else:
+            self._dispatch("attention_reduce_f32", [part.view, o.view], reduce, t * h)
         return o
 
     def geglu(self, gate: Act, up: Act) -> Act:

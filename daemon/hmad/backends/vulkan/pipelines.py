@@ -166,6 +166,7 @@ KERNELS: dict[str, KernelSpec] = {
     "attention_split_f32": KernelSpec("attention_split.comp", 5, AttentionSplitPush, 256),
     "attention_split_f16": KernelSpec("attention_split.comp", 5, AttentionSplitPush, 256),
     "attention_reduce_f32": KernelSpec("attention_reduce.comp", 2, AttentionReducePush, 256),
+    "attention_reduce_f32_q8": KernelSpec("attention_reduce.comp", 4, AttentionReducePush, 256),
     "argmax_f32": KernelSpec("argmax.comp", 2, ArgmaxPush, 256),
     "norm_rope_f32": KernelSpec("norm_rope.comp", 4, NormRopePush, 128),
     "quantize_q8": KernelSpec("quantize_q8.comp", 3, QuantizeQ8Push, 128),
