@@ -85,15 +85,13 @@ void main() {
         for (uint i = 0; i < 32u; ++i) amax = max(amax, abs(s_o[b0 + i]));
         const float d = amax / 127.0;
         const float id = d != 0.0 ? 1.0 / d : 0.0;
-        const vec4 r = vec4(s_o[4u * w], s_o[4u * w + 1u], s_o[4u * w + 2u], s_o[4u * w + 3u]) * id;
-        const ivec4 q = ivec4(sign(r) * floor(abs(r) + 0.5));  // roundf: halves away from zero
-        oq[(t * p.o_stride + h * p.head_dim) / 4u + w] =
-            uint(q.x & 0xFF) | (uint(q.y & 0xFF) << 8) | (uint(q.z & 0xFF) << 16) | (uint(q.w) << 24);
+        const vec4 v = vec4(s_o[4u * w], s_o[4u * w + 1u], s_o[4u * w + 2u], s_o[4u * w + 3u]);
+        oq[(t * p.o_stride + h * p.head_dim) / 4u + w] = q8_word(q8_round(v * id));
         if (w % 8u == 0u) {
             int sum = 0;
-            for (uint i = 0; i < 32u; ++i) {
-                const float ri = s_o[b0 + i] * id;
-                sum += int(sign(ri) * floor(abs(ri) + 0.5));
+            for (uint i = 0; i < 32u; i += 4u) {
+                const ivec4 q = q8_round(vec4(s_o[b0 + i], s_o[b0 + i + 1u], s_o[b0 + i + 2u], s_o[b0 + i + 3u]) * id);
+                sum += q.x + q.y + q.z + q.w;
             }
             od[(t * p.o_stride + h * p.head_dim) / 32u + w / 8u] = vec2(d, d * float(sum));
         }

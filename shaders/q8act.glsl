@@ -14,3 +14,11 @@ int sdot4_packed(int a, int b, spirv_literal int packed_vector_format);
 int sdot4(uint a, uint b) {
     return sdot4_packed(int(a), int(b), 0);  // 0: PackedVectorFormat4x8Bit
 }
+
+// The int8 values of 4 values already divided by d (roundf: halves away from zero, as ggml), and their word.
+ivec4 q8_round(vec4 r) {
+    return ivec4(sign(r) * floor(abs(r) + 0.5));
+}
+uint q8_word(ivec4 q) {
+    return uint(q.x & 0xFF) | (uint(q.y & 0xFF) << 8) | (uint(q.z & 0xFF) << 16) | (uint(q.w) << 24);
+}

@@ -90,10 +90,9 @@ void main() {
         [[unroll]] for (uint j = 0; j < 8u; ++j) amax = max(amax, s_max[first + j]);
         const float d = amax / 127.0;
         const float id = d != 0.0 ? 1.0 / d : 0.0;
-        const vec4 r = v * id;
-        const ivec4 q = ivec4(sign(r) * floor(abs(r) + 0.5));  // roundf: halves away from zero
+        const ivec4 q = q8_round(v * id);
         s_sum[tid] = q.x + q.y + q.z + q.w;
-        if (live) hq[o + w] = uint(q.x & 0xFF) | (uint(q.y & 0xFF) << 8) | (uint(q.z & 0xFF) << 16) | (uint(q.w) << 24);
+        if (live) hq[o + w] = q8_word(q);
         barrier();
         if (live && tid == first) {
             int sum = 0;

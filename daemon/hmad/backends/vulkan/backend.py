@@ -521,6 +521,10 @@ class VulkanBackend(Backend):
     def _new(self, shape: tuple[int, ...]) -> Act:
         return Act(self.scratch.take(4 * math.prod(shape)), shape)
 
+    def _new_q8(self, t: int, k: int) -> tuple[Act, Act]:
+        """Scratch for (T, K) values quantized for the int8 mat-vec: xq (T, K/4) words, xd (T, K/32, 2)."""
+        return self._new((t, k // 4)), self._new((t, k // 32, 2))
+
     def _dispatch(self, name: str, buffers, push, groups) -> None:
         assert self._rec is not None, "VulkanBackend ops run only while recording (through run())"
         k = self._kernel(name)
@@ -606,7 +610,7 @@ class VulkanBackend(Backend):
         """x's q8 form (quantized here on first use, then kept on the Act)."""
         if x.q8 is None:
             t, k = x.shape
-            xq, xd = self._new((t, k // 4)), self._new((t, k // 32, 2))
+            xq, xd = self._new_q8(t, k)
             self._dispatch(
                 "quantize_q8",
                 [x.view, xq.view, xd.view],
@@ -629,7 +633,7 @@ class VulkanBackend(Backend):
         binds = [x.view, a.view, w_a.view, xo.view, w_next.view, h.view]
         if self.int8_matvec and t <= Q8_MAX_T and d % 32 == 0:
             # int8 mat-vecs follow: quantize h here too
-            h.q8 = (self._new((t, d // 4)), self._new((t, d // 32, 2)))
+            h.q8 = self._new_q8(t, d)
             self._dispatch("residual_norm_next_q8", [*binds, h.q8[0].view, h.q8[1].view], push, t)
         else:
             self._dispatch("residual_norm_next", binds, push, t)
@@ -680,7 +684,7 @@ class VulkanBackend(Backend):
         o = self._new((t, h * dh))
         reduce = AttentionReducePush(t, h, dh, splits, h * dh)
         if self.int8_matvec and t <= Q8_MAX_T and dh % 32 == 0:  # the output projection's int8 input too
-            o.q8 = (self._new((t, h * dh // 4)), self._new((t, h * dh // 32, 2)))
+            o.q8 = self._new_q8(t, h * dh)
             binds = [part.view, o.view, o.q8[0].view, o.q8[1].view]
             self._dispatch("attention_reduce_f32_q8", binds, reduce, t * h)
         else:
