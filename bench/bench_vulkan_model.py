@@ -14,7 +14,8 @@ Per model, in one run:
   step (no timestamps recorded) -> tokens/s; decode weights-read rate as a fraction of the copy ceiling
   measured at the start of the same run (bench_vulkan_copy.py's kernels).
 - ``engine``: ``generate()`` (scheduler, sampling, stop checks: what the daemon runs) with 1, 8, 32 prompts
-  of 32 tokens and ``--gen`` greedy tokens each: generated tokens / wall time.
+  of 32 tokens and ``--gen`` greedy tokens each, one scheduler configuration for all (the KV pools and
+  recordings made once, in a warm-up, as in the daemon): generated tokens / wall time, prefill included.
 - ``profile``: the steps again with a GPU timestamp after every command: GPU vs host time per step and the
   GPU microseconds per kernel (top kinds).
 
@@ -42,6 +43,7 @@ from hmad.engine.batch import SeqSlice, StepBatch  # noqa: E402
 from hmad.engine.generate import generate  # noqa: E402
 from hmad.engine.kvcache import KVCacheManager, KVLayout  # noqa: E402
 from hmad.engine.sampling import SamplingParams  # noqa: E402
+from hmad.engine.scheduler import SchedulerConfig  # noqa: E402
 from hmad.model.loader import load_model  # noqa: E402
 from hmad.model.quants import random_blocks  # noqa: E402
 
@@ -166,16 +168,22 @@ def measure_steps(model, kv, layout, context: int, reps: int, ceiling: float, we
 
 
 def measure_engine(model, gen: int, streams) -> dict:
+    """generate() with one scheduler configuration for every run, as the daemon keeps one scheduler: the
+    KV pools and the recorded graphs are made once (in the warm-up), not per call."""
     out = {}
     rng = np.random.default_rng(1)
     greedy = SamplingParams(temperature=0.0, max_tokens=gen, stop=[])
+    cfg = SchedulerConfig(max_seqs=max(streams), kv_tokens=max(streams) * (32 + gen + 16))
     t0 = time.perf_counter()
-    generate(model, [list(rng.integers(4, 1000, 32))], SamplingParams(temperature=0.0, max_tokens=4))
+    warm = [list(map(int, rng.integers(4, 1000, 32))) for _ in range(max(streams))]
+    generate(model, warm, SamplingParams(temperature=0.0, max_tokens=4), cfg)
+    for n in streams:  # record every bucket the runs will use
+        generate(model, warm[:n], SamplingParams(temperature=0.0, max_tokens=2), cfg)
     print(f"  engine warm-up (recordings): {time.perf_counter() - t0:.2f} s", flush=True)
     for n in streams:
         prompts = [list(map(int, rng.integers(4, 1000, 32))) for _ in range(n)]
         t0 = time.perf_counter()
-        res = generate(model, prompts, greedy)
+        res = generate(model, prompts, greedy, cfg)
         dt = time.perf_counter() - t0
         toks = sum(len(r.token_ids) for r in res)
         out[f"streams_{n}"] = {"generated": toks, "seconds": dt, "tok_s": toks / dt}

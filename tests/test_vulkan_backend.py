@@ -99,12 +99,17 @@ def test_one_recording_per_bucket_replayed(pair):
     _, vk = pair
     be = vk.backend
     prompt = rand_ids(np.random.default_rng(4), 6, vk.config.vocab_size)
-    for _ in range(2):  # a new Scheduler re-allocates the KV pools, so the recordings are made again
+    first = None
+    # a new Scheduler of the same configuration keeps the KV pools and the recordings; another one
+    # (max_tokens 40: a bigger KV layout) re-plans the pools, so the buckets are recorded again
+    for max_tokens, new_recordings in ((12, 2), (12, 0), (40, 2)):
         rec0, steps0 = be.recordings, be.steps
-        res = generate(vk, [prompt], SamplingParams(temperature=0.0, max_tokens=12))[0]
-        assert len(res.token_ids) == 12 and be.steps - steps0 == 12
-        assert be.recordings - rec0 == 2
+        res = generate(vk, [prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0]
+        assert len(res.token_ids) == max_tokens and be.steps - steps0 == max_tokens
+        assert be.recordings - rec0 == new_recordings
         assert sorted(be.graphs) == [(1, 1), (8, 1)]
+        first = first or res.token_ids
+        assert res.token_ids[:12] == first  # stale cache contents from the run before change nothing
 
 
 def test_weights_forced_into_the_host_heap(tmp_path):

@@ -325,7 +325,13 @@ class VulkanBackend(Backend):
             up.close()
 
     def alloc_kv(self, layout: KVLayout) -> None:
-        """Plan and allocate the paged pools (one K and one V range per layer) where the weights left room."""
+        """Plan and allocate the paged pools (one K and one V range per layer) where the weights left room.
+
+        The same layout again (a new Scheduler of the same configuration) keeps the pools and the recorded
+        graphs: a new scheduler starts with every block free, and a position is written before it is read.
+        """
+        if layout == self.kv_layout and self.kv_mem is not None:
+            return
         self._drop_graphs()
         if self.kv_mem is not None:
             self.kv_mem.close()
