@@ -122,29 +122,40 @@ def record_matmul(
     x_stride, y_stride = x_stride or k, y_stride or n
     if x_stride % 4:
         raise ValueError(f"x_stride {x_stride} must be a multiple of 4 (x is read as vec4)")
-    w.row_bytes = w.row_bytes or rb
-    assert w.row_bytes == rb and w.nbytes >= n * rb, f"{kernel.name}: W holds {w.nbytes} B, needs {n} × {rb}"
     vec = kernel.name.startswith("mul_mat_vec_")
     if vec and not 1 <= t <= MATVEC_MAX_T:
         raise ValueError(f"{kernel.name}: T={t} tokens, mat-vec takes 1..{MATVEC_MAX_T}")
-    limits = kernel.device.limits
-    align = max(256, limits["minStorageBufferOffsetAlignment"])
-    ranges = w.ranges(
-        min(max_range or limits["maxStorageBufferRange"], limits["maxStorageBufferRange"]), align
-    )
-    row0 = 0
-    for off, nbytes in ranges:
-        rows = min(nbytes // rb, n - row0)
-        if rows <= 0:
-            break
+    pieces = row_ranges(kernel, [w], rb, n, max_range)
+    for (wb,), rows, row0 in pieces:
         push = MatMulPush(k, rows, t, x_stride, y_stride, rb, row0)
         if vec:
             groups = kernel.groups_for(-(-rows // MATVEC_ROWS))
         else:
             groups = (-(-rows // MATMUL_TILE), -(-t // MATMUL_TILE), 1)
-        rec.dispatch(kernel, [(w, off - w.offset, nbytes), x, y], push, groups)
+        rec.dispatch(kernel, [wb, x, y], push, groups)
+    return len(pieces)
+
+
+def row_ranges(kernel, ws: list, rb: int, n: int, max_range: int | None = None) -> list:
+    """The bind ranges of weights ``ws`` (same shape, rows of ``rb`` bytes, ``n`` rows): per range, the
+    bindings ``(view, offset, nbytes)`` of each weight, its row count and first row. A weight over the
+    device's maxStorageBufferRange (or ``max_range``, to test the split) is several ranges of whole rows."""
+    for v in ws:
+        v.row_bytes = v.row_bytes or rb
+        assert v.row_bytes == rb and v.nbytes >= n * rb, f"{kernel.name}: W has {v.nbytes} B, not {n} × {rb}"
+    limits = kernel.device.limits
+    align = max(256, limits["minStorageBufferOffsetAlignment"])
+    cap = min(max_range or limits["maxStorageBufferRange"], limits["maxStorageBufferRange"])
+    out, row0 = [], 0
+    for pieces in zip(*(v.ranges(cap, align) for v in ws), strict=True):
+        rows = min(pieces[0][1] // rb, n - row0)
+        if rows <= 0:
+            break
+        out.append(
+            (tuple((v, off - v.offset, nb) for v, (off, nb) in zip(ws, pieces, strict=True)), rows, row0)
+        )
         row0 += rows
-    return len(ranges)
+    return out
 
 
 def record_matvec_q8(
@@ -169,32 +180,14 @@ def record_matvec_q8(
         kernel.name.removeprefix("mul_mat_vec_q8x_").split("_geglu")[0].removesuffix("_t1")
     ]
     rb = weight_row_bytes(qtype, k)
-    if k % 64 and qtype == QType.Q4_K:
-        raise ValueError(f"{kernel.name}: K={k} is not whole Q4_K superblocks")
     max_t = 1 if kernel.name.endswith("_t1") else MATVEC_MAX_T
     if not 1 <= t <= max_t:
         raise ValueError(f"{kernel.name}: T={t} tokens, this q8 mat-vec takes 1..{max_t}")
     ws = [w] if w_up is None else [w, w_up]
-    for v in ws:
-        v.row_bytes = v.row_bytes or rb
-        assert v.row_bytes == rb and v.nbytes >= n * rb, (
-            f"{kernel.name}: W holds {v.nbytes} B, needs {n} × {rb}"
-        )
-    limits = kernel.device.limits
-    align = max(256, limits["minStorageBufferOffsetAlignment"])
-    cap = min(max_range or limits["maxStorageBufferRange"], limits["maxStorageBufferRange"])
-    ranges = [v.ranges(cap, align) for v in ws]
+    pieces = row_ranges(kernel, ws, rb, n, max_range)
     rows_per_group = Q8_MATVEC_BLOCK // Q8_MATVEC_LANES
-    row0 = 0
-    for i, (off, nbytes) in enumerate(ranges[0]):
-        rows = min(nbytes // rb, n - row0)
-        if rows <= 0:
-            break
+    for binds, rows, row0 in pieces:
         push = MatMulPush(k, rows, t, k, y_stride or n, rb, row0)
-        binds = [(w, off - w.offset, nbytes), xq, xd, y]
-        if w_up is not None:
-            uoff, unbytes = ranges[1][i]
-            binds.append((w_up, uoff - w_up.offset, unbytes))
-        rec.dispatch(kernel, binds, push, kernel.groups_for(-(-rows // rows_per_group)))
-        row0 += rows
-    return len(ranges[0])
+        groups = kernel.groups_for(-(-rows // rows_per_group))
+        rec.dispatch(kernel, [binds[0], xq, xd, y, *binds[1:]], push, groups)
+    return len(pieces)
