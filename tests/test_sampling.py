@@ -315,3 +315,51 @@ def test_from_dict_refuses_unknown_keys_by_name():
 def test_sampler_validates_its_params():
     with pytest.raises(ValueError, match="top_p"):
         Sampler(SamplingParams(top_p=0))
+
+
+# --- candidates (the GPU top-k path) ----------------------------------------------------------------------
+def best_m(logits: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """What shaders/topk.comp returns: the m best (value desc, equal values lowest id first; NaN as -inf)."""
+    key = np.where(np.isnan(logits), -np.inf, logits)
+    order = np.lexsort((np.arange(logits.size), -key))[:m]
+    return order, logits[order]
+
+
+@pytest.mark.parametrize("trial", range(40))
+def test_candidates_give_the_same_token_as_the_whole_row(trial):
+    """Fresh random rows with ties at the top-k boundary, -inf and NaN entries, penalised recent tokens
+    among the best: sample_candidates on the best candidates_needed() (+ a random surplus) picks what
+    sample picks from the whole row, step after step with one seed (both draw the same randoms)."""
+    rng = np.random.default_rng()
+    v = 5000
+    params = dict(
+        temperature=float(rng.choice([0.0, 0.7, 1.0, 1.5])),
+        top_k=int(rng.integers(1, 80)),
+        top_p=float(rng.choice([1.0, 0.9, 0.5])),
+        min_p=float(rng.choice([0.0, 0.05])),
+        repetition_penalty=float(rng.choice([1.0, 1.3])),
+        repeat_last_n=int(rng.choice([0, 8, 64])),
+    )
+    full, cand = _sampler(seed=trial, **params), _sampler(seed=trial, **params)
+    history = list(map(int, rng.integers(0, v, 20)))
+    for _ in range(8):
+        logits = (rng.standard_normal(v) * 3).astype(np.float32)
+        logits[rng.integers(0, v, 30)] = np.float32(7.5)  # a block of ties near the top
+        logits[rng.integers(0, v, 5)] = -np.inf
+        logits[rng.integers(0, v, 2)] = np.nan
+        history += list(map(int, best_m(logits, 5)[0]))  # penalise some of the best
+        need = cand.candidates_needed(history)
+        assert need is not None
+        ids, vals = best_m(logits, need + int(rng.integers(0, 5)))
+        perm = rng.permutation(ids.size)  # any order
+        want = full.sample(np.where(np.isnan(logits), np.float32(-np.inf), logits), history)
+        got = cand.sample_candidates(ids[perm], vals[perm], history)
+        assert got == want, params
+        history.append(want)
+
+
+def test_candidates_needed_is_none_when_the_whole_row_matters():
+    assert _sampler(top_k=0, temperature=1.0).candidates_needed([1, 2]) is None  # top-k off
+    assert _sampler(top_k=5, repetition_penalty=0.8).candidates_needed([1, 2, 2]) is None  # raises logits
+    assert _sampler(top_k=5, repetition_penalty=1.2).candidates_needed([1, 2, 2]) == 5 + 2
+    assert _sampler(temperature=0.0, top_k=0).candidates_needed([]) == 1

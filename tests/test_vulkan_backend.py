@@ -7,8 +7,9 @@ activation quantization, so plain float32 is the reference they should match. Ne
 Tolerance for logits: max |vulkan − cpu| ≤ 1e-4 × max |cpu| over the compared rows with ``matvec="float"``.
 Seen on lavapipe: ~5e-7 (float32 sums in another order in the matmuls, norms and the online softmax; a
 random tiny model has no near-ties at this scale). With the default int8 mat-vec, steps of up to 32 tokens
-quantize activations per 32 values (d = max/127): ≤ 1e-2 × max |cpu| (seen: ~2e-3). Greedy token ids must
-be identical either way.
+quantize activations per 32 values (d = max/127): ≤ 1e-2 × max |cpu| (seen: ~2e-3); the same bound covers
+the cooperative-matrix mat-mat (float16 x and W, on devices that have it; not lavapipe), which the default
+pairs use and "mixed-float" turns off. Greedy token ids must be identical either way.
 The 270M test uses numerics "f32" for the same reason (the GPU does not round activations like ggml): the
 two backends then differ only by float32 summation order, far below the fixture prompts' top-2 margins.
 """
@@ -48,7 +49,10 @@ def pair(request, tmp_path_factory):
     types = MIXED if request.param.startswith("mixed") else None
     path = make_tiny_gguf(tmp_path_factory.mktemp("vk") / f"{request.param}.gguf", seed=3, types=types)
     cpu = load_model(path, "cpu", numerics="f32")
-    vk = load_model(path, "vulkan", matvec="float" if request.param == "mixed-float" else "int8")
+    if request.param == "mixed-float":  # the float32 path throughout (no float16 cooperative matrices)
+        vk = load_model(path, "vulkan", matvec="float", coopmat="off")
+    else:
+        vk = load_model(path, "vulkan", matvec="int8")
     yield cpu, vk
     vk.backend.close()
 
@@ -87,11 +91,36 @@ def test_greedy_generation_equals_cpu(pair):
     greedy = SamplingParams(temperature=0.0, max_tokens=10)
     want = [r.token_ids for r in generate(cpu, prompts, greedy)]
     assert [r.token_ids for r in generate(vk, prompts, greedy)] == want  # argmax on the GPU
-    # a repetition penalty makes the scheduler read logits back and sample on the host
+    # a repetition penalty: greedy over the penalized on-device top-k candidates
     pen = SamplingParams(temperature=0.0, max_tokens=10, repetition_penalty=1.3)
     assert [r.token_ids for r in generate(vk, prompts, pen)] == [
         r.token_ids for r in generate(cpu, prompts, pen)
     ]
+
+
+def test_sampling_from_device_candidates_equals_whole_rows(pair):
+    """Sampled requests (seeded; top-k, top-p, min-p, penalty) take their tokens from topk.comp's
+    candidates: the same tokens as the same model sampling from whole logits rows read back."""
+    _, vk = pair
+    rng = np.random.default_rng(4)
+    prompts = [rand_ids(rng, n, vk.config.vocab_size) for n in (5, 12, 2)]
+    kinds = [
+        dict(temperature=0.9, top_k=40, top_p=0.95, seed=11),
+        dict(temperature=1.5, top_k=64, min_p=0.05, repetition_penalty=1.2, seed=12),
+        dict(temperature=0.7, top_k=3, seed=13),
+    ]
+    be = vk.backend
+    for kw in kinds:
+        params = SamplingParams(max_tokens=12, **kw)
+        before = be.topk_steps
+        got = [r.token_ids for r in generate(vk, prompts, params)]
+        assert be.topk_steps > before, "the on-device top-k path was not taken"
+        be.topk_max = 0  # the whole-row path
+        try:
+            want = [r.token_ids for r in generate(vk, prompts, params)]
+        finally:
+            del be.topk_max
+        assert got == want, kw
 
 
 def test_one_recording_per_bucket_replayed(pair):

@@ -115,3 +115,143 @@ def test_registries_agree():
     mine = {e[0]: e for e in build_entries()}
     assert {e[0]: e for e in build.BUILD if e[0] in mine} == mine
     assert all(KERNELS[name].source == src for name, src, _ in mine.values())
+
+
+COOPMAT_CASES = [(256, 67, 17), (512, 300, 130), (1024, 129, 32), (2048, 128, 64), (5376, 200, 9)]
+
+
+def _run_coopmat(dev, kernels, gpu, name, t, k, n, ntok, rng, max_range=None, big_rows=()):
+    """y of mul_mm_coopmat ``name`` (K split as the recorder decides, rows scaled by row_scale) against
+    float64 products of the float16 roundings it multiplies; rows ``big_rows`` of x are scaled past
+    float16's range (by 2^20, a power of two, so the reference's roundings stay the same relative ones).
+    Returns (error over the output scale, dispatches)."""
+    from hmad.backends.vulkan.kernels_matmul import record_coopmat, record_row_scale
+
+    raw, wref = _weights(t, n, k, rng)
+    xs, ys = k + 4, n + 3
+    x = np.full((ntok, xs), np.nan, np.float32)
+    x[:, :k] = rng.standard_normal((ntok, k))
+    x[list(big_rows), :k] *= 2.0**20
+    bw, bx = gpu.put(raw), gpu.put(x)
+    by = gpu.poison(gpu.alloc(ntok * ys * 4))
+    parts = []
+
+    def part(nbytes):
+        parts.append(gpu.poison(gpu.alloc(nbytes)))
+        return parts[-1]
+
+    from hmad.backends.vulkan.pipelines import CommandRecorder
+
+    scale = gpu.poison(gpu.alloc(ntok * 4))
+    rec = CommandRecorder(dev).begin()
+    record_row_scale(rec, kernels("row_scale"), bx, scale, k, ntok, xs)
+    dispatches = record_coopmat(
+        rec, kernels(name), kernels("split_reduce"), bw, bx, by, scale, k, n, ntok, part, xs, ys, max_range
+    )
+    rec.end()
+    rec.submit()
+    rec.close()
+    y = gpu.get(by, shape=(ntok, ys))
+    assert np.isnan(y[:, n:]).all(), "wrote past N into the padding of y"
+    s = np.ones((ntok, 1))
+    s[list(big_rows)] = 2.0**20
+    rx, rw = (x[:, :k] / s).astype(np.float16), wref.astype(np.float32).astype(np.float16)
+    ref = s * (rx.astype(np.float64) @ rw.astype(np.float64).T)
+    exact = x[:, :k].astype(np.float64) @ wref.T  # and the float16 roundings stay small against float32
+    err = 0.0
+    for rows in (list(big_rows), [r for r in range(ntok) if r not in big_rows]):  # each at its own scale
+        if rows:
+            e = np.abs(y[rows, :n] - ref[rows]).max() / np.abs(ref[rows]).max()
+            assert e <= RTOL_SCALE, f"{name} K={k} N={n} T={ntok}: max error {e:.2e} of the output scale"
+            assert np.abs(y[rows, :n] - exact[rows]).max() / np.abs(exact[rows]).max() <= RTOL_F16
+            err = max(err, e)
+    return err, dispatches
+
+
+RTOL_F16 = 2e-3  # coopmat vs the unrounded product: float16 x and W (2^-11 each), K ≤ 5376 random terms
+
+
+@pytest.mark.parametrize("t", ["f16", "q8_0", "q4_0", "q5_0", "q4_k", "q6_k"])
+def test_mul_mm_coopmat(dev, kernels, gpu, t):
+    """The cooperative-matrix mat-mat against float64 products of the float16 roundings it multiplies
+    (1e-5 of the output scale: float32 accumulation only; RTOL_F16 against the unrounded product), every
+    tile variant, K split or not, rows of x beyond float16's range included; runs where the device offers
+    float16 cooperative matrices (not lavapipe: skipped in CI, run on the device machine)."""
+    from hmad.backends.vulkan.kernels_matmul import COOPMAT_TILES, coopmat_usable
+
+    if not coopmat_usable(dev.info):
+        pytest.skip(f"{dev.info.name}: no float16 16x16x16 cooperative matrix with 32-wide subgroups")
+    rng = np.random.default_rng(zlib.crc32(f"coopmat{t}".encode()))
+    for bt, bn in COOPMAT_TILES:
+        name = f"mul_mm_coopmat_{t}_{bt}x{bn}"
+        for kk, n, ntok in COOPMAT_CASES:
+            if kk % 256 and t in ("q4_k", "q6_k"):
+                continue
+            big = (0, ntok - 1) if ntok > 9 else ()  # rows past float16's range: scaled, not inf
+            err, d = _run_coopmat(dev, kernels, gpu, name, t, kk, n, ntok, rng, big_rows=big)
+            print(f"{name} K={kk} N={n} T={ntok}: {err:.1e} ({d} dispatches)")
+
+
+def test_mul_mm_coopmat_several_ranges(dev, kernels, gpu):
+    from hmad.backends.vulkan.kernels_matmul import coopmat_usable, weight_row_bytes
+
+    if not coopmat_usable(dev.info):
+        pytest.skip(f"{dev.info.name}: no float16 cooperative matrix")
+    rb = weight_row_bytes(QType.Q4_K, 256)
+    max_range = int(np.lcm(rb, 256)) * 8  # 128-row ranges
+    n = 2 * (max_range // rb) + 5
+    rng = np.random.default_rng(6)
+    _, d = _run_coopmat(dev, kernels, gpu, "mul_mm_coopmat_q4_k_64x128", "q4_k", 256, n, 40, rng, max_range)
+    assert d >= 3
+
+
+def test_row_scale(dev, kernels, gpu):
+    """row_scale.comp (runs everywhere, lavapipe included): 1 for rows within 2^14, else the smallest power
+    of two bringing the row's max |x| to at most 2^14; a NaN row gives NaN. Exact (powers of two)."""
+    from hmad.backends.vulkan.kernels_matmul import record_row_scale
+    from hmad.backends.vulkan.pipelines import CommandRecorder
+
+    rng = np.random.default_rng()
+    t, k, xs = 7, 1000, 1004
+    x = np.full((t, xs), np.nan, np.float32)
+    x[:, :k] = rng.standard_normal((t, k))
+    x[1, :k] *= 16384.0 / np.abs(x[1, :k]).max()  # exactly at the limit: 1
+    x[2, 17] = -70000.0  # one big value (negative): 2^ceil(log2(70000 / 16384)) = 8
+    x[3, :k] *= 2.0**30
+    x[5, 3] = np.nan
+    bx, bs = gpu.put(x), gpu.poison(gpu.alloc(4 * t))
+    rec = CommandRecorder(dev).begin()
+    record_row_scale(rec, kernels("row_scale"), bx, bs, k, t, xs)
+    rec.end()
+    rec.submit()
+    rec.close()
+    s = gpu.get(bs, shape=(t,))
+    m = np.abs(x[:, :k]).max(axis=1)
+    want = np.where(m <= 16384.0, 1.0, 2.0 ** np.ceil(np.log2(m / 16384.0)))
+    assert np.isnan(s[5]) and not np.isnan(np.delete(s, 5)).any()
+    np.testing.assert_array_equal(np.delete(s, 5), np.delete(want, 5))
+    assert s[2] == 8.0 and s[1] == 1.0
+
+
+def test_split_reduce(dev, kernels, gpu):
+    """split_reduce.comp (runs everywhere): y rows = the sum of the splits' partial rows, in split order,
+    written at row_offset with y_stride; the rest of y untouched (poisoned)."""
+    from hmad.backends.vulkan.kernels_matmul import SplitReducePush
+    from hmad.backends.vulkan.pipelines import CommandRecorder
+
+    rng = np.random.default_rng()
+    splits, t, n, ys, off = 5, 9, 37, 50, 6
+    part = rng.standard_normal((splits, t, n)).astype(np.float32)
+    bp, by = gpu.put(part), gpu.poison(gpu.alloc(4 * t * ys))
+    k = kernels("split_reduce")
+    rec = CommandRecorder(dev).begin()
+    rec.dispatch(k, [bp, by], SplitReducePush(n, t, splits, ys, off), k.groups_for(2))
+    rec.end()
+    rec.submit()
+    rec.close()
+    y = gpu.get(by, shape=(t, ys))
+    want = part[0].copy()
+    for s in range(1, splits):
+        want += part[s]  # float32, split order: the shader's order
+    np.testing.assert_array_equal(y[:, off : off + n], want)
+    assert np.isnan(y[:, :off]).all() and np.isnan(y[:, off + n :]).all()

@@ -13,7 +13,8 @@ Tolerances (float32 unless said):
   negative gates the reference's 1 + tanh(u) cancels, so both sit ~1.6e-7 |gate * up| from the float64 value;
 - kv_write: exact (float32 copy, or the same float16 rounding as numpy's astype);
 - attention: rtol 2e-5, atol 2e-6 (online softmax in a different summation order);
-- argmax: exact ids, ties to the lowest id.
+- argmax: exact ids, ties to the lowest id;
+- topk: exact ids and values, in sampling.py's order (value desc, equal values lowest id first, NaN as -inf).
 """
 
 from __future__ import annotations
@@ -289,3 +290,30 @@ def test_argmax_rows_of_a_full_vocabulary(dev, kernels, gpu):
     k = kernels("argmax_f32")
     run(dev, (k, [b_l, b_ids], ArgmaxPush(s, vocab, vocab), k.groups_for(s)))
     assert gpu.get(b_ids, np.uint32).tolist() == want
+
+
+# -- top-k ---------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_topk_rows_of_a_full_vocabulary(dev, kernels, gpu):
+    """topk.comp against a numpy lexsort on fresh rows: random, ties across the k-th boundary, flat
+    (all equal: ids 0..k-1), -inf masks, NaN; outputs poisoned first."""
+    from hmad.backends.vulkan.pipelines import TopkPush
+
+    rng = np.random.default_rng()
+    s, vocab, k = 5, 262_144, 128
+    logits = rng.standard_normal((s, vocab)).astype(np.float32)
+    logits[1, rng.integers(0, vocab, 300)] = 3.75  # more ties than k at the top
+    logits[2] = 0.5
+    logits[3, rng.integers(0, vocab, vocab // 2)] = -np.inf
+    logits[3, rng.integers(0, vocab, 100)] = np.nan
+    logits[4, : vocab - 60] = -np.inf  # fewer finite values than k: the -inf ones fill, lowest ids first
+    b_l = gpu.put(logits)
+    b_i, b_v = gpu.poison(gpu.alloc(4 * s * k)), gpu.poison(gpu.alloc(4 * s * k))
+    kern = kernels("topk_f32")
+    run(dev, (kern, [b_l, b_i, b_v], TopkPush(s, vocab, vocab, k), kern.groups_for(s)))
+    ids, vals = gpu.get(b_i, np.uint32).reshape(s, k), gpu.get(b_v).reshape(s, k)
+    for r in range(s):
+        key = np.where(np.isnan(logits[r]), -np.inf, logits[r])
+        want = np.lexsort((np.arange(vocab), -key))[:k]
+        assert ids[r].tolist() == want.tolist(), f"row {r}"
+        np.testing.assert_array_equal(vals[r], logits[r, want])

@@ -30,6 +30,9 @@ class Backend(ABC):
     #: ``greedy()`` runs on the device and reads back only token ids (the scheduler uses it when every
     #: sequence of a step is greedy); False: it would read the logits back anyway.
     greedy_on_device: bool = False
+    #: ``topk(logits, k)`` selects on the device and reads back k candidates per row (the scheduler uses it
+    #: when every sampling request of a step can be served from its best ``topk_max`` logits); 0: never.
+    topk_max: int = 0
 
     # -- residency -------------------------------------------------------------------------------------
     @abstractmethod
@@ -54,6 +57,11 @@ class Backend(ABC):
     def greedy(self, logits: Act) -> np.ndarray:
         """Argmax token id of each logits row (ties: the lowest id), as int64."""
         return np.argmax(self.to_numpy(logits), axis=-1).astype(np.int64)
+
+    def topk(self, logits: Act) -> tuple[np.ndarray, np.ndarray]:
+        """(ids int64, values float32), each (S_out, topk_max): the best logits of each row, largest first,
+        equal values lowest id first (shaders/topk.comp's order). Only where ``topk_max`` > 0."""
+        raise NotImplementedError(f"{self.name} backend has no on-device top-k")
 
     # -- ops ---------------------------------------------------------------------------------------------
     @abstractmethod

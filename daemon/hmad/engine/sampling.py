@@ -6,7 +6,8 @@ The pipeline a Sampler runs on one row of logits, in this order:
    of prompt + generated: a positive logit is divided by the penalty, a negative one multiplied;
 2. ``temperature == 0``: greedy, return ``argmax`` (ties go to the lowest id); nothing below runs;
 3. temperature scaling, ``logits / T``;
-4. top-k: keep the k largest (``np.argpartition``, no full sort);
+4. top-k: keep the k largest (one ``np.partition``, no full sort; equal values at the boundary: the
+   lowest ids), taken in id order;
 5. top-p (nucleus): keep the smallest most-probable set whose cumulative probability is >= p
    (at least one token), probabilities taken over what top-k kept;
 6. min-p: drop tokens whose probability is below ``min_p * max probability``;
@@ -17,6 +18,13 @@ top token always has weight 1; sums and cumulative sums run in float64. float32 
 faster than float64 here, and on V = 262144 that is most of a step's sampling time.
 Same seed + same logits give the same tokens; a ``None`` seed draws fresh entropy, and the seed
 actually used is kept on ``Sampler.seed`` so a run can be replayed.
+
+Candidates (GPU top-k): :meth:`Sampler.sample_candidates` gives the same token as :meth:`Sampler.sample`
+from only the M best logits of the row (values and ids, as shaders/topk.comp returns them), whenever
+M >= :meth:`Sampler.candidates_needed`: k (1 when greedy) plus the distinct penalized tokens. A
+penalty > 1 only lowers logits, so at least k unpenalized candidates beat every token outside the M; top-k
+ties go to the lowest id on both paths, and what follows top-k sees the same (ids, values) in id order.
+NaN logits count as -inf when selecting.
 """
 
 from __future__ import annotations
@@ -126,6 +134,41 @@ class Sampler:
         if p.temperature == 0:
             return int(np.argmax(logits))
         ids, kept = _top_k(logits, p.top_k)  # ids None => every token, in id order
+        return self._draw_from(ids, kept)
+
+    def candidates_needed(self, recent_tokens: Sequence[int] = ()) -> int | None:
+        """How many of the best logits :meth:`sample_candidates` needs to pick exactly what
+        :meth:`sample` would (None: it needs the whole row: top-k off, or a penalty < 1, which raises
+        logits)."""
+        p = self.params
+        seen = self._penalized(recent_tokens)
+        if seen.size and p.repetition_penalty < 1.0:
+            return None
+        base = 1 if p.temperature == 0 else p.top_k
+        return None if base <= 0 else base + int(seen.size)
+
+    def sample_candidates(
+        self, ids: np.ndarray, values: np.ndarray, recent_tokens: Sequence[int] = ()
+    ) -> int:
+        """The token :meth:`sample` would pick from the whole row, given its best logits ``values`` of
+        token ``ids`` (at least :meth:`candidates_needed` of them, in any order)."""
+        p = self.params
+        order = np.argsort(ids, kind="stable")
+        ids, values = np.asarray(ids)[order], np.asarray(values, dtype=np.float32)[order]
+        seen = self._penalized(recent_tokens)
+        if seen.size:
+            hit = np.isin(ids, seen)
+            values = values.copy()
+            v = values[hit]
+            values[hit] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        if p.temperature == 0:
+            return int(ids[np.argmax(values)])
+        pos, kept = _top_k(values, p.top_k)
+        return self._draw_from(ids if pos is None else ids[pos], kept)
+
+    def _draw_from(self, ids: np.ndarray | None, kept: np.ndarray) -> int:
+        """Temperature, top-p, min-p and the draw over the top-k survivors (``ids`` None: every token)."""
+        p = self.params
         weights = _softmax_weights(kept, p.temperature)
         if p.top_p < 1.0:
             keep = _nucleus(weights, p.top_p)
@@ -137,13 +180,20 @@ class Sampler:
         choice = _draw(weights, self.rng.random())
         return int(choice if ids is None else ids[choice])
 
+    def _penalized(self, recent_tokens: Sequence[int]) -> np.ndarray:
+        """The distinct token ids the repetition penalty applies to (empty when it is off)."""
+        p = self.params
+        if p.repetition_penalty == 1.0 or p.repeat_last_n == 0 or len(recent_tokens) == 0:
+            return np.empty(0, dtype=np.int64)
+        window = np.asarray(recent_tokens[-p.repeat_last_n :], dtype=np.int64)
+        return np.unique(window)  # each token penalised once, however often it repeats
+
     def _penalize(self, logits: np.ndarray, recent_tokens: Sequence[int]) -> np.ndarray:
         """Apply the repetition penalty to a copy; return ``logits`` itself when there is nothing to do."""
         p = self.params
-        if p.repetition_penalty == 1.0 or p.repeat_last_n == 0 or len(recent_tokens) == 0:
+        seen = self._penalized(recent_tokens)
+        if not seen.size:
             return logits
-        window = np.asarray(recent_tokens[-p.repeat_last_n :], dtype=np.int64)
-        seen = np.unique(window)  # each token penalised once, however often it repeats
         out = logits.astype(np.float32, copy=True)
         vals = out[seen]
         out[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
@@ -151,12 +201,17 @@ class Sampler:
 
 
 def _top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray | None, np.ndarray]:
-    """(ids, their logits) of the k largest, in no particular order; (None, all logits) when k is off."""
+    """(ids, their logits) of the k largest, ids ascending, equal values at the boundary taken lowest
+    id first (NaN counts as -inf); (None, all logits) when k is off."""
     if k <= 0 or k >= logits.size:
         return None, logits
-    # Select the k smallest of -logits: numpy's introselect with kth near the end degrades ~25x when
-    # the rest are tied (a -inf mask, flat logits); with kth near the start it does not.
-    ids = np.argpartition(-logits, k - 1)[:k]
+    neg = -np.where(np.isnan(logits), -np.inf, logits)
+    # The k-th smallest of -logits: numpy's introselect with kth near the end degrades ~25x when the
+    # rest are tied (a -inf mask, flat logits); with kth near the start it does not.
+    thr = np.partition(neg, k - 1)[k - 1]
+    above = np.flatnonzero(neg < thr)
+    ids = np.concatenate([above, np.flatnonzero(neg == thr)[: k - above.size]])
+    ids.sort()
     return ids, logits[ids]
 
 

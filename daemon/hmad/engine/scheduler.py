@@ -103,6 +103,8 @@ class Scheduler:
             wanting = [r for r, _, _, want in parts if want]
             if self._greedy_on_device(wanting):
                 events += self._take_ids(wanting, self.model.forward_argmax(batch))  # (S_out,) ids
+            elif self._topk_on_device(wanting):
+                events += self._sample_candidates(wanting, *self.model.forward_topk(batch))  # (S_out, M) x2
             else:
                 events += self._sample(wanting, self.model.forward(batch))  # logits (S_out, V)
             self.recent_batches.append(len(parts))
@@ -156,6 +158,23 @@ class Scheduler:
             r.state = State.DECODE
             events += self._accept_token(r, tok)
         return events
+
+    def _sample_candidates(self, reqs: list[Request], ids: np.ndarray, vals: np.ndarray) -> list[Event]:
+        events = []
+        for r, i, v in zip(reqs, ids, vals, strict=True):
+            tok = r.sampler.sample_candidates(i, v, r.prompt_ids + r.output_ids)
+            r.state = State.DECODE
+            events += self._accept_token(r, tok)
+        return events
+
+    def _topk_on_device(self, reqs: list[Request]) -> bool:
+        """Whether every token of this step can be sampled from the backend's on-device top-k candidates
+        (each request's sampler needs at most that many: engine/sampling.py, "Candidates")."""
+        m = getattr(self.model.backend, "topk_max", 0)
+        if not (reqs and m):
+            return False
+        needs = [r.sampler.candidates_needed(r.prompt_ids + r.output_ids) for r in reqs]
+        return all(n is not None and n <= m for n in needs)
 
     def _greedy_on_device(self, reqs: list[Request]) -> bool:
         """Whether the backend can pick every token of this step itself (all greedy, no penalty)."""

@@ -54,6 +54,11 @@ class Model:
         """Greedy token id (S_out,) for ``batch.logit_rows``; on a GPU backend only the ids come back."""
         return self.backend.greedy(self.backend.run(self.net, batch))
 
+    def forward_topk(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, values) of the best ``backend.topk_max`` logits of each of ``batch.logit_rows``, selected
+        on the device (only the candidates come back); backends with ``topk_max`` > 0."""
+        return self.backend.topk(self.backend.run(self.net, batch))
+
     def forward_full(self, token_ids: list[int]) -> np.ndarray:
         """Logits (T, V) of every position of one sequence, from an empty cache.
 

@@ -30,7 +30,9 @@ it has room (``device_local_bytes`` caps it), the rest spill to the host-visible
 system heap). The KV pools are planned in ``alloc_kv`` into what the weights left, device-local first.
 Norm weights are uploaded as float32; a 2-D weight of a type no matmul shader reads is dequantized to
 float16 on the host first (the only case where a second copy of a tensor exists in RAM, briefly).
-Matmul: the mat-vec kernels for T_b <= 8, the tiled mat-mat kernel above; weights beyond
+Matmul: the mat-vec kernels for T_b <= 8, the tiled mat-mat kernel above, or, where the device offers
+float16 cooperative matrices (``coopmat="auto"``), the cooperative-matrix mat-mat for steps of
+``coopmat_min_tokens`` or more (prefill, large decode batches: the weights read once per step); weights beyond
 maxStorageBufferRange are bound in ranges (record_matmul, and embed's row_begin/n_rows).
 Fused (the ops of backends/base.py that Gemma3 calls): residual_norm (post-norm + residual + next pre-norm,
 one dispatch that also writes h quantized for the int8 mat-vec), norm_rope (per-head q/k norm + RoPE),
@@ -55,11 +57,16 @@ import vulkan as vk
 from hmad.backends.base import Backend
 from hmad.backends.vulkan.device import Device, check, ffi, lib, new
 from hmad.backends.vulkan.kernels_matmul import (
+    COOPMAT_TYPES,
     MATMUL_TYPES,
     MATVEC_MAX_T,
     Q8_MATVEC_TYPES,
+    coopmat_tile,
+    coopmat_usable,
+    record_coopmat,
     record_matmul,
     record_matvec_q8,
+    record_row_scale,
 )
 from hmad.backends.vulkan.memory import (
     BufferView,
@@ -87,6 +94,7 @@ from hmad.backends.vulkan.pipelines import (
     ResidualNormPush,
     RmsNormPush,
     RopePush,
+    TopkPush,
 )
 from hmad.backends.vulkan.stepmeta import StepMetaLayout
 from hmad.engine.batch import StepBatch
@@ -100,6 +108,11 @@ MIB = 1 << 20
 # attention_split.comp: splits per (token, KV head) = clamp(TARGET_GROUPS / (tokens * KV heads), 1, MAX)
 ATTENTION_TARGET_GROUPS = 1024
 ATTENTION_MAX_SPLITS = 64
+# candidates per row of the on-device top-k (topk.comp): Gemma's top_k 64 plus up to 64 penalized tokens
+TOPK_CANDIDATES = 128
+# decode batches (coopmat_min_tokens..Q8_MAX_T tokens) use the cooperative-matrix mat-mat on weights of at
+# least this many elements (27B: 29M-115M, 270M: ≤ 2.6M apart from the 168M output projection)
+COOPMAT_DECODE_MIN_WEIGHTS = 16 << 20
 Q8_MAX_T = (
     32  # steps of up to 32 tokens (decode batches) run the int8 mat-vec, MATVEC_MAX_T tokens a dispatch
 )
@@ -139,12 +152,14 @@ class Act:
 
     ``q8``: the same values quantized for the int8 mat-vec (xq words, xd block scales: shaders/q8act.glsl),
     once some op made them (residual_norm writes them with h; matmul quantizes on first use and keeps them).
+    ``scale``: its rows' float16-range scales for the cooperative-matrix mat-mat (row_scale.comp), made on
+    first use and kept, so q, k and v (or gate and up) share one.
     """
 
-    __slots__ = ("buf", "shape", "q8")
+    __slots__ = ("buf", "shape", "q8", "scale")
 
     def __init__(self, buf: _Buf, shape: tuple[int, ...]):
-        self.buf, self.shape, self.q8 = buf, tuple(shape), None
+        self.buf, self.shape, self.q8, self.scale = buf, tuple(shape), None, None
 
     @property
     def view(self) -> BufferView:
@@ -210,9 +225,11 @@ class Graph:
     argmax_tail: CommandRecorder
     copy_tail: CommandRecorder | None = None
     copy_generation: int = -1
+    topk_tail: CommandRecorder | None = None
+    topk_generation: int = -1
 
     def close(self) -> None:
-        for r in (self.rec, self.argmax_tail, self.copy_tail):
+        for r in (self.rec, self.argmax_tail, self.copy_tail, self.topk_tail):
             if r is not None:
                 r.close()
 
@@ -231,6 +248,7 @@ class VulkanBackend(Backend):
 
     name = "vulkan"
     greedy_on_device = True
+    topk_max = TOPK_CANDIDATES
 
     def __init__(
         self,
@@ -240,13 +258,20 @@ class VulkanBackend(Backend):
         kv_dtype: str = "float32",
         timestamps: bool = False,
         matvec: str = "int8",
+        coopmat: str = "auto",
+        coopmat_min_tokens: int = 9,
     ):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
         if matvec not in ("int8", "float"):
             raise ValueError(f"matvec must be 'int8' or 'float', got {matvec!r}")
+        if coopmat not in ("auto", "off"):
+            raise ValueError(f"coopmat must be 'auto' or 'off', got {coopmat!r}")
         self.int8_matvec = matvec == "int8"
         self.dev = Device(device)
+        # the cooperative-matrix mat-mat where the device has it: see _coopmat_for
+        self.coopmat = coopmat == "auto" and coopmat_usable(self.dev.info)
+        self.coopmat_min_t = max(2, coopmat_min_tokens)
         self.device = self.dev.name
         self.caps_bytes = (device_local_bytes, host_visible_bytes)
         self.kv_dtype, self.timestamps = kv_dtype, timestamps
@@ -259,6 +284,7 @@ class VulkanBackend(Backend):
         self.graphs: dict[tuple[int, int], Graph] = {}
         self.recordings = 0  # forward passes recorded (a replay test counts them)
         self.steps = 0  # steps submitted
+        self.topk_steps = 0  # of which sampled from on-device top-k candidates
         self.weights_plan: MemoryPlan | None = None
         self.weights_mem: ResidentMemory | None = None
         self.kv_plan: MemoryPlan | None = None
@@ -269,6 +295,8 @@ class VulkanBackend(Backend):
         self.ids: BufferView | None = None
         self.readback: BufferView | None = None
         self.readback_generation = 0
+        self.topk_buf: BufferView | None = None  # mapped: ids (rows, k) uint32, then values (rows, k)
+        self.topk_generation = 0
         self.fence = self.dev.create_fence()
         self._fences = ffi.new("VkFence[]", [self.fence])
         self.vocab = 0
@@ -392,6 +420,12 @@ class VulkanBackend(Backend):
             "backend": self.name,
             "device": self.device,
             "memory": mem,
+            "matmul": {
+                "matvec": "int8" if self.int8_matvec else "float",
+                "coopmat": f">= {self.coopmat_min_t} tokens"
+                if self.coopmat
+                else "off (device lacks it or config)",
+            },
             "recordings": self.recordings,
             "buckets": sorted(self.graphs),
         }
@@ -483,6 +517,32 @@ class VulkanBackend(Backend):
             graph.copy_tail, graph.copy_generation = tail.end(), self.readback_generation
         return graph.copy_tail
 
+    def _topk_tail(self, graph: Graph) -> tuple[CommandRecorder, int]:
+        """The top-k tail of ``graph`` (re-made when the candidates buffer grew) and its k."""
+        rows, vocab = graph.logits.shape
+        k = min(TOPK_CANDIDATES, vocab)
+        half = -(-4 * rows * k // self.align) * self.align  # values start aligned for their binding
+        need = half + 4 * rows * k
+        if self.topk_buf is None or self.topk_buf.nbytes < need:
+            if self.topk_buf is not None:
+                self.topk_buf.arena.close()
+            self.topk_buf = create_buffer(self.dev, need, "readback", "top-k candidates")
+            self.topk_generation += 1
+        if graph.topk_tail is None or graph.topk_generation != self.topk_generation:
+            if graph.topk_tail is not None:
+                graph.topk_tail.close()
+            kern = self._kernel("topk_f32")
+            ids = _rows(self.topk_buf, 0, 1, 4 * rows * k)
+            vals = BufferView(
+                self.topk_buf.arena, self.topk_buf.offset + half, 4 * rows * k, name="top-k values"
+            )
+            tail = CommandRecorder(self.dev).begin()
+            tail.barrier()
+            push = TopkPush(rows, vocab, vocab, k)
+            tail.dispatch(kern, [graph.logits.view, ids, vals], push, kern.groups_for(rows))
+            graph.topk_tail, graph.topk_generation = tail.end(), self.topk_generation
+        return graph.topk_tail, k
+
     def _submit(self, graph: Graph, tail: CommandRecorder) -> None:
         cmds = ffi.new("VkCommandBuffer[]", [graph.rec.cmd, tail.cmd])
         si = new(
@@ -509,6 +569,19 @@ class VulkanBackend(Backend):
         """Run the step with the argmax on the GPU; read back one token id per logits row."""
         self._submit(x.graph, x.graph.argmax_tail)
         return self.ids.array(np.uint32)[: x.n_out].astype(np.int64)
+
+    def topk(self, x) -> tuple[np.ndarray, np.ndarray]:
+        """Run the step with topk.comp on the GPU; read back the best TOPK_CANDIDATES (id, value) pairs of
+        each logits row (8 bytes each, not the row's V floats)."""
+        tail, k = self._topk_tail(x.graph)
+        self._submit(x.graph, tail)
+        self.topk_steps += 1
+        rows = x.graph.logits.shape[0]
+        half = -(-4 * rows * k // self.align) * self.align
+        buf = self.topk_buf.array(np.uint8)
+        ids = buf[: 4 * rows * k].view(np.uint32).reshape(rows, k)[: x.n_out].astype(np.int64)
+        vals = buf[half : half + 4 * rows * k].view(np.float32).reshape(rows, k)[: x.n_out].copy()
+        return ids, vals
 
     def _drop_graphs(self) -> None:
         if self.graphs:
@@ -574,6 +647,21 @@ class VulkanBackend(Backend):
             self._matvec_q8(x, [w], y)
             return y
         t_name = _type_name(w.qtype, MATMUL_TYPES)
+        if self._coopmat_for(t, w):
+            bt, bn = coopmat_tile(t)
+            kern = self._kernel(f"mul_mm_coopmat_{_type_name(w.qtype, COOPMAT_TYPES)}_{bt}x{bn}")
+            held: list[Act] = []  # the partial-sum scratch, alive until its dispatches are recorded
+
+            def part(nbytes: int) -> BufferView:
+                held.append(self._new((nbytes // 4,)))
+                return held[0].view
+
+            if x.scale is None:
+                x.scale = self._new((t,))
+                record_row_scale(self._rec, self._kernel("row_scale"), x.view, x.scale.view, k, t)
+            reduce = self._kernel("split_reduce")
+            record_coopmat(self._rec, kern, reduce, w.view, x.view, y.view, x.scale.view, k, n, t, part)
+            return y
         name = f"mul_mat_vec_{t_name}{self._vec_suffix}" if t <= MATVEC_MAX_T else f"mul_mat_{t_name}"
         record_matmul(self._rec, self._kernel(name), w.view, x.view, y.view, k, n, t)
         return y
@@ -602,9 +690,19 @@ class VulkanBackend(Backend):
             up = ws[1].view if len(ws) > 1 else None
             record_matvec_q8(self._rec, kern, ws[0].view, *rows, k, n, tc, w_up=up)
 
+    def _coopmat_for(self, t: int, w: VkWeight) -> bool:
+        """The cooperative-matrix mat-mat for steps over Q8_MAX_T tokens, and for decode batches of
+        ``coopmat_min_tokens`` or more on big weights (there it reads W once where the 8-token int8
+        mat-vec reads it per 8 tokens; on small weights its extra dispatches cost more: measured, see
+        docs/performance.md)."""
+        if not (self.coopmat and t >= self.coopmat_min_t and w.qtype in COOPMAT_TYPES.values()):
+            return False
+        return t > Q8_MAX_T or math.prod(w.shape) >= COOPMAT_DECODE_MIN_WEIGHTS
+
     def _q8_path(self, t: int, w: VkWeight) -> bool:
-        """Decode-sized steps (up to Q8_MAX_T tokens) of a weight type the int8 mat-vec reads (unless
-        ``matvec="float"``); steps over MATVEC_MAX_T tokens need chunk offsets the device can bind."""
+        """Decode-sized steps (up to Q8_MAX_T tokens, unless _coopmat_for takes them) of a weight type the
+        int8 mat-vec reads (unless ``matvec="float"``); steps over MATVEC_MAX_T tokens need chunk offsets
+        the device can bind."""
         n, k = w.shape
         if not (self.int8_matvec and t <= Q8_MAX_T and w.qtype in Q8_MATVEC_TYPES.values() and k % 64 == 0):
             return False

@@ -7,6 +7,10 @@ Variants (one per weight type ``<t>`` in :data:`MATMUL_TYPES`):
   through shared memory, or subgroupAdd first in the ``_subgroup`` variant.
 - ``mul_mat_<t>`` (shaders/mul_mat.comp): any T (prefill); 64 × 64 output tiles, W tiles dequantized into
   shared memory; workgroup size fixed at 256.
+- ``mul_mm_coopmat_<t>_<BT>x<BN>`` (shaders/mul_mm_coopmat.comp, <t> in :data:`COOPMAT_TYPES`): the same
+  on VK_KHR_cooperative_matrix (float16 16×16×16 products, float32 accumulators), BT tokens × BN rows a
+  workgroup, K split over workgroups when the tiles alone are too few (partial sums in a scratch, added by
+  ``split_reduce``); only on devices offering that shape with 32-wide subgroups (:func:`coopmat_usable`).
 
 Bindings: 0 = W (the raw bytes of its rows, bound whole or as one range of whole rows), 1 = x float32,
 2 = y float32. A W bigger than maxStorageBufferRange is bound as several ranges (:meth:`BufferView.ranges`)
@@ -42,6 +46,19 @@ Q8_MATVEC_TYPES: dict[str, QType] = {
     "q4_k": QType.Q4_K,
     "q6_k": QType.Q6_K,
 }
+#: Weight types of the cooperative-matrix mat-mat (float16 tiles: not F32/BF16, whose range float16 lacks).
+COOPMAT_TYPES: dict[str, QType] = {
+    "f16": QType.F16,
+    "q8_0": QType.Q8_0,
+    "q4_0": QType.Q4_0,
+    "q5_0": QType.Q5_0,
+    "q4_k": QType.Q4_K,
+    "q6_k": QType.Q6_K,
+}
+COOPMAT_TILES = ((32, 64), (64, 64), (64, 128), (128, 128))  # (BT tokens, BN rows) variants
+COOPMAT_BK = 64  # K per step of mul_mm_coopmat.comp
+COOPMAT_TARGET_GROUPS = 1024  # split K until a dispatch has about this many workgroups
+COOPMAT_MIN_STEPS = 4  # ... but keep at least this many BK steps per split
 Q8_MATVEC_LANES = 32  # invocations per row (LANES in mul_mat_vec_q8.comp)
 Q8_MATVEC_BLOCK = 128  # workgroup size: 4 rows per workgroup
 MATVEC_ROWS = 2  # rows of W per mat-vec workgroup (NUM_ROWS in mul_mat_vec.comp)
@@ -75,15 +92,129 @@ def build_entries() -> list[tuple[str, str, dict[str, str]]]:
             (f"mul_mat_vec_{t}_subgroup", "mul_mat_vec.comp", {**d, "SUBGROUP": "1"}),
             (f"mul_mat_{t}", "mul_mat.comp", d),
         ]
+    for t in COOPMAT_TYPES:
+        for bt, bn in COOPMAT_TILES:
+            d = {f"TYPE_{t.upper()}": "1", "BT": f"{bt}u", "BN": f"{bn}u"}
+            out.append((f"mul_mm_coopmat_{t}_{bt}x{bn}", "mul_mm_coopmat.comp", d))
     return out
+
+
+def coopmat_usable(info) -> bool:
+    """Whether mul_mm_coopmat runs on a device (a DeviceInfo): the float16 16×16×16 -> float32 subgroup
+    shape of VK_KHR_cooperative_matrix, 32-wide subgroups (its 8-subgroup layout) and Vulkan 1.3 (SPIR-V
+    1.6)."""
+    shape = {"M": 16, "N": 16, "K": 16, "A": "f16", "B": "f16", "C": "f32", "result": "f32"}
+    has = any(
+        all(s.get(k) == v for k, v in shape.items()) and s.get("subgroup_scope") for s in info.coopmat_shapes
+    )
+    return has and info.subgroup.get("size") == 32 and tuple(info.api_version[:2]) >= (1, 3)
+
+
+def coopmat_tile(t: int) -> tuple[int, int]:
+    """The (BT, BN) variant for a step of ``t`` tokens."""
+    if t <= 32:
+        return (32, 64)
+    return (64, 128)
+
+
+def coopmat_splits(k: int, n: int, t: int, tile: tuple[int, int]) -> tuple[int, int]:
+    """(splits, k_split): how a coopmat dispatch of an (n, k) weight and t tokens divides K."""
+    bt, bn = tile
+    tiles = -(-n // bn) * -(-t // bt)
+    steps = -(-k // COOPMAT_BK)
+    splits = max(1, min(-(-COOPMAT_TARGET_GROUPS // tiles), steps // COOPMAT_MIN_STEPS))
+    k_split = -(-steps // splits) * COOPMAT_BK
+    return -(-k // k_split), k_split
+
+
+class CoopMatPush(ctypes.Structure):
+    """shaders/mul_mm_coopmat.comp"""
+
+    _fields_ = [*MatMulPush._fields_, ("k_split", u32)]  # weights of K per split (workgroup z)
+
+
+class RowScalePush(ctypes.Structure):
+    """shaders/row_scale.comp"""
+
+    _fields_ = [("K", u32), ("T", u32), ("x_stride", u32)]
+
+
+class SplitReducePush(ctypes.Structure):
+    """shaders/split_reduce.comp"""
+
+    _fields_ = [("N", u32), ("T", u32), ("splits", u32), ("y_stride", u32), ("row_offset", u32)]
+
+
+def record_row_scale(rec, kernel, x, scale, k: int, t: int, x_stride: int | None = None) -> None:
+    """Record scale[:t] = the float16-range power of two of each row of x (row_scale.comp), the fourth
+    binding of the coopmat kernels; one scale serves every matmul reading the same x."""
+    rec.dispatch(kernel, [x, scale], RowScalePush(k, t, x_stride or k), kernel.groups_for(t))
+
+
+def record_coopmat(
+    rec,
+    kernel,
+    reduce_kernel,
+    w,
+    x,
+    y,
+    scale,
+    k: int,
+    n: int,
+    t: int,
+    part=None,
+    x_stride: int | None = None,
+    y_stride: int | None = None,
+    max_range: int | None = None,
+) -> int:
+    """Record y[:t, :n] = x[:t, :k] · Wᵀ on the cooperative-matrix kernel ``kernel``
+    (``mul_mm_coopmat_<type>_<BT>x<BN>``), ``scale`` x's row scales (:func:`record_row_scale`, recorded
+    before): per bind range of W one dispatch, K split as
+    :func:`coopmat_splits` says; with several splits the partial sums go to ``part`` (a BufferView, or a
+    callable ``nbytes -> BufferView`` asked once for the largest range's need) and ``reduce_kernel``
+    (split_reduce) adds them into y. Returns the dispatch count."""
+    name = kernel.name.removeprefix("mul_mm_coopmat_")
+    qtype = COOPMAT_TYPES[name.rsplit("_", 1)[0]]
+    bt, bn = map(int, name.rsplit("_", 1)[1].split("x"))
+    rb = weight_row_bytes(qtype, k)
+    x_stride, y_stride = x_stride or k, y_stride or n
+    if x_stride % 4:
+        raise ValueError(f"x_stride {x_stride} must be a multiple of 4 (x is read as vec4)")
+    count = 0
+    pieces = row_ranges(kernel, [w], rb, n, max_range)
+    if callable(part):
+        splits = [coopmat_splits(k, rows, t, (bt, bn))[0] for _, rows, _ in pieces]
+        need = max((s * t * p[1] * 4 for s, p in zip(splits, pieces, strict=True) if s > 1), default=0)
+        part = part(need) if need else None
+    for (wb,), rows, row0 in pieces:
+        splits, k_split = coopmat_splits(k, rows, t, (bt, bn))
+        groups = (-(-rows // bn), -(-t // bt), splits)
+        if splits == 1:
+            push = CoopMatPush(k, rows, t, x_stride, y_stride, rb, row0, k)
+            rec.dispatch(kernel, [wb, x, y, scale], push, groups)
+            count += 1
+            continue
+        if part is None or part.nbytes < splits * t * rows * 4:
+            raise ValueError(
+                f"{kernel.name}: {splits} splits need a partial-sum scratch of {splits * t * rows * 4} B"
+            )
+        push = CoopMatPush(k, rows, t, x_stride, rows, rb, 0, k_split)
+        rec.dispatch(kernel, [wb, x, part, scale], push, groups)
+        push = SplitReducePush(rows, t, splits, y_stride, row0)
+        rec.dispatch(reduce_kernel, [part, y], push, reduce_kernel.groups_for(min(-(-t * rows // 256), 4096)))
+        count += 2
+    return count
 
 
 def kernel_specs(spec_type) -> dict:
     """name -> ``spec_type(source, n_buffers, MatMulPush, block)`` for :data:`pipelines.KERNELS`."""
     specs = {
-        name: spec_type(src, 3, MatMulPush, MATMUL_BLOCK if src == "mul_mat.comp" else MATVEC_BLOCK)
+        name: spec_type(src, 3, MatMulPush, MATVEC_BLOCK if src == "mul_mat_vec.comp" else MATMUL_BLOCK)
         for name, src, _ in build_entries()
     }
+    for name, src, _ in build_entries():
+        if src == "mul_mm_coopmat.comp":
+            specs[name] = spec_type(src, 4, CoopMatPush, MATMUL_BLOCK)
     for t in Q8_MATVEC_TYPES:  # bindings: W, XQ, XD, y [, W_up]; _t1: built for one token
         for suffix, n_buffers in (("", 4), ("_geglu", 5), ("_t1", 4), ("_geglu_t1", 5)):
             name = f"mul_mat_vec_q8x_{t}{suffix}"
@@ -117,7 +248,7 @@ def record_matmul(
     ``row_bytes`` set, or computed here from the kernel's type); one dispatch per bind range of W
     (``max_range``: the device's maxStorageBufferRange unless given smaller, e.g. to test the split).
     """
-    qtype = MATMUL_TYPES[kernel.name.removeprefix("mul_mat_vec_").removeprefix("mul_mat_").split("_sub")[0]]
+    qtype = _matmul_qtype(kernel.name)
     rb = weight_row_bytes(qtype, k)
     x_stride, y_stride = x_stride or k, y_stride or n
     if x_stride % 4:
@@ -134,6 +265,10 @@ def record_matmul(
             groups = (-(-rows // MATMUL_TILE), -(-t // MATMUL_TILE), 1)
         rec.dispatch(kernel, [wb, x, y], push, groups)
     return len(pieces)
+
+
+def _matmul_qtype(name: str) -> QType:
+    return MATMUL_TYPES[name.removeprefix("mul_mat_vec_").removeprefix("mul_mat_").split("_sub")[0]]
 
 
 def row_ranges(kernel, ws: list, rb: int, n: int, max_range: int | None = None) -> list:

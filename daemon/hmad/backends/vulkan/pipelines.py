@@ -34,7 +34,12 @@ from hmad.backends.vulkan.device import (
     lib,
     new,
 )
-from hmad.backends.vulkan.kernels_matmul import MatMulPush, kernel_specs  # noqa: F401 (re-export)
+from hmad.backends.vulkan.kernels_matmul import (  # noqa: F401 (re-export)
+    MatMulPush,
+    RowScalePush,
+    SplitReducePush,
+    kernel_specs,
+)
 from hmad.backends.vulkan.memory import BufferView
 from hmad.backends.vulkan.program import load_spirv, reflect
 
@@ -135,6 +140,15 @@ class ArgmaxPush(ctypes.Structure):
     _fields_ = [(n, u32) for n in ("n_rows", "n_cols", "row_stride")]
 
 
+class TopkPush(ctypes.Structure):
+    """shaders/topk.comp"""
+
+    _fields_ = [(n, u32) for n in ("n_rows", "n_cols", "row_stride", "k")]
+
+
+TOPK_MAX = 256  # KMAX of topk.comp
+
+
 #: residual_norm.comp: one row per workgroup, up to 4 * WORDS (2) values per invocation held in registers
 RESIDUAL_BLOCK = 1024
 RESIDUAL_MAX_COLS = 8 * RESIDUAL_BLOCK
@@ -168,6 +182,9 @@ KERNELS: dict[str, KernelSpec] = {
     "attention_reduce_f32": KernelSpec("attention_reduce.comp", 2, AttentionReducePush, 256),
     "attention_reduce_f32_q8": KernelSpec("attention_reduce.comp", 4, AttentionReducePush, 256),
     "argmax_f32": KernelSpec("argmax.comp", 2, ArgmaxPush, 256),
+    "topk_f32": KernelSpec("topk.comp", 3, TopkPush, 256),
+    "split_reduce": KernelSpec("split_reduce.comp", 2, SplitReducePush, 256),
+    "row_scale": KernelSpec("row_scale.comp", 2, RowScalePush, 256),
     "norm_rope_f32": KernelSpec("norm_rope.comp", 4, NormRopePush, 128),
     "quantize_q8": KernelSpec("quantize_q8.comp", 3, QuantizeQ8Push, 128),
     "residual_norm": KernelSpec("residual_norm.comp", 4, ResidualNormPush, RESIDUAL_BLOCK),

@@ -1,0 +1,43 @@
+#version 450
+// s[t] = the power of two that brings row t of x (T, K) within float16's range for mul_mm_coopmat.comp:
+// 1.0 while max_k |x[t, k]| <= LIMIT (2^14, headroom below float16's 65504), else 2^ceil(log2(max / LIMIT)).
+// Dividing by a power of two is exact, and the kernel multiplies its float32 sums back by s, so rows in
+// range compute exactly as unscaled and large rows (Gemma's activations can pass 65504) do not overflow.
+// One workgroup per row; NaN or inf in a row give a NaN or inf scale (the error stays visible in y).
+#include "common.glsl"
+
+layout(binding = 0) readonly buffer X { float x[]; };
+layout(binding = 1) writeonly buffer S { float s[]; };
+
+layout(push_constant) uniform Push {
+    uint K;
+    uint T;
+    uint x_stride;
+} p;
+
+const float LIMIT = 16384.0;
+shared float s_max[BLOCK_SIZE];
+
+void main() {
+    const uint row = group_index();
+    if (row >= p.T) return;
+    const uint tid = gl_LocalInvocationID.x;
+    float m = 0.0;
+    for (uint k = tid; k < p.K; k += BLOCK_SIZE) {
+        const float a = abs(x[row * p.x_stride + k]);
+        m = isnan(a) || a > m ? a : m;  // NaN sticks
+    }
+    s_max[tid] = m;
+    barrier();
+    [[unroll]] for (uint h = BLOCK_SIZE / 2; h > 0; h >>= 1) {
+        if (tid < h) {
+            const float o = s_max[tid + h];
+            if (isnan(o) || o > s_max[tid]) s_max[tid] = o;
+        }
+        barrier();
+    }
+    if (tid == 0) {
+        const float mx = s_max[0];
+        s[row] = mx <= LIMIT ? 1.0 : (isnan(mx) || isinf(mx) ? mx : exp2(ceil(log2(mx / LIMIT))));
+    }
+}
