@@ -55,6 +55,16 @@ BUILD: list[tuple[str, str, dict[str, str]]] = [
     ("kv_write_f16", "kv_write.comp", {"POOL_TYPE": "float16_t"}),
     ("attention_split_f32", "attention_split.comp", {}),
     ("attention_split_f16", "attention_split.comp", {"POOL_TYPE": "float16_t"}),
+    *[
+        (
+            f"attention_decode_{pool}_dpl{dpl}_g{mg}",
+            "attention_decode.comp",
+            {"DPL": f"{dpl}u", "MAX_GROUP": f"{mg}u", **d},
+        )
+        for pool, d in (("f32", {}), ("f16", {"POOL_TYPE": "float16_t"}))
+        for dpl in (8, 32)
+        for mg in (4, 8)
+    ],
     ("attention_reduce_f32", "attention_reduce.comp", {}),
     ("attention_reduce_f32_q8", "attention_reduce.comp", {"Q8OUT": "1"}),
     ("argmax_f32", "argmax.comp", {}),

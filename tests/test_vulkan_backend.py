@@ -6,10 +6,10 @@ activation quantization, so plain float32 is the reference they should match. Ne
 
 Tolerance for logits: max |vulkan − cpu| ≤ 1e-4 × max |cpu| over the compared rows with ``matvec="float"``.
 Seen on lavapipe: ~5e-7 (float32 sums in another order in the matmuls, norms and the online softmax; a
-random tiny model has no near-ties at this scale). With the default int8 mat-vec, steps of up to 32 tokens
-quantize activations per 32 values (d = max/127): ≤ 1e-2 × max |cpu| (seen: ~2e-3); the same bound covers
-the cooperative-matrix mat-mat (float16 x and W, on devices that have it; not lavapipe), which the default
-pairs use and "mixed-float" turns off. Greedy token ids must be identical either way.
+random tiny model has no near-ties at this scale). With the int8 mat-vec (``matvec="int8"``, opt-in), steps
+of up to 32 tokens quantize activations per 32 values (d = max/127): ≤ 1e-2 × max |cpu| (seen: ~2e-3); the
+same bound covers the cooperative-matrix mat-mat (float16 x and W, on devices that have it; not lavapipe),
+which "mixed-int8" and "f32" use and "mixed-float" turns off. Greedy token ids must be identical either way.
 The 270M test uses numerics "f32" for the same reason (the GPU does not round activations like ggml): the
 two backends then differ only by float32 summation order, far below the fixture prompts' top-2 margins.
 """
@@ -174,12 +174,37 @@ def embedded_pair(embedded_model_path):
     vk.backend.close()
 
 
+NEAR_TIE = 0.05  # logits: a divergence is accepted only where the CPU's top two are closer than this
+
+
 def test_embedded_model_greedy_equals_cpu(embedded_pair):
-    """Three fidelity prompts batched, 8 greedy tokens: identical ids on both backends."""
+    """The fidelity prompts (tests/fixtures/llamacpp_greedy.json) batched, greedy on both backends: on a
+    GPU all 12 prompts and 32 new tokens (cooperative-matrix prefill, subgroup attention; run through the
+    device tool with HMAD_TEST_MODEL); on lavapipe (CI, 2 cores) the 3 shortest prompts and 8 new tokens.
+    Identical ids, except that at most one prompt may diverge, and only where the CPU's top two logits were
+    within NEAR_TIE at the diverging step (the margin is computed and printed)."""
     cpu, vk = embedded_pair
     cases = json.loads((Path(__file__).parent / "fixtures" / "llamacpp_greedy.json").read_text())["cases"]
-    prompts = [c["prompt_ids"] for c in sorted(cases, key=lambda c: len(c["prompt_ids"]))[:3]]
-    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    on_cpu = vk.backend.dev.info.is_cpu
+    prompts = [c["prompt_ids"] for c in cases]
+    if on_cpu:  # lavapipe: the 3 shortest prompts (12 x 16 tokens ran past 15 min on 2 cores)
+        prompts = sorted(prompts, key=len)[:3]
+    n_new = 8 if on_cpu else 32
+    greedy = SamplingParams(temperature=0.0, max_tokens=n_new, stop=[])
     want = [r.token_ids for r in generate(cpu, prompts, greedy)]
     got = [r.token_ids for r in generate(vk, prompts, greedy)]
-    assert got == want
+    diverged = []
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if g == w:
+            continue
+        n = next((j for j, (a, b) in enumerate(zip(g, w, strict=False)) if a != b), min(len(g), len(w)))
+        row = cpu.forward_full(prompts[i] + w[:n])[-1]
+        top2 = np.sort(row)[-2:]
+        margin = float(top2[1] - top2[0])
+        print(
+            f"prompt {i} diverges at token {n}: cpu {w[n : n + 1]} vulkan {g[n : n + 1]}, margin {margin:.4f}"
+        )
+        diverged.append((i, n, margin))
+    print(f"{len(prompts) - len(diverged)} of {len(prompts)} prompts identical over {n_new} greedy tokens")
+    assert len(diverged) <= 1, diverged
+    assert all(m < NEAR_TIE for _, _, m in diverged), diverged

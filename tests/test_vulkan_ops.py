@@ -190,13 +190,15 @@ def test_geglu_on_fused_gate_up_rows_matches_reference(dev, kernels, gpu):
 @pytest.mark.parametrize("pool", ["f32", "f16"])
 @pytest.mark.parametrize("head_dim", [32, 256])
 @pytest.mark.parametrize("splits", [1, 3, 64])
-def test_kv_write_and_paged_attention_match_reference(dev, kernels, gpu, pool, head_dim, splits):
+@pytest.mark.parametrize("variant", ["split", "decode"])
+def test_kv_write_and_paged_attention_match_reference(dev, kernels, gpu, pool, head_dim, splits, variant):
     """Two layers (global, sliding window 6) over three sequences of different lengths in one batch.
 
     Blocks of 4 positions, scattered; the local ring of 4 blocks wraps (sequence A is at 37..41); GQA of 4
     query heads over 2 KV heads; one padding row past the batch (zeros out, nothing written).
     ``splits`` per token and KV head of attention_split (then attention_reduce): one split of 3 tiles of 16
-    keys, splits of 16 keys, mostly empty splits."""
+    keys, splits of 16 keys, mostly empty splits; ``variant`` "decode": attention_decode (the subgroup
+    kernel, the variant the backend would pick for this device) in place of attention_split."""
     from hmad.backends.vulkan.pipelines import AttentionReducePush, AttentionSplitPush, KvWritePush
 
     rng = np.random.default_rng(head_dim)
@@ -221,7 +223,15 @@ def test_kv_write_and_paged_attention_match_reference(dev, kernels, gpu, pool, h
     b_meta = gpu.put(lay.pack(batch))
     b_q, b_k, b_v = (gpu.put(np.concatenate([a, pad[:, : a.shape[1]]])) for a in (q, k, v))
     kw = kernels(f"kv_write_{pool}")
-    att_s, att_r = kernels(f"attention_split_{pool}"), kernels("attention_reduce_f32")
+    att_r = kernels("attention_reduce_f32")
+    if variant == "decode":
+        sub = dev.info.subgroup["size"]
+        if not dev.caps["subgroup_arithmetic"]:
+            pytest.skip("no subgroup arithmetic: the backend uses attention_split")
+        dpl = next(d for d in (8, 32) if head_dim <= d * sub)
+        att_s = kernels(f"attention_decode_{pool}_dpl{dpl}_g4")  # G = 2 here
+    else:
+        att_s = kernels(f"attention_split_{pool}")
     for layer, name, win in ((0, "global", None), (1, "local", window)):
         want = cpu.attention(q, k, v, layer, batch, win, scale)
         b_kp, b_vp = gpu.put(init[name][0]), gpu.put(init[name][1])

@@ -78,6 +78,8 @@ from hmad.backends.vulkan.memory import (
     plan_memory,
 )
 from hmad.backends.vulkan.pipelines import (
+    ATTENTION_DECODE_DPL,
+    ATTENTION_DECODE_GROUPS,
     RESIDUAL_MAX_COLS,
     AddPush,
     ArgmaxPush,
@@ -111,8 +113,9 @@ ATTENTION_MAX_SPLITS = 64
 # candidates per row of the on-device top-k (topk.comp): Gemma's top_k 64 plus up to 64 penalized tokens
 TOPK_CANDIDATES = 128
 # decode batches (coopmat_min_tokens..Q8_MAX_T tokens) use the cooperative-matrix mat-mat on weights of at
-# least this many elements (27B: 29M-115M, 270M: ≤ 2.6M apart from the 168M output projection)
-COOPMAT_DECODE_MIN_WEIGHTS = 16 << 20
+# least this many elements (27B: 11M-115M; 270M: ≤ 1.3M, apart from the 168M output projection): H200,
+# 32 tokens, Q4_K: 163 µs for a 115M weight vs 4 × 144 µs through the 8-token int8 mat-vec
+COOPMAT_DECODE_MIN_WEIGHTS = 4 << 20
 Q8_MAX_T = (
     32  # steps of up to 32 tokens (decode batches) run the int8 mat-vec, MATVEC_MAX_T tokens a dispatch
 )
@@ -257,7 +260,7 @@ class VulkanBackend(Backend):
         host_visible_bytes: int | None = None,
         kv_dtype: str = "float32",
         timestamps: bool = False,
-        matvec: str = "int8",
+        matvec: str = "float",
         coopmat: str = "auto",
         coopmat_min_tokens: int = 9,
     ):
@@ -704,6 +707,8 @@ class VulkanBackend(Backend):
         int8 mat-vec reads (unless ``matvec="float"``); steps over MATVEC_MAX_T tokens need chunk offsets
         the device can bind."""
         n, k = w.shape
+        if self._coopmat_for(t, w):
+            return False
         if not (self.int8_matvec and t <= Q8_MAX_T and w.qtype in Q8_MATVEC_TYPES.values() and k % 64 == 0):
             return False
         align = self.dev.limits["minStorageBufferOffsetAlignment"]
@@ -783,7 +788,10 @@ class VulkanBackend(Backend):
             *(meta.positions, meta.seq, info_off, scale),
         )
         self._dispatch(
-            f"attention_split_{pool_t}", [q.view, kp, vp, self.meta, part.view], push, t * hkv * splits
+            self._attention_kernel(pool_t, dh, g),
+            [q.view, kp, vp, self.meta, part.view],
+            push,
+            t * hkv * splits,
         )
         o = self._new((t, h * dh))
         reduce = AttentionReducePush(t, h, dh, splits, h * dh)
@@ -794,6 +802,23 @@ class VulkanBackend(Backend):
         else:
             self._dispatch("attention_reduce_f32", [part.view, o.view], reduce, t * h)
         return o
+
+    def _attention_kernel(self, pool_t: str, dh: int, g: int) -> str:
+        """attention_decode (subgroups, no barrier in the key loop) on a GPU with subgroup arithmetic
+        where a variant holds the head; else attention_split (also on CPU implementations such as
+        lavapipe, where the subgroup kernel's per-invocation arrays run ~4x slower)."""
+        sub = self.dev.info.subgroup.get("size") or 0
+        if (
+            self.dev.caps["subgroup_arithmetic"]
+            and not self.dev.info.is_cpu
+            and sub >= 8
+            and 256 // sub <= 32
+        ):
+            dpl = next((d for d in ATTENTION_DECODE_DPL if dh <= d * sub), None)
+            mg = next((m for m in ATTENTION_DECODE_GROUPS if g <= m), None)
+            if dpl and mg:
+                return f"attention_decode_{pool_t}_dpl{dpl}_g{mg}"
+        return f"attention_split_{pool_t}"
 
     def geglu(self, gate: Act, up: Act) -> Act:
         t, f = gate.shape

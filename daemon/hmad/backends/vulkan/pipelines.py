@@ -147,6 +147,8 @@ class TopkPush(ctypes.Structure):
 
 
 TOPK_MAX = 256  # KMAX of topk.comp
+ATTENTION_DECODE_DPL = (8, 32)  # attention_decode.comp: head dims per lane (Dh <= DPL * subgroup size)
+ATTENTION_DECODE_GROUPS = (4, 8)  # ... and query heads per KV head it holds registers for
 
 
 #: residual_norm.comp: one row per workgroup, up to 4 * WORDS (2) values per invocation held in registers
@@ -177,6 +179,14 @@ KERNELS: dict[str, KernelSpec] = {
     "geglu_f32": KernelSpec("geglu.comp", 3, GegluPush, 256),
     "kv_write_f32": KernelSpec("kv_write.comp", 5, KvWritePush, 256),
     "kv_write_f16": KernelSpec("kv_write.comp", 5, KvWritePush, 256),
+    **{
+        f"attention_decode_{pool}_dpl{dpl}_g{mg}": KernelSpec(
+            "attention_decode.comp", 5, AttentionSplitPush, 256
+        )
+        for pool in ("f32", "f16")
+        for dpl in ATTENTION_DECODE_DPL
+        for mg in ATTENTION_DECODE_GROUPS
+    },
     "attention_split_f32": KernelSpec("attention_split.comp", 5, AttentionSplitPush, 256),
     "attention_split_f16": KernelSpec("attention_split.comp", 5, AttentionSplitPush, 256),
     "attention_reduce_f32": KernelSpec("attention_reduce.comp", 2, AttentionReducePush, 256),

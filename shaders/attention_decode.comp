@@ -1,0 +1,163 @@
+#version 450
+// Causal attention over the paged KV cache, pass 1 of 2, on subgroups: the same bindings, push constants,
+// metadata and partial outputs (m, l, acc[Dh] per token, head and split) as attention_split.comp, which it
+// replaces where the device has subgroup arithmetic (attention_reduce.comp is pass 2 for both).
+//
+// One workgroup per (token, KV head, split); split c covers per = max(ceil(len / n_splits), 32) keys of
+// [lo, pos]. Inside, each subgroup takes every n-th key of the split on its own: lane l holds dims
+// d = l + i * S (S the subgroup size, i < DPL) of the G query heads and of the key/value rows, the dot
+// products are subgroupAdd reductions, and the online softmax (running max m, sum l, acc) lives in registers:
+// no workgroup barrier inside the key loop. At the end the subgroups' states merge through shared memory
+// (rescaled to the common max, added in subgroup order).
+// Variants: DPL (8: 32-wide subgroups or wider; 32: 8-wide) x MAX_GROUP (4, 8): registers for G heads.
+// Host asserts: Dh <= DPL * S, G <= MAX_GROUP, BLOCK_SIZE / S <= MAX_SG.
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_arithmetic : require
+#include "common.glsl"
+#ifndef POOL_TYPE
+#define POOL_TYPE float
+#endif
+#ifndef DPL
+#define DPL 8u
+#endif
+#ifndef MAX_GROUP
+#define MAX_GROUP 8u
+#endif
+#define MAX_SG 32u
+#define MAX_HEAD_DIM 256u
+#define MIN_PER 32u
+
+layout(binding = 0) readonly buffer Q { float q[]; };
+layout(binding = 1) readonly buffer KP { POOL_TYPE k_pool[]; };
+layout(binding = 2) readonly buffer VP { POOL_TYPE v_pool[]; };
+layout(binding = 3) readonly buffer Meta { uint meta[]; };
+layout(binding = 4) writeonly buffer Part { float part[]; };
+
+layout(push_constant) uniform Push {
+    uint n_tokens;
+    uint n_heads;     // H
+    uint n_kv_heads;  // Hkv (divides H)
+    uint head_dim;    // Dh
+    uint q_stride;    // elements between tokens of q
+    uint n_splits;
+    uint block_size;  // B: positions per KV block
+    uint window;      // 0: global; else the sliding window W
+    uint pos_off;     // meta sections (word offsets)
+    uint seq_off;
+    uint info_off;
+    float scale;
+} p;
+
+const uint NONE = 0xFFFFFFFFu;
+#define NEG_INF uintBitsToFloat(0xFF800000u)
+
+shared float s_m[MAX_SG * MAX_GROUP];
+shared float s_l[MAX_SG * MAX_GROUP];
+shared float s_acc[MAX_GROUP * MAX_HEAD_DIM];
+
+void main() {
+    const uint wg = group_index();
+    const uint c = wg % p.n_splits;
+    const uint rest = wg / p.n_splits;
+    const uint kvh = rest % p.n_kv_heads, t = rest / p.n_kv_heads;
+    if (t >= p.n_tokens) return;  // uniform per workgroup
+    const uint tid = gl_LocalInvocationID.x;
+    const uint G = p.n_heads / p.n_kv_heads;
+    const uint Dh = p.head_dim;
+    const uint h0 = kvh * G;
+    const uint pstride = Dh + 2;
+
+    const uint seq = meta[p.seq_off + t];
+    uint c0 = 1, c1 = 0, tab = 0, tab_len = 1;
+    if (seq != NONE) {
+        const uint pos = meta[p.pos_off + t];
+        const uint lo = (p.window != 0 && pos + 1 > p.window) ? pos + 1 - p.window : 0;
+        const uint per = max((pos + 1 - lo + p.n_splits - 1) / p.n_splits, MIN_PER);
+        c0 = lo + c * per;
+        c1 = min(c0 + per, pos + 1);
+        tab = meta[p.info_off + 2 * seq];
+        tab_len = meta[p.info_off + 2 * seq + 1];
+    }
+    if (c0 >= c1) {  // empty split or padding row: uniform per workgroup
+        if (tid < G) {
+            const uint pb = ((t * p.n_heads + h0 + tid) * p.n_splits + c) * pstride;
+            part[pb] = NEG_INF;
+            part[pb + 1] = 0.0;
+        }
+        return;
+    }
+    const uint row = p.n_kv_heads * Dh, kvo = kvh * Dh, B = p.block_size;
+    const uint S = gl_SubgroupSize, lane = gl_SubgroupInvocationID, sg = gl_SubgroupID, nsg = gl_NumSubgroups;
+
+    float qr[MAX_GROUP][DPL], acc[MAX_GROUP][DPL], m[MAX_GROUP], l[MAX_GROUP];
+    [[unroll]] for (uint g = 0; g < MAX_GROUP; ++g) {
+        m[g] = NEG_INF;
+        l[g] = 0.0;
+        [[unroll]] for (uint i = 0; i < DPL; ++i) {
+            const uint d = lane + i * S;
+            qr[g][i] = g < G && d < Dh ? q[t * p.q_stride + (h0 + g) * Dh + d] * p.scale : 0.0;
+            acc[g][i] = 0.0;
+        }
+    }
+    for (uint j = c0 + sg; j < c1; j += nsg) {
+        const uint ko = (meta[tab + (j / B) % tab_len] * B + j % B) * row + kvo;
+        float kd[DPL], vd[DPL];
+        [[unroll]] for (uint i = 0; i < DPL; ++i) {
+            const uint d = lane + i * S;
+            kd[i] = d < Dh ? float(k_pool[ko + d]) : 0.0;
+            vd[i] = d < Dh ? float(v_pool[ko + d]) : 0.0;
+        }
+        [[unroll]] for (uint g = 0; g < MAX_GROUP; ++g) {
+            if (g < G) {
+                float dot = 0.0;
+                [[unroll]] for (uint i = 0; i < DPL; ++i) dot += qr[g][i] * kd[i];
+                const float s = subgroupAdd(dot);
+                const float m_new = max(m[g], s);
+                const float corr = exp(m[g] - m_new), w = exp(s - m_new);
+                l[g] = l[g] * corr + w;
+                [[unroll]] for (uint i = 0; i < DPL; ++i) acc[g][i] = acc[g][i] * corr + w * vd[i];
+                m[g] = m_new;
+            }
+        }
+    }
+    // merge the subgroups: common max, then the rescaled sums added in subgroup order
+    if (lane == 0u) {
+        [[unroll]] for (uint g = 0; g < MAX_GROUP; ++g) {
+            s_m[sg * MAX_GROUP + g] = m[g];
+            s_l[sg * MAX_GROUP + g] = l[g];
+        }
+    }
+    for (uint e = tid; e < G * Dh; e += BLOCK_SIZE) s_acc[e] = 0.0;
+    barrier();
+    float mx[MAX_GROUP], f[MAX_GROUP];
+    [[unroll]] for (uint g = 0; g < MAX_GROUP; ++g) {
+        mx[g] = NEG_INF;
+        for (uint s = 0; s < nsg; ++s) mx[g] = max(mx[g], s_m[s * MAX_GROUP + g]);
+        f[g] = m[g] == NEG_INF ? 0.0 : exp(m[g] - mx[g]);  // a subgroup without keys adds nothing
+    }
+    for (uint s = 0; s < nsg; ++s) {
+        if (s == sg) {
+            [[unroll]] for (uint g = 0; g < MAX_GROUP; ++g) {
+                [[unroll]] for (uint i = 0; i < DPL; ++i) {
+                    const uint d = lane + i * S;
+                    if (g < G && d < Dh) s_acc[g * Dh + d] += f[g] * acc[g][i];
+                }
+            }
+        }
+        barrier();
+    }
+    for (uint e = tid; e < G * Dh; e += BLOCK_SIZE) {
+        const uint g = e / Dh, d = e % Dh;
+        part[((t * p.n_heads + h0 + g) * p.n_splits + c) * pstride + 2 + d] = s_acc[e];
+    }
+    if (tid < G) {
+        float lsum = 0.0;
+        for (uint s = 0; s < nsg; ++s) {
+            const float ms = s_m[s * MAX_GROUP + tid];
+            lsum += ms == NEG_INF ? 0.0 : s_l[s * MAX_GROUP + tid] * exp(ms - mx[tid]);
+        }
+        const uint pb = ((t * p.n_heads + h0 + tid) * p.n_splits + c) * pstride;
+        part[pb] = mx[tid];
+        part[pb + 1] = lsum;
+    }
+}
