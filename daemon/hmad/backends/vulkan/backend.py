@@ -227,9 +227,9 @@ class Graph:
     logits: Act
     argmax_tail: CommandRecorder
     copy_tail: CommandRecorder | None = None
-    copy_generation: int = -1
+    copy_into: BufferView | None = None  # the readback buffer copy_tail writes (re-record when it changed)
     topk_tail: CommandRecorder | None = None
-    topk_generation: int = -1
+    topk_into: BufferView | None = None  # likewise for topk_tail
 
     def close(self) -> None:
         for r in (self.rec, self.argmax_tail, self.copy_tail, self.topk_tail):
@@ -297,9 +297,7 @@ class VulkanBackend(Backend):
         self.meta: BufferView | None = None
         self.ids: BufferView | None = None
         self.readback: BufferView | None = None
-        self.readback_generation = 0
         self.topk_buf: BufferView | None = None  # mapped: ids (rows, k) uint32, then values (rows, k)
-        self.topk_generation = 0
         self.fence = self.dev.create_fence()
         self._fences = ffi.new("VkFence[]", [self.fence])
         self.vocab = 0
@@ -450,10 +448,10 @@ class VulkanBackend(Backend):
         for m in (self.weights_mem, self.kv_mem):
             if m is not None:
                 m.close()
-        for b in (self.meta, self.ids, self.readback):
+        for b in (self.meta, self.ids, self.readback, self.topk_buf):
             if b is not None:
                 b.arena.close()
-        self.weights_mem = self.kv_mem = self.meta = self.ids = self.readback = None
+        self.weights_mem = self.kv_mem = self.meta = self.ids = self.readback = self.topk_buf = None
         if self.fence is not None:
             lib.vkDestroyFence(self.dev.handle, self.fence, ffi.NULL)
             self.fence = None
@@ -506,32 +504,36 @@ class VulkanBackend(Backend):
     def _copy_tail(self, graph: Graph) -> CommandRecorder:
         """The logits -> host-visible readback copy of ``graph`` (re-made when the readback buffer grew)."""
         need = graph.logits.view.nbytes
-        if self.readback is None or self.readback.nbytes < need:
-            if self.readback is not None:
-                self.readback.arena.close()
-            self.readback = create_buffer(self.dev, need, "readback", "logits readback")
-            self.readback_generation += 1
-        if graph.copy_tail is None or graph.copy_generation != self.readback_generation:
+        self.readback = self._readback_buffer(self.readback, need, "logits readback")
+        if graph.copy_into is not self.readback:
             if graph.copy_tail is not None:
                 graph.copy_tail.close()
             tail = CommandRecorder(self.dev).begin()
             tail.barrier()
             tail.copy(graph.logits.view, self.readback, need)
-            graph.copy_tail, graph.copy_generation = tail.end(), self.readback_generation
+            graph.copy_tail, graph.copy_into = tail.end(), self.readback
         return graph.copy_tail
 
-    def _topk_tail(self, graph: Graph) -> tuple[CommandRecorder, int]:
-        """The top-k tail of ``graph`` (re-made when the candidates buffer grew) and its k."""
-        rows, vocab = graph.logits.shape
+    def _readback_buffer(self, current: BufferView | None, need: int, label: str) -> BufferView:
+        """``current`` if it holds ``need`` bytes, else a new host-visible readback buffer (``current``
+        closed; the tails recorded against it are re-recorded by their owners)."""
+        if current is not None and current.nbytes >= need:
+            return current
+        if current is not None:
+            current.arena.close()
+        return create_buffer(self.dev, need, "readback", label)
+
+    def _topk_layout(self, rows: int, vocab: int) -> tuple[int, int]:
+        """(k, byte offset of the values) in the candidates buffer: ids (rows, k) first, values aligned."""
         k = min(TOPK_CANDIDATES, vocab)
-        half = -(-4 * rows * k // self.align) * self.align  # values start aligned for their binding
-        need = half + 4 * rows * k
-        if self.topk_buf is None or self.topk_buf.nbytes < need:
-            if self.topk_buf is not None:
-                self.topk_buf.arena.close()
-            self.topk_buf = create_buffer(self.dev, need, "readback", "top-k candidates")
-            self.topk_generation += 1
-        if graph.topk_tail is None or graph.topk_generation != self.topk_generation:
+        return k, -(-4 * rows * k // self.align) * self.align
+
+    def _topk_tail(self, graph: Graph) -> CommandRecorder:
+        """The top-k tail of ``graph`` (re-made when the candidates buffer grew)."""
+        rows, vocab = graph.logits.shape
+        k, half = self._topk_layout(rows, vocab)
+        self.topk_buf = self._readback_buffer(self.topk_buf, half + 4 * rows * k, "top-k candidates")
+        if graph.topk_into is not self.topk_buf:
             if graph.topk_tail is not None:
                 graph.topk_tail.close()
             kern = self._kernel("topk_f32")
@@ -543,8 +545,8 @@ class VulkanBackend(Backend):
             tail.barrier()
             push = TopkPush(rows, vocab, vocab, k)
             tail.dispatch(kern, [graph.logits.view, ids, vals], push, kern.groups_for(rows))
-            graph.topk_tail, graph.topk_generation = tail.end(), self.topk_generation
-        return graph.topk_tail, k
+            graph.topk_tail, graph.topk_into = tail.end(), self.topk_buf
+        return graph.topk_tail
 
     def _submit(self, graph: Graph, tail: CommandRecorder) -> None:
         cmds = ffi.new("VkCommandBuffer[]", [graph.rec.cmd, tail.cmd])
@@ -576,11 +578,10 @@ class VulkanBackend(Backend):
     def topk(self, x) -> tuple[np.ndarray, np.ndarray]:
         """Run the step with topk.comp on the GPU; read back the best TOPK_CANDIDATES (id, value) pairs of
         each logits row (8 bytes each, not the row's V floats)."""
-        tail, k = self._topk_tail(x.graph)
-        self._submit(x.graph, tail)
+        self._submit(x.graph, self._topk_tail(x.graph))
         self.topk_steps += 1
-        rows = x.graph.logits.shape[0]
-        half = -(-4 * rows * k // self.align) * self.align
+        rows, vocab = x.graph.logits.shape
+        k, half = self._topk_layout(rows, vocab)
         buf = self.topk_buf.array(np.uint8)
         ids = buf[: 4 * rows * k].view(np.uint32).reshape(rows, k)[: x.n_out].astype(np.int64)
         vals = buf[half : half + 4 * rows * k].view(np.float32).reshape(rows, k)[: x.n_out].copy()

@@ -206,14 +206,13 @@ def record_coopmat(
 
 
 def kernel_specs(spec_type) -> dict:
-    """name -> ``spec_type(source, n_buffers, MatMulPush, block)`` for :data:`pipelines.KERNELS`."""
-    specs = {
-        name: spec_type(src, 3, MatMulPush, MATVEC_BLOCK if src == "mul_mat_vec.comp" else MATMUL_BLOCK)
-        for name, src, _ in build_entries()
+    """name -> ``spec_type(source, n_buffers, push struct, block)`` for :data:`pipelines.KERNELS`."""
+    iface = {  # source -> (bindings, push struct, workgroup size)
+        "mul_mat_vec.comp": (3, MatMulPush, MATVEC_BLOCK),
+        "mul_mat.comp": (3, MatMulPush, MATMUL_BLOCK),
+        "mul_mm_coopmat.comp": (4, CoopMatPush, MATMUL_BLOCK),  # W, x, y, x's row scales
     }
-    for name, src, _ in build_entries():
-        if src == "mul_mm_coopmat.comp":
-            specs[name] = spec_type(src, 4, CoopMatPush, MATMUL_BLOCK)
+    specs = {name: spec_type(src, *iface[src]) for name, src, _ in build_entries()}
     for t in Q8_MATVEC_TYPES:  # bindings: W, XQ, XD, y [, W_up]; _t1: built for one token
         for suffix, n_buffers in (("", 4), ("_geglu", 5), ("_t1", 4), ("_geglu_t1", 5)):
             name = f"mul_mat_vec_q8x_{t}{suffix}"
