@@ -31,7 +31,7 @@ from hmad.backends.vulkan.kernels_matmul import (  # noqa: E402
     COOPMAT_TILES,
     COOPMAT_TYPES,
     MATMUL_TYPES,
-    Q8_MATVEC_TYPES,
+    UNIT_TYPES,
     coopmat_splits,
     coopmat_usable,
     record_coopmat,
@@ -46,11 +46,13 @@ from hmad.model.quants import dequantize, random_blocks  # noqa: E402
 
 
 def time_kernel(dev, kernel, w, x, y, k, n, t, iters) -> float:
-    """Median GPU ns of one y = x · Wᵀ (summed over its bind ranges)."""
+    """Median GPU ns of one y = x · Wᵀ (summed over its bind ranges); ``w`` one view or a list of copies
+    used in turn (so that W is not in the L2 cache from the previous call)."""
+    ws = w if isinstance(w, list) else [w]
     rec = CommandRecorder(dev, timestamps=True, max_commands=iters * 8).begin()
     per_call = 0
-    for _ in range(iters):
-        per_call = record_matmul(rec, kernel, w, x, y, k, n, t)
+    for i in range(iters):
+        per_call = record_matmul(rec, kernel, ws[i % len(ws)], x, y, k, n, t)
     rec.end()
     rec.submit()  # warm-up
     rec.submit()
@@ -60,11 +62,12 @@ def time_kernel(dev, kernel, w, x, y, k, n, t, iters) -> float:
 
 
 def time_q8(dev, kernel, w, xq, xd, y, k, n, t, iters) -> float:
-    """Median GPU ns of one int8 mat-vec (x already quantized)."""
+    """Median GPU ns of one int8 mat-vec (x already quantized); ``w`` as in :func:`time_kernel`."""
+    ws = w if isinstance(w, list) else [w]
     rec = CommandRecorder(dev, timestamps=True, max_commands=iters * 8).begin()
     per_call = 0
-    for _ in range(iters):
-        per_call = record_matvec_q8(rec, kernel, w, xq, xd, y, k, n, t)
+    for i in range(iters):
+        per_call = record_matvec_q8(rec, kernel, ws[i % len(ws)], xq, xd, y, k, n, t)
     rec.end()
     rec.submit()
     rec.submit()
@@ -74,55 +77,68 @@ def time_q8(dev, kernel, w, xq, xd, y, k, n, t, iters) -> float:
 
 
 def bench_q8(dev, args, w, x, y, k, n, copy_gbps) -> list[dict]:
-    """The int8 mat-vec at each T, next to the copy ceiling; x quantized once on the GPU first."""
-    t_max = 8
-    xq, xd = create_buffer(dev, t_max * k, "device"), create_buffer(dev, t_max * k // 32 * 8, "device")
-    quant = Kernel(dev, "quantize_q8")
-    rec = CommandRecorder(dev).begin()
-    rec.dispatch(quant, [x, xq, xd], QuantizeQ8Push(k, t_max, k), 64)
-    rec.end()
-    rec.submit()
-    rec.close()
-    out = []
-    kern = Kernel(dev, f"mul_mat_vec_q8x_{args.type}")
-    for t in map(int, args.tokens.split(",")):
-        ns = time_q8(dev, kern, w, xq, xd, y, k, n, t, args.iters)
-        r = {
-            "variant": kern.name,
-            "T": t,
-            "us": ns / 1e3,
-            "GBps": w.nbytes / ns,
-            "of_copy": w.nbytes / ns / copy_gbps,
-        }
-        out.append(r)
-        pct = 100 * r["of_copy"]
-        print(f"{kern.name:26s} T={t}: {ns / 1e3:9.1f} us  {r['GBps']:8.1f} GB/s ({pct:.0f}% of copy)")
-    for b in (kern, quant):
-        b.close()
-    xq.arena.close()
-    xd.arena.close()
+    """The int8 mat-vecs at each T, next to the copy ceiling: x as three planes (``x3``, the exact path) and
+    as one (``q8x``); x quantized once on the GPU first; ``_t1`` variants at T = 1."""
+    t_max, out = 8, []
+    for planes, x_name, quant_name in ((3, "x3", "quantize_x3"), (1, "q8x", "quantize_q8")):
+        xq = create_buffer(dev, planes * t_max * k, "device")
+        xd = create_buffer(dev, t_max * k // 32 * 8, "device")
+        quant = Kernel(dev, quant_name)
+        rec = CommandRecorder(dev).begin()
+        rec.dispatch(quant, [x, xq, xd], QuantizeQ8Push(k, t_max, k), 64)
+        rec.end()
+        rec.submit()
+        rec.close()
+        tokens = list(map(int, args.tokens.split(",")))
+        base = f"mul_mat_vec_{x_name}_{args.type}"
+        for name, ts in (
+            (base, tokens),
+            (base + "_t1", [1]),
+        ):
+            kern = Kernel(dev, name)
+            for t in ts:
+                ns = time_q8(dev, kern, w, xq, xd, y, k, n, t, args.iters)
+                nbytes = w[0].nbytes
+                r = {
+                    "variant": name,
+                    "T": t,
+                    "us": ns / 1e3,
+                    "GBps": nbytes / ns,
+                    "of_copy": nbytes / ns / copy_gbps,
+                }
+                out.append(r)
+                pct = 100 * r["of_copy"]
+                print(f"{name:28s} T={t}: {ns / 1e3:9.1f} us  {r['GBps']:8.1f} GB/s ({pct:.0f}% of copy)")
+            kern.close()
+        quant.close()
+        xq.arena.close()
+        xd.arena.close()
     return out
 
 
 def bench_coopmat(dev, args, w, x, y, k, n, ts, copy_gbps) -> list[dict]:
-    """mul_mm_coopmat_<type>_<BT>x<BN> for every tile and T (K split as the backend would): TFLOP/s, and
-    weight GB/s over the ceiling."""
+    """mul_mm_coopmat_<type>_<BT>x<BN> (x as its float16 copy from row_scale) for
+    every tile and T (K split as the backend would): TFLOP/s, and weight GB/s over the ceiling. ``w`` a list
+    of copies of W used in turn."""
     out = []
     part = create_buffer(dev, 256 << 20, "device", "partial sums")
     scale = create_buffer(dev, 4 * max(ts), "device", "row scales")
+    xh = create_buffer(dev, 2 * k * max(ts), "device", "x float16")
     red, rs = Kernel(dev, "split_reduce"), Kernel(dev, "row_scale")
     rec = CommandRecorder(dev).begin()
-    record_row_scale(rec, rs, x, scale, k, max(ts))
+    record_row_scale(rec, rs, x, scale, xh, k, max(ts))
     rec.end()
     rec.submit()
     rec.close()
-    for bt, bn in COOPMAT_TILES:
-        kern = Kernel(dev, f"mul_mm_coopmat_{args.type}_{bt}x{bn}")
+    names = [f"mul_mm_coopmat_{args.type}_{bt}x{bn}" for bt, bn in COOPMAT_TILES]
+    for name in names:
+        kern = Kernel(dev, name)
+        bt, bn = map(int, name.rsplit("_", 1)[1].split("x"))
         for t in ts:
             rec = CommandRecorder(dev, timestamps=True, max_commands=args.iters * 8).begin()
             per_call = 0
-            for _ in range(args.iters):  # the row scales are made once per x: in the step, not per matmul
-                per_call = record_coopmat(rec, kern, red, w, x, y, scale, k, n, t, part)
+            for i in range(args.iters):  # the row scales are made once per x: in the step, not per matmul
+                per_call = record_coopmat(rec, kern, red, w[i % len(w)], xh, y, scale, k, n, t, part)
             rec.end()
             rec.submit()
             rec.submit()
@@ -134,27 +150,30 @@ def bench_coopmat(dev, args, w, x, y, k, n, ts, copy_gbps) -> list[dict]:
             rec.close()
             ns = float(np.median(ns))
             splits = coopmat_splits(k, n, t, (bt, bn))[0]
-            r = {
-                "tile": [bt, bn],
-                "T": t,
-                "splits": splits,
-                "us": ns / 1e3,
-                "TFLOPs": 2 * k * n * t / ns / 1e3,
-            }
-            r["GBps"] = w.nbytes / ns
+            r = {"kernel": name, "tile": [bt, bn], "T": t, "splits": splits, "us": ns / 1e3}
+            r["TFLOPs"] = 2 * k * n * t / ns / 1e3
+            r["GBps"] = w[0].nbytes / ns
             r["of_copy"] = r["GBps"] / copy_gbps
             out.append(r)
             print(
-                f"{kern.name:30s} T={t:4d} splits {splits:2d}: {ns / 1e3:8.1f} us {r['TFLOPs']:6.1f} TFLOP/s "
+                f"{name:30s} T={t:4d} splits {splits:2d}: {ns / 1e3:8.1f} us {r['TFLOPs']:6.1f} TFLOP/s "
                 f"weights {r['GBps']:7.1f} GB/s ({100 * r['of_copy']:.0f}% of copy)",
                 flush=True,
             )
         kern.close()
     red.close()
     rs.close()
-    part.arena.close()
-    scale.arena.close()
+    for b in (part, scale, xh):
+        b.arena.close()
     return out
+
+
+def matvec_variants(t_name: str, tokens: list[int]) -> list[tuple[str, list[int]]]:
+    """(float mat-vec variant, its token counts) of a weight type: the unit kernel (``_t1`` at T = 1) for
+    quantized types, the shared / subgroup reductions for float ones."""
+    if t_name not in UNIT_TYPES:
+        return [(f"mul_mat_vec_{t_name}{s}", tokens) for s in ("", "_subgroup")]
+    return [(f"mul_mat_vec_{t_name}", tokens), (f"mul_mat_vec_{t_name}_t1", [1])]
 
 
 def check_rows(up, w_host, qtype, y, x, k, n) -> float:
@@ -172,12 +191,13 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=5376)
     ap.add_argument("--n", type=int, default=21504)
     ap.add_argument("--tokens", default="1,2,4,8", help="mat-vec token counts")
-    ap.add_argument("--blocks", default="64,128,256", help="mat-vec workgroup sizes")
+    ap.add_argument("--blocks", default="128,256", help="mat-vec workgroup sizes")
     ap.add_argument("--prefill", type=int, default=512, help="T of the mat-mat run (0: skip)")
     ap.add_argument(
         "--coopmat", default="16,32,64,128,512", help="T of the cooperative-matrix runs ('': skip)"
     )
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--rotate", type=int, default=4, help="copies of W the mat-vec timings cycle through")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = Device(args.device)
@@ -193,6 +213,11 @@ def main() -> int:
     y = create_buffer(dev, t_max * n * 4, "device", "y")
     w.row_bytes = rb
     up.upload(w, w_host)
+    ws = [w]  # copies of W used in turn by the mat-vec timings: together well past the L2 cache
+    for _ in range(args.rotate - 1):
+        ws.append(create_buffer(dev, w_host.nbytes, "device", "W copy"))
+        ws[-1].row_bytes = rb
+        up.upload(ws[-1], w_host)
     up.upload(x, x_host)
     up.flush()
     res = {"device": dev.describe()["name"], "type": args.type, "K": k, "N": n, "weight_bytes": w.nbytes}
@@ -208,13 +233,14 @@ def main() -> int:
     )
 
     res["matvec"] = []
-    if args.type in Q8_MATVEC_TYPES:
-        res["matvec_q8"] = bench_q8(dev, args, w, x, y, k, n, copy["GBps"])
-    for variant in (f"mul_mat_vec_{args.type}", f"mul_mat_vec_{args.type}_subgroup"):
+    if args.type in UNIT_TYPES:
+        res["matvec_q8"] = bench_q8(dev, args, ws, x, y, k, n, copy["GBps"])
+    tokens = list(map(int, args.tokens.split(",")))
+    for variant, ts in matvec_variants(args.type, tokens):
         for block in map(int, args.blocks.split(",")):
             kern = Kernel(dev, variant, block_size=block)
-            for t in map(int, args.tokens.split(",")):
-                ns = time_kernel(dev, kern, w, x, y, k, n, t, args.iters)
+            for t in ts:
+                ns = time_kernel(dev, kern, ws, x, y, k, n, t, args.iters)
                 r = {"variant": variant, "block": block, "T": t, "us": ns / 1e3, "GBps": w.nbytes / ns}
                 r["of_copy"] = r["GBps"] / copy["GBps"]
                 res["matvec"].append(r)
@@ -236,13 +262,13 @@ def main() -> int:
         )
         kern.close()
     if coop_ts and coopmat_usable(dev.info) and args.type in COOPMAT_TYPES:
-        res["coopmat"] = bench_coopmat(dev, args, w, x, y, k, n, coop_ts, copy["GBps"])
+        res["coopmat"] = bench_coopmat(dev, args, ws, x, y, k, n, coop_ts, copy["GBps"])
     best = max(res["matvec"], key=lambda r: r["GBps"])
     print(f"best mat-vec: {best['variant']} block {best['block']} T={best['T']}: {best['GBps']:.1f} GB/s")
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
     up.close()
-    for b in (w, x, y, src, dst):
+    for b in (*ws, x, y, src, dst):
         b.arena.close()
     dev.close()
     return 0

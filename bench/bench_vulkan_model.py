@@ -238,7 +238,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--gen", type=int, default=64, help="greedy tokens per prompt in the engine runs")
-    ap.add_argument("--matvec", default="float", choices=("int8", "float"))
+    ap.add_argument("--matvec", default="exact", choices=("exact", "int8", "float"))
     ap.add_argument("--coopmat", default="auto", choices=("auto", "off"))
     ap.add_argument("--coopmat-min-tokens", type=int, default=9)
     ap.add_argument("--engine", default="270m,27b", help="models whose engine runs take 1, 8, 32 streams")

@@ -38,6 +38,14 @@ GLSLANG_SOURCES = {"mul_mm_coopmat.comp"}  # KHR cooperative matrix: SPIR-V 1.6,
 COOPMAT_TYPES = ("f16", "q8_0", "q4_0", "q5_0", "q4_k", "q6_k")  # kernels_matmul.COOPMAT_TYPES
 COOPMAT_TILES = ((32, 64), (64, 64), (64, 128), (128, 128))  # (BT, BN): kernels_matmul.COOPMAT_TILES
 
+# mat-vec variants (mul_mat_vec_q8.comp, mul_mat_vec_unit.comp): up to 8 tokens or one, plain or fused GeGLU
+MATVEC_VARIANTS = (
+    ("", {}),
+    ("_geglu", {"GEGLU": "1"}),
+    ("_t1", {"MAX_T": "1u"}),
+    ("_geglu_t1", {"GEGLU": "1", "MAX_T": "1u"}),
+)
+
 # (output name, source, defines)
 BUILD: list[tuple[str, str, dict[str, str]]] = [
     ("copy_vec4", "copy.comp", {}),
@@ -67,33 +75,40 @@ BUILD: list[tuple[str, str, dict[str, str]]] = [
     ],
     ("attention_reduce_f32", "attention_reduce.comp", {}),
     ("attention_reduce_f32_q8", "attention_reduce.comp", {"Q8OUT": "1"}),
+    ("attention_reduce_f32_x3", "attention_reduce.comp", {"Q8OUT": "1", "PLANES": "3"}),
     ("argmax_f32", "argmax.comp", {}),
     ("topk_f32", "topk.comp", {}),
     ("norm_rope_f32", "norm_rope.comp", {}),
     ("quantize_q8", "quantize_q8.comp", {}),
+    ("quantize_x3", "quantize_q8.comp", {"PLANES": "3"}),
     ("residual_norm", "residual_norm.comp", {}),
     ("residual_norm_next", "residual_norm.comp", {"NEXT": "1"}),
     ("residual_norm_next_q8", "residual_norm.comp", {"NEXT": "1", "Q8OUT": "1"}),
-    # int8 mat-vec over q8 activations (kernels_matmul.py: Q8_MATVEC_TYPES), plain and fused with GeGLU
+    ("residual_norm_next_x3", "residual_norm.comp", {"NEXT": "1", "Q8OUT": "1", "PLANES": "3"}),
+    # int8 mat-vec over q8 activations, one plane (q8x) or three (x3: the exact path), plain and fused with
+    # GeGLU (kernels_matmul.py: UNIT_TYPES)
     *[
-        (f"mul_mat_vec_q8x_{t.lower()}{suffix}", "mul_mat_vec_q8.comp", {f"TYPE_{t}": "1", **extra})
+        (f"mul_mat_vec_{x}_{t.lower()}{suffix}", "mul_mat_vec_q8.comp", {f"TYPE_{t}": "1", **planes, **extra})
+        for x, planes in (("q8x", {}), ("x3", {"PLANES": "3"}))
         for t in ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K")
-        for suffix, extra in (
-            ("", {}),
-            ("_geglu", {"GEGLU": "1"}),
-            ("_t1", {"MAX_T": "1u"}),
-            ("_geglu_t1", {"GEGLU": "1", "MAX_T": "1u"}),
-        )
+        for suffix, extra in MATVEC_VARIANTS
     ],
-    # quantized matmul per weight type: mat-vec (shared / subgroup reduce), tiled mat-mat (kernels_matmul.py)
+    # matmul per weight type (kernels_matmul.py): float mat-vec of float weights (shared / subgroup reduce)
     *[
-        (f"{op}_{t.lower()}{suffix}", f"{op}.comp", {f"TYPE_{t}": "1", **extra})
+        (f"mul_mat_vec_{t.lower()}{suffix}", "mul_mat_vec.comp", {f"TYPE_{t}": "1", **extra})
+        for t in ("F32", "F16", "BF16")
+        for suffix, extra in (("", {}), ("_subgroup", {"SUBGROUP": "1"}))
+    ],
+    # ... float mat-vec of quantized weights by units (plain and fused with GeGLU, up to 8 tokens or one)
+    *[
+        (f"mul_mat_vec_{t.lower()}{suffix}", "mul_mat_vec_unit.comp", {f"TYPE_{t}": "1", **extra})
+        for t in ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K")
+        for suffix, extra in MATVEC_VARIANTS
+    ],
+    # ... tiled mat-mat of every type
+    *[
+        (f"mul_mat_{t.lower()}", "mul_mat.comp", {f"TYPE_{t}": "1"})
         for t in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K")
-        for op, suffix, extra in (
-            ("mul_mat_vec", "", {}),
-            ("mul_mat_vec", "_subgroup", {"SUBGROUP": "1"}),
-            ("mul_mat", "", {}),
-        )
     ],
     # cooperative-matrix mat-mat (float16 tiles, float32 accumulators), per weight type and token tile
     *[

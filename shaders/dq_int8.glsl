@@ -28,15 +28,7 @@ uint spread4(uint b) {
 #define W_ELEM uvec4
 #define WSIZE 16u
 #define UNIT_W 64u
-// Q4_K scales: 6-bit (sc, m) of sub-block j from the 12 scale bytes held in words s (= header .yzw): bytes
-// 0-3 sc 0-3 (low 6 bits), 4-7 m 0-3, 8-11 low/high nibbles sc/m 4-7 with the top bits of bytes 0-7.
-// Shifts by a variable amount only: a variable index into a vector would go through local memory.
-uint q4k_byte(uint w, uint n) { return (w >> (8u * n)) & 0xFFu; }
-uvec2 q4k_scale_min(uvec3 s, uint j) {
-    if (j < 4u) return uvec2(q4k_byte(s.x, j) & 63u, q4k_byte(s.y, j) & 63u);
-    const uint hi4 = q4k_byte(s.z, j - 4u);
-    return uvec2((hi4 & 0xFu) | ((q4k_byte(s.x, j - 4u) >> 6) << 4), (hi4 >> 4) | ((q4k_byte(s.y, j - 4u) >> 6) << 4));
-}
+#include "q4k.glsl"
 #else
 #error "define one of TYPE_Q8_0, TYPE_Q4_0, TYPE_Q5_0, TYPE_Q4_K, TYPE_Q6_K"
 #endif

@@ -3,9 +3,13 @@
 // read as GGUF blocks decoded to int8 lanes (dq_int8.glsl): the dot products run on packed 4 x int8 (OpSDot),
 // the scales in float. GEGLU: W is the gate and binding 4 the up projection (same type and shape);
 // y = gelu_tanh(x . gate) * (x . up), as geglu.comp.
-// Work: LANES invocations per row (BLOCK_SIZE / LANES rows per workgroup); each lane takes units u = lane,
-// lane + LANES, ... of its row, decodes the unit once and uses it for every token; the lanes' partial sums
-// are added in shared memory (no assumption on the subgroup size: lavapipe's is 8, RADV's 32 or 64).
+// Work: LANES invocations share NR consecutive rows (BLOCK_SIZE / LANES * NR rows per workgroup); each lane
+// takes units u = lane, lane + LANES, ... of those rows, decodes each unit once and uses it for every token,
+// and loads each block of x once for all NR rows (x, three planes of it, is the larger stream through L1);
+// the lanes' partial sums are added in shared memory (no assumption on the subgroup size: lavapipe's is 8,
+// RADV's 32 or 64).
+// PLANES 3 (the exact decode path): x comes as three int8 planes (q8act.glsl), each block's three integer dots
+// combined with their power-of-two plane scales before the float factors.
 // Bindings: 0 W, 1 XQ (uvec4: 4 words), 2 XD (vec2), 3 Y, [4 W_up]. Push as mul_mat_vec.comp.
 // Requires K % UNIT_W == 0, BLOCK_SIZE % LANES == 0.
 #include "common.glsl"
@@ -29,8 +33,13 @@ layout(binding = 4) readonly buffer WU { W_ELEM w_up[]; };
 #ifndef MAX_T
 #define MAX_T 8u  // the _t1 variants: 1 (decode at batch 1: fewer registers, more rows in flight)
 #endif
+#ifndef PLANES
+#define PLANES 1
+#endif
+#define NR 2u  // rows per lane group (H200, 27B Q4_K shape: x3 56 -> 40 us at T = 1, 393 -> 235 us at T = 8)
 #define UW (UNIT_W / 4u)      // lane words per unit
 #define UB (UNIT_W / 32u)     // x blocks per unit
+#define GROUPS (BLOCK_SIZE / LANES)
 
 layout(binding = 1) readonly buffer XQ { uvec4 xq4[]; };
 layout(binding = 2) readonly buffer XD { vec2 xd[]; };
@@ -40,7 +49,7 @@ layout(push_constant) uniform Push {
     uint K;
     uint N;
     uint T;
-    uint x_stride;    // unused: x rows are K values apart (XQ K/4 words, XD K/32 pairs)
+    uint x_stride;    // unused: x rows are K values apart (XQ PLANES * K/4 words, XD K/32 pairs)
     uint y_stride;
     uint row_bytes;
     uint row_offset;
@@ -51,28 +60,53 @@ layout(push_constant) uniform Push {
 #else
 #define NSUM 1u
 #endif
-shared float red[LANES][(BLOCK_SIZE / LANES) * MAX_T * NSUM + 1u];
+#define NACC (NSUM * NR * MAX_T)  // accumulator (s, r, t) at (s * NR + r) * MAX_T + t
+shared float red[LANES][GROUPS * NACC + 1u];
 
-// unit . x for token t: the int8 dots per 32-block, scaled (see dq_int8.glsl for f)
-float unit_dot(const uint q[UW], vec4 f, uint t, uint u) {
-    const uint xb = t * (p.K / 32u) + u * UB;  // first x block of the unit
-    float s = 0.0;
-    [[unroll]] for (uint b = 0; b < UB; ++b) {
-        const uvec4 x0 = xq4[2u * (xb + b)], x1 = xq4[2u * (xb + b) + 1u];
-        const int lo = sdot4(q[8u * b], x0.x) + sdot4(q[8u * b + 1u], x0.y) + sdot4(q[8u * b + 2u], x0.z)
-                     + sdot4(q[8u * b + 3u], x0.w);
-        const int hi = sdot4(q[8u * b + 4u], x1.x) + sdot4(q[8u * b + 5u], x1.y) + sdot4(q[8u * b + 6u], x1.z)
-                     + sdot4(q[8u * b + 7u], x1.w);
-        const vec2 ds = xd[xb + b];
-#if defined(TYPE_Q6_K)
-        s += ds.x * (f.x * float(lo) + f.y * float(hi));
-#elif defined(TYPE_Q4_K)
-        s += f[b] * ds.x * float(lo + hi) + f[2u + b] * ds.y;
-#else
-        s += f.x * ds.x * float(lo + hi);
-#endif
+// The integer dots of block b's lane words (q[8b..8b+7]) with one plane's 32 x values (x0, x1): (first 16
+// values, last 16)
+ivec2 block_dots(const uint q[UW], uint b, uvec4 x0, uvec4 x1) {
+    const int lo = sdot4(q[8u * b], x0.x) + sdot4(q[8u * b + 1u], x0.y) + sdot4(q[8u * b + 2u], x0.z)
+                 + sdot4(q[8u * b + 3u], x0.w);
+    const int hi = sdot4(q[8u * b + 4u], x1.x) + sdot4(q[8u * b + 5u], x1.y) + sdot4(q[8u * b + 6u], x1.z)
+                 + sdot4(q[8u * b + 7u], x1.w);
+    return ivec2(lo, hi);
+}
+
+// x block xb (of token t) as PLANES pairs of uvec4
+struct XBlock {
+    uvec4 w[2u * PLANES];
+    vec2 ds;  // (d, s): XD
+};
+
+XBlock x_block(uint t, uint xb) {
+    XBlock x;
+    const uint nb = p.K / 32u;
+    [[unroll]] for (uint pl = 0; pl < PLANES; ++pl) {
+        const uint xw = (t * PLANES + pl) * nb + xb;  // plane pl of token t, block xb
+        x.w[2u * pl] = xq4[2u * xw];
+        x.w[2u * pl + 1u] = xq4[2u * xw + 1u];
     }
-    return s;
+    x.ds = xd[t * nb + xb];
+    return x;
+}
+
+// Block b of a unit (words q, factors f: dq_int8.glsl) . x block x, in float
+float block_term(const uint q[UW], vec4 f, uint b, XBlock x) {
+#if PLANES == 3
+    const vec2 d3 = vec2(block_dots(q, b, x.w[4], x.w[5])) * (1.0 / 128.0);
+    const vec2 d2 = (vec2(block_dots(q, b, x.w[2], x.w[3])) + d3) * (1.0 / 128.0);
+    const vec2 dd = vec2(block_dots(q, b, x.w[0], x.w[1])) + d2;
+#else
+    const vec2 dd = vec2(block_dots(q, b, x.w[0], x.w[1]));
+#endif
+#if defined(TYPE_Q6_K)
+    return x.ds.x * (f.x * dd.x + f.y * dd.y);
+#elif defined(TYPE_Q4_K)
+    return f[b] * x.ds.x * (dd.x + dd.y) + f[2u + b] * x.ds.y;
+#else
+    return f.x * x.ds.x * (dd.x + dd.y);
+#endif
 }
 
 float gelu_mul(float g, float u) {
@@ -81,45 +115,49 @@ float gelu_mul(float g, float u) {
 }
 
 void main() {
-    const uint tid = gl_LocalInvocationID.x;
-    const uint lane = tid % LANES, r = tid / LANES;
-    const uint row = group_index() * (BLOCK_SIZE / LANES) + r;
-    const uint rb = min(row, p.N - 1u) * (p.row_bytes / WSIZE);
-    const uint units = p.K / UNIT_W;
-    float acc[MAX_T * NSUM];
-    [[unroll]] for (uint a = 0; a < MAX_T * NSUM; ++a) acc[a] = 0.0;
-    for (uint u = lane; u < units; u += LANES) {
-        uint q[UW];
-        vec4 f;
-        load_unit(rb, u, q, f);
+    const uint tid = gl_LocalInvocationID.x, lane = tid % LANES, grp = tid / LANES;
+    const uint row0 = (group_index() * GROUPS + grp) * NR;
+    uint rb[NR];
+    [[unroll]] for (uint r = 0; r < NR; ++r) rb[r] = min(row0 + r, p.N - 1u) * (p.row_bytes / WSIZE);
+    float acc[NACC];
+    [[unroll]] for (uint a = 0; a < NACC; ++a) acc[a] = 0.0;
+    for (uint u = lane; u < p.K / UNIT_W; u += LANES) {
+        uint q[NR][UW];
+        vec4 f[NR];
+        [[unroll]] for (uint r = 0; r < NR; ++r) load_unit(rb[r], u, q[r], f[r]);
 #ifdef GEGLU
-        uint qu[UW];
-        vec4 fu;
-        load_unit_up(rb, u, qu, fu);
+        uint qu[NR][UW];
+        vec4 fu[NR];
+        [[unroll]] for (uint r = 0; r < NR; ++r) load_unit_up(rb[r], u, qu[r], fu[r]);
 #endif
         [[unroll]] for (uint t = 0; t < MAX_T; ++t) {
             if (t < p.T) {
-                acc[t] += unit_dot(q, f, t, u);
+                [[unroll]] for (uint b = 0; b < UB; ++b) {
+                    const XBlock x = x_block(t, u * UB + b);
+                    [[unroll]] for (uint r = 0; r < NR; ++r) {
+                        acc[r * MAX_T + t] += block_term(q[r], f[r], b, x);
 #ifdef GEGLU
-                acc[MAX_T + t] += unit_dot(qu, fu, t, u);
+                        acc[(NR + r) * MAX_T + t] += block_term(qu[r], fu[r], b, x);
 #endif
+                    }
+                }
             }
         }
     }
-    const uint base = r * MAX_T * NSUM;
-    [[unroll]] for (uint a = 0; a < MAX_T * NSUM; ++a) red[lane][base + a] = acc[a];
+
+    [[unroll]] for (uint a = 0; a < NACC; ++a) red[lane][grp * NACC + a] = acc[a];
     barrier();
-    // invocation i < rows * T sums row i / T, token i % T over the lanes
-    const uint rows = BLOCK_SIZE / LANES;
-    if (tid < rows * p.T) {
-        const uint rr = tid / p.T, t = tid % p.T, n = group_index() * rows + rr;
+    // invocation i < GROUPS * NR * T sums (lane group, row, token) = (i / (NR T), i / T % NR, i % T)
+    if (tid < GROUPS * NR * p.T) {
+        const uint g = tid / (NR * p.T), r = (tid / p.T) % NR, t = tid % p.T;
         float s = 0.0;
-        for (uint l = 0; l < LANES; ++l) s += red[l][rr * MAX_T * NSUM + t];
+        for (uint l = 0; l < LANES; ++l) s += red[l][g * NACC + r * MAX_T + t];
 #ifdef GEGLU
         float su = 0.0;
-        for (uint l = 0; l < LANES; ++l) su += red[l][rr * MAX_T * NSUM + MAX_T + t];
+        for (uint l = 0; l < LANES; ++l) su += red[l][g * NACC + (NR + r) * MAX_T + t];
         s = gelu_mul(s, su);
 #endif
+        const uint n = (group_index() * GROUPS + g) * NR + r;
         if (n < p.N) y[t * p.y_stride + p.row_offset + n] = s;
     }
 }

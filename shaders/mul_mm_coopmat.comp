@@ -1,43 +1,59 @@
 #version 450
 // y[t, row_offset + n] = sum_k x[t, k] * W[n, k] on cooperative matrices (VK_KHR_cooperative_matrix):
-// float16 A (x) and B (W) tiles, float32 accumulators. Same push constants and bindings as mul_mat.comp.
+// float16 A (x) and B (W) tiles, float32 accumulators.
 //
 // A workgroup owns a BT x BN tile of y (tokens t0.., rows n0..) over one split of K (workgroup z covers
-// weights [z * k_split, (z + 1) * k_split)). Per step of BK along K it decodes the BN x BK tile of W
-// (dequant.glsl, dq8) and converts the BT x BK tile of x into float16 in shared memory; each of the NSG
-// subgroups then multiplies its (BT / 2) x (BN / 4) part as TF x NF 16 x 16 x 16 products (A = x rows,
-// row-major; B = Wᵀ, i.e. W rows read column-major). With several splits (gl_NumWorkGroups.z > 1) y is a
-// scratch of partial sums, split z at element z * T * y_stride, summed by split_reduce.comp: splitting K
-// keeps enough workgroups in flight when few tokens leave few output tiles (decode batches).
-// The result goes through a per-subgroup 16 x 16 float32 staging tile so partial tiles, row_offset and any
-// y_stride need no alignment. float16 holds |x| up to 65504 at 11 bits of mantissa (the int8 mat-vec keeps
-// 8): row t of x is divided by xscale[t], a power of two from row_scale.comp (1 for rows within 2^14), and
-// its sums multiplied back, so large activations cannot overflow; accumulation is float32.
-// Requires BLOCK_SIZE == 256 with 32-wide subgroups (NSG = 8), K % 32 == 0 and k_split % BK == 0 (the
-// last split may be short, by whole 32s), x_stride % 4 == 0. Dispatch (ceil(N / BN), ceil(T / BT), splits).
+// weights [z * k_split, (z + 1) * k_split)). Per step of BK along K the BN x BK tile of W is decoded and the
+// BT x BK tile of x copied into shared memory; each of the NSG subgroups then multiplies its (BT / 2) x
+// (BN / 4) part as TF x NF 16 x 16 x 16 products (A = x rows, row-major; B = Wᵀ, i.e. W rows read
+// column-major). With several splits (gl_NumWorkGroups.z > 1) y is a scratch of partial sums, split z at
+// element z * T * y_stride, summed by split_reduce.comp: splitting K keeps enough workgroups in flight when
+// few tokens leave few output tiles (decode batches). The result goes through a per-subgroup 16 x 16
+// float32 staging tile so partial tiles, row_offset and any y_stride need no alignment.
+// Loads are pipelined (2x the first version of this kernel at the 27B prefill shape on an H200):
+// - x comes in as float16 already divided by its row scale (row_scale.comp: a power of two that keeps
+//   Gemma's large activations within float16; the sums are multiplied back): a tile is a plain copy;
+// - the global loads of step s + 1 (x, and W raw: Q4_K as its 16-byte header + 8 bytes of quants per 16
+//   weights; other types decoded by dequant.glsl's dq8) are issued before the products of step s, so they
+//   are in flight while the tensor cores work; after the step's second barrier they go into the tiles;
+// - Q4_K weights decoded 16 at a time with one scale decode (the types of 27B models), others 8 at a time.
+// Bindings: 0 W, 1 xh (float16, rows x_stride halves apart, x_stride % 8 == 0), 2 y, 3 row scales.
+// Requires BLOCK_SIZE == 256 with 32-wide subgroups, K % 32 == 0 (Q4_K: whole superblocks), BN >= 64,
+// k_split % BK == 0. Dispatch (ceil(N / BN), ceil(T / BT), splits).
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
+#ifdef TYPE_Q4_K
+#include "q4k.glsl"
+layout(binding = 0) readonly buffer W { uvec4 w4[]; };  // Q4_K: 144-byte blocks = 9 uvec4
+#define WSIZE 16u
+#else
 #include "dequant.glsl"
+#endif
 
 #ifndef BT
 #define BT 64u
 #endif
 #ifndef BN
-#define BN 128u
+#define BN 64u
 #endif
 #define BK 64u
-#define SK (BK + 8u)     // shared row stride in float16 (pad: 16 bytes, keeps rows 16-byte aligned)
-#define SK8 (SK / 8u)    // ... in uvec4 (8 float16): the tiles are stored 8 values per 16-byte store
+#define SK8 ((BK + 8u) / 8u)  // shared row stride in uvec4 (8 float16; 16 bytes of pad)
 #define NSG 8u
-#define WT (BT / 2u)     // tokens per subgroup
-#define WN (BN / 4u)     // rows per subgroup
+#define WT (BT / 2u)
+#define WN (BN / 4u)
 #define TF (WT / 16u)
 #define NF (WN / 16u)
+#define XPT (BT * BK / 8u / 256u)  // x: uvec4 (8 halves) per invocation per step
+#ifdef TYPE_Q4_K
+#define WPT (BN * 4u / 256u)       // W: (row, quarter of the 64-weight chunk) pieces per invocation
+#else
+#define WPT (BN * BK / 8u / 256u)  // W: 8-weight groups per invocation
+#endif
 
-layout(binding = 1) readonly buffer X { vec4 x4[]; };
+layout(binding = 1) readonly buffer X { uvec4 xh[]; };
 layout(binding = 2) writeonly buffer Y { float y[]; };
 layout(binding = 3) readonly buffer S { float xscale[]; };
 
@@ -45,43 +61,92 @@ layout(push_constant) uniform Push {
     uint K;
     uint N;
     uint T;
-    uint x_stride;
+    uint x_stride;  // halves between rows of xh
     uint y_stride;
     uint row_bytes;
     uint row_offset;
-    uint k_split;  // weights of K per split (workgroup z)
+    uint k_split;
 } p;
 
 shared uvec4 ws[BN * SK8];  // W tile: float16 (n, k) at ws[n * SK8 + k / 8] lane k % 8
-shared uvec4 xs[BT * SK8];  // x tile: float16 (t, k) likewise
-shared float stage[NSG * 256u];  // one 16 x 16 result tile per subgroup
+shared uvec4 xs[BT * SK8];  // x tile likewise
+shared float stage[NSG * 256u];
 
 #define CM_A coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA>
 #define CM_B coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB>
 #define CM_C coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>
 
-void load_w(uint n0, uint k0, uint k_end, uint tid) {
-    [[unroll]] for (uint h = 0; h < BN * BK / 8u / 256u; ++h) {
-        const uint idx = tid + 256u * h, r = idx / (BK / 8u), q = idx % (BK / 8u);
-        vec4 lo = vec4(0.0), hi = vec4(0.0);
-        if (k0 + 8u * q < k_end) dq8(min(n0 + r, p.N - 1u) * (p.row_bytes / WSIZE), k0 + 8u * q, lo, hi);
-        ws[r * SK8 + q] = uvec4(packHalf2x16(lo.xy), packHalf2x16(lo.zw), packHalf2x16(hi.xy), packHalf2x16(hi.zw));
-    }
+// The registers between a step's loads and its stores into shared memory.
+uvec4 rx[XPT];
+#ifdef TYPE_Q4_K
+uvec4 rh[WPT];  // block header
+uvec2 rq[WPT];  // 8 bytes of the chunk's quants
+#else
+uvec4 rw[WPT];  // 8 decoded weights as float16
+#endif
+
+uvec4 pack8(vec4 lo, vec4 hi) {
+    return uvec4(packHalf2x16(lo.xy), packHalf2x16(lo.zw), packHalf2x16(hi.xy), packHalf2x16(hi.zw));
 }
 
-void load_x(uint t0, uint k0, uint k_end, uint tid) {
-    const uint xs4 = p.x_stride / 4u;
-    [[unroll]] for (uint h = 0; h < BT * BK / 8u / 256u; ++h) {
+void fetch(uint n0, uint t0, uint k0, uint k_end, uint tid) {
+    [[unroll]] for (uint h = 0; h < XPT; ++h) {
         const uint idx = tid + 256u * h, t = idx / (BK / 8u), q = idx % (BK / 8u);
-        vec4 lo = vec4(0.0), hi = vec4(0.0);
-        if (t0 + t < p.T && k0 + 8u * q < k_end) {
-            const uint a = (t0 + t) * xs4 + k0 / 4u + 2u * q;
-            const float inv = 1.0 / xscale[t0 + t];  // exact: a power of two
-            lo = x4[a] * inv;
-            hi = x4[a + 1u] * inv;
-        }
-        xs[t * SK8 + q] = uvec4(packHalf2x16(lo.xy), packHalf2x16(lo.zw), packHalf2x16(hi.xy), packHalf2x16(hi.zw));
+        const bool live = t0 + t < p.T && k0 + 8u * q < k_end;
+        rx[h] = live ? xh[((t0 + t) * p.x_stride + k0) / 8u + q] : uvec4(0u);
     }
+    const uint rstride = p.row_bytes / WSIZE;
+#ifdef TYPE_Q4_K
+    // piece (r, j): row n0 + r, bytes 8j..8j+7 of the 32-byte quant chunk c covering k0..k0+63
+    const uint c = (k0 % 256u) / 64u;
+    [[unroll]] for (uint h = 0; h < WPT; ++h) {
+        const uint idx = tid + 256u * h, r = idx / 4u, j = idx % 4u;
+        const uint b = min(n0 + r, p.N - 1u) * rstride + (k0 / 256u) * 9u;
+        rh[h] = w4[b];
+        const uvec4 q = w4[b + 1u + 2u * c + j / 2u];
+        rq[h] = (j % 2u) == 0u ? q.xy : q.zw;
+    }
+#else
+    [[unroll]] for (uint h = 0; h < WPT; ++h) {
+        const uint idx = tid + 256u * h, r = idx / (BK / 8u), q = idx % (BK / 8u);
+        vec4 lo = vec4(0.0), hi = vec4(0.0);
+        if (k0 + 8u * q < k_end) dq8(min(n0 + r, p.N - 1u) * rstride, k0 + 8u * q, lo, hi);
+        rw[h] = pack8(lo, hi);
+    }
+#endif
+}
+
+#ifdef TYPE_Q4_K
+// 4 nibbles of a word (at shift s) scaled: w = d sc q - dmin m
+vec4 nib4(uint w, uint s, float dl, float ml) {
+    w >>= s;
+    return vec4(w & 0xFu, (w >> 8) & 0xFu, (w >> 16) & 0xFu, (w >> 24) & 0xFu) * dl - ml;
+}
+#endif
+
+void store(uint k0, uint tid) {
+    [[unroll]] for (uint h = 0; h < XPT; ++h) {
+        const uint idx = tid + 256u * h;
+        xs[(idx / (BK / 8u)) * SK8 + idx % (BK / 8u)] = rx[h];
+    }
+#ifdef TYPE_Q4_K
+    const uint c = (k0 % 256u) / 64u;
+    [[unroll]] for (uint h = 0; h < WPT; ++h) {
+        const uint idx = tid + 256u * h, r = idx / 4u, j = idx % 4u;
+        const vec2 dm = unpackHalf2x16(rh[h].x);
+        const uvec2 s0 = q4k_scale_min(rh[h].yzw, 2u * c), s1 = q4k_scale_min(rh[h].yzw, 2u * c + 1u);
+        const float dl0 = dm.x * float(s0.x), ml0 = dm.y * float(s0.y);
+        const float dl1 = dm.x * float(s1.x), ml1 = dm.y * float(s1.y);
+        // low nibbles: sub-block 2c, k 8j..8j+7 of the chunk; high nibbles: 2c + 1, k 32 + 8j..
+        ws[r * SK8 + j] = pack8(nib4(rq[h].x, 0u, dl0, ml0), nib4(rq[h].y, 0u, dl0, ml0));
+        ws[r * SK8 + 4u + j] = pack8(nib4(rq[h].x, 4u, dl1, ml1), nib4(rq[h].y, 4u, dl1, ml1));
+    }
+#else
+    [[unroll]] for (uint h = 0; h < WPT; ++h) {
+        const uint idx = tid + 256u * h;
+        ws[(idx / (BK / 8u)) * SK8 + idx % (BK / 8u)] = rw[h];
+    }
+#endif
 }
 
 void main() {
@@ -94,10 +159,11 @@ void main() {
     [[unroll]] for (uint i = 0; i < TF; ++i) [[unroll]] for (uint j = 0; j < NF; ++j) acc[i][j] = CM_C(0.0);
 
     const uint k_begin = gl_WorkGroupID.z * p.k_split, k_end = min(p.K, k_begin + p.k_split);
+    fetch(n0, t0, k_begin, k_end, tid);
     for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
-        load_w(n0, k0, k_end, tid);
-        load_x(t0, k0, k_end, tid);
+        store(k0, tid);
         barrier();
+        if (k0 + BK < k_end) fetch(n0, t0, k0 + BK, k_end, tid);  // in flight during the products
         [[unroll]] for (uint kk = 0; kk < BK; kk += 16u) {
             CM_A a[TF];
             CM_B b[NF];

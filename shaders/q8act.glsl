@@ -2,6 +2,11 @@
 //   XQ  T rows of K/4 uint words; word i holds values 4i..4i+3 as int8, value 4i in the low byte;
 //   XD  T rows of K/32 vec2 (d, s): value ~ d * q, and s = d * sum(q) over the block (for weight minimums).
 // d = max|x| / 127 and q = round(x / d), as ggml's quantize_row_q8_1.
+// Three planes (the exact decode path, PLANES 3): XQ holds T x 3 rows of K/4 words (token t, plane p at row
+// 3t + p): x = d * (q1 + q2 / 128 + q3 / 16384) + r, each plane rounding the rest of the one before
+// (|q2|, |q3| <= 64: int8 never overflows; the plane scales are powers of two, so the dot products combine
+// exactly) and |r| <= d / 32768 = max|x| * 2.4e-7: a few float32 roundings of the block's largest value.
+// Its XD s is the block's float32 sum of x.
 //
 // sdot4(a, b): the dot product of two words read as 4 signed int8 each (OpSDot, SPV_KHR_integer_dot_product;
 // declared through GL_EXT_spirv_intrinsics because the GLSL extension is newer than Debian's glslc). Needs the
@@ -21,4 +26,13 @@ ivec4 q8_round(vec4 r) {
 }
 uint q8_word(ivec4 q) {
     return uint(q.x & 0xFF) | (uint(q.y & 0xFF) << 8) | (uint(q.z & 0xFF) << 16) | (uint(q.w) << 24);
+}
+
+// The three planes of 4 values (see the top): d the block's scale, id = 1 / d (0 for an all-zero block).
+void q8x3_round(vec4 v, float d, float id, out ivec4 q1, out ivec4 q2, out ivec4 q3) {
+    q1 = q8_round(v * id);
+    const vec4 r1 = v - d * vec4(q1);
+    q2 = q8_round(r1 * (128.0 * id));
+    const vec4 r2 = r1 - (d * (1.0 / 128.0)) * vec4(q2);
+    q3 = q8_round(r2 * (16384.0 * id));
 }

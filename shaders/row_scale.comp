@@ -4,10 +4,14 @@
 // Dividing by a power of two is exact, and the kernel multiplies its float32 sums back by s, so rows in
 // range compute exactly as unscaled and large rows (Gemma's activations can pass 65504) do not overflow.
 // One workgroup per row; NaN or inf in a row give a NaN or inf scale (the error stays visible in y).
+// Also xh[t, k] = float16(x[t, k] / s[t]) (rows K halves apart, K even), the x operand of mul_mm_coopmat.comp:
+// converted once per step (and shared by the matmuls reading x), not once per GEMM tile.
 #include "common.glsl"
 
 layout(binding = 0) readonly buffer X { float x[]; };
 layout(binding = 1) writeonly buffer S { float s[]; };
+layout(binding = 2) writeonly buffer XH { uint xh2[]; };  // two float16 per word
+shared float s_scale;
 
 layout(push_constant) uniform Push {
     uint K;
@@ -38,6 +42,14 @@ void main() {
     }
     if (tid == 0) {
         const float mx = s_max[0];
-        s[row] = mx <= LIMIT ? 1.0 : (isnan(mx) || isinf(mx) ? mx : exp2(ceil(log2(mx / LIMIT))));
+        const float sc = mx <= LIMIT ? 1.0 : (isnan(mx) || isinf(mx) ? mx : exp2(ceil(log2(mx / LIMIT))));
+        s[row] = sc;
+        s_scale = sc;
+    }
+    barrier();
+    const float inv = 1.0 / s_scale;  // exact: a power of two
+    for (uint k = 2u * tid; k < p.K; k += 2u * BLOCK_SIZE) {
+        const uint a = row * p.x_stride + k;
+        xh2[(row * p.K + k) / 2u] = packHalf2x16(vec2(x[a], x[a + 1u]) * inv);
     }
 }

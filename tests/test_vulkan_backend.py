@@ -4,12 +4,14 @@ Every comparison is with ``CpuBackend(numerics="f32")``: the shaders compute in 
 activation quantization, so plain float32 is the reference they should match. Needs a Vulkan device
 (lavapipe in CI); skipped with the reason when there is none.
 
-Tolerance for logits: max |vulkan − cpu| ≤ 1e-4 × max |cpu| over the compared rows with ``matvec="float"``.
-Seen on lavapipe: ~5e-7 (float32 sums in another order in the matmuls, norms and the online softmax; a
-random tiny model has no near-ties at this scale). With the int8 mat-vec (``matvec="int8"``, opt-in), steps
-of up to 32 tokens quantize activations per 32 values (d = max/127): ≤ 1e-2 × max |cpu| (seen: ~2e-3); the
-same bound covers the cooperative-matrix mat-mat (float16 x and W, on devices that have it; not lavapipe),
-which "mixed-int8" and "f32" use and "mixed-float" turns off. Greedy token ids must be identical either way.
+Tolerance for logits: max |vulkan − cpu| ≤ 1e-4 × max |cpu| over the compared rows with ``matvec="float"``
+and with the default ``matvec="exact"`` (x as three int8 planes: at most max|x| · 2.4e-7 per value of a block
+of 32, float32-class). Seen on lavapipe: ~5e-7 (float32 sums in another order in the matmuls, norms and the
+online softmax; a random tiny model has no near-ties at this scale). With the one-plane int8 mat-vec
+(``matvec="int8"``, opt-in), steps of up to 32 tokens quantize activations per 32 values (d = max/127):
+≤ 1e-2 × max |cpu| (seen: ~2e-3); the same bound covers the cooperative-matrix mat-mat (float16 x and W, on
+devices that have it; not lavapipe), which "mixed-int8", "mixed-exact" and "f32" use where the device has it
+and "mixed-float" turns off. Greedy token ids must be identical either way.
 The 270M test uses numerics "f32" for the same reason (the GPU does not round activations like ggml): the
 two backends then differ only by float32 summation order, far below the fixture prompts' top-2 margins.
 """
@@ -43,7 +45,7 @@ def vulkan_device():
         pytest.skip(f"no usable Vulkan device ({e}); apt-get install mesa-vulkan-drivers provides lavapipe")
 
 
-@pytest.fixture(scope="module", params=["mixed-int8", "mixed-float", "f32"])
+@pytest.fixture(scope="module", params=["mixed-int8", "mixed-float", "mixed-exact", "f32"])
 def pair(request, tmp_path_factory):
     """(cpu model, vulkan model) of one tiny random GGUF."""
     types = MIXED if request.param.startswith("mixed") else None
@@ -51,8 +53,10 @@ def pair(request, tmp_path_factory):
     cpu = load_model(path, "cpu", numerics="f32")
     if request.param == "mixed-float":  # the float32 path throughout (no float16 cooperative matrices)
         vk = load_model(path, "vulkan", matvec="float", coopmat="off")
-    else:
+    elif request.param == "mixed-int8":
         vk = load_model(path, "vulkan", matvec="int8")
+    else:  # the defaults: the exact mat-vec, coopmat where the device has it
+        vk = load_model(path, "vulkan")
     yield cpu, vk
     vk.backend.close()
 
@@ -64,8 +68,9 @@ def close(got: np.ndarray, want: np.ndarray, rtol: float = RTOL) -> None:
 
 
 def rtol_for(vk) -> float:
-    """RTOL_INT8 when the backend runs decode-sized steps on the int8 mat-vec, else RTOL."""
-    return RTOL_INT8 if vk.backend.int8_matvec else RTOL
+    """RTOL_INT8 when the backend runs decode-sized steps on the one-plane int8 mat-vec or has float16
+    cooperative matrices, else RTOL."""
+    return RTOL_INT8 if vk.backend.int8_matvec or vk.backend.coopmat else RTOL
 
 
 def test_one_prefill_matches_cpu(pair):

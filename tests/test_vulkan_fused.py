@@ -27,6 +27,7 @@ import gguf
 import numpy as np
 import pytest
 from gguf.quants import dequantize as gguf_dequantize
+from vk_harness import assert_x3_planes
 
 from hmad.model.quants import random_blocks
 from hmad.model.tensors import QType
@@ -46,21 +47,16 @@ def q8_reference(x: np.ndarray):
     return q.reshape(t, k), d, d * q.astype(np.float32).sum(axis=-1)
 
 
-def _put_q8(gpu, x):
-    """Quantize x on the GPU; returns (xq view, xd view, words, pairs) read back."""
+def _quantize(dev, kernels, gpu, x, planes: int = 1):
+    """Quantize x on the GPU (quantize_q8, or quantize_x3 for three planes); returns the (xq, xd) views."""
     from hmad.backends.vulkan.pipelines import CommandRecorder, QuantizeQ8Push
 
     t, k = x.shape
     bx = gpu.put(x)
-    bq, bd = gpu.poison(gpu.alloc(t * k)), gpu.poison(gpu.alloc(t * k // 32 * 8))
-    return bx, bq, bd, CommandRecorder, QuantizeQ8Push
-
-
-def _quantize(dev, kernels, gpu, x):
-    bx, bq, bd, CommandRecorder, QuantizeQ8Push = _put_q8(gpu, x)
-    t, k = x.shape
+    bq, bd = gpu.poison(gpu.alloc(planes * t * k)), gpu.poison(gpu.alloc(t * k // 32 * 8))
     rec = CommandRecorder(dev).begin()
-    rec.dispatch(kernels("quantize_q8"), [bx, bq, bd], QuantizeQ8Push(k, t, k), 7)
+    name = "quantize_x3" if planes == 3 else "quantize_q8"
+    rec.dispatch(kernels(name), [bx, bq, bd], QuantizeQ8Push(k, t, k), 7)
     rec.end()
     rec.submit()
     rec.close()
@@ -103,12 +99,34 @@ def _gelu(g):
     return 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g**3)))
 
 
+def _run_q8_matvec(dev, gpu, kern, raw, raw_u, bq, bd, k: int, n: int, ntok: int) -> np.ndarray:
+    """y (ntok, n) of an int8 mat-vec kernel over the quantized x (bq, bd) and W (raw; raw_u: GeGLU's up
+    projection); y's padding columns must stay poisoned."""
+    from hmad.backends.vulkan.kernels_matmul import record_matvec_q8
+    from hmad.backends.vulkan.pipelines import CommandRecorder
+
+    ys = n + 3
+    by = gpu.poison(gpu.alloc(ntok * ys * 4))
+    rec = CommandRecorder(dev).begin()
+    up = gpu.put(raw_u) if raw_u is not None else None
+    record_matvec_q8(rec, kern, gpu.put(raw), bq, bd, by, k, n, ntok, ys, w_up=up)
+    rec.end()
+    rec.submit()
+    rec.close()
+    y = gpu.get(by, shape=(ntok, ys))
+    assert np.isnan(y[:, n:]).all(), "wrote past N"
+    return y[:, :n]
+
+
+def _matvec_ref(xs, w, u=None):
+    """x · Wᵀ in float64, or gelu(x · Wᵀ) * (x · Uᵀ)."""
+    return xs @ w.T if u is None else _gelu(xs @ w.T) * (xs @ u.T)
+
+
 @pytest.mark.parametrize("t", Q8_TYPES)
 @pytest.mark.parametrize("geglu", [False, True])
 @pytest.mark.parametrize("one", [False, True])
 def test_mul_mat_vec_q8(dev, kernels, gpu, t, geglu, one):
-    from hmad.backends.vulkan.kernels_matmul import record_matvec_q8
-    from hmad.backends.vulkan.pipelines import CommandRecorder
 
     rng = np.random.default_rng()
     kern = kernels(f"mul_mat_vec_q8x_{t}" + ("_geglu" if geglu else "") + ("_t1" if one else ""))
@@ -122,29 +140,107 @@ def test_mul_mat_vec_q8(dev, kernels, gpu, t, geglu, one):
         q = gpu.get(bq, np.int8, (ntok, k)).astype(np.float64)
         d = gpu.get(bd, np.float32, (ntok, k // 32, 2))[..., 0].astype(np.float64)
         xhat = (q.reshape(ntok, -1, 32) * d[..., None]).reshape(ntok, k)
-        ys = n + 3
-        by = gpu.poison(gpu.alloc(ntok * ys * 4))
-        rec = CommandRecorder(dev).begin()
-        up = gpu.put(raw_u) if geglu else None
-        record_matvec_q8(rec, kern, gpu.put(raw), bq, bd, by, k, n, ntok, ys, w_up=up)
-        rec.end()
-        rec.submit()
-        rec.close()
-        y = gpu.get(by, shape=(ntok, ys))
-        assert np.isnan(y[:, n:]).all(), "wrote past N"
+        y = _run_q8_matvec(dev, gpu, kern, raw, raw_u if geglu else None, bq, bd, k, n, ntok)
         for xs, exact in ((xhat, True), (x.astype(np.float64), False)):
-            ref = xs @ wref.T
-            if geglu:
-                ref = _gelu(ref) * (xs @ uref.T)
+            ref = _matvec_ref(xs, wref, uref if geglu else None)
             if exact:  # (+1e-12: every gate of a GeGLU case can be far below 0, all outputs ~0, scale 0)
-                err = np.abs(y[:, :n] - ref).max()
+                err = np.abs(y - ref).max()
                 scale = _rounding_scale(xs, wref, uref if geglu else None).max()
                 assert err <= 1e-5 * scale + 1e-12, (
                     f"{kern.name} K={k} N={n} T={ntok}: error {err:.2e}, scale {scale:.2e}"
                 )
             elif not geglu:
-                err = np.sqrt(np.mean((y[:, :n] - ref) ** 2) / np.mean(ref**2))
+                err = np.sqrt(np.mean((y - ref) ** 2) / np.mean(ref**2))
                 assert err <= 3e-2, f"{kern.name} K={k} N={n} T={ntok}: RMS error {err:.2e} vs float x"
+
+
+def test_quantize_x3_planes(dev, kernels, gpu):
+    """quantize_q8.comp with three planes (vk_harness.assert_x3_planes: x back within d / 32768 per value)."""
+    rng = np.random.default_rng()
+    t, k = 5, 640
+    x = (rng.standard_normal((t, k)) * rng.uniform(0.01, 300, (t, 1))).astype(np.float32)
+    x[2, 64:96] = 0.0  # an all-zero block
+    x[3, :32] = np.linspace(-1, 1, 32)  # values at exact fractions of d
+    bq, bd = _quantize(dev, kernels, gpu, x, planes=3)
+    q = gpu.get(bq, np.int8, (t, 3, k))
+    ds = gpu.get(bd, np.float32, (t, k // 32, 2))
+    assert_x3_planes(q, ds, x)
+    assert (q[2, :, 64:96] == 0).all() and ds[2, 2, 0] == 0
+
+
+@pytest.mark.parametrize("t", Q8_TYPES)
+@pytest.mark.parametrize("variant", ["", "_t1", "_geglu", "_geglu_t1"])
+def test_mul_mat_vec_x3(dev, kernels, gpu, t, variant):
+    """The exact decode path (mul_mat_vec_q8.comp with three planes) against float64 on the float x itself
+    (not on the quantized x): 5e-6 of the rounding scale (``_rounding_scale``): the planes leave at most
+    max|x| * 2.4e-7 per value of a block, the rest is float32 summation (the float mat-vec gets ~1e-7)."""
+
+    rng = np.random.default_rng()
+    geglu, one = "_geglu" in variant, variant.endswith("_t1")
+    kern = kernels(f"mul_mat_vec_x3_{t}{variant}")
+    for k, n, ntok in [(256, 37, 1), (768, 22, 3), (2048, 9, 8)]:
+        ntok = 1 if one else ntok
+        raw, wref = _weights(t, n, k, rng)
+        raw_u, uref = _weights(t, n, k, rng)
+        x = (rng.standard_normal((ntok, k)) * rng.uniform(0.1, 100, (ntok, 1))).astype(np.float32)
+        bq, bd = _quantize(dev, kernels, gpu, x, planes=3)
+        y = _run_q8_matvec(dev, gpu, kern, raw, raw_u if geglu else None, bq, bd, k, n, ntok)
+        xs = x.astype(np.float64)
+        ref = _matvec_ref(xs, wref, uref if geglu else None)
+        err = np.abs(y - ref).max()
+        scale = _rounding_scale(xs, wref, uref if geglu else None).max()
+        assert err <= 5e-6 * scale + 1e-12, (
+            f"{kern.name} K={k} N={n} T={ntok}: error {err:.2e}, scale {scale:.2e}"
+        )
+        print(f"{kern.name} K={k} N={n} T={ntok}: {err / scale:.1e} of the rounding scale")
+
+
+@pytest.mark.parametrize("t", Q8_TYPES)
+@pytest.mark.parametrize("one", [False, True])
+def test_mul_mat_vec_unit_geglu(dev, kernels, gpu, t, one):
+    """The float mat-vec fused with GeGLU (mul_mat_vec_unit.comp, GEGLU): gelu(x · gate) * (x · up) from one
+    dispatch, against float64 on the float x itself (no quantization on this path): 1e-5 of the rounding
+    scale (``_rounding_scale``), W bound as two ranges in one case."""
+    from hmad.backends.vulkan.kernels_matmul import UNIT_TYPES, record_matmul, weight_row_bytes
+    from hmad.backends.vulkan.pipelines import CommandRecorder
+
+    rng = np.random.default_rng()
+    kern = kernels(f"mul_mat_vec_{t}_geglu" + ("_t1" if one else ""))
+    max_split = int(np.lcm(weight_row_bytes(UNIT_TYPES[t], 768), 256))
+    for k, n, ntok, max_range in [(256, 37, 1, None), (768, 22, 3, max_split), (2048, 9, 8, None)]:
+        ntok = 1 if one else ntok
+        raw, wref = _weights(t, n, k, rng)
+        raw_u, uref = _weights(t, n, k, rng)
+        x = rng.standard_normal((ntok, k)).astype(np.float32)
+        ys = n + 3
+        by = gpu.poison(gpu.alloc(ntok * ys * 4))
+        rec = CommandRecorder(dev).begin()
+        record_matmul(
+            rec,
+            kern,
+            gpu.put(raw),
+            gpu.put(x),
+            by,
+            k,
+            n,
+            ntok,
+            y_stride=ys,
+            max_range=max_range,
+            w_up=gpu.put(raw_u),
+        )
+        rec.end()
+        rec.submit()
+        rec.close()
+        y = gpu.get(by, shape=(ntok, ys))
+        assert np.isnan(y[:, n:]).all(), "wrote past N"
+        y, xs = y[:, :n], x.astype(np.float64)
+        ref = _matvec_ref(xs, wref, uref)
+        err = np.abs(y - ref).max()
+        scale = _rounding_scale(xs, wref, uref).max()
+        assert err <= 1e-5 * scale + 1e-12, (
+            f"{kern.name} K={k} N={n} T={ntok}: error {err:.2e}, scale {scale:.2e}"
+        )
+        print(f"{kern.name} K={k} N={n} T={ntok}: {err / scale:.1e} of the rounding scale")
 
 
 def test_mul_mat_vec_q8_over_several_ranges(dev, kernels, gpu):
@@ -177,7 +273,9 @@ def _rms(v, w, eps):
     return v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps) * w
 
 
-@pytest.mark.parametrize("variant", ["residual_norm", "residual_norm_next", "residual_norm_next_q8"])
+@pytest.mark.parametrize(
+    "variant", ["residual_norm", "residual_norm_next", "residual_norm_next_q8", "residual_norm_next_x3"]
+)
 @pytest.mark.parametrize("d", [1152, 5376])  # 5376 (27B): some invocations hold two groups of 4
 def test_residual_norm(dev, kernels, gpu, variant, d):
     from hmad.backends.vulkan.pipelines import CommandRecorder, ResidualNormPush
@@ -188,10 +286,9 @@ def test_residual_norm(dev, kernels, gpu, variant, d):
     wa, wh = (rng.uniform(0.5, 2, d).astype(np.float32) for _ in range(2))
     bx, ba, bwa, bwh = gpu.put(x), gpu.put(a), gpu.put(wa), gpu.put(wh)
     bxo, bh = gpu.poison(gpu.alloc(t * d * 4)), gpu.poison(gpu.alloc(t * d * 4))
-    bq, bd = gpu.poison(gpu.alloc(t * d)), gpu.poison(gpu.alloc(t * d // 32 * 8))
-    binds = (
-        [bx, ba, bwa, bxo] + ([bwh, bh] if "next" in variant else []) + ([bq, bd] if "q8" in variant else [])
-    )
+    bq, bd = gpu.poison(gpu.alloc(3 * t * d)), gpu.poison(gpu.alloc(t * d // 32 * 8))
+    quantized = variant.endswith(("_q8", "_x3"))
+    binds = [bx, ba, bwa, bxo] + ([bwh, bh] if "next" in variant else []) + ([bq, bd] if quantized else [])
     rec = CommandRecorder(dev).begin()
     rec.dispatch(kernels(variant), binds, ResidualNormPush(d, t, eps), t)
     rec.end()
@@ -205,9 +302,11 @@ def test_residual_norm(dev, kernels, gpu, variant, d):
         np.testing.assert_allclose(h, h_ref, rtol=2e-5, atol=2e-5 * np.abs(h_ref).max())
     if "q8" in variant:
         q_ref, d_ref, _ = q8_reference(h)
-        q = gpu.get(bq, np.int8, (t, d)).astype(np.int32)
+        q = gpu.get(bq, np.int8)[: t * d].reshape(t, d).astype(np.int32)
         assert np.abs(q - q_ref).max() <= 1 and (q != q_ref).mean() <= 1e-3
         np.testing.assert_allclose(gpu.get(bd, np.float32, (t, d // 32, 2))[..., 0], d_ref, rtol=1e-6)
+    if variant.endswith("_x3"):  # the planes of h as the GPU wrote it
+        assert_x3_planes(gpu.get(bq, np.int8, (t, 3, d)), gpu.get(bd, np.float32, (t, d // 32, 2)), h)
 
 
 def rng_seed() -> int:

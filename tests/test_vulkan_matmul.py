@@ -62,12 +62,19 @@ def _run(dev, gpu, kernel, t, k, n, ntok, rng, max_range=None, pad_x=4, pad_y=3)
     return err, dispatches
 
 
-@pytest.mark.parametrize("t", TYPES)
-@pytest.mark.parametrize("reduce", ["", "_subgroup"])
-def test_mul_mat_vec(dev, kernels, gpu, t, reduce):
-    rng = np.random.default_rng(zlib.crc32(f"{t}{reduce}".encode()))
-    k = kernels(f"mul_mat_vec_{t}{reduce}")
-    for kk, n, ntok in [(256, 37, 1), (768, 20, 3), (2048, 11, 8)]:
+# mul_mat_vec.comp (float weights: shared-memory or subgroup reduction), mul_mat_vec_unit.comp (quantized
+# weights: up to 8 tokens, or built for one); the fused GeGLU variants: test_vulkan_fused.py
+VEC_VARIANTS = [
+    (t, s) for t in TYPES for s in (("", "_subgroup") if t in ("f32", "f16", "bf16") else ("", "_t1"))
+]
+
+
+@pytest.mark.parametrize(("t", "variant"), VEC_VARIANTS)
+def test_mul_mat_vec(dev, kernels, gpu, t, variant):
+    rng = np.random.default_rng()
+    k = kernels(f"mul_mat_vec_{t}{variant}")
+    for kk, n, ntok in [(256, 37, 1), (768, 20, 3), (2048, 11, 8), (512, 5, 2)]:
+        ntok = 1 if variant == "_t1" else ntok
         err, _ = _run(dev, gpu, k, t, kk, n, ntok, rng)
         print(f"{k.name} K={kk} N={n} T={ntok}: {err:.1e}")
 
@@ -82,18 +89,19 @@ def test_mul_mat(dev, kernels, gpu, t):
 
 
 @pytest.mark.parametrize(
-    "name", ["mul_mat_vec_q4_k", "mul_mat_vec_q8_0_subgroup", "mul_mat_q6_k", "mul_mat_q5_0"]
+    "name",
+    ["mul_mat_vec_q4_k", "mul_mat_vec_q8_0_t1", "mul_mat_vec_q6_k", "mul_mat_q6_k", "mul_mat_q5_0"],
 )
 def test_weight_bound_as_several_ranges(dev, kernels, gpu, name):
     """W split over bind ranges of whole rows: one dispatch per range, each writing its own y columns."""
     from hmad.backends.vulkan.kernels_matmul import MATMUL_TYPES, weight_row_bytes
 
-    t = next(s for s in MATMUL_TYPES if name.removesuffix("_subgroup").endswith("_" + s))
+    t = next(s for s in MATMUL_TYPES if name.removesuffix("_subgroup").removesuffix("_t1").endswith("_" + s))
     k = 256
     rb = weight_row_bytes(MATMUL_TYPES[t], k)
     max_range = int(np.lcm(rb, 256))  # ranges hold whole rows and start aligned (16 or 128 rows here)
     n = 2 * (max_range // rb) + 5  # three ranges, the last a short one
-    ntok = 3 if "vec" in name else 20
+    ntok = (1 if name.endswith("_t1") else 3) if "vec" in name else 20
     _, dispatches = _run(
         dev, gpu, kernels(name), t, k, n, ntok, np.random.default_rng(5), max_range=max_range
     )
@@ -144,9 +152,10 @@ def _run_coopmat(dev, kernels, gpu, name, t, k, n, ntok, rng, max_range=None, bi
 
     scale = gpu.poison(gpu.alloc(ntok * 4))
     rec = CommandRecorder(dev).begin()
-    record_row_scale(rec, kernels("row_scale"), bx, scale, k, ntok, xs)
+    xh = gpu.poison(gpu.alloc(ntok * k * 2))  # x goes in as the float16 copy row_scale makes
+    record_row_scale(rec, kernels("row_scale"), bx, scale, xh, k, ntok, xs)
     dispatches = record_coopmat(
-        rec, kernels(name), kernels("split_reduce"), bw, bx, by, scale, k, n, ntok, part, xs, ys, max_range
+        rec, kernels(name), kernels("split_reduce"), bw, xh, by, scale, k, n, ntok, part, k, ys, max_range
     )
     rec.end()
     rec.submit()
@@ -173,17 +182,16 @@ RTOL_F16 = 2e-3  # coopmat vs the unrounded product: float16 x and W (2^-11 each
 
 @pytest.mark.parametrize("t", ["f16", "q8_0", "q4_0", "q5_0", "q4_k", "q6_k"])
 def test_mul_mm_coopmat(dev, kernels, gpu, t):
-    """The cooperative-matrix mat-mat against float64 products of the float16 roundings it multiplies
-    (1e-5 of the output scale: float32 accumulation only; RTOL_F16 against the unrounded product), every
-    tile variant, K split or not, rows of x beyond float16's range included; runs where the device offers
+    """The cooperative-matrix mat-mat against float64 products of the float16 roundings it multiplies (1e-5
+    of the output scale: float32 accumulation only; RTOL_F16 against the unrounded product), every tile
+    variant, K split or not, rows of x beyond float16's range included; runs where the device offers
     float16 cooperative matrices (not lavapipe: skipped in CI, run on the device machine)."""
     from hmad.backends.vulkan.kernels_matmul import COOPMAT_TILES, coopmat_usable
 
     if not coopmat_usable(dev.info):
         pytest.skip(f"{dev.info.name}: no float16 16x16x16 cooperative matrix with 32-wide subgroups")
     rng = np.random.default_rng(zlib.crc32(f"coopmat{t}".encode()))
-    for bt, bn in COOPMAT_TILES:
-        name = f"mul_mm_coopmat_{t}_{bt}x{bn}"
+    for name in [f"mul_mm_coopmat_{t}_{bt}x{bn}" for bt, bn in COOPMAT_TILES]:
         for kk, n, ntok in COOPMAT_CASES:
             if kk % 256 and t in ("q4_k", "q6_k"):
                 continue
@@ -197,17 +205,19 @@ def test_mul_mm_coopmat_several_ranges(dev, kernels, gpu):
 
     if not coopmat_usable(dev.info):
         pytest.skip(f"{dev.info.name}: no float16 cooperative matrix")
-    rb = weight_row_bytes(QType.Q4_K, 256)
-    max_range = int(np.lcm(rb, 256)) * 8  # 128-row ranges
-    n = 2 * (max_range // rb) + 5
     rng = np.random.default_rng(6)
-    _, d = _run_coopmat(dev, kernels, gpu, "mul_mm_coopmat_q4_k_64x128", "q4_k", 256, n, 40, rng, max_range)
-    assert d >= 3
+    for t, tile in (("q4_k", "64x128"), ("q6_k", "64x64")):  # Q4_K's own loader, and dq8's
+        rb = weight_row_bytes(QType[t.upper()], 256)
+        max_range = int(np.lcm(rb, 256)) * 8  # 128 rows or more a range
+        n = 2 * (max_range // rb) + 5
+        _, d = _run_coopmat(dev, kernels, gpu, f"mul_mm_coopmat_{t}_{tile}", t, 256, n, 40, rng, max_range)
+        assert d >= 3
 
 
 def test_row_scale(dev, kernels, gpu):
     """row_scale.comp (runs everywhere, lavapipe included): 1 for rows within 2^14, else the smallest power
-    of two bringing the row's max |x| to at most 2^14; a NaN row gives NaN. Exact (powers of two)."""
+    of two bringing the row's max |x| to at most 2^14; a NaN row gives NaN. Exact (powers of two). Its
+    float16 copy of x / s equals numpy's rounding (round to nearest even, both)."""
     from hmad.backends.vulkan.kernels_matmul import record_row_scale
     from hmad.backends.vulkan.pipelines import CommandRecorder
 
@@ -220,12 +230,17 @@ def test_row_scale(dev, kernels, gpu):
     x[3, :k] *= 2.0**30
     x[5, 3] = np.nan
     bx, bs = gpu.put(x), gpu.poison(gpu.alloc(4 * t))
+    bh = gpu.poison(gpu.alloc(2 * t * k))
     rec = CommandRecorder(dev).begin()
-    record_row_scale(rec, kernels("row_scale"), bx, bs, k, t, xs)
+    record_row_scale(rec, kernels("row_scale"), bx, bs, bh, k, t, xs)
     rec.end()
     rec.submit()
     rec.close()
     s = gpu.get(bs, shape=(t,))
+    xh = gpu.get(bh, np.float16, (t, k))  # the float16 copy: x / s rounded, row 5 NaN
+    with np.errstate(invalid="ignore"):
+        want_h = (x[:, :k] / s[:, None]).astype(np.float16)
+    np.testing.assert_array_equal(np.delete(xh, 5, 0), np.delete(want_h, 5, 0))
     m = np.abs(x[:, :k]).max(axis=1)
     want = np.where(m <= 16384.0, 1.0, 2.0 ** np.ceil(np.log2(m / 16384.0)))
     assert np.isnan(s[5]) and not np.isnan(np.delete(s, 5)).any()

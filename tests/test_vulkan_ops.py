@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from test_vulkan_fused import q8_reference
+from vk_harness import assert_x3_planes
 
 from hmad.backends.cpu import CpuBackend, CpuWeight
 from hmad.backends.vulkan.stepmeta import NONE, StepMetaLayout, kv_slots
@@ -278,6 +279,13 @@ def test_kv_write_and_paged_attention_match_reference(dev, kernels, gpu, pool, h
         oq = gpu.get(b_oq, np.int8, got.shape).astype(np.int32)
         assert np.abs(oq - q_ref).max() <= 1 and (oq != q_ref).mean() <= 1e-3
         np.testing.assert_allclose(gpu.get(b_od, np.float32, (t + 1, -1, 2))[..., 0], d_ref, rtol=1e-6)
+        # ... and the three planes of the exact path
+        att_x = kernels("attention_reduce_f32_x3")
+        b_xq = gpu.poison(gpu.alloc(3 * (t + 1) * h * head_dim))
+        run(dev, (att_x, [b_part, b_o2, b_xq, b_od], reduce, att_x.groups_for((t + 1) * h)))
+        np.testing.assert_array_equal(gpu.get(b_o2, shape=got.shape), got)
+        xq = gpu.get(b_xq, np.int8, (t + 1, 3, h * head_dim))
+        assert_x3_planes(xq, gpu.get(b_od, np.float32, (t + 1, -1, 2)), got)
         kp_want, vp_want = cpu.pools[name][0][0], cpu.pools[name][1][0]
         np.testing.assert_array_equal(gpu.get(b_kp, dtype, kp_want.shape), kp_want)
         np.testing.assert_array_equal(gpu.get(b_vp, dtype, vp_want.shape), vp_want)

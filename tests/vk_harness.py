@@ -79,3 +79,19 @@ class Gpu:
         self.up.close()
         for b in self.made:
             b.arena.close()
+
+
+def assert_x3_planes(q: np.ndarray, ds: np.ndarray, x: np.ndarray) -> None:
+    """Three-plane q8 activations (shaders/q8act.glsl) of float x (T, K): q (T, 3, K) int8, ds (T, K/32, 2).
+    Per block of 32: d = max|x| / 127 (float32), |q2|, |q3| <= 65, d (q1 + q2/128 + q3/16384) within
+    d / 32768 of x (+ one float32 rounding of x), s = the block's sum of x (1e-6 of max|x|)."""
+    t, k = x.shape
+    q, ds = q.astype(np.float64), ds.astype(np.float64)
+    d = np.repeat(ds[..., 0], 32, axis=1)
+    assert np.abs(q[:, 1:]).max() <= 65
+    xr = d * (q[:, 0] + q[:, 1] / 128 + q[:, 2] / 16384)
+    over = np.abs(xr - x) - (d / 32768 + np.abs(x) * 2.0**-23)
+    assert over.max() <= 0, f"planes off by {over.max():.2e} past the bound"
+    np.testing.assert_allclose(ds[..., 0], np.abs(x.reshape(t, -1, 32)).max(-1) / np.float32(127), rtol=1e-6)
+    sums = x.astype(np.float64).reshape(t, -1, 32).sum(-1)
+    assert np.abs(ds[..., 1] - sums).max() <= 1e-6 * max(np.abs(x).max(), 1e-30)

@@ -427,7 +427,7 @@ class VulkanConfig:
     device: int | str | None = _key(None, _Device())
     device_local_bytes: int | None = _key(None, _OrNull(_Bytes(), "all the heap's budget"))
     host_visible_bytes: int | None = _key(None, _OrNull(_Bytes(), "all the heap's budget"))
-    matvec: str = _key("float", _OneOf(("int8", "float")))
+    matvec: str = _key("exact", _OneOf(("exact", "int8", "float")))
     coopmat: str = _key("auto", _OneOf(("auto", "off")))
     coopmat_min_tokens: int = _key(9, _Int(2))
 

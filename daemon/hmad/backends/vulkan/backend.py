@@ -30,16 +30,18 @@ it has room (``device_local_bytes`` caps it), the rest spill to the host-visible
 system heap). The KV pools are planned in ``alloc_kv`` into what the weights left, device-local first.
 Norm weights are uploaded as float32; a 2-D weight of a type no matmul shader reads is dequantized to
 float16 on the host first (the only case where a second copy of a tensor exists in RAM, briefly).
-Matmul: the mat-vec kernels for T_b <= 8, the tiled mat-mat kernel above, or, where the device offers
-float16 cooperative matrices (``coopmat="auto"``), the cooperative-matrix mat-mat for steps of
-``coopmat_min_tokens`` or more (prefill, large decode batches: the weights read once per step); weights beyond
-maxStorageBufferRange are bound in ranges (record_matmul, and embed's row_begin/n_rows).
+Matmul: decode-sized steps (T_b <= 32, 8 tokens a dispatch) on the mat-vec chosen by ``matvec``: "exact"
+(default; activations as three int8 planes, shaders/q8act.glsl: float32-class), "int8" (one plane) or
+"float" (float32); steps of ``coopmat_min_tokens`` or more on big weights, and prefill, on the
+cooperative-matrix mat-mat where the device offers float16 cooperative matrices (``coopmat="auto"``), else
+the tiled float32 mat-mat. Weights beyond maxStorageBufferRange are bound in ranges (record_matmul, and
+embed's row_begin/n_rows).
 Fused (the ops of backends/base.py that Gemma3 calls): residual_norm (post-norm + residual + next pre-norm,
-one dispatch that also writes h quantized for the int8 mat-vec), norm_rope (per-head q/k norm + RoPE),
-geglu_matmul (gate and up projections + GeGLU in one int8 mat-vec). Decode-sized steps (T_b <= 32) run every
-quantized matmul as the int8 mat-vec (mul_mat_vec_q8.comp, 8 tokens a dispatch) on activations quantized
-once per input (Act.q8), and independent dispatches (q, k, v; the 8-token chunks) carry no barrier between
-them (CommandRecorder).
+one dispatch that also writes h as the mat-vec's int8 planes), norm_rope (per-head q/k norm + RoPE),
+geglu_matmul (gate and up projections + GeGLU in one mat-vec dispatch); attention's reduce pass also writes
+its output as int8 planes. Activations are quantized once per input (Act.q8), the GEMM's float16 copy made
+once per input (Act.scale), and independent dispatches (q, k, v; the 8-token chunks) carry no barrier
+between them (CommandRecorder).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from hmad.backends.vulkan.kernels_matmul import (
     COOPMAT_TYPES,
     MATMUL_TYPES,
     MATVEC_MAX_T,
-    Q8_MATVEC_TYPES,
+    UNIT_TYPES,
     coopmat_tile,
     coopmat_usable,
     record_coopmat,
@@ -105,6 +107,8 @@ from hmad.model.tensors import QType, WeightTensor
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 EMBED_TYPES = {QType.F32: "f32", QType.F16: "f16", QType.Q8_0: "q8_0"}
+#: vulkan.matvec: the decode-step matmul: x as three int8 planes (float32-exact), one (q8_1), or float32
+MATVEC_MODES = ("exact", "int8", "float")
 KV_DTYPES = {"float32": ("f32", 4), "float16": ("f16", 2)}
 MIB = 1 << 20
 # attention_split.comp: splits per (token, KV head) = clamp(TARGET_GROUPS / (tokens * KV heads), 1, MAX)
@@ -155,8 +159,8 @@ class Act:
 
     ``q8``: the same values quantized for the int8 mat-vec (xq words, xd block scales: shaders/q8act.glsl),
     once some op made them (residual_norm writes them with h; matmul quantizes on first use and keeps them).
-    ``scale``: its rows' float16-range scales for the cooperative-matrix mat-mat (row_scale.comp), made on
-    first use and kept, so q, k and v (or gate and up) share one.
+    ``scale``: (its rows' float16-range scales, the float16 copy x / scale) for the cooperative-matrix
+    mat-mat (row_scale.comp), made on first use and kept, so q, k and v (or gate and up) share them.
     """
 
     __slots__ = ("buf", "shape", "q8", "scale")
@@ -260,17 +264,18 @@ class VulkanBackend(Backend):
         host_visible_bytes: int | None = None,
         kv_dtype: str = "float32",
         timestamps: bool = False,
-        matvec: str = "float",
+        matvec: str = "exact",
         coopmat: str = "auto",
         coopmat_min_tokens: int = 9,
     ):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
-        if matvec not in ("int8", "float"):
-            raise ValueError(f"matvec must be 'int8' or 'float', got {matvec!r}")
+        if matvec not in MATVEC_MODES:
+            raise ValueError(f"matvec must be one of {MATVEC_MODES}, got {matvec!r}")
         if coopmat not in ("auto", "off"):
             raise ValueError(f"coopmat must be 'auto' or 'off', got {coopmat!r}")
-        self.int8_matvec = matvec == "int8"
+        self.matvec = matvec
+        self.int8_matvec = matvec == "int8"  # one q8 plane: the fused norm/attention writers make it
         self.dev = Device(device)
         # the cooperative-matrix mat-mat where the device has it: see _coopmat_for
         self.coopmat = coopmat == "auto" and coopmat_usable(self.dev.info)
@@ -422,7 +427,7 @@ class VulkanBackend(Backend):
             "device": self.device,
             "memory": mem,
             "matmul": {
-                "matvec": "int8" if self.int8_matvec else "float",
+                "matvec": self.matvec,
                 "coopmat": f">= {self.coopmat_min_t} tokens"
                 if self.coopmat
                 else "off (device lacks it or config)",
@@ -604,9 +609,10 @@ class VulkanBackend(Backend):
     def _new(self, shape: tuple[int, ...]) -> Act:
         return Act(self.scratch.take(4 * math.prod(shape)), shape)
 
-    def _new_q8(self, t: int, k: int) -> tuple[Act, Act]:
-        """Scratch for (T, K) values quantized for the int8 mat-vec: xq (T, K/4) words, xd (T, K/32, 2)."""
-        return self._new((t, k // 4)), self._new((t, k // 32, 2))
+    def _new_q8(self, t: int, k: int, planes: int = 1) -> tuple[Act, Act]:
+        """Scratch for (T, K) values quantized for the int8 mat-vec: xq (T, planes * K/4) words,
+        xd (T, K/32, 2)."""
+        return self._new((t, planes * k // 4)), self._new((t, k // 32, 2))
 
     def _dispatch(self, name: str, buffers, push, groups) -> None:
         assert self._rec is not None, "VulkanBackend ops run only while recording (through run())"
@@ -650,49 +656,77 @@ class VulkanBackend(Backend):
         if self._q8_path(t, w):
             self._matvec_q8(x, [w], y)
             return y
-        t_name = _type_name(w.qtype, MATMUL_TYPES)
         if self._coopmat_for(t, w):
-            bt, bn = coopmat_tile(t)
-            kern = self._kernel(f"mul_mm_coopmat_{_type_name(w.qtype, COOPMAT_TYPES)}_{bt}x{bn}")
-            held: list[Act] = []  # the partial-sum scratch, alive until its dispatches are recorded
-
-            def part(nbytes: int) -> BufferView:
-                held.append(self._new((nbytes // 4,)))
-                return held[0].view
-
-            if x.scale is None:
-                x.scale = self._new((t,))
-                record_row_scale(self._rec, self._kernel("row_scale"), x.view, x.scale.view, k, t)
-            reduce = self._kernel("split_reduce")
-            record_coopmat(self._rec, kern, reduce, w.view, x.view, y.view, x.scale.view, k, n, t, part)
+            self._coopmat(x, w, y)
             return y
-        name = f"mul_mat_vec_{t_name}{self._vec_suffix}" if t <= MATVEC_MAX_T else f"mul_mat_{t_name}"
-        record_matmul(self._rec, self._kernel(name), w.view, x.view, y.view, k, n, t)
+        record_matmul(self._rec, self._kernel(self._matvec_name(t, w)), w.view, x.view, y.view, k, n, t)
         return y
 
+    def _matvec_name(self, t: int, w: VkWeight, geglu: bool = False) -> str:
+        """The float kernel of a step of ``t`` tokens that no int8/coopmat path takes: the unit mat-vec
+        (quantized W, ``_t1`` for one token, ``_geglu`` fused), mul_mat_vec (float W) or the tiled mat-mat."""
+        t_name = _type_name(w.qtype, MATMUL_TYPES)
+        if t > MATVEC_MAX_T:
+            return f"mul_mat_{t_name}"
+        if w.qtype in UNIT_TYPES.values():
+            return f"mul_mat_vec_{t_name}" + ("_geglu" if geglu else "") + _t1(t)
+        return f"mul_mat_vec_{t_name}{self._vec_suffix}"
+
     def geglu_matmul(self, x: Act, gate: VkWeight, up: VkWeight) -> Act:
-        """One int8 mat-vec dispatch for both projections and the GeGLU (decode), else the plain ops."""
-        t = x.shape[0]
-        if not (self._q8_path(t, gate) and gate.qtype == up.qtype and gate.shape == up.shape):
+        """One mat-vec dispatch for both projections and the GeGLU (decode: int8 or float), else the
+        plain ops."""
+        t, k = x.shape
+        n = gate.shape[0]
+        if not (gate.qtype == up.qtype and gate.shape == up.shape):
             return super().geglu_matmul(x, gate, up)
-        y = self._new((t, gate.shape[0]))
-        self._matvec_q8(x, [gate, up], y)
+        if self._q8_path(t, gate):
+            y = self._new((t, n))
+            self._matvec_q8(x, [gate, up], y)
+            return y
+        if self._coopmat_for(t, gate) or t > MATVEC_MAX_T or gate.qtype not in UNIT_TYPES.values():
+            return super().geglu_matmul(x, gate, up)
+        y = self._new((t, n))
+        kern = self._kernel(self._matvec_name(t, gate, geglu=True))
+        record_matmul(self._rec, kern, gate.view, x.view, y.view, k, n, t, w_up=up.view)
         return y
 
     def _matvec_q8(self, x: Act, ws: list[VkWeight], y: Act) -> None:
-        """y = x · Wᵀ (or the GeGLU of two weights) on the int8 mat-vec, MATVEC_MAX_T tokens a dispatch
-        (the chunks read the same weights back to back; no barrier between them)."""
+        """y = x · Wᵀ (or the GeGLU of two weights) on the int8 mat-vec (three planes of x for ``exact``,
+        one for ``int8``), MATVEC_MAX_T tokens a dispatch (the chunks read the same weights back to back; no
+        barrier between them)."""
         (t, k), n = x.shape, ws[0].shape[0]
         xq, xd = self._q8(x)
-        base = f"mul_mat_vec_q8x_{_type_name(ws[0].qtype, Q8_MATVEC_TYPES)}" + (
+        planes = self._planes
+        x_name = "x3" if planes == 3 else "q8x"
+        base = f"mul_mat_vec_{x_name}_{_type_name(ws[0].qtype, UNIT_TYPES)}" + (
             "_geglu" if len(ws) > 1 else ""
         )
         for t0 in range(0, t, MATVEC_MAX_T):
             tc = min(MATVEC_MAX_T, t - t0)
             kern = self._kernel(base + _t1(tc))
-            rows = [_rows(xq.view, t0, tc, k), _rows(xd.view, t0, tc, k // 4), _rows(y.view, t0, tc, 4 * n)]
+            xq_rows = _rows(xq.view, t0, tc, planes * k)
+            rows = [xq_rows, _rows(xd.view, t0, tc, k // 4), _rows(y.view, t0, tc, 4 * n)]
             up = ws[1].view if len(ws) > 1 else None
             record_matvec_q8(self._rec, kern, ws[0].view, *rows, k, n, tc, w_up=up)
+
+    def _coopmat(self, x: Act, w: VkWeight, y: Act) -> None:
+        """y = x · Wᵀ on the cooperative-matrix mat-mat, x's row scales and float16 copy made on first use."""
+        (t, k), n = x.shape, w.shape[0]
+        bt, bn = coopmat_tile(t, w.qtype)
+        kern = self._kernel(f"mul_mm_coopmat_{_type_name(w.qtype, COOPMAT_TYPES)}_{bt}x{bn}")
+        held: list[Act] = []  # the partial-sum scratch, alive until its dispatches are recorded
+
+        def part(nbytes: int) -> BufferView:
+            held.append(self._new((nbytes // 4,)))
+            return held[0].view
+
+        if x.scale is None:
+            x.scale = (self._new((t,)), self._new((t, k // 2)))  # k float16 a row
+            scale, xh = x.scale[0].view, x.scale[1].view
+            record_row_scale(self._rec, self._kernel("row_scale"), x.view, scale, xh, k, t)
+        scale, xh = x.scale[0].view, x.scale[1].view
+        reduce = self._kernel("split_reduce")
+        record_coopmat(self._rec, kern, reduce, w.view, xh, y.view, scale, k, n, t, part)
 
     def _coopmat_for(self, t: int, w: VkWeight) -> bool:
         """The cooperative-matrix mat-mat for steps over Q8_MAX_T tokens, and for decode batches of
@@ -710,19 +744,26 @@ class VulkanBackend(Backend):
         n, k = w.shape
         if self._coopmat_for(t, w):
             return False
-        if not (self.int8_matvec and t <= Q8_MAX_T and w.qtype in Q8_MATVEC_TYPES.values() and k % 64 == 0):
+        if not (self._planes and t <= Q8_MAX_T and w.qtype in UNIT_TYPES.values() and k % 64 == 0):
             return False
         align = self.dev.limits["minStorageBufferOffsetAlignment"]
         step = MATVEC_MAX_T
-        return t <= step or all(b % align == 0 for b in (step * k, step * k // 4, step * 4 * n))
+        return t <= step or all(
+            b % align == 0 for b in (step * k * self._planes, step * k // 4, step * 4 * n)
+        )
+
+    @property
+    def _planes(self) -> int:
+        """int8 planes of x on the int8 mat-vec path: 3 (``exact``), 1 (``int8``), 0 (``float``)."""
+        return {"exact": 3, "int8": 1}.get(self.matvec, 0)
 
     def _q8(self, x: Act) -> tuple[Act, Act]:
-        """x's q8 form (quantized here on first use, then kept on the Act)."""
+        """x's q8 form, one or three planes (quantized here on first use, then kept on the Act)."""
         if x.q8 is None:
             t, k = x.shape
-            xq, xd = self._new_q8(t, k)
+            xq, xd = self._new_q8(t, k, self._planes)
             self._dispatch(
-                "quantize_q8",
+                "quantize_x3" if self._planes == 3 else "quantize_q8",
                 [x.view, xq.view, xd.view],
                 QuantizeQ8Push(k, t, k),
                 self._grid(t * k // 32, 128),
@@ -741,10 +782,11 @@ class VulkanBackend(Backend):
             return xo, None
         h = self._new(x.shape)
         binds = [x.view, a.view, w_a.view, xo.view, w_next.view, h.view]
-        if self.int8_matvec and t <= Q8_MAX_T and d % 32 == 0:
-            # int8 mat-vecs follow: quantize h here too
-            h.q8 = self._new_q8(t, d)
-            self._dispatch("residual_norm_next_q8", [*binds, h.q8[0].view, h.q8[1].view], push, t)
+        if self._planes and t <= Q8_MAX_T and d % 32 == 0:
+            # int8 mat-vecs follow: quantize h here too (one plane or three)
+            h.q8 = self._new_q8(t, d, self._planes)
+            name = "residual_norm_next_x3" if self._planes == 3 else "residual_norm_next_q8"
+            self._dispatch(name, [*binds, h.q8[0].view, h.q8[1].view], push, t)
         else:
             self._dispatch("residual_norm_next", binds, push, t)
         return xo, h
@@ -796,10 +838,11 @@ class VulkanBackend(Backend):
         )
         o = self._new((t, h * dh))
         reduce = AttentionReducePush(t, h, dh, splits, h * dh)
-        if self.int8_matvec and t <= Q8_MAX_T and dh % 32 == 0:  # the output projection's int8 input too
-            o.q8 = self._new_q8(t, h * dh)
+        if self._planes and t <= Q8_MAX_T and dh % 32 == 0:  # the output projection's int8 input too
+            o.q8 = self._new_q8(t, h * dh, self._planes)
             binds = [part.view, o.view, o.q8[0].view, o.q8[1].view]
-            self._dispatch("attention_reduce_f32_q8", binds, reduce, t * h)
+            name = "attention_reduce_f32_x3" if self._planes == 3 else "attention_reduce_f32_q8"
+            self._dispatch(name, binds, reduce, t * h)
         else:
             self._dispatch("attention_reduce_f32", [part.view, o.view], reduce, t * h)
         return o
@@ -858,7 +901,7 @@ def _t1(t: int) -> str:
 
 
 def _type_name(qtype: QType, table: dict[str, QType]) -> str:
-    """The variant suffix of ``qtype`` in a kernel table (MATMUL_TYPES, Q8_MATVEC_TYPES)."""
+    """The variant suffix of ``qtype`` in a kernel table (MATMUL_TYPES, UNIT_TYPES)."""
     return next(s for s, q in table.items() if q == qtype)
 
 

@@ -166,6 +166,7 @@ SUBGROUP_OPS = {
 }
 EXT_MEMORY_BUDGET = "VK_EXT_memory_budget"
 EXT_COOPMAT = "VK_KHR_cooperative_matrix"
+EXT_PIPELINE_STATS = "VK_KHR_pipeline_executable_properties"  # opt-in: Device(pipeline_stats=True)
 OPTIONAL_EXTENSIONS = (EXT_MEMORY_BUDGET, EXT_COOPMAT)
 
 
@@ -523,7 +524,11 @@ class Device:
     Not thread-safe: the engine thread owns it (one queue, one submitter). ``close()`` destroys everything.
     """
 
-    def __init__(self, select: str | int | None = None, require: bool = True):
+    def __init__(self, select: str | int | None = None, require: bool = True, pipeline_stats: bool = False):
+        """``pipeline_stats``: enable VK_KHR_pipeline_executable_properties where the driver has it, so that
+        kernels report the compiler's statistics (registers, ...: ``Kernel.statistics``; a diagnostic,
+        bench/kernel_stats.py; it may slow pipeline creation)."""
+        self.pipeline_stats = False
         if select is None:
             select = os.environ.get("HMAD_VULKAN_DEVICE")
         self.instance = _create_instance()
@@ -535,14 +540,14 @@ class Device:
                 raise DeviceUnsuitableError(self.info.name, missing)
             self.caps = capabilities(self.info)
             self.limits = self.info.limits
-            self.handle, self.queue = self._create_device()
+            self.handle, self.queue = self._create_device(pipeline_stats)
             self.command_pool = self._create_command_pool()
         except BaseException:
             self.close()
             raise
         self.name = self.info.name
 
-    def _create_device(self):
+    def _create_device(self, pipeline_stats: bool = False):
         info = self.info
         exts = [e for e in OPTIONAL_EXTENSIONS if e in info.extensions]
         if EXT_COOPMAT in exts and not info.features.get("cooperativeMatrix"):
@@ -553,6 +558,16 @@ class Device:
         head.features.robustBufferAccess = 0
         if "f13" in parts:
             parts["f13"].robustImageAccess = 0
+        stats = None
+        if pipeline_stats and EXT_PIPELINE_STATS in info.extensions:
+            stats = new(
+                "VkPhysicalDevicePipelineExecutablePropertiesFeaturesKHR",
+                sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PIPELINE_EXECUTABLE_PROPERTIES_FEATURES_KHR,
+                pipelineExecutableInfo=1,
+            )
+            list(parts.values())[-1].pNext = stats
+            exts.append(EXT_PIPELINE_STATS)
+            self.pipeline_stats = True
         prio = ffi.new("float[]", [1.0])
         qci = new(
             "VkDeviceQueueCreateInfo",

@@ -2,15 +2,22 @@
 
 Variants (one per weight type ``<t>`` in :data:`MATMUL_TYPES`):
 
-- ``mul_mat_vec_<t>`` / ``mul_mat_vec_<t>_subgroup`` (shaders/mul_mat_vec.comp): T ≤ 8 tokens (decode, small
-  batches); one workgroup per :data:`MATVEC_ROWS` rows, every weight read once for all T tokens; the reduction
-  through shared memory, or subgroupAdd first in the ``_subgroup`` variant.
+- ``mul_mat_vec_<t>`` for the quantized types of :data:`UNIT_TYPES` (shaders/mul_mat_vec_unit.comp): T ≤ 8
+  tokens (decode, small batches), float32 x and sums (``matvec="float"``); W read one unit (32 or 64
+  weights, dq_int8.glsl) a lane, :data:`UNIT_ROWS` rows per lane group sharing each load of x; ``_t1``
+  built for one token, ``_geglu`` (+ ``_t1``) reading the gate and up projections and writing their GeGLU.
+- ``mul_mat_vec_<t>`` / ``mul_mat_vec_<t>_subgroup`` for f32, f16, bf16 (shaders/mul_mat_vec.comp): the same
+  for float weights; one workgroup per :data:`MATVEC_ROWS` rows, the reduction through shared memory, or
+  subgroupAdd first in the ``_subgroup`` variant.
 - ``mul_mat_<t>`` (shaders/mul_mat.comp): any T (prefill); 64 × 64 output tiles, W tiles dequantized into
   shared memory; workgroup size fixed at 256.
 - ``mul_mm_coopmat_<t>_<BT>x<BN>`` (shaders/mul_mm_coopmat.comp, <t> in :data:`COOPMAT_TYPES`): the same
-  on VK_KHR_cooperative_matrix (float16 16×16×16 products, float32 accumulators), BT tokens × BN rows a
-  workgroup, K split over workgroups when the tiles alone are too few (partial sums in a scratch, added by
-  ``split_reduce``); only on devices offering that shape with 32-wide subgroups (:func:`coopmat_usable`).
+  on VK_KHR_cooperative_matrix (float16 16×16×16 products, float32 accumulators; x as the float16 copy
+  that row_scale.comp makes with its row scales), BT tokens × BN rows a workgroup, loads pipelined, K split
+  over workgroups when the tiles alone are too few (partial sums in a scratch, added by ``split_reduce``);
+  only on devices offering that shape with 32-wide subgroups (:func:`coopmat_usable`).
+- ``mul_mat_vec_{q8x,x3}_<t>`` (shaders/mul_mat_vec_q8.comp): T ≤ 8 on int8 activations, one plane or three
+  (the exact path), :func:`record_matvec_q8`.
 
 Bindings: 0 = W (the raw bytes of its rows, bound whole or as one range of whole rows), 1 = x float32,
 2 = y float32. A W bigger than maxStorageBufferRange is bound as several ranges (:meth:`BufferView.ranges`)
@@ -38,8 +45,11 @@ MATMUL_TYPES: dict[str, QType] = {
     "q4_k": QType.Q4_K,
     "q6_k": QType.Q6_K,
 }
-#: Weight types the int8 mat-vec (mul_mat_vec_q8.comp, x quantized by quantize_q8.comp) decodes.
-Q8_MATVEC_TYPES: dict[str, QType] = {
+#: Float weight types of mul_mat_vec.comp (decoded 8 weights at a time by dequant.glsl).
+FLOAT_MATVEC_TYPES = ("f32", "f16", "bf16")
+#: Weight types with a unit decoder in dq_int8.glsl: the float mat-vec mul_mat_vec_unit.comp and the int8
+#: mat-vec (mul_mat_vec_q8.comp, x quantized by quantize_q8.comp) read these.
+UNIT_TYPES: dict[str, QType] = {
     "q8_0": QType.Q8_0,
     "q4_0": QType.Q4_0,
     "q5_0": QType.Q5_0,
@@ -60,12 +70,22 @@ COOPMAT_BK = 64  # K per step of mul_mm_coopmat.comp
 COOPMAT_TARGET_GROUPS = 1024  # split K until a dispatch has about this many workgroups
 COOPMAT_MIN_STEPS = 4  # ... but keep at least this many BK steps per split
 Q8_MATVEC_LANES = 32  # invocations per row (LANES in mul_mat_vec_q8.comp)
-Q8_MATVEC_BLOCK = 128  # workgroup size: 4 rows per workgroup
+Q8_MATVEC_BLOCK = 128  # workgroup size: 4 lane groups
+Q8_MATVEC_ROWS = 2  # rows per lane group (NR): 8 rows per workgroup
+UNIT_ROWS = 2  # rows per lane group of mul_mat_vec_unit.comp (NR)
+UNIT_BLOCK = 128  # its workgroup size: 4 lane groups of 32 (LANES), 8 rows
 MATVEC_ROWS = 2  # rows of W per mat-vec workgroup (NUM_ROWS in mul_mat_vec.comp)
 MATVEC_MAX_T = 8  # tokens per mat-vec dispatch (MAX_T)
 MATMUL_TILE = 64  # BN = BT of mul_mat.comp
 MATMUL_BLOCK = 256  # mul_mat.comp's fixed workgroup size
 MATVEC_BLOCK = 128  # default mat-vec workgroup size (any power of two)
+#: variants of mul_mat_vec_unit.comp per type: suffix -> defines
+UNIT_VARIANTS = (
+    ("", {}),
+    ("_geglu", {"GEGLU": "1"}),
+    ("_t1", {"MAX_T": "1u"}),
+    ("_geglu_t1", {"GEGLU": "1", "MAX_T": "1u"}),
+)
 
 
 class MatMulPush(ctypes.Structure):
@@ -85,13 +105,18 @@ class MatMulPush(ctypes.Structure):
 def build_entries() -> list[tuple[str, str, dict[str, str]]]:
     """The (name, source, defines) rows of shaders/build.py for every variant."""
     out = []
-    for t in MATMUL_TYPES:
+    for t in FLOAT_MATVEC_TYPES:
         d = {f"TYPE_{t.upper()}": "1"}
         out += [
             (f"mul_mat_vec_{t}", "mul_mat_vec.comp", d),
             (f"mul_mat_vec_{t}_subgroup", "mul_mat_vec.comp", {**d, "SUBGROUP": "1"}),
-            (f"mul_mat_{t}", "mul_mat.comp", d),
         ]
+    for t in UNIT_TYPES:
+        for suffix, extra in UNIT_VARIANTS:
+            out.append(
+                (f"mul_mat_vec_{t}{suffix}", "mul_mat_vec_unit.comp", {f"TYPE_{t.upper()}": "1", **extra})
+            )
+    out += [(f"mul_mat_{t}", "mul_mat.comp", {f"TYPE_{t.upper()}": "1"}) for t in MATMUL_TYPES]
     for t in COOPMAT_TYPES:
         for bt, bn in COOPMAT_TILES:
             d = {f"TYPE_{t.upper()}": "1", "BT": f"{bt}u", "BN": f"{bn}u"}
@@ -110,10 +135,15 @@ def coopmat_usable(info) -> bool:
     return has and info.subgroup.get("size") == 32 and tuple(info.api_version[:2]) >= (1, 3)
 
 
-def coopmat_tile(t: int) -> tuple[int, int]:
-    """The (BT, BN) variant for a step of ``t`` tokens (the fastest measured on an H200 for the 27B
-    shapes: bench_vulkan_matmul.py)."""
-    return (32, 64) if t <= 32 else (64, 64)
+def coopmat_tile(t: int, qtype: QType = QType.Q4_K) -> tuple[int, int]:
+    """The (BT, BN) variant of mul_mm_coopmat for a step of ``t`` tokens of a ``qtype`` weight: the fastest
+    measured on an H200 at the 27B shapes (bench_vulkan_matmul.py, bench/results/2026-11-23-h200-pipe-*,
+    where the kernel is named mul_mm_pipe):
+    32x64 at 8..32 tokens for every type; at 512, 64x128 for Q4_K (850 us against 915 for 64x64) and 64x64
+    for the types decoded 8 weights at a time (Q5_0: 1283 us against 1607)."""
+    if t <= 32:
+        return (32, 64)
+    return (64, 128) if t > 128 and qtype == QType.Q4_K else (64, 64)
 
 
 def coopmat_splits(k: int, n: int, t: int, tile: tuple[int, int]) -> tuple[int, int]:
@@ -144,10 +174,10 @@ class SplitReducePush(ctypes.Structure):
     _fields_ = [("N", u32), ("T", u32), ("splits", u32), ("y_stride", u32), ("row_offset", u32)]
 
 
-def record_row_scale(rec, kernel, x, scale, k: int, t: int, x_stride: int | None = None) -> None:
-    """Record scale[:t] = the float16-range power of two of each row of x (row_scale.comp), the fourth
-    binding of the coopmat kernels; one scale serves every matmul reading the same x."""
-    rec.dispatch(kernel, [x, scale], RowScalePush(k, t, x_stride or k), kernel.groups_for(t))
+def record_row_scale(rec, kernel, x, scale, xh, k: int, t: int, x_stride: int | None = None) -> None:
+    """Record scale[:t] = the float16-range power of two of each row of x and xh (t, k) float16 = x / scale
+    (row_scale.comp): the inputs of the coopmat kernels, made once for every matmul reading the same x."""
+    rec.dispatch(kernel, [x, scale, xh], RowScalePush(k, t, x_stride or k), kernel.groups_for(t))
 
 
 def record_coopmat(
@@ -155,7 +185,7 @@ def record_coopmat(
     kernel,
     reduce_kernel,
     w,
-    x,
+    xh,
     y,
     scale,
     k: int,
@@ -167,18 +197,18 @@ def record_coopmat(
     max_range: int | None = None,
 ) -> int:
     """Record y[:t, :n] = x[:t, :k] · Wᵀ on the cooperative-matrix kernel ``kernel``
-    (``mul_mm_coopmat_<type>_<BT>x<BN>``), ``scale`` x's row scales (:func:`record_row_scale`, recorded
-    before): per bind range of W one dispatch, K split as
-    :func:`coopmat_splits` says; with several splits the partial sums go to ``part`` (a BufferView, or a
-    callable ``nbytes -> BufferView`` asked once for the largest range's need) and ``reduce_kernel``
-    (split_reduce) adds them into y. Returns the dispatch count."""
+    (``mul_mm_coopmat_<type>_<BT>x<BN>``), ``xh`` the float16 copy of x and ``scale`` its row scales
+    (:func:`record_row_scale`, recorded before; ``x_stride`` in halves): per bind range of W one dispatch,
+    K split as :func:`coopmat_splits` says; with several splits the partial sums go to ``part`` (a
+    BufferView, or a callable ``nbytes -> BufferView`` asked once for the largest range's need) and
+    ``reduce_kernel`` (split_reduce) adds them into y. Returns the dispatch count."""
     name = kernel.name.removeprefix("mul_mm_coopmat_")
     qtype = COOPMAT_TYPES[name.rsplit("_", 1)[0]]
     bt, bn = map(int, name.rsplit("_", 1)[1].split("x"))
     rb = weight_row_bytes(qtype, k)
     x_stride, y_stride = x_stride or k, y_stride or n
-    if x_stride % 4:
-        raise ValueError(f"x_stride {x_stride} must be a multiple of 4 (x is read as vec4)")
+    if x_stride % 8:
+        raise ValueError(f"x_stride {x_stride} must be a multiple of 8 (xh is read 8 float16 at a time)")
     count = 0
     pieces = row_ranges(kernel, [w], rb, n, max_range)
     if callable(part):
@@ -190,7 +220,7 @@ def record_coopmat(
         groups = (-(-rows // bn), -(-t // bt), splits)
         if splits == 1:
             push = CoopMatPush(k, rows, t, x_stride, y_stride, rb, row0, k)
-            rec.dispatch(kernel, [wb, x, y, scale], push, groups)
+            rec.dispatch(kernel, [wb, xh, y, scale], push, groups)
             count += 1
             continue
         if part is None or part.nbytes < splits * t * rows * 4:
@@ -198,7 +228,7 @@ def record_coopmat(
                 f"{kernel.name}: {splits} splits need a partial-sum scratch of {splits * t * rows * 4} B"
             )
         push = CoopMatPush(k, rows, t, x_stride, rows, rb, 0, k_split)
-        rec.dispatch(kernel, [wb, x, part, scale], push, groups)
+        rec.dispatch(kernel, [wb, xh, part, scale], push, groups)
         push = SplitReducePush(rows, t, splits, y_stride, row0)
         rec.dispatch(reduce_kernel, [part, y], push, reduce_kernel.groups_for(min(-(-t * rows // 256), 4096)))
         count += 2
@@ -209,14 +239,24 @@ def kernel_specs(spec_type) -> dict:
     """name -> ``spec_type(source, n_buffers, push struct, block)`` for :data:`pipelines.KERNELS`."""
     iface = {  # source -> (bindings, push struct, workgroup size)
         "mul_mat_vec.comp": (3, MatMulPush, MATVEC_BLOCK),
+        "mul_mat_vec_unit.comp": (3, MatMulPush, UNIT_BLOCK),  # W, x, y (+ W_up: _geglu)
         "mul_mat.comp": (3, MatMulPush, MATMUL_BLOCK),
-        "mul_mm_coopmat.comp": (4, CoopMatPush, MATMUL_BLOCK),  # W, x, y, x's row scales
+        "mul_mm_coopmat.comp": (4, CoopMatPush, MATMUL_BLOCK),  # W, x as float16 (row_scale), y, scales
     }
     specs = {name: spec_type(src, *iface[src]) for name, src, _ in build_entries()}
-    for t in Q8_MATVEC_TYPES:  # bindings: W, XQ, XD, y [, W_up]; _t1: built for one token
-        for suffix, n_buffers in (("", 4), ("_geglu", 5), ("_t1", 4), ("_geglu_t1", 5)):
-            name = f"mul_mat_vec_q8x_{t}{suffix}"
-            specs[name] = spec_type("mul_mat_vec_q8.comp", n_buffers, MatMulPush, Q8_MATVEC_BLOCK)
+    for name, spec in specs.items():
+        if "_geglu" in name:
+            specs[name] = spec_type(spec.source, 4, spec.push, spec.block_size)
+    for t in UNIT_TYPES:  # bindings: W, XQ, XD, y [, W_up]; _t1: built for one token; x3: three planes
+        for suffix, n_buffers in (
+            ("", 4),
+            ("_geglu", 5),
+            ("_t1", 4),
+            ("_geglu_t1", 5),
+        ):
+            for x in ("q8x", "x3"):
+                name = f"mul_mat_vec_{x}_{t}{suffix}"
+                specs[name] = spec_type("mul_mat_vec_q8.comp", n_buffers, MatMulPush, Q8_MATVEC_BLOCK)
     return specs
 
 
@@ -239,34 +279,49 @@ def record_matmul(
     x_stride: int | None = None,
     y_stride: int | None = None,
     max_range: int | None = None,
+    w_up=None,
 ) -> int:
     """Record y[:t, :n] = x[:t, :k] · Wᵀ into ``rec`` (a CommandRecorder); returns the dispatch count.
 
-    ``kernel`` a mul_mat_vec_* (t ≤ 8) or mul_mat_* Kernel; ``w`` the BufferView of W's rows (its
-    ``row_bytes`` set, or computed here from the kernel's type); one dispatch per bind range of W
-    (``max_range``: the device's maxStorageBufferRange unless given smaller, e.g. to test the split).
+    ``kernel`` a mul_mat_vec_* (t ≤ 8, or 1 for ``_t1``) or mul_mat_* Kernel; ``w`` the BufferView of W's
+    rows (its ``row_bytes`` set, or computed here from the kernel's type); one dispatch per bind range of W
+    (``max_range``: the device's maxStorageBufferRange unless given smaller, e.g. to test the split). A
+    ``_geglu`` mat-vec also takes ``w_up`` (same type and shape) and writes gelu(x · Wᵀ) * (x · W_upᵀ).
     """
-    qtype = _matmul_qtype(kernel.name)
+    name = kernel.name
+    qtype = _matmul_qtype(name)
     rb = weight_row_bytes(qtype, k)
     x_stride, y_stride = x_stride or k, y_stride or n
     if x_stride % 4:
         raise ValueError(f"x_stride {x_stride} must be a multiple of 4 (x is read as vec4)")
-    vec = kernel.name.startswith("mul_mat_vec_")
-    if vec and not 1 <= t <= MATVEC_MAX_T:
-        raise ValueError(f"{kernel.name}: T={t} tokens, mat-vec takes 1..{MATVEC_MAX_T}")
-    pieces = row_ranges(kernel, [w], rb, n, max_range)
-    for (wb,), rows, row0 in pieces:
+    vec = name.startswith("mul_mat_vec_")
+    max_t = 1 if name.endswith("_t1") else MATVEC_MAX_T
+    if vec and not 1 <= t <= max_t:
+        raise ValueError(f"{name}: T={t} tokens, this mat-vec takes 1..{max_t}")
+    if ("_geglu" in name) != (w_up is not None):
+        raise ValueError(f"{name}: w_up is for the _geglu variants, and they need it")
+    rows_per_group = _matvec_rows_per_group(kernel) if vec else 0
+    pieces = row_ranges(kernel, [w] if w_up is None else [w, w_up], rb, n, max_range)
+    for binds, rows, row0 in pieces:
         push = MatMulPush(k, rows, t, x_stride, y_stride, rb, row0)
         if vec:
-            groups = kernel.groups_for(-(-rows // MATVEC_ROWS))
+            groups = kernel.groups_for(-(-rows // rows_per_group))
         else:
             groups = (-(-rows // MATMUL_TILE), -(-t // MATMUL_TILE), 1)
-        rec.dispatch(kernel, [wb, x, y], push, groups)
+        rec.dispatch(kernel, [binds[0], x, y, *binds[1:]], push, groups)
     return len(pieces)
 
 
 def _matmul_qtype(name: str) -> QType:
-    return MATMUL_TYPES[name.removeprefix("mul_mat_vec_").removeprefix("mul_mat_").split("_sub")[0]]
+    base = name.removeprefix("mul_mat_vec_").removeprefix("mul_mat_")
+    return MATMUL_TYPES[base.split("_sub")[0].split("_geglu")[0].removesuffix("_t1")]
+
+
+def _matvec_rows_per_group(kernel) -> int:
+    """Rows of W one workgroup of a mat-vec kernel computes."""
+    if _matmul_qtype(kernel.name) in UNIT_TYPES.values():
+        return kernel.block_size // Q8_MATVEC_LANES * UNIT_ROWS
+    return MATVEC_ROWS
 
 
 def row_ranges(kernel, ws: list, rb: int, n: int, max_range: int | None = None) -> list:
@@ -305,20 +360,19 @@ def record_matvec_q8(
     w_up=None,
     max_range: int | None = None,
 ) -> int:
-    """Record y[:t, :n] = x · Wᵀ with x as q8 activations (``xq`` words, ``xd`` block scales: q8act.glsl)
-    into ``rec``; a ``mul_mat_vec_q8x_<type>_geglu`` kernel also takes ``w_up`` and writes
-    gelu(x · Wᵀ) * (x · W_upᵀ). One dispatch per bind range of W (and the same range of W_up); returns
-    the dispatch count."""
-    qtype = Q8_MATVEC_TYPES[
-        kernel.name.removeprefix("mul_mat_vec_q8x_").split("_geglu")[0].removesuffix("_t1")
-    ]
+    """Record y[:t, :n] = x · Wᵀ with x as q8 activations (``xq`` words, ``xd`` block scales: q8act.glsl;
+    one plane for ``mul_mat_vec_q8x_*``, three for ``mul_mat_vec_x3_*``) into ``rec``; a ``_geglu`` kernel
+    also takes ``w_up`` and writes gelu(x · Wᵀ) * (x · W_upᵀ). One dispatch per bind range of W (and the
+    same range of W_up); returns the dispatch count."""
+    base = kernel.name.removeprefix("mul_mat_vec_q8x_").removeprefix("mul_mat_vec_x3_")
+    qtype = UNIT_TYPES[base.split("_geglu")[0].removesuffix("_t1")]
     rb = weight_row_bytes(qtype, k)
     max_t = 1 if kernel.name.endswith("_t1") else MATVEC_MAX_T
     if not 1 <= t <= max_t:
         raise ValueError(f"{kernel.name}: T={t} tokens, this q8 mat-vec takes 1..{max_t}")
     ws = [w] if w_up is None else [w, w_up]
     pieces = row_ranges(kernel, ws, rb, n, max_range)
-    rows_per_group = Q8_MATVEC_BLOCK // Q8_MATVEC_LANES
+    rows_per_group = kernel.block_size // Q8_MATVEC_LANES * Q8_MATVEC_ROWS
     for binds, rows, row0 in pieces:
         push = MatMulPush(k, rows, t, k, y_stride or n, rb, row0)
         groups = kernel.groups_for(-(-rows // rows_per_group))

@@ -191,15 +191,18 @@ KERNELS: dict[str, KernelSpec] = {
     "attention_split_f16": KernelSpec("attention_split.comp", 5, AttentionSplitPush, 256),
     "attention_reduce_f32": KernelSpec("attention_reduce.comp", 2, AttentionReducePush, 256),
     "attention_reduce_f32_q8": KernelSpec("attention_reduce.comp", 4, AttentionReducePush, 256),
+    "attention_reduce_f32_x3": KernelSpec("attention_reduce.comp", 4, AttentionReducePush, 256),
     "argmax_f32": KernelSpec("argmax.comp", 2, ArgmaxPush, 256),
     "topk_f32": KernelSpec("topk.comp", 3, TopkPush, 256),
     "split_reduce": KernelSpec("split_reduce.comp", 2, SplitReducePush, 256),
-    "row_scale": KernelSpec("row_scale.comp", 2, RowScalePush, 256),
+    "row_scale": KernelSpec("row_scale.comp", 3, RowScalePush, 256),
     "norm_rope_f32": KernelSpec("norm_rope.comp", 4, NormRopePush, 128),
     "quantize_q8": KernelSpec("quantize_q8.comp", 3, QuantizeQ8Push, 128),
+    "quantize_x3": KernelSpec("quantize_q8.comp", 3, QuantizeQ8Push, 128),
     "residual_norm": KernelSpec("residual_norm.comp", 4, ResidualNormPush, RESIDUAL_BLOCK),
     "residual_norm_next": KernelSpec("residual_norm.comp", 6, ResidualNormPush, RESIDUAL_BLOCK),
     "residual_norm_next_q8": KernelSpec("residual_norm.comp", 8, ResidualNormPush, RESIDUAL_BLOCK),
+    "residual_norm_next_x3": KernelSpec("residual_norm.comp", 8, ResidualNormPush, RESIDUAL_BLOCK),
     **kernel_specs(KernelSpec),  # mul_mat_vec_<type>[_subgroup], mul_mat_<type>: kernels_matmul.py
 }
 
@@ -375,6 +378,7 @@ class Kernel:
         ci = new(
             "VkComputePipelineCreateInfo",
             sType=vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO,
+            flags=vk.VK_PIPELINE_CREATE_CAPTURE_STATISTICS_BIT_KHR if self.device.pipeline_stats else 0,
             layout=self.layout,
             basePipelineIndex=-1,
         )
@@ -387,6 +391,31 @@ class Kernel:
         r = lib.vkCreateComputePipelines(self.device.handle, ffi.NULL, 1, ci, ffi.NULL, out)
         check(r, f"vkCreateComputePipelines({self.name})")
         return out[0]
+
+    def statistics(self) -> dict[str, Any]:
+        """The driver's statistics of the compiled kernel (register count, ...: names and meanings are the
+        driver's), or {} unless the device was opened with ``pipeline_stats=True`` and the driver has them."""
+        if not self.device.pipeline_stats:
+            return {}
+        d = self.device.handle
+        fn = ffi.cast(
+            "PFN_vkGetPipelineExecutableStatisticsKHR",
+            lib.vkGetDeviceProcAddr(d, b"vkGetPipelineExecutableStatisticsKHR"),
+        )
+        info = new(
+            "VkPipelineExecutableInfoKHR",
+            sType=vk.VK_STRUCTURE_TYPE_PIPELINE_EXECUTABLE_INFO_KHR,
+            pipeline=self.pipeline,
+            executableIndex=0,
+        )
+        count = ffi.new("uint32_t*")
+        check(fn(d, info, count, ffi.NULL), "vkGetPipelineExecutableStatisticsKHR")
+        out = ffi.new("VkPipelineExecutableStatisticKHR[]", count[0])
+        for st in out:
+            st.sType = vk.VK_STRUCTURE_TYPE_PIPELINE_EXECUTABLE_STATISTIC_KHR
+        check(fn(d, info, count, out), "vkGetPipelineExecutableStatisticsKHR")
+        kinds = ("b32", "i64", "u64", "f64")  # VK_PIPELINE_EXECUTABLE_STATISTIC_FORMAT_*: 0..3
+        return {ffi.string(st.name).decode(): getattr(st.value, kinds[st.format]) for st in out[0 : count[0]]}
 
     # -- binding and recording ----------------------------------------------------------------------------
     def descriptor_set(self, buffers: Sequence[Binding]):
