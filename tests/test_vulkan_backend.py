@@ -70,7 +70,7 @@ def close(got: np.ndarray, want: np.ndarray, rtol: float = RTOL) -> None:
 def rtol_for(vk) -> float:
     """RTOL_INT8 when the backend runs decode-sized steps on the one-plane int8 mat-vec or has float16
     cooperative matrices, else RTOL."""
-    return RTOL_INT8 if vk.backend.int8_matvec or vk.backend.coopmat else RTOL
+    return RTOL_INT8 if vk.backend.matvec == "int8" or vk.backend.coopmat else RTOL
 
 
 def test_one_prefill_matches_cpu(pair):

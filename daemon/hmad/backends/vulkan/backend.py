@@ -275,7 +275,8 @@ class VulkanBackend(Backend):
         if coopmat not in ("auto", "off"):
             raise ValueError(f"coopmat must be 'auto' or 'off', got {coopmat!r}")
         self.matvec = matvec
-        self.int8_matvec = matvec == "int8"  # one q8 plane: the fused norm/attention writers make it
+        # int8 planes of x on the int8 mat-vec path: 3 (exact), 1 (int8), 0 (float: not taken)
+        self.planes = {"exact": 3, "int8": 1}.get(matvec, 0)
         self.dev = Device(device)
         # the cooperative-matrix mat-mat where the device has it: see _coopmat_for
         self.coopmat = coopmat == "auto" and coopmat_usable(self.dev.info)
@@ -696,7 +697,7 @@ class VulkanBackend(Backend):
         barrier between them)."""
         (t, k), n = x.shape, ws[0].shape[0]
         xq, xd = self._q8(x)
-        planes = self._planes
+        planes = self.planes
         x_name = "x3" if planes == 3 else "q8x"
         base = f"mul_mat_vec_{x_name}_{_type_name(ws[0].qtype, UNIT_TYPES)}" + (
             "_geglu" if len(ws) > 1 else ""
@@ -722,9 +723,8 @@ class VulkanBackend(Backend):
 
         if x.scale is None:
             x.scale = (self._new((t,)), self._new((t, k // 2)))  # k float16 a row
-            scale, xh = x.scale[0].view, x.scale[1].view
-            record_row_scale(self._rec, self._kernel("row_scale"), x.view, scale, xh, k, t)
-        scale, xh = x.scale[0].view, x.scale[1].view
+            record_row_scale(self._rec, self._kernel("row_scale"), x.view, *(a.view for a in x.scale), k, t)
+        scale, xh = (a.view for a in x.scale)
         reduce = self._kernel("split_reduce")
         record_coopmat(self._rec, kern, reduce, w.view, xh, y.view, scale, k, n, t, part)
 
@@ -744,26 +744,19 @@ class VulkanBackend(Backend):
         n, k = w.shape
         if self._coopmat_for(t, w):
             return False
-        if not (self._planes and t <= Q8_MAX_T and w.qtype in UNIT_TYPES.values() and k % 64 == 0):
+        if not (self.planes and t <= Q8_MAX_T and w.qtype in UNIT_TYPES.values() and k % 64 == 0):
             return False
         align = self.dev.limits["minStorageBufferOffsetAlignment"]
         step = MATVEC_MAX_T
-        return t <= step or all(
-            b % align == 0 for b in (step * k * self._planes, step * k // 4, step * 4 * n)
-        )
-
-    @property
-    def _planes(self) -> int:
-        """int8 planes of x on the int8 mat-vec path: 3 (``exact``), 1 (``int8``), 0 (``float``)."""
-        return {"exact": 3, "int8": 1}.get(self.matvec, 0)
+        return t <= step or all(b % align == 0 for b in (step * k * self.planes, step * k // 4, step * 4 * n))
 
     def _q8(self, x: Act) -> tuple[Act, Act]:
         """x's q8 form, one or three planes (quantized here on first use, then kept on the Act)."""
         if x.q8 is None:
             t, k = x.shape
-            xq, xd = self._new_q8(t, k, self._planes)
+            xq, xd = self._new_q8(t, k, self.planes)
             self._dispatch(
-                "quantize_x3" if self._planes == 3 else "quantize_q8",
+                "quantize_x3" if self.planes == 3 else "quantize_q8",
                 [x.view, xq.view, xd.view],
                 QuantizeQ8Push(k, t, k),
                 self._grid(t * k // 32, 128),
@@ -782,10 +775,10 @@ class VulkanBackend(Backend):
             return xo, None
         h = self._new(x.shape)
         binds = [x.view, a.view, w_a.view, xo.view, w_next.view, h.view]
-        if self._planes and t <= Q8_MAX_T and d % 32 == 0:
+        if self.planes and t <= Q8_MAX_T and d % 32 == 0:
             # int8 mat-vecs follow: quantize h here too (one plane or three)
-            h.q8 = self._new_q8(t, d, self._planes)
-            name = "residual_norm_next_x3" if self._planes == 3 else "residual_norm_next_q8"
+            h.q8 = self._new_q8(t, d, self.planes)
+            name = "residual_norm_next_x3" if self.planes == 3 else "residual_norm_next_q8"
             self._dispatch(name, [*binds, h.q8[0].view, h.q8[1].view], push, t)
         else:
             self._dispatch("residual_norm_next", binds, push, t)
@@ -838,10 +831,10 @@ class VulkanBackend(Backend):
         )
         o = self._new((t, h * dh))
         reduce = AttentionReducePush(t, h, dh, splits, h * dh)
-        if self._planes and t <= Q8_MAX_T and dh % 32 == 0:  # the output projection's int8 input too
-            o.q8 = self._new_q8(t, h * dh, self._planes)
+        if self.planes and t <= Q8_MAX_T and dh % 32 == 0:  # the output projection's int8 input too
+            o.q8 = self._new_q8(t, h * dh, self.planes)
             binds = [part.view, o.view, o.q8[0].view, o.q8[1].view]
-            name = "attention_reduce_f32_x3" if self._planes == 3 else "attention_reduce_f32_q8"
+            name = "attention_reduce_f32_x3" if self.planes == 3 else "attention_reduce_f32_q8"
             self._dispatch(name, binds, reduce, t * h)
         else:
             self._dispatch("attention_reduce_f32", [part.view, o.view], reduce, t * h)

@@ -79,7 +79,7 @@ MATVEC_MAX_T = 8  # tokens per mat-vec dispatch (MAX_T)
 MATMUL_TILE = 64  # BN = BT of mul_mat.comp
 MATMUL_BLOCK = 256  # mul_mat.comp's fixed workgroup size
 MATVEC_BLOCK = 128  # default mat-vec workgroup size (any power of two)
-#: variants of mul_mat_vec_unit.comp per type: suffix -> defines
+#: mat-vec variants per type (mul_mat_vec_unit.comp, mul_mat_vec_q8.comp): suffix, defines
 UNIT_VARIANTS = (
     ("", {}),
     ("_geglu", {"GEGLU": "1"}),
@@ -243,20 +243,17 @@ def kernel_specs(spec_type) -> dict:
         "mul_mat.comp": (3, MatMulPush, MATMUL_BLOCK),
         "mul_mm_coopmat.comp": (4, CoopMatPush, MATMUL_BLOCK),  # W, x as float16 (row_scale), y, scales
     }
-    specs = {name: spec_type(src, *iface[src]) for name, src, _ in build_entries()}
-    for name, spec in specs.items():
-        if "_geglu" in name:
-            specs[name] = spec_type(spec.source, 4, spec.push, spec.block_size)
-    for t in UNIT_TYPES:  # bindings: W, XQ, XD, y [, W_up]; _t1: built for one token; x3: three planes
-        for suffix, n_buffers in (
-            ("", 4),
-            ("_geglu", 5),
-            ("_t1", 4),
-            ("_geglu_t1", 5),
-        ):
+    specs = {}
+    for name, src, _ in build_entries():  # a _geglu variant also binds W_up, after the others
+        n_buffers, push, block = iface[src]
+        specs[name] = spec_type(src, n_buffers + ("_geglu" in name), push, block)
+    for t in UNIT_TYPES:  # int8 mat-vecs, x as one plane (q8x) or three (x3): W, XQ, XD, y [, W_up]
+        for suffix, _ in UNIT_VARIANTS:
             for x in ("q8x", "x3"):
-                name = f"mul_mat_vec_{x}_{t}{suffix}"
-                specs[name] = spec_type("mul_mat_vec_q8.comp", n_buffers, MatMulPush, Q8_MATVEC_BLOCK)
+                n_buffers = 4 + ("_geglu" in suffix)
+                specs[f"mul_mat_vec_{x}_{t}{suffix}"] = spec_type(
+                    "mul_mat_vec_q8.comp", n_buffers, MatMulPush, Q8_MATVEC_BLOCK
+                )
     return specs
 
 
