@@ -190,13 +190,22 @@ def test_format_status_shows_every_key():
         assert expected in text
 
 
+def _default_sigint() -> None:
+    """hmactl as a terminal starts it: SIGINT at its default, so Python turns it into KeyboardInterrupt. (A
+    suite launched in the background by a non-interactive shell inherits SIGINT ignored, and so would
+    hmactl: it would never see the Ctrl-C this test sends.)"""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("json_mode", [False, True])
 def test_ctrl_c_cancels_and_exits_130(hmad, json_mode):
     cmd = [sys.executable, "-m", "hmaclient.cli", "--socket", hmad.socket, "query", "--raw"]
     cmd += ["--max-tokens", "100000", *(["--json"] if json_mode else []), "x b"]
     with (
         Client(hmad.socket) as c,
-        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p,
+        subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint
+        ) as p,
     ):
         if json_mode:
             _wait(lambda: _load(c)[0] == 1)  # the generation runs
