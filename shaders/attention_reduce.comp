@@ -9,9 +9,6 @@
 #ifdef Q8OUT
 #include "q8act.glsl"
 #endif
-#ifndef PLANES
-#define PLANES 1  // 3: o written as the exact path's three planes (q8act.glsl)
-#endif
 #define MAX_SPLITS 256
 #define MAX_HEAD_DIM 256
 
@@ -89,29 +86,18 @@ void main() {
         const float d = amax / 127.0;
         const float id = d != 0.0 ? 1.0 / d : 0.0;
         const vec4 v = vec4(s_o[4u * w], s_o[4u * w + 1u], s_o[4u * w + 2u], s_o[4u * w + 3u]);
-#if PLANES == 3
-        ivec4 q1, q2, q3;
-        q8x3_round(v, d, id, q1, q2, q3);
-        const uint rw = p.o_stride / 4u, qw = 3u * t * rw + (h * p.head_dim) / 4u + w;  // plane p: row 3t + p
-        oq[qw] = q8_word(q1);
-        oq[qw + rw] = q8_word(q2);
-        oq[qw + 2u * rw] = q8_word(q3);
-        if (w % 8u == 0u) {
+        uint qw[PLANES];
+        q8_words(v, d, id, qw);
+        const uint rw = p.o_stride / 4u;  // plane pl of token t is XQ row PLANES * t + pl
+        [[unroll]] for (uint pl = 0; pl < PLANES; ++pl) oq[(PLANES * t + pl) * rw + (h * p.head_dim) / 4u + w] = qw[pl];
+        if (w % 8u == 0u) {  // the block's XD entry, from its 8 words' shares
             float sum = 0.0;
-            for (uint i = 0; i < 32u; ++i) sum += s_o[b0 + i];
-            od[(t * p.o_stride + h * p.head_dim) / 32u + w / 8u] = vec2(d, sum);
-        }
-#else
-        oq[(t * p.o_stride + h * p.head_dim) / 4u + w] = q8_word(q8_round(v * id));
-        if (w % 8u == 0u) {
-            int sum = 0;
             for (uint i = 0; i < 32u; i += 4u) {
-                const ivec4 q = q8_round(vec4(s_o[b0 + i], s_o[b0 + i + 1u], s_o[b0 + i + 2u], s_o[b0 + i + 3u]) * id);
-                sum += q.x + q.y + q.z + q.w;
+                uint unused[PLANES];
+                sum += q8_words(vec4(s_o[b0 + i], s_o[b0 + i + 1u], s_o[b0 + i + 2u], s_o[b0 + i + 3u]), d, id, unused);
             }
-            od[(t * p.o_stride + h * p.head_dim) / 32u + w / 8u] = vec2(d, d * float(sum));
+            od[(t * p.o_stride + h * p.head_dim) / 32u + w / 8u] = q8_block_ds(d, sum);
         }
-#endif
     }
 #endif
 }

@@ -28,6 +28,10 @@ uint q8_word(ivec4 q) {
     return uint(q.x & 0xFF) | (uint(q.y & 0xFF) << 8) | (uint(q.z & 0xFF) << 16) | (uint(q.w) << 24);
 }
 
+#ifndef PLANES
+#define PLANES 1  // 3: the exact path's three planes
+#endif
+
 // The three planes of 4 values (see the top): d the block's scale, id = 1 / d (0 for an all-zero block).
 void q8x3_round(vec4 v, float d, float id, out ivec4 q1, out ivec4 q2, out ivec4 q3) {
     q1 = q8_round(v * id);
@@ -35,4 +39,26 @@ void q8x3_round(vec4 v, float d, float id, out ivec4 q1, out ivec4 q2, out ivec4
     q2 = q8_round(r1 * (128.0 * id));
     const vec4 r2 = r1 - (d * (1.0 / 128.0)) * vec4(q2);
     q3 = q8_round(r2 * (16384.0 * id));
+}
+
+// 4 values of a block as XQ words, one per plane (word p goes to XQ row PLANES * t + p of token t); returns
+// their share of the block's XD s: sum(q) for one plane (exact in float), sum(x) for three.
+float q8_words(vec4 v, float d, float id, out uint w[PLANES]) {
+#if PLANES == 3
+    ivec4 q1, q2, q3;
+    q8x3_round(v, d, id, q1, q2, q3);
+    w[0] = q8_word(q1);
+    w[1] = q8_word(q2);
+    w[2] = q8_word(q3);
+    return (v.x + v.y) + (v.z + v.w);
+#else
+    const ivec4 q = q8_round(v * id);
+    w[0] = q8_word(q);
+    return float(q.x + q.y + q.z + q.w);
+#endif
+}
+
+// The XD entry (d, s) of a block whose words' shares (q8_words) add up to sum.
+vec2 q8_block_ds(float d, float sum) {
+    return vec2(d, PLANES == 3 ? sum : d * sum);
 }

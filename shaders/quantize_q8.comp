@@ -5,9 +5,6 @@
 // Requires K % 32 == 0, x_stride % 4 == 0, BLOCK_SIZE % 8 == 0.
 #include "common.glsl"
 #include "q8act.glsl"
-#ifndef PLANES
-#define PLANES 1
-#endif
 
 layout(binding = 0) readonly buffer X { vec4 x4[]; };
 layout(binding = 1) writeonly buffer XQ { uint xq[]; };
@@ -20,7 +17,7 @@ layout(push_constant) uniform Push {
 } p;
 
 shared float s_max[BLOCK_SIZE];
-shared float s_sum[BLOCK_SIZE];  // per word: sum(q) (one plane, exact in float) or sum(x) (three)
+shared float s_sum[BLOCK_SIZE];  // per word: its share of the block's XD s (q8_words)
 
 void main() {
     const uint words = p.K / 4u, n = p.T * words, tid = gl_LocalInvocationID.x, first = tid & ~7u;
@@ -36,26 +33,16 @@ void main() {
         [[unroll]] for (uint j = 0; j < 8u; ++j) amax = max(amax, s_max[first + j]);
         const float d = amax / 127.0;
         const float id = d != 0.0 ? 1.0 / d : 0.0;
-#if PLANES == 3
-        ivec4 q1, q2, q3;
-        q8x3_round(v, d, id, q1, q2, q3);
-        s_sum[tid] = (v.x + v.y) + (v.z + v.w);
-        if (live) {
-            const uint row = 3u * t * words + i;
-            xq[row] = q8_word(q1);
-            xq[row + words] = q8_word(q2);
-            xq[row + 2u * words] = q8_word(q3);
+        uint qw[PLANES];
+        s_sum[tid] = q8_words(v, d, id, qw);
+        if (live) {  // plane pl of token t is XQ row PLANES * t + pl
+            [[unroll]] for (uint pl = 0; pl < PLANES; ++pl) xq[(PLANES * t + pl) * words + i] = qw[pl];
         }
-#else
-        const ivec4 q = q8_round(v * id);
-        s_sum[tid] = float(q.x + q.y + q.z + q.w);
-        if (live) xq[w] = q8_word(q);
-#endif
         barrier();
         if (live && tid == first) {
             float sum = 0.0;
             [[unroll]] for (uint j = 0; j < 8u; ++j) sum += s_sum[first + j];
-            xd[w / 8u] = vec2(d, PLANES == 3 ? sum : d * sum);
+            xd[w / 8u] = q8_block_ds(d, sum);
         }
         barrier();
     }

@@ -14,9 +14,6 @@
 #ifdef Q8OUT
 #include "q8act.glsl"
 #endif
-#ifndef PLANES
-#define PLANES 1  // 3: h written as the exact path's three planes (q8act.glsl)
-#endif
 #define WORDS 2u
 
 layout(binding = 0) readonly buffer X { vec4 x[]; };
@@ -41,7 +38,7 @@ layout(push_constant) uniform Push {
 shared float partial[BLOCK_SIZE];
 #ifdef Q8OUT
 shared float s_max[BLOCK_SIZE];
-shared float s_sum[BLOCK_SIZE];  // per word: sum(q) (one plane, exact in float) or sum(h) (PLANES 3)
+shared float s_sum[BLOCK_SIZE];  // per word: its share of the block's XD s (q8_words)
 #endif
 
 // the sum over the workgroup of every invocation's v
@@ -93,25 +90,16 @@ void main() {
         [[unroll]] for (uint j = 0; j < 8u; ++j) amax = max(amax, s_max[first + j]);
         const float d = amax / 127.0;
         const float id = d != 0.0 ? 1.0 / d : 0.0;
-#if PLANES == 3
-        ivec4 q1, q2, q3;
-        q8x3_round(v, d, id, q1, q2, q3);
-        s_sum[tid] = (v.x + v.y) + (v.z + v.w);
-        if (live) {  // plane p of row r is XQ row 3r + p
-            hq[3u * o + w] = q8_word(q1);
-            hq[3u * o + nw + w] = q8_word(q2);
-            hq[3u * o + 2u * nw + w] = q8_word(q3);
+        uint qw[PLANES];
+        s_sum[tid] = q8_words(v, d, id, qw);
+        if (live) {  // plane pl of row r is XQ row PLANES * r + pl
+            [[unroll]] for (uint pl = 0; pl < PLANES; ++pl) hq[(PLANES * row + pl) * nw + w] = qw[pl];
         }
-#else
-        const ivec4 q = q8_round(v * id);
-        s_sum[tid] = float(q.x + q.y + q.z + q.w);
-        if (live) hq[o + w] = q8_word(q);
-#endif
         barrier();
         if (live && tid == first) {
             float sum = 0.0;
             [[unroll]] for (uint j = 0; j < 8u; ++j) sum += s_sum[first + j];
-            hd[row * (p.ncols / 32u) + w / 8u] = vec2(d, PLANES == 3 ? sum : d * sum);
+            hd[row * (p.ncols / 32u) + w / 8u] = q8_block_ds(d, sum);
         }
 #endif
     }
