@@ -45,14 +45,13 @@ from hmad.backends.vulkan.pipelines import CommandRecorder, Kernel, QuantizeQ8Pu
 from hmad.model.quants import dequantize, random_blocks  # noqa: E402
 
 
-def time_kernel(dev, kernel, w, x, y, k, n, t, iters) -> float:
-    """Median GPU ns of one y = x · Wᵀ (summed over its bind ranges); ``w`` one view or a list of copies
-    used in turn (so that W is not in the L2 cache from the previous call)."""
-    ws = w if isinstance(w, list) else [w]
+def median_gpu_ns(dev, iters: int, record_one) -> float:
+    """Median GPU ns of one call: ``record_one(rec, i)`` records call i into ``rec`` and returns its dispatch
+    count; the recording is submitted once to warm up, then once measured (a timestamp after each command)."""
     rec = CommandRecorder(dev, timestamps=True, max_commands=iters * 8).begin()
     per_call = 0
     for i in range(iters):
-        per_call = record_matmul(rec, kernel, ws[i % len(ws)], x, y, k, n, t)
+        per_call = record_one(rec, i)
     rec.end()
     rec.submit()  # warm-up
     rec.submit()
@@ -61,19 +60,19 @@ def time_kernel(dev, kernel, w, x, y, k, n, t, iters) -> float:
     return float(np.median(ns))
 
 
-def time_q8(dev, kernel, w, xq, xd, y, k, n, t, iters) -> float:
-    """Median GPU ns of one int8 mat-vec (x already quantized); ``w`` as in :func:`time_kernel`."""
-    ws = w if isinstance(w, list) else [w]
-    rec = CommandRecorder(dev, timestamps=True, max_commands=iters * 8).begin()
-    per_call = 0
-    for i in range(iters):
-        per_call = record_matvec_q8(rec, kernel, ws[i % len(ws)], xq, xd, y, k, n, t)
-    rec.end()
-    rec.submit()
-    rec.submit()
-    ns = np.array([v for _, v in rec.gpu_times()["commands"]]).reshape(iters, per_call).sum(axis=1)
-    rec.close()
-    return float(np.median(ns))
+def time_kernel(dev, kernel, ws, x, y, k, n, t, iters) -> float:
+    """Median GPU ns of one y = x · Wᵀ (summed over its bind ranges), ``ws`` copies of W used in turn (so
+    that W is not in the L2 cache from the previous call)."""
+    return median_gpu_ns(
+        dev, iters, lambda rec, i: record_matmul(rec, kernel, ws[i % len(ws)], x, y, k, n, t)
+    )
+
+
+def time_q8(dev, kernel, ws, xq, xd, y, k, n, t, iters) -> float:
+    """Median GPU ns of one int8 mat-vec (x already quantized), ``ws`` as in :func:`time_kernel`."""
+    return median_gpu_ns(
+        dev, iters, lambda rec, i: record_matvec_q8(rec, kernel, ws[i % len(ws)], xq, xd, y, k, n, t)
+    )
 
 
 def bench_q8(dev, args, w, x, y, k, n, copy_gbps) -> list[dict]:
@@ -91,10 +90,7 @@ def bench_q8(dev, args, w, x, y, k, n, copy_gbps) -> list[dict]:
         rec.close()
         tokens = list(map(int, args.tokens.split(",")))
         base = f"mul_mat_vec_{x_name}_{args.type}"
-        for name, ts in (
-            (base, tokens),
-            (base + "_t1", [1]),
-        ):
+        for name, ts in ((base, tokens), (base + "_t1", [1])):
             kern = Kernel(dev, name)
             for t in ts:
                 ns = time_q8(dev, kern, w, xq, xd, y, k, n, t, args.iters)
@@ -117,9 +113,8 @@ def bench_q8(dev, args, w, x, y, k, n, copy_gbps) -> list[dict]:
 
 
 def bench_coopmat(dev, args, w, x, y, k, n, ts, copy_gbps) -> list[dict]:
-    """mul_mm_coopmat_<type>_<BT>x<BN> (x as its float16 copy from row_scale) for
-    every tile and T (K split as the backend would): TFLOP/s, and weight GB/s over the ceiling. ``w`` a list
-    of copies of W used in turn."""
+    """mul_mm_coopmat_<type>_<BT>x<BN> (x as its float16 copy from row_scale) for every tile and T (K split
+    as the backend would): TFLOP/s, and weight GB/s over the ceiling. ``w`` copies of W used in turn."""
     out = []
     part = create_buffer(dev, 256 << 20, "device", "partial sums")
     scale = create_buffer(dev, 4 * max(ts), "device", "row scales")
@@ -130,25 +125,15 @@ def bench_coopmat(dev, args, w, x, y, k, n, ts, copy_gbps) -> list[dict]:
     rec.end()
     rec.submit()
     rec.close()
-    names = [f"mul_mm_coopmat_{args.type}_{bt}x{bn}" for bt, bn in COOPMAT_TILES]
-    for name in names:
+    for bt, bn in COOPMAT_TILES:
+        name = f"mul_mm_coopmat_{args.type}_{bt}x{bn}"
         kern = Kernel(dev, name)
-        bt, bn = map(int, name.rsplit("_", 1)[1].split("x"))
-        for t in ts:
-            rec = CommandRecorder(dev, timestamps=True, max_commands=args.iters * 8).begin()
-            per_call = 0
-            for i in range(args.iters):  # the row scales are made once per x: in the step, not per matmul
-                per_call = record_coopmat(rec, kern, red, w[i % len(w)], xh, y, scale, k, n, t, part)
-            rec.end()
-            rec.submit()
-            rec.submit()
-            ns = (
-                np.array([v for _, v in rec.gpu_times()["commands"]])
-                .reshape(args.iters, per_call)
-                .sum(axis=1)
-            )
-            rec.close()
-            ns = float(np.median(ns))
+        for t in ts:  # the row scales are made once per x: in the step, not per matmul
+
+            def one(rec, i, kern=kern, t=t):
+                return record_coopmat(rec, kern, red, w[i % len(w)], xh, y, scale, k, n, t, part)
+
+            ns = median_gpu_ns(dev, args.iters, one)
             splits = coopmat_splits(k, n, t, (bt, bn))[0]
             r = {"kernel": name, "tile": [bt, bn], "T": t, "splits": splits, "us": ns / 1e3}
             r["TFLOPs"] = 2 * k * n * t / ns / 1e3
@@ -255,7 +240,7 @@ def main() -> int:
             kern.close()
     if args.prefill:
         kern = Kernel(dev, f"mul_mat_{args.type}")
-        ns = time_kernel(dev, kern, w, x, y, k, n, args.prefill, max(1, args.iters // 2))
+        ns = time_kernel(dev, kern, [w], x, y, k, n, args.prefill, max(1, args.iters // 2))
         res["matmul"] = {"T": args.prefill, "us": ns / 1e3, "TFLOPs": 2 * k * n * args.prefill / ns / 1e3}
         print(
             f"mul_mat_{args.type} T={args.prefill}: {ns / 1e3:.1f} us, {res['matmul']['TFLOPs']:.2f} TFLOP/s"

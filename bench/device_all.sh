@@ -15,7 +15,7 @@ for step in ${*:-tests matmul model}; do
         ;;
     stats)
         timeout 60 python3 bench/kernel_stats.py mul_mat_vec_x3_q4_k mul_mat_vec_q8x_q4_k_t1 mul_mm_coopmat_q4_k \
-            mul_mm_coopmat_q4_k quantize_x3 --out "$OUT/stats.json" 2>&1 | cut -c1-110
+            quantize_x3 --out "$OUT/stats.json" 2>&1 | cut -c1-110
         ;;
     matmul)
         timeout 200 python3 bench/bench_vulkan_matmul.py --iters 20 --prefill 0 --coopmat 8,16,32,512 --blocks 128 \

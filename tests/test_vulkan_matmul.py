@@ -191,7 +191,8 @@ def test_mul_mm_coopmat(dev, kernels, gpu, t):
     if not coopmat_usable(dev.info):
         pytest.skip(f"{dev.info.name}: no float16 16x16x16 cooperative matrix with 32-wide subgroups")
     rng = np.random.default_rng(zlib.crc32(f"coopmat{t}".encode()))
-    for name in [f"mul_mm_coopmat_{t}_{bt}x{bn}" for bt, bn in COOPMAT_TILES]:
+    for bt, bn in COOPMAT_TILES:
+        name = f"mul_mm_coopmat_{t}_{bt}x{bn}"
         for kk, n, ntok in COOPMAT_CASES:
             if kk % 256 and t in ("q4_k", "q6_k"):
                 continue
