@@ -34,3 +34,9 @@ uint grid_size() {
 uint global_index() {
     return group_index() * BLOCK_SIZE + gl_LocalInvocationID.x;
 }
+
+// gelu_tanh(g) * u (the GeGLU of Gemma's FFN): gelu_tanh(g) = g / (1 + exp(-2 a)), a = sqrt(2/pi) (g + 0.044715 g^3)
+float gelu_mul(float g, float u) {
+    const float a = 0.7978845608028654 * (g + 0.044715 * g * g * g);
+    return g / (1.0 + exp(-2.0 * a)) * u;
+}

@@ -21,8 +21,6 @@ void main() {
     const uint stride = grid_size();
     for (uint i = global_index(); i < n; i += stride) {
         const uint r = i / p.n_cols, c = i % p.n_cols;
-        const float g = gate[r * p.gate_stride + c];
-        const float u = 0.7978845608028654 * (g + 0.044715 * g * g * g);
-        y[r * p.y_stride + c] = g / (1.0 + exp(-2.0 * u)) * up[r * p.up_stride + c];
+        y[r * p.y_stride + c] = gelu_mul(gate[r * p.gate_stride + c], up[r * p.up_stride + c]);
     }
 }

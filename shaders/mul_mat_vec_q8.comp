@@ -106,11 +106,6 @@ float block_term(const uint q[UW], vec4 f, uint b, XBlock x) {
 #endif
 }
 
-float gelu_mul(float g, float u) {
-    const float a = 0.7978845608028654 * (g + 0.044715 * g * g * g);
-    return g / (1.0 + exp(-2.0 * a)) * u;
-}
-
 void main() {
     const uint tid = gl_LocalInvocationID.x, lane = tid % LANES, grp = tid / LANES;
     const uint row0 = (group_index() * GROUPS + grp) * NR;
