@@ -9,7 +9,8 @@
 // products are subgroupAdd reductions, and the online softmax (running max m, sum l, acc) lives in registers:
 // no workgroup barrier inside the key loop. At the end the subgroups' states merge through shared memory
 // (rescaled to the common max, added in subgroup order).
-// Variants: DPL (8: 32-wide subgroups or wider; 32: 8-wide) x MAX_GROUP (4, 8): registers for G heads.
+// Variants: DPL (4, 8: 32-wide subgroups or wider, 4 keys an iteration (KU); 32: 8-wide, one key) x
+// MAX_GROUP (4, 8): registers for G heads.
 // Host asserts: Dh <= DPL * S, G <= MAX_GROUP, BLOCK_SIZE / S <= MAX_SG.
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_KHR_shader_subgroup_arithmetic : require
@@ -22,6 +23,9 @@
 #endif
 #ifndef MAX_GROUP
 #define MAX_GROUP 8u
+#endif
+#ifndef KU
+#define KU 1u  // keys per subgroup per iteration
 #endif
 #define MAX_SG 32u
 #define MAX_HEAD_DIM 256u
@@ -46,6 +50,7 @@ layout(push_constant) uniform Push {
     uint seq_off;
     uint info_off;
     float scale;
+    uint skip_off;    // 0, or the meta section of per-row flags: rows flagged 1 are attention_prefill's
 } p;
 
 const uint NONE = 0xFFFFFFFFu;
@@ -68,6 +73,7 @@ void main() {
     const uint pstride = Dh + 2;
 
     const uint seq = meta[p.seq_off + t];
+    if (p.skip_off != 0u && meta[p.skip_off + t] != 0u) return;  // a tile row: attention_prefill writes it
     uint c0 = 1, c1 = 0, tab = 0, tab_len = 1;
     if (seq != NONE) {
         const uint pos = meta[p.pos_off + t];
@@ -99,23 +105,38 @@ void main() {
             acc[g][i] = 0.0;
         }
     }
-    for (uint j = c0 + sg; j < c1; j += nsg) {
-        const uint ko = (meta[tab + (j / B) % tab_len] * B + j % B) * row + kvo;
-        float kd[DPL], vd[DPL];
-        [[unroll]] for (uint i = 0; i < DPL; ++i) {
-            const uint d = lane + i * S;
-            kd[i] = d < Dh ? float(k_pool[ko + d]) : 0.0;
-            vd[i] = d < Dh ? float(v_pool[ko + d]) : 0.0;
+    // KU keys per iteration (j, j + nsg, ...): their loads are all issued before the first dot, so a subgroup
+    // has KU rows of K and V in flight; one online-softmax update per head for the KU scores
+    for (uint j = c0 + sg; j < c1; j += KU * nsg) {
+        float kd[KU][DPL], vd[KU][DPL];
+        [[unroll]] for (uint u = 0; u < KU; ++u) {
+            const uint ju = j + u * nsg;
+            const uint ko = (meta[tab + (min(ju, c1 - 1) / B) % tab_len] * B + min(ju, c1 - 1) % B) * row + kvo;
+            [[unroll]] for (uint i = 0; i < DPL; ++i) {
+                const uint d = lane + i * S;
+                kd[u][i] = d < Dh && ju < c1 ? float(k_pool[ko + d]) : 0.0;
+                vd[u][i] = d < Dh && ju < c1 ? float(v_pool[ko + d]) : 0.0;
+            }
         }
         [[unroll]] for (uint g = 0; g < MAX_GROUP; ++g) {
             if (g < G) {
-                float dot = 0.0;
-                [[unroll]] for (uint i = 0; i < DPL; ++i) dot += qr[g][i] * kd[i];
-                const float s = subgroupAdd(dot);
-                const float m_new = max(m[g], s);
-                const float corr = exp(m[g] - m_new), w = exp(s - m_new);
-                l[g] = l[g] * corr + w;
-                [[unroll]] for (uint i = 0; i < DPL; ++i) acc[g][i] = acc[g][i] * corr + w * vd[i];
+                float sc[KU];
+                float m_new = m[g];
+                [[unroll]] for (uint u = 0; u < KU; ++u) {
+                    float dot = 0.0;
+                    [[unroll]] for (uint i = 0; i < DPL; ++i) dot += qr[g][i] * kd[u][i];
+                    const float sd = subgroupAdd(dot);
+                    sc[u] = j + u * nsg < c1 ? sd : NEG_INF;
+                    m_new = max(m_new, sc[u]);
+                }
+                const float corr = exp(m[g] - m_new);
+                l[g] *= corr;
+                [[unroll]] for (uint i = 0; i < DPL; ++i) acc[g][i] *= corr;
+                [[unroll]] for (uint u = 0; u < KU; ++u) {
+                    const float w = exp(sc[u] - m_new);
+                    l[g] += w;
+                    [[unroll]] for (uint i = 0; i < DPL; ++i) acc[g][i] += w * vd[u][i];
+                }
                 m[g] = m_new;
             }
         }

@@ -51,6 +51,7 @@ layout(push_constant) uniform Push {
     uint seq_off;
     uint info_off;
     float scale;
+    uint skip_off;    // 0, or the meta section of per-row flags: rows flagged 1 are attention_prefill's
 } p;
 
 const uint NONE = 0xFFFFFFFFu;
@@ -76,6 +77,7 @@ void main() {
     const uint pstride = Dh + 2;
 
     const uint seq = meta[p.seq_off + t];
+    if (p.skip_off != 0u && meta[p.skip_off + t] != 0u) return;  // a tile row: attention_prefill writes it
     uint c0 = 1, c1 = 0, lo = 0, tab = 0, tab_len = 1;
     if (seq != NONE) {
         const uint pos = meta[p.pos_off + t];

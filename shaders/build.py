@@ -67,11 +67,16 @@ BUILD: list[tuple[str, str, dict[str, str]]] = [
         (
             f"attention_decode_{pool}_dpl{dpl}_g{mg}",
             "attention_decode.comp",
-            {"DPL": f"{dpl}u", "MAX_GROUP": f"{mg}u", **d},
+            {"DPL": f"{dpl}u", "MAX_GROUP": f"{mg}u", "KU": "1u" if dpl == 32 else "4u", **d},
         )
         for pool, d in (("f32", {}), ("f16", {"POOL_TYPE": "float16_t"}))
-        for dpl in (8, 32)
+        for dpl in (4, 8, 32)
         for mg in (4, 8)
+    ],
+    *[
+        (f"attention_prefill_{pool}_dpl{dpl}", "attention_prefill.comp", {"DPL": f"{dpl}u", **d})
+        for pool, d in (("f32", {}), ("f16", {"POOL_TYPE": "float16_t"}))
+        for dpl in (8, 16, 32)
     ],
     ("attention_reduce_f32", "attention_reduce.comp", {}),
     ("attention_reduce_f32_q8", "attention_reduce.comp", {"Q8OUT": "1"}),

@@ -146,6 +146,26 @@ def test_one_recording_per_bucket_replayed(pair):
         assert res.token_ids[:12] == first  # stale cache contents from the run before change nothing
 
 
+def test_step_metadata_copied_to_vram_when_mapped_memory_is_across_the_bus(tmp_path, monkeypatch):
+    """A dGPU whose host-visible memory is system RAM: each step first copies the metadata into a device-local
+    buffer that the kernels read (forced here: lavapipe's memory is all device-local). Same logits as the CPU
+    for every position of a 9-token prompt step."""
+    from hmad.backends.vulkan import backend as vkb
+
+    monkeypatch.setattr(vkb, "across_bus", lambda dev, view: True)
+    path = make_tiny_gguf(tmp_path / "m.gguf", seed=7, types=MIXED)
+    cpu = load_model(path, "cpu", numerics="f32")
+    vk = load_model(path, "vulkan")
+    try:
+        ids = rand_ids(np.random.default_rng(8), 9, cpu.config.vocab_size)
+        close(vk.forward_full(ids), cpu.forward_full(ids), rtol_for(vk))
+        be = vk.backend
+        assert be.meta_gpu is not be.meta
+        assert [g.rec.labels[0] for g in be.graphs.values()] == ["step metadata to VRAM"]
+    finally:
+        vk.backend.close()
+
+
 def test_weights_forced_into_the_host_heap(tmp_path):
     path = make_tiny_gguf(tmp_path / "m.gguf", seed=5, types=MIXED)
     cpu = load_model(path, "cpu", numerics="f32")

@@ -25,6 +25,7 @@ from test_vulkan_fused import q8_reference
 from vk_harness import assert_x3_planes
 
 from hmad.backends.cpu import CpuBackend, CpuWeight
+from hmad.backends.vulkan.pipelines import ATTENTION_DECODE_DPL
 from hmad.backends.vulkan.stepmeta import NONE, StepMetaLayout, kv_slots
 from hmad.engine.batch import SeqSlice, StepBatch
 from hmad.engine.kvcache import KVLayout
@@ -229,7 +230,7 @@ def test_kv_write_and_paged_attention_match_reference(dev, kernels, gpu, pool, h
         sub = dev.info.subgroup["size"]
         if not dev.caps["subgroup_arithmetic"]:
             pytest.skip("no subgroup arithmetic: the backend uses attention_split")
-        dpl = next(d for d in (8, 32) if head_dim <= d * sub)
+        dpl = next(d for d in ATTENTION_DECODE_DPL if head_dim <= d * sub)
         att_s = kernels(f"attention_decode_{pool}_dpl{dpl}_g4")  # G = 2 here
     else:
         att_s = kernels(f"attention_split_{pool}")
@@ -289,6 +290,114 @@ def test_kv_write_and_paged_attention_match_reference(dev, kernels, gpu, pool, h
         kp_want, vp_want = cpu.pools[name][0][0], cpu.pools[name][1][0]
         np.testing.assert_array_equal(gpu.get(b_kp, dtype, kp_want.shape), kp_want)
         np.testing.assert_array_equal(gpu.get(b_vp, dtype, vp_want.shape), vp_want)
+
+
+def _prefill_batch(block_size, ring):
+    """A prefills 45 rows after 37 cached (two tiles: 32 + 13), B decodes at 9, C starts a 3-row prompt (under
+    the tile minimum of 8: per-row kernel), D prefills 10 rows after 20 (one tile)."""
+    rng = np.random.default_rng(12)
+    glob = rng.permutation(40).astype(np.int32)
+    loc = rng.permutation(4 * ring).astype(np.int32)
+    rings = [loc[i * ring : (i + 1) * ring] for i in range(4)]
+    parts = [
+        (SeqSlice(1, 0, 0, 37, glob[:21], rings[0]), rng.integers(0, 300, 45), True),
+        (SeqSlice(2, 0, 0, 9, glob[21:24], rings[1]), rng.integers(0, 300, 1), True),
+        (SeqSlice(3, 0, 0, 0, glob[24:25], rings[2]), rng.integers(0, 300, 3), False),
+        (SeqSlice(4, 0, 0, 20, glob[25:33], rings[3]), rng.integers(0, 300, 10), True),
+    ]
+    return StepBatch.build(parts, block_size)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pool", ["f32", "f16"])
+@pytest.mark.parametrize(
+    ("h", "hkv", "head_dim", "splits", "per_row"),
+    [
+        (4, 2, 128, 1, "split"),  # G 2 (the 27B's), 16 dims per lane
+        (4, 1, 256, 3, "split"),  # G 4 (the 270M's), 32 dims per lane, 3 splits
+        (8, 1, 32, 2, "decode"),  # G 8, 8 dims per lane (4 of them past Dh), the subgroup per-row kernel
+        (2, 2, 64, 1, "split"),  # G 1: 32 rows a workgroup
+    ],
+)
+def test_prefill_tiles_and_per_row_kernels_match_reference(
+    dev, kernels, gpu, pool, h, hkv, head_dim, splits, per_row
+):
+    """attention_prefill takes the rows of sequences with >= 8 rows in the step (tiles of up to 32 rows, each
+    workgroup a sub-tile of 32 / G rows), the per-row kernel skips them (``tiled`` flags) and does the rest,
+    both into one set of partials; attention_reduce combines them. Global layer and sliding windows of 6 and
+    40 (under and over a sub-tile's span) on a ring of 22 blocks of 4; one padding row (zeros)."""
+    from hmad.backends.vulkan.backend import ATTENTION_TILE_MIN_ROWS
+    from hmad.backends.vulkan.pipelines import (
+        AttentionPrefillPush,
+        AttentionReducePush,
+        AttentionSplitPush,
+        KvWritePush,
+        attention_prefill_groups,
+    )
+
+    if not dev.caps["subgroup_shuffle"] or dev.info.subgroup["size"] % 8:
+        pytest.skip("no 8-lane subgroup shuffles: the backend keeps the per-row kernels")
+    rng = np.random.default_rng(head_dim + h)
+    bs, ring = 4, 22
+    batch = _prefill_batch(bs, ring)
+    t = batch.n_tokens
+    dtype = np.float16 if pool == "f16" else np.float32
+    layout = KVLayout(bs, 40, 4 * ring, ring, (0,), (1, 2), hkv, head_dim)
+    cpu = CpuBackend(numerics="f32", kv_dtype=np.dtype(dtype).name)
+    cpu.alloc_kv(layout)
+    for kp, vp in cpu.pools.values():
+        kp[:] = rng.standard_normal(kp.shape).astype(dtype)
+        vp[:] = rng.standard_normal(vp.shape).astype(dtype)
+    init = {n: (kp.copy(), vp.copy()) for n, (kp, vp) in cpu.pools.items()}
+    q, k, v = (rng.standard_normal((t, n, head_dim)).astype(np.float32) for n in (h, hkv, hkv))
+    scale = head_dim**-0.5
+    lay = StepMetaLayout(t + 1, 4, 200, tile_min_rows=ATTENTION_TILE_MIN_ROWS)
+    meta = lay.pack(batch)
+    assert meta[lay.tiled : lay.tiled + t + 1].tolist() == [1] * 45 + [0] * 4 + [1] * 10 + [0]
+    b_meta = gpu.put(meta)
+    pad = np.zeros((1, h, head_dim), np.float32)
+    b_q, b_k, b_v = (gpu.put(np.concatenate([a, pad[:, : a.shape[1]]])) for a in (q, k, v))
+    if per_row == "decode":
+        if not dev.caps["subgroup_arithmetic"]:
+            pytest.skip("no subgroup arithmetic: the backend uses attention_split")
+        dpl = next(d for d in ATTENTION_DECODE_DPL if head_dim <= d * dev.info.subgroup["size"])
+        att_s = kernels(f"attention_decode_{pool}_dpl{dpl}_g8")
+    else:
+        att_s = kernels(f"attention_split_{pool}")
+    att_p = kernels(f"attention_prefill_{pool}_dpl{next(d for d in (8, 16, 32) if head_dim <= 8 * d)}")
+    att_r, kw = kernels("attention_reduce_f32"), kernels(f"kv_write_{pool}")
+    for layer, name, win in ((0, "global", None), (1, "local", 6), (2, "local", 40)):
+        slot = layout.pool_of(layer)[1]
+        want = cpu.attention(q, k, v, layer, batch, win, scale)
+        b_kp, b_vp = gpu.put(init[name][0][slot]), gpu.put(init[name][1][slot])
+        b_o = gpu.poison(gpu.alloc((t + 1) * h * head_dim * 4))
+        b_part = gpu.poison(gpu.alloc((t + 1) * h * splits * (head_dim + 2) * 4))
+        slot_off = lay.slot_global if name == "global" else lay.slot_local
+        info_off = lay.info_global if name == "global" else lay.info_local
+        row = hkv * head_dim
+        common = (h, hkv, head_dim, h * head_dim, splits, bs, win or 0)
+        split = AttentionSplitPush(t + 1, *common, lay.positions, lay.seq, info_off, scale, lay.tiled)
+        tiles = AttentionPrefillPush(lay.max_tiles, *common, lay.positions, info_off, lay.tiles, scale)
+        run(
+            dev,
+            (kw, [b_k, b_v, b_meta, b_kp, b_vp], KvWritePush(t + 1, row, row, row, slot_off), 4),
+            (att_s, [b_q, b_kp, b_vp, b_meta, b_part], split, att_s.groups_for((t + 1) * hkv * splits)),
+            (
+                att_p,
+                [b_q, b_kp, b_vp, b_meta, b_part],
+                tiles,
+                att_p.groups_for(attention_prefill_groups(lay.max_tiles, h // hkv, hkv, splits)),
+            ),
+            (
+                att_r,
+                [b_part, b_o],
+                AttentionReducePush(t + 1, h, head_dim, splits, h * head_dim),
+                att_r.groups_for((t + 1) * h),
+            ),
+        )
+        got = gpu.get(b_o, shape=(t + 1, h * head_dim))
+        np.testing.assert_allclose(got[:t], want, rtol=2e-5, atol=2e-6, err_msg=f"{name} layer, window {win}")
+        assert np.all(got[t] == 0)
 
 
 # -- argmax --------------------------------------------------------------------------------------------------

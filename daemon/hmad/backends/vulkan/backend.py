@@ -82,9 +82,12 @@ from hmad.backends.vulkan.memory import (
 from hmad.backends.vulkan.pipelines import (
     ATTENTION_DECODE_DPL,
     ATTENTION_DECODE_GROUPS,
+    ATTENTION_PREFILL_DPL,
+    ATTENTION_PREFILL_TILE,
     RESIDUAL_MAX_COLS,
     AddPush,
     ArgmaxPush,
+    AttentionPrefillPush,
     AttentionReducePush,
     AttentionSplitPush,
     CommandRecorder,
@@ -99,6 +102,7 @@ from hmad.backends.vulkan.pipelines import (
     RmsNormPush,
     RopePush,
     TopkPush,
+    attention_prefill_groups,
 )
 from hmad.backends.vulkan.stepmeta import StepMetaLayout
 from hmad.engine.batch import StepBatch
@@ -114,6 +118,10 @@ MIB = 1 << 20
 # attention_split.comp: splits per (token, KV head) = clamp(TARGET_GROUPS / (tokens * KV heads), 1, MAX)
 ATTENTION_TARGET_GROUPS = 1024
 ATTENTION_MAX_SPLITS = 64
+# attention_prefill.comp (tiles of a step's prefill rows, K/V chunks shared by a tile) in buckets of at least
+# this many rows, for sequences with at least this many rows in the step; the others keep the per-row kernels
+ATTENTION_TILE_MIN_BUCKET = 8
+ATTENTION_TILE_MIN_ROWS = 8
 # candidates per row of the on-device top-k (topk.comp): Gemma's top_k 64 plus up to 64 penalized tokens
 TOPK_CANDIDATES = 128
 # decode batches (coopmat_min_tokens..Q8_MAX_T tokens) use the cooperative-matrix mat-mat on weights of at
@@ -123,6 +131,12 @@ COOPMAT_DECODE_MIN_WEIGHTS = 4 << 20
 Q8_MAX_T = (
     32  # steps of up to 32 tokens (decode batches) run the int8 mat-vec, MATVEC_MAX_T tokens a dispatch
 )
+
+
+def across_bus(dev: Device, view: BufferView) -> bool:
+    """Whether ``view`` lives in memory the GPU reads across the bus: host memory of a discrete GPU without a
+    host-visible VRAM window (ReBAR); an APU's memory is all device-local."""
+    return not dev.memory_types[view.arena.memory_type].flags & vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT
 
 
 def bucket(n: int) -> int:
@@ -300,7 +314,8 @@ class VulkanBackend(Backend):
         self.kv_mem: ResidentMemory | None = None
         self.kv_layout: KVLayout | None = None
         self.kv_views: dict[tuple[str, int], tuple[BufferView, BufferView]] = {}
-        self.meta: BufferView | None = None
+        self.meta: BufferView | None = None  # host-visible: the host packs each step's metadata here
+        self.meta_gpu: BufferView | None = None  # what the kernels bind: meta, or its device-local copy
         self.ids: BufferView | None = None
         self.readback: BufferView | None = None
         self.topk_buf: BufferView | None = None  # mapped: ids (rows, k) uint32, then values (rows, k)
@@ -401,19 +416,34 @@ class VulkanBackend(Backend):
         lay = self.kv_layout
         return lay.n_global_blocks + lay.n_local_blocks + 1
 
+    def _meta_layout(self, t_b: int) -> StepMetaLayout:
+        """The metadata layout of bucket ``t_b``: with prefill-attention tiles from ATTENTION_TILE_MIN_BUCKET
+        rows (sequences of at least ATTENTION_TILE_MIN_ROWS rows go in tiles)."""
+        tiles = ATTENTION_TILE_MIN_ROWS if t_b >= ATTENTION_TILE_MIN_BUCKET else 0
+        return StepMetaLayout(t_b, t_b, self._max_table(), tile_min_rows=tiles)
+
     def _ensure_meta(self, t_b: int) -> None:
         """The metadata buffer holds the layout of bucket ``t_b``; growing it drops every recording."""
-        words = StepMetaLayout(t_b, t_b, self._max_table()).words
+        words = self._meta_layout(t_b).words
         if self.meta is not None and self.meta.nbytes >= 4 * words:
             return
         self._drop_graphs()
-        if self.meta is not None:
-            self.meta.arena.close()
+        self._close_meta()
         self.meta = create_buffer(self.dev, 4 * words, "mapped", "step metadata")
+        self.meta_gpu = self.meta
+        if across_bus(self.dev, self.meta):
+            # every kernel's metadata read would pay the bus latency, on the dependent chain of slot -> KV
+            # row: each step copies the few KiB into VRAM first
+            self.meta_gpu = create_buffer(self.dev, 4 * words, "device", "step metadata (device copy)")
         if self.ids is None or self.ids.nbytes < 4 * t_b:
             if self.ids is not None:
                 self.ids.arena.close()
             self.ids = create_buffer(self.dev, 4 * t_b, "readback", "token ids")
+
+    def _close_meta(self) -> None:
+        for b in {id(b): b for b in (self.meta, self.meta_gpu) if b is not None}.values():
+            b.arena.close()
+        self.meta = self.meta_gpu = None
 
     def describe(self) -> dict[str, Any]:
         mem: dict[str, int] = {}
@@ -454,7 +484,8 @@ class VulkanBackend(Backend):
         for m in (self.weights_mem, self.kv_mem):
             if m is not None:
                 m.close()
-        for b in (self.meta, self.ids, self.readback, self.topk_buf):
+        self._close_meta()
+        for b in (self.ids, self.readback, self.topk_buf):
             if b is not None:
                 b.arena.close()
         self.weights_mem = self.kv_mem = self.meta = self.ids = self.readback = self.topk_buf = None
@@ -475,8 +506,10 @@ class VulkanBackend(Backend):
         return StepOutput(graph, len(batch.logit_rows), graph.logits.shape[1])
 
     def _record(self, net, t_b: int, o_b: int) -> Graph:
-        layout = StepMetaLayout(t_b, t_b, self._max_table())
+        layout = self._meta_layout(t_b)
         rec = CommandRecorder(self.dev, timestamps=self.timestamps, max_commands=8192).begin()
+        if self.meta_gpu is not self.meta:
+            rec.copy(self.meta, self.meta_gpu, layout.nbytes, label="step metadata to VRAM")
         shape_batch = StepBatch(
             tokens=np.zeros(t_b, np.int32),
             positions=np.zeros(t_b, np.int32),
@@ -637,7 +670,7 @@ class VulkanBackend(Backend):
             r0 = (off - view.offset) // rb
             push = EmbedPush(t_b, dim, self._layout.tokens, r0, nbytes // rb, dim, scale)
             binding = (view, off - view.offset, nbytes)
-            self._dispatch(f"embed_{EMBED_TYPES[qtype]}", [self.meta, binding, y.view], push, t_b)
+            self._dispatch(f"embed_{EMBED_TYPES[qtype]}", [self.meta_gpu, binding, y.view], push, t_b)
         return y
 
     def rms_norm(self, x: Act, w: VkWeight, eps: float) -> Act:
@@ -789,14 +822,14 @@ class VulkanBackend(Backend):
         assert w.shape == (dh,), f"{w.name}: shape {w.shape}, heads of {dh}"
         y = self._new(x.shape)
         push = NormRopePush(t, h, dh, h * dh, h * dh, self._layout.positions, base, scale, eps)
-        self._dispatch("norm_rope_f32", [x.view, w.view, self.meta, y.view], push, t * h)
+        self._dispatch("norm_rope_f32", [x.view, w.view, self.meta_gpu, y.view], push, t * h)
         return y
 
     def rope(self, x: Act, positions, base: float, scale: float) -> Act:
         t, h, dh = x.shape
         y = self._new(x.shape)
         push = RopePush(t, h, dh, h * dh, h * dh, self._layout.positions, base, scale)
-        self._dispatch("rope_f32", [x.view, self.meta, y.view], push, self._grid(t * h * dh // 2))
+        self._dispatch("rope_f32", [x.view, self.meta_gpu, y.view], push, self._grid(t * h * dh // 2))
         return y
 
     def attention(self, q: Act, k: Act, v: Act, layer: int, batch, window: int | None, scale: float) -> Act:
@@ -814,21 +847,28 @@ class VulkanBackend(Backend):
         pool_t, _ = KV_DTYPES[self.kv_dtype]
         row = hkv * dh
         write = KvWritePush(t, row, row, row, slot_off)
-        self._dispatch(f"kv_write_{pool_t}", [k.view, v.view, self.meta, kp, vp], write, self._grid(t * row))
+        self._dispatch(
+            f"kv_write_{pool_t}", [k.view, v.view, self.meta_gpu, kp, vp], write, self._grid(t * row)
+        )
         # split-K: enough workgroups to fill the GPU at small batches (a split takes at least 16 keys, so
-        # splits past the sequence's length / 16 exit at once); the partials stay ~1024 * G * Dh floats
-        splits = max(1, min(ATTENTION_MAX_SPLITS, -(-ATTENTION_TARGET_GROUPS // (t * hkv))))
+        # splits past the sequence's length / 16 exit at once); the partials stay ~1024 * G * Dh floats.
+        # With tiles, also enough for the tiles (one workgroup per 32 query vectors at least)
+        tiles = self._prefill_kernel(pool_t, dh, g) if meta.max_tiles else None
+        groups = max(t * hkv, t * h // ATTENTION_PREFILL_TILE if tiles else 0)
+        splits = max(1, min(ATTENTION_MAX_SPLITS, -(-ATTENTION_TARGET_GROUPS // groups)))
         part = self._new((t, h, splits, dh + 2))
+        binds = [q.view, kp, vp, self.meta_gpu, part.view]
         push = AttentionSplitPush(
             *(t, h, hkv, dh, h * dh, splits, lay.block_size, window or 0),
-            *(meta.positions, meta.seq, info_off, scale),
+            *(meta.positions, meta.seq, info_off, scale, meta.tiled if tiles else 0),
         )
-        self._dispatch(
-            self._attention_kernel(pool_t, dh, g),
-            [q.view, kp, vp, self.meta, part.view],
-            push,
-            t * hkv * splits,
-        )
+        self._dispatch(self._attention_kernel(pool_t, dh, g), binds, push, t * hkv * splits)
+        if tiles:  # the tiles' rows (the kernel above skipped them), into the same partials
+            push = AttentionPrefillPush(
+                *(meta.max_tiles, h, hkv, dh, h * dh, splits, lay.block_size, window or 0),
+                *(meta.positions, info_off, meta.tiles, scale),
+            )
+            self._dispatch(tiles, binds, push, attention_prefill_groups(meta.max_tiles, g, hkv, splits))
         o = self._new((t, h * dh))
         reduce = AttentionReducePush(t, h, dh, splits, h * dh)
         if self.planes and t <= Q8_MAX_T and dh % 32 == 0:  # the output projection's int8 input too
@@ -857,6 +897,18 @@ class VulkanBackend(Backend):
                 return f"attention_decode_{pool_t}_dpl{dpl}_g{mg}"
         return f"attention_split_{pool_t}"
 
+    def _prefill_kernel(self, pool_t: str, dh: int, g: int) -> str | None:
+        """attention_prefill's variant for this head shape, or None where the device or the shape does not
+        allow it (8-lane shuffle clusters inside subgroups; G dividing the 32 rows of a tile; Dh / 4 dividing
+        256)."""
+        sub = self.dev.info.subgroup.get("size") or 0
+        if not self.dev.caps["subgroup_shuffle"] or sub < 8 or sub % 8 or ATTENTION_PREFILL_TILE % g:
+            return None
+        if dh % 4 or 256 % (dh // 4):  # whole vec4s per invocation
+            return None
+        dpl = next((d for d in ATTENTION_PREFILL_DPL if dh <= 8 * d), None)
+        return f"attention_prefill_{pool_t}_dpl{dpl}" if dpl else None
+
     def geglu(self, gate: Act, up: Act) -> Act:
         t, f = gate.shape
         y = self._new(gate.shape)
@@ -874,7 +926,7 @@ class VulkanBackend(Backend):
         t, d = x.shape
         y = self._new((len(idx), d))
         push = EmbedPush(len(idx), d, self._layout.logit_rows, 0, t, d, 1.0)
-        self._dispatch("embed_f32", [self.meta, x.view, y.view], push, len(idx))
+        self._dispatch("embed_f32", [self.meta_gpu, x.view, y.view], push, len(idx))
         return y
 
     def reshape(self, x: Act, shape: tuple[int, ...]) -> Act:

@@ -104,6 +104,17 @@ class AttentionSplitPush(ctypes.Structure):
         *[(n, u32) for n in ("n_tokens", "n_heads", "n_kv_heads", "head_dim", "q_stride", "n_splits")],
         *[(n, u32) for n in ("block_size", "window", "pos_off", "seq_off", "info_off")],
         ("scale", f32),
+        ("skip_off", u32),
+    ]
+
+
+class AttentionPrefillPush(ctypes.Structure):
+    """shaders/attention_prefill.comp"""
+
+    _fields_ = [
+        *[(n, u32) for n in ("max_tiles", "n_heads", "n_kv_heads", "head_dim", "q_stride", "n_splits")],
+        *[(n, u32) for n in ("block_size", "window", "pos_off", "info_off", "tiles_off")],
+        ("scale", f32),
     ]
 
 
@@ -147,8 +158,17 @@ class TopkPush(ctypes.Structure):
 
 
 TOPK_MAX = 256  # KMAX of topk.comp
-ATTENTION_DECODE_DPL = (8, 32)  # attention_decode.comp: head dims per lane (Dh <= DPL * subgroup size)
+ATTENTION_DECODE_DPL = (4, 8, 32)  # attention_decode.comp: head dims per lane (Dh <= DPL * subgroup size)
 ATTENTION_DECODE_GROUPS = (4, 8)  # ... and query heads per KV head it holds registers for
+ATTENTION_PREFILL_DPL = (8, 16, 32)  # attention_prefill.comp: head dims per lane (Dh <= 8 DPL)
+ATTENTION_PREFILL_QV = 32  # ... query vectors (tile rows x query heads of a KV head) per workgroup (32 QPT)
+ATTENTION_PREFILL_TILE = 32  # ... rows of a tile (stepmeta.TILE_ROWS)
+
+
+def attention_prefill_groups(max_tiles: int, g: int, n_kv_heads: int, n_splits: int) -> int:
+    """Workgroups of an attention_prefill dispatch: (tile, sub-tile of QV / G rows, KV head, split)."""
+    rows = ATTENTION_PREFILL_QV // g
+    return max_tiles * -(-ATTENTION_PREFILL_TILE // rows) * n_kv_heads * n_splits
 
 
 #: residual_norm.comp: one row per workgroup, up to 4 * WORDS (2) values per invocation held in registers
@@ -186,6 +206,13 @@ KERNELS: dict[str, KernelSpec] = {
         for pool in ("f32", "f16")
         for dpl in ATTENTION_DECODE_DPL
         for mg in ATTENTION_DECODE_GROUPS
+    },
+    **{
+        f"attention_prefill_{pool}_dpl{dpl}": KernelSpec(
+            "attention_prefill.comp", 5, AttentionPrefillPush, 256
+        )
+        for pool in ("f32", "f16")
+        for dpl in ATTENTION_PREFILL_DPL
     },
     "attention_split_f32": KernelSpec("attention_split.comp", 5, AttentionSplitPush, 256),
     "attention_split_f16": KernelSpec("attention_split.comp", 5, AttentionSplitPush, 256),

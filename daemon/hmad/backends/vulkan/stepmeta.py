@@ -2,7 +2,8 @@
 
 The recorded forward pass keeps one host-visible buffer of this layout per batch-size bucket; each step the
 host writes :meth:`StepMetaLayout.pack` into it and replays. The layout is fixed by the bucket's capacities
-(``max_tokens`` rows, ``max_seqs`` sequences, ``max_table`` block-table entries), so every section's word
+(``max_tokens`` rows, ``max_seqs`` sequences, ``max_table`` block-table entries, ``tile_min_rows``), so every
+section's word
 offset is a constant recorded into the push constants of the kernels that read it; the shaders bind the whole
 buffer and index ``meta[section_off + i]``. Layout, in uint32 words (T = max_tokens, S = max_seqs)::
 
@@ -15,6 +16,8 @@ buffer and index ``meta[section_off + i]``. Layout, in uint32 words (T = max_tok
     info_global +2S               per sequence: (table start, table entries)      attention_split (info_off)
     info_local  +2S               per sequence: (ring start, ring entries R)      attention_split (info_off)
     logit_rows  +S                rows whose logits the step returns (argmax/gather)
+    tiled       +T                1 where row t is in a tile (its attention is attention_prefill's)
+    tiles       +3 max_tiles      per tile: (sequence, first row, rows <= TILE_ROWS)   attention_prefill
     tables      +max_table        the block tables, flattened: each sequence's global table, then its ring
 
 - A table start is an absolute word index into the buffer (``tables`` offset included), so a shader reads
@@ -24,6 +27,10 @@ buffer and index ``meta[section_off + i]``. Layout, in uint32 words (T = max_tok
   sliding-window layer's ``slot_local``/``info_local``. Slots are computed on the host (one per row).
 - Rows ``n_tokens..T-1`` are padding: token 0, position 0, sequence and both slots ``NONE`` (0xFFFFFFFF):
   kv_write skips them, attention writes zeros. Unused sequences and table entries are 0.
+- Tiles (prefill attention): a sequence with at least ``tile_min_rows`` rows in the step is cut into tiles of
+  up to :data:`TILE_ROWS` consecutive rows; attention_prefill.comp takes those rows (one workgroup shares
+  each K/V chunk among a tile's rows) and the per-row kernels skip them (``tiled`` = 1). Unused tile entries
+  are zeros (0 rows). ``tile_min_rows`` 0: no tiles, ``max_tiles`` 0.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ from hmad.engine.batch import StepBatch
 
 NONE = 0xFFFFFFFF
 HEADER_WORDS = 8
+#: rows of one prefill-attention tile (attention_prefill.comp: TILE_ROWS)
+TILE_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,14 @@ class StepMetaLayout:
     max_tokens: int
     max_seqs: int
     max_table: int
+    tile_min_rows: int = 0  # a sequence of at least this many rows in the step goes in tiles (0: none)
+
+    @property
+    def max_tiles(self) -> int:
+        """Tiles a step can need: sum of ceil(n_i / TILE_ROWS) <= T // TILE_ROWS + T // tile_min_rows."""
+        if not self.tile_min_rows:
+            return 0
+        return self.max_tokens // TILE_ROWS + self.max_tokens // self.tile_min_rows
 
     @property
     def tokens(self) -> int:
@@ -79,8 +96,16 @@ class StepMetaLayout:
         return self.info_local + 2 * self.max_seqs
 
     @property
-    def tables(self) -> int:
+    def tiled(self) -> int:
         return self.logit_rows + self.max_seqs
+
+    @property
+    def tiles(self) -> int:
+        return self.tiled + self.max_tokens
+
+    @property
+    def tables(self) -> int:
+        return self.tiles + 3 * self.max_tiles
 
     @property
     def words(self) -> int:
@@ -123,7 +148,24 @@ class StepMetaLayout:
                 else:
                     m[slots : slots + t][rows] = NONE
         m[self.logit_rows : self.logit_rows + len(batch.logit_rows)] = batch.logit_rows
+        self._pack_tiles(batch, m)
         return m
+
+    def _pack_tiles(self, batch: StepBatch, m: np.ndarray) -> None:
+        """The ``tiled`` flags and the ``tiles`` entries of the sequences long enough for tiles."""
+        if not self.tile_min_rows:
+            return
+        tiles = [
+            (i, r0, min(TILE_ROWS, q.start + q.n - r0))
+            for i, q in enumerate(batch.seqs)
+            if q.n >= self.tile_min_rows
+            for r0 in range(q.start, q.start + q.n, TILE_ROWS)
+        ]
+        assert len(tiles) <= self.max_tiles
+        for _, r0, n in tiles:
+            m[self.tiled + r0 : self.tiled + r0 + n] = 1
+        if tiles:
+            m[self.tiles : self.tiles + 3 * len(tiles)] = np.asarray(tiles, np.uint32).ravel()
 
 
 def kv_slots(table: np.ndarray, pos: np.ndarray, block_size: int) -> np.ndarray:

@@ -1,0 +1,199 @@
+#version 450
+// Tiled causal attention for prefill rows over the paged KV cache, pass 1 of 2: the rows that the step metadata
+// puts in tiles (stepmeta.py: a sequence with at least tile_min_rows rows in the step, cut into tiles of up to
+// TILE_ROWS = 32 consecutive rows), written as the same per-(token, head, split) partials (m, l, acc[Dh]) as
+// attention_split.comp / attention_decode.comp, which skip those rows; attention_reduce.comp is pass 2 for all.
+//   o[t, h] = softmax_j(scale * q[t, h] . k[j]) v[j],  j in [lo_t, pos_t] of t's sequence,
+//   lo_t = 0 (global layer, window 0) or max(0, pos_t - window + 1) (sliding window).
+// Why: the per-row kernels load every key once per row; here the QV = 32 QPT query vectors of a workgroup
+// (rows x the G = H / Hkv query heads of one KV head) share each chunk of KC keys loaded into shared memory.
+//
+// Workgroups: (tile, sub-tile, KV head, split). Sub-tile u < NSUB = ceil(32 G / QV) of a tile takes its rows
+// [u * BR, (u + 1) * BR), BR = QV / G (host asserts G divides 32), so its query vectors are rows x G heads.
+// Its key range [lo of its first row, pos of its last row] is cut into n_splits runs of
+// per = max(ceil(len / n_splits), KC) keys (trailing splits may be empty).
+// Invocations: 8 lanes per lane group (lin = subgroup id * subgroup size + lane: the 8 are one aligned cluster
+// of a subgroup, host asserts the subgroup size is a multiple of 8), lane group g holding the QPT query
+// vectors g + 32 a; lane l holds the vec4s v = l + 8 m (m < DPL / 4) of each one's q (scaled) and output
+// accumulator. The 4 lane groups of a 32-wide subgroup read the same shared-memory addresses. A score is the
+// 8 lanes' partial dots summed by subgroupShuffleXor. The online softmax (running max m, sum l) is per query
+// vector, updated once per chunk; keys outside [lo_t, pos_t] of the row (causal mask, sliding window, the
+// other sub-tiles' ranges) score -inf. (QPT 2, each vec4 read from shared memory serving two query vectors,
+// measured 1.35x (27B) and 2.1x (270M) slower on an H200 than QPT 1: more registers, fewer workgroups.)
+// Each (tile row, head, split) gets m = -inf, l = 0 (and zeros for acc) when none of its keys fell in the
+// split; attention_reduce ignores such splits.
+// Variants: DPL (8, 16, 32: Dh <= 8 DPL) x POOL_TYPE (float, float16_t); KC = 256 / DPL keys a chunk, so a
+// chunk of K and one of V are 8 KiB each (float32). Host asserts BLOCK_SIZE = 256, Dh % 4 = 0 and Dh / 4
+// dividing 256 (each invocation loads whole vec4s of fixed dims).
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_shuffle : require
+#include "common.glsl"
+#ifndef POOL_TYPE
+#define POOL_VEC vec4
+#else
+#define POOL_VEC f16vec4
+#endif
+#ifndef DPL
+#define DPL 32u
+#endif
+#ifndef QPT
+#define QPT 1u  // query vectors per invocation
+#endif
+#define QV (32u * QPT)
+#define LANES 8u
+#define MV (DPL / 4u)
+#define KC (256u / DPL)
+#define CHUNK (KC * LANES * MV)
+
+layout(binding = 0) readonly buffer Q { float q[]; };
+layout(binding = 1) readonly buffer KP { POOL_VEC k_pool[]; };
+layout(binding = 2) readonly buffer VP { POOL_VEC v_pool[]; };
+layout(binding = 3) readonly buffer Meta { uint meta[]; };
+layout(binding = 4) writeonly buffer Part { float part[]; };
+
+layout(push_constant) uniform Push {
+    uint max_tiles;
+    uint n_heads;     // H
+    uint n_kv_heads;  // Hkv (divides H)
+    uint head_dim;    // Dh
+    uint q_stride;    // elements between tokens of q
+    uint n_splits;
+    uint block_size;  // B: positions per KV block
+    uint window;      // 0: global; else the sliding window W
+    uint pos_off;     // meta sections (word offsets)
+    uint info_off;
+    uint tiles_off;
+    float scale;
+} p;
+
+#define NEG_INF uintBitsToFloat(0xFF800000u)
+
+shared vec4 s_k[CHUNK];  // (key, vec4 of dims)
+shared vec4 s_v[CHUNK];
+
+uint lo_of(uint pos) {
+    return (p.window != 0 && pos + 1 > p.window) ? pos + 1 - p.window : 0;
+}
+
+void main() {
+    const uint wg = group_index();
+    const uint G = p.n_heads / p.n_kv_heads;
+    const uint BR = QV / G, NSUB = (32u + BR - 1u) / BR;
+    const uint c = wg % p.n_splits;
+    const uint kvh = (wg / p.n_splits) % p.n_kv_heads;
+    const uint u = (wg / (p.n_splits * p.n_kv_heads)) % NSUB;
+    const uint tile = wg / (p.n_splits * p.n_kv_heads * NSUB);
+    if (tile >= p.max_tiles) return;  // uniform per workgroup (from here on, every early return is)
+    const uint seq = meta[p.tiles_off + 3 * tile];
+    const uint row0 = meta[p.tiles_off + 3 * tile + 1];
+    const uint n_rows = meta[p.tiles_off + 3 * tile + 2];
+    const uint r_lo = u * BR, r_hi = min(r_lo + BR, n_rows);
+    if (r_lo >= r_hi) return;  // an unused tile entry (0 rows) or a sub-tile past the tile's rows
+
+    const uint Dh = p.head_dim, DV = Dh / 4, pstride = Dh + 2;
+    const uint lin = gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID;
+    const uint lg = lin / LANES, lane = lin % LANES;
+    const uint k_lo = lo_of(meta[p.pos_off + row0 + r_lo]);
+    const uint k_hi = meta[p.pos_off + row0 + r_hi - 1] + 1;
+    const uint per = max((k_hi - k_lo + p.n_splits - 1) / p.n_splits, KC);
+    const uint c0 = k_lo + c * per, c1 = min(c0 + per, k_hi);
+
+    uint r[QPT], h[QPT], pos[QPT], lo[QPT];
+    bool live[QPT];
+    float m_run[QPT], l_run[QPT];
+    vec4 qr[QPT][MV], acc[QPT][MV];
+    [[unroll]] for (uint a = 0; a < QPT; ++a) {
+        const uint qv = lg + 32u * a;
+        r[a] = row0 + r_lo + qv / G;
+        h[a] = kvh * G + qv % G;
+        live[a] = r[a] < row0 + r_hi;
+        pos[a] = meta[p.pos_off + (live[a] ? r[a] : row0 + r_lo)];
+        lo[a] = lo_of(pos[a]);
+        m_run[a] = NEG_INF;
+        l_run[a] = 0.0;
+        [[unroll]] for (uint m = 0; m < MV; ++m) {
+            const uint d = 4 * (lane + m * LANES), qo = r[a] * p.q_stride + h[a] * Dh + d;
+            qr[a][m] = live[a] && d < Dh ? vec4(q[qo], q[qo + 1], q[qo + 2], q[qo + 3]) * p.scale : vec4(0.0);
+            acc[a][m] = vec4(0.0);
+        }
+    }
+    const uint tab = meta[p.info_off + 2 * seq], tab_len = meta[p.info_off + 2 * seq + 1];
+    const uint row = p.n_kv_heads * DV, kvo = kvh * DV, B = p.block_size;  // in vec4s
+    const uint tid = gl_LocalInvocationID.x, lv = tid % DV, key_step = BLOCK_SIZE / DV;
+    for (uint base = c0; base < c1; base += KC) {
+        // K and V of keys base .. base + KC - 1 (zeros past c1): invocation tid loads vec4 lv of keys
+        // tid / DV + n * key_step (a prefetch of the next chunk into registers measured no faster on an H200)
+        for (uint jj = tid / DV; jj < KC; jj += key_step) {
+            const uint j = base + jj;
+            vec4 kd = vec4(0.0), vd = vec4(0.0);
+            if (j < c1) {
+                const uint o = (meta[tab + (j / B) % tab_len] * B + j % B) * row + kvo + lv;
+                kd = vec4(k_pool[o]);
+                vd = vec4(v_pool[o]);
+            }
+            s_k[jj * DV + lv] = kd;
+            s_v[jj * DV + lv] = vd;
+        }
+        barrier();
+        float s[QPT][KC];
+        float mc[QPT];
+        [[unroll]] for (uint a = 0; a < QPT; ++a) mc[a] = NEG_INF;
+        [[unroll]] for (uint jj = 0; jj < KC; ++jj) {
+            float dt[QPT];
+            [[unroll]] for (uint a = 0; a < QPT; ++a) dt[a] = 0.0;
+            [[unroll]] for (uint m = 0; m < MV; ++m) {
+                const uint v = lane + m * LANES;
+                if (v < DV) {
+                    const vec4 kv = s_k[jj * DV + v];
+                    [[unroll]] for (uint a = 0; a < QPT; ++a) dt[a] += dot(qr[a][m], kv);
+                }
+            }
+            const uint j = base + jj;
+            [[unroll]] for (uint a = 0; a < QPT; ++a) {
+                dt[a] += subgroupShuffleXor(dt[a], 4u);
+                dt[a] += subgroupShuffleXor(dt[a], 2u);
+                dt[a] += subgroupShuffleXor(dt[a], 1u);
+                s[a][jj] = live[a] && j < c1 && j >= lo[a] && j <= pos[a] ? dt[a] : NEG_INF;
+                mc[a] = max(mc[a], s[a][jj]);
+            }
+        }
+        float w[QPT][KC];
+        [[unroll]] for (uint a = 0; a < QPT; ++a) {
+            // the weights of the chunk's keys (all 0 when the row has none in it: nothing changes)
+            const float m_new = mc[a] == NEG_INF ? m_run[a] : max(m_run[a], mc[a]);
+            const float corr = mc[a] == NEG_INF ? 1.0 : exp(m_run[a] - m_new);
+            l_run[a] *= corr;
+            [[unroll]] for (uint m = 0; m < MV; ++m) acc[a][m] *= corr;
+            [[unroll]] for (uint jj = 0; jj < KC; ++jj) {
+                w[a][jj] = mc[a] == NEG_INF ? 0.0 : exp(s[a][jj] - m_new);
+                l_run[a] += w[a][jj];
+            }
+            m_run[a] = m_new;
+        }
+        [[unroll]] for (uint jj = 0; jj < KC; ++jj) {
+            [[unroll]] for (uint m = 0; m < MV; ++m) {
+                const uint v = lane + m * LANES;
+                if (v < DV) {
+                    const vec4 vv = s_v[jj * DV + v];
+                    [[unroll]] for (uint a = 0; a < QPT; ++a) acc[a][m] += w[a][jj] * vv;
+                }
+            }
+        }
+        barrier();  // everyone done with s_k / s_v before the next chunk
+    }
+    [[unroll]] for (uint a = 0; a < QPT; ++a) {
+        if (live[a]) {
+            const uint pb = ((r[a] * p.n_heads + h[a]) * p.n_splits + c) * pstride;
+            if (lane == 0u) {
+                part[pb] = m_run[a];
+                part[pb + 1] = l_run[a];
+            }
+            [[unroll]] for (uint m = 0; m < MV; ++m) {
+                const uint d = 4 * (lane + m * LANES);
+                if (d < Dh) {
+                    [[unroll]] for (uint e = 0; e < 4; ++e) part[pb + 2 + d + e] = acc[a][m][e];
+                }
+            }
+        }
+    }
+}
