@@ -67,7 +67,7 @@ BUILD: list[tuple[str, str, dict[str, str]]] = [
         (
             f"attention_decode_{pool}_dpl{dpl}_g{mg}",
             "attention_decode.comp",
-            {"DPL": f"{dpl}u", "MAX_GROUP": f"{mg}u", "KU": "1u" if dpl == 32 else "4u", **d},
+            {"DPL": f"{dpl}u", "MAX_GROUP": f"{mg}u", "KU": "4u" if dpl == 4 else "1u", **d},
         )
         for pool, d in (("f32", {}), ("f16", {"POOL_TYPE": "float16_t"}))
         for dpl in (4, 8, 32)
