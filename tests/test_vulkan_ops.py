@@ -84,6 +84,22 @@ def test_step_meta_layout_and_pack():
     assert list(m[lay.logit_rows : lay.logit_rows + 2]) == list(b.logit_rows)
     with pytest.raises(ValueError, match="exceeds the bucket"):
         StepMetaLayout(max_tokens=4, max_seqs=4, max_table=40).pack(b)
+    assert lay.max_tiles == 0 and not m[lay.tiled : lay.tiled + tmax].any()
+
+
+def test_step_meta_tiles():
+    """Sequences with at least tile_min_rows rows in the step go in tiles of up to 32 rows: A's 45 rows as
+    32 + 13, D's 10; B (1 row) and C (3) stay per-row. Unused tile entries are zeros."""
+    from hmad.backends.vulkan.stepmeta import TILE_ROWS
+
+    b = _prefill_batch(4, 22)
+    lay = StepMetaLayout(max_tokens=64, max_seqs=4, max_table=200, tile_min_rows=8)
+    assert TILE_ROWS == 32 and lay.max_tiles == 64 // 32 + 64 // 8
+    m = lay.pack(b)
+    tiles = m[lay.tiles : lay.tiles + 3 * lay.max_tiles].reshape(-1, 3)
+    assert tiles[:3].tolist() == [[0, 0, 32], [0, 32, 13], [3, 49, 10]] and not tiles[3:].any()
+    assert m[lay.tiled : lay.tiled + 64].tolist() == [1] * 45 + [0] * 4 + [1] * 10 + [0] * 5
+    assert lay.tables == lay.tiles + 3 * lay.max_tiles  # the block tables follow, unmoved otherwise
 
 
 # -- embed ---------------------------------------------------------------------------------------------------

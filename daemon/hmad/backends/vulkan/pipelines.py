@@ -42,6 +42,7 @@ from hmad.backends.vulkan.kernels_matmul import (  # noqa: F401 (re-export)
 )
 from hmad.backends.vulkan.memory import BufferView
 from hmad.backends.vulkan.program import load_spirv, reflect
+from hmad.backends.vulkan.stepmeta import TILE_ROWS
 
 u32, f32 = ctypes.c_uint32, ctypes.c_float
 
@@ -161,8 +162,8 @@ TOPK_MAX = 256  # KMAX of topk.comp
 ATTENTION_DECODE_DPL = (4, 8, 32)  # attention_decode.comp: head dims per lane (Dh <= DPL * subgroup size)
 ATTENTION_DECODE_GROUPS = (4, 8)  # ... and query heads per KV head it holds registers for
 ATTENTION_PREFILL_DPL = (8, 16, 32)  # attention_prefill.comp: head dims per lane (Dh <= 8 DPL)
-ATTENTION_PREFILL_QV = 32  # ... query vectors (tile rows x query heads of a KV head) per workgroup (32 QPT)
-ATTENTION_PREFILL_TILE = 32  # ... rows of a tile (stepmeta.TILE_ROWS)
+ATTENTION_PREFILL_QV = 32  # ... query vectors (tile rows x query heads of a KV head) per workgroup: 32 QPT
+ATTENTION_PREFILL_TILE = TILE_ROWS  # ... rows of a tile
 
 
 def attention_prefill_groups(max_tiles: int, g: int, n_kv_heads: int, n_splits: int) -> int:

@@ -2,10 +2,10 @@
 
 The recorded forward pass keeps one host-visible buffer of this layout per batch-size bucket; each step the
 host writes :meth:`StepMetaLayout.pack` into it and replays. The layout is fixed by the bucket's capacities
-(``max_tokens`` rows, ``max_seqs`` sequences, ``max_table`` block-table entries, ``tile_min_rows``), so every
-section's word
-offset is a constant recorded into the push constants of the kernels that read it; the shaders bind the whole
-buffer and index ``meta[section_off + i]``. Layout, in uint32 words (T = max_tokens, S = max_seqs)::
+(``max_tokens`` rows, ``max_seqs`` sequences, ``max_table`` block-table entries, ``tile_min_rows``), so
+every section's word offset is a constant recorded into the push constants of the kernels that read it; the
+shaders bind the whole buffer and index ``meta[section_off + i]``. Layout, in uint32 words (T = max_tokens,
+S = max_seqs)::
 
     header      [0, 8)            n_tokens, n_seqs, block_size B, n_logit_rows, 4 words reserved (0)
     tokens      [8, 8+T)          token id of row t                               embed.comp (ids_off)
