@@ -5,21 +5,20 @@
 // attention_split.comp / attention_decode.comp, which skip those rows; attention_reduce.comp is pass 2 for all.
 //   o[t, h] = softmax_j(scale * q[t, h] . k[j]) v[j],  j in [lo_t, pos_t] of t's sequence,
 //   lo_t = 0 (global layer, window 0) or max(0, pos_t - window + 1) (sliding window).
-// Why: the per-row kernels load every key once per row; here the QV = 32 QPT query vectors of a workgroup
+// Why: the per-row kernels load every key once per row; here the QV = 32 query vectors of a workgroup
 // (rows x the G = H / Hkv query heads of one KV head) share each chunk of KC keys loaded into shared memory.
 //
 // Workgroups: (tile, sub-tile, KV head, split). Sub-tile u < NSUB = ceil(32 G / QV) of a tile takes its rows
 // [u * BR, (u + 1) * BR), BR = QV / G (host asserts G divides 32), so its query vectors are rows x G heads.
 // Its key range [lo of its first row, pos of its last row] is cut into n_splits runs of
 // per = max(ceil(len / n_splits), KC) keys (trailing splits may be empty).
-// Invocations: 8 lanes per lane group (lin = subgroup id * subgroup size + lane: the 8 are one aligned cluster
-// of a subgroup, host asserts the subgroup size is a multiple of 8), lane group g holding the QPT query
-// vectors g + 32 a; lane l holds the vec4s v = l + 8 m (m < DPL / 4) of each one's q (scaled) and output
-// accumulator. The 4 lane groups of a 32-wide subgroup read the same shared-memory addresses. A score is the
+// Invocations: 8 lanes per query vector (lin = subgroup id * subgroup size + lane: the 8 are one aligned
+// cluster of a subgroup, host asserts the subgroup size is a multiple of 8); lane l holds the vec4s
+// v = l + 8 m (m < DPL / 4) of its q (scaled) and output accumulator. The 4 lane groups of a 32-wide subgroup read the same shared-memory addresses. A score is the
 // 8 lanes' partial dots summed by subgroupShuffleXor. The online softmax (running max m, sum l) is per query
 // vector, updated once per chunk; keys outside [lo_t, pos_t] of the row (causal mask, sliding window, the
-// other sub-tiles' ranges) score -inf. (QPT 2, each vec4 read from shared memory serving two query vectors,
-// measured 1.35x (27B) and 2.1x (270M) slower on an H200 than QPT 1: more registers, fewer workgroups.)
+// other sub-tiles' ranges) score -inf. (Two query vectors per invocation, each vec4 read from shared memory
+// serving both, measured 1.35x (27B) and 2.1x (270M) slower on an H200: more registers, fewer workgroups.)
 // Each (tile row, head, split) gets m = -inf, l = 0 (and zeros for acc) when none of its keys fell in the
 // split; attention_reduce ignores such splits.
 // Variants: DPL (8, 16, 32: Dh <= 8 DPL) x POOL_TYPE (float, float16_t); KC = 256 / DPL keys a chunk, so a
@@ -36,10 +35,7 @@
 #ifndef DPL
 #define DPL 32u
 #endif
-#ifndef QPT
-#define QPT 1u  // query vectors per invocation
-#endif
-#define QV (32u * QPT)
+#define QV 32u
 #define LANES 8u
 #define MV (DPL / 4u)
 #define KC (256u / DPL)
@@ -92,30 +88,22 @@ void main() {
 
     const uint Dh = p.head_dim, DV = Dh / 4, pstride = Dh + 2;
     const uint lin = gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID;
-    const uint lg = lin / LANES, lane = lin % LANES;
+    const uint qv = lin / LANES, lane = lin % LANES;
     const uint k_lo = lo_of(meta[p.pos_off + row0 + r_lo]);
     const uint k_hi = meta[p.pos_off + row0 + r_hi - 1] + 1;
     const uint per = max((k_hi - k_lo + p.n_splits - 1) / p.n_splits, KC);
     const uint c0 = k_lo + c * per, c1 = min(c0 + per, k_hi);
 
-    uint r[QPT], h[QPT], pos[QPT], lo[QPT];
-    bool live[QPT];
-    float m_run[QPT], l_run[QPT];
-    vec4 qr[QPT][MV], acc[QPT][MV];
-    [[unroll]] for (uint a = 0; a < QPT; ++a) {
-        const uint qv = lg + 32u * a;
-        r[a] = row0 + r_lo + qv / G;
-        h[a] = kvh * G + qv % G;
-        live[a] = r[a] < row0 + r_hi;
-        pos[a] = meta[p.pos_off + (live[a] ? r[a] : row0 + r_lo)];
-        lo[a] = lo_of(pos[a]);
-        m_run[a] = NEG_INF;
-        l_run[a] = 0.0;
-        [[unroll]] for (uint m = 0; m < MV; ++m) {
-            const uint d = 4 * (lane + m * LANES), qo = r[a] * p.q_stride + h[a] * Dh + d;
-            qr[a][m] = live[a] && d < Dh ? vec4(q[qo], q[qo + 1], q[qo + 2], q[qo + 3]) * p.scale : vec4(0.0);
-            acc[a][m] = vec4(0.0);
-        }
+    const uint r = row0 + r_lo + qv / G, h = kvh * G + qv % G;
+    const bool live = r < row0 + r_hi;
+    const uint pos = meta[p.pos_off + (live ? r : row0 + r_lo)];
+    const uint lo = lo_of(pos);
+    float m_run = NEG_INF, l_run = 0.0;
+    vec4 qr[MV], acc[MV];
+    [[unroll]] for (uint m = 0; m < MV; ++m) {
+        const uint d = 4 * (lane + m * LANES), qo = r * p.q_stride + h * Dh + d;
+        qr[m] = live && d < Dh ? vec4(q[qo], q[qo + 1], q[qo + 2], q[qo + 3]) * p.scale : vec4(0.0);
+        acc[m] = vec4(0.0);
     }
     const uint tab = meta[p.info_off + 2 * seq], tab_len = meta[p.info_off + 2 * seq + 1];
     const uint row = p.n_kv_heads * DV, kvo = kvh * DV, B = p.block_size;  // in vec4s
@@ -135,65 +123,48 @@ void main() {
             s_v[jj * DV + lv] = vd;
         }
         barrier();
-        float s[QPT][KC];
-        float mc[QPT];
-        [[unroll]] for (uint a = 0; a < QPT; ++a) mc[a] = NEG_INF;
+        float s[KC];
+        float mc = NEG_INF;
         [[unroll]] for (uint jj = 0; jj < KC; ++jj) {
-            float dt[QPT];
-            [[unroll]] for (uint a = 0; a < QPT; ++a) dt[a] = 0.0;
+            float dt = 0.0;
             [[unroll]] for (uint m = 0; m < MV; ++m) {
                 const uint v = lane + m * LANES;
-                if (v < DV) {
-                    const vec4 kv = s_k[jj * DV + v];
-                    [[unroll]] for (uint a = 0; a < QPT; ++a) dt[a] += dot(qr[a][m], kv);
-                }
+                if (v < DV) dt += dot(qr[m], s_k[jj * DV + v]);
             }
+            dt += subgroupShuffleXor(dt, 4u);
+            dt += subgroupShuffleXor(dt, 2u);
+            dt += subgroupShuffleXor(dt, 1u);
             const uint j = base + jj;
-            [[unroll]] for (uint a = 0; a < QPT; ++a) {
-                dt[a] += subgroupShuffleXor(dt[a], 4u);
-                dt[a] += subgroupShuffleXor(dt[a], 2u);
-                dt[a] += subgroupShuffleXor(dt[a], 1u);
-                s[a][jj] = live[a] && j < c1 && j >= lo[a] && j <= pos[a] ? dt[a] : NEG_INF;
-                mc[a] = max(mc[a], s[a][jj]);
-            }
+            s[jj] = live && j < c1 && j >= lo && j <= pos ? dt : NEG_INF;
+            mc = max(mc, s[jj]);
         }
-        float w[QPT][KC];
-        [[unroll]] for (uint a = 0; a < QPT; ++a) {
-            // the weights of the chunk's keys (all 0 when the row has none in it: nothing changes)
-            const float m_new = mc[a] == NEG_INF ? m_run[a] : max(m_run[a], mc[a]);
-            const float corr = mc[a] == NEG_INF ? 1.0 : exp(m_run[a] - m_new);
-            l_run[a] *= corr;
-            [[unroll]] for (uint m = 0; m < MV; ++m) acc[a][m] *= corr;
+        if (mc != NEG_INF) {  // the row has keys in this chunk
+            const float m_new = max(m_run, mc);
+            const float corr = exp(m_run - m_new);
+            l_run *= corr;
+            [[unroll]] for (uint m = 0; m < MV; ++m) acc[m] *= corr;
             [[unroll]] for (uint jj = 0; jj < KC; ++jj) {
-                w[a][jj] = mc[a] == NEG_INF ? 0.0 : exp(s[a][jj] - m_new);
-                l_run[a] += w[a][jj];
-            }
-            m_run[a] = m_new;
-        }
-        [[unroll]] for (uint jj = 0; jj < KC; ++jj) {
-            [[unroll]] for (uint m = 0; m < MV; ++m) {
-                const uint v = lane + m * LANES;
-                if (v < DV) {
-                    const vec4 vv = s_v[jj * DV + v];
-                    [[unroll]] for (uint a = 0; a < QPT; ++a) acc[a][m] += w[a][jj] * vv;
+                const float w = exp(s[jj] - m_new);
+                l_run += w;
+                [[unroll]] for (uint m = 0; m < MV; ++m) {
+                    const uint v = lane + m * LANES;
+                    if (v < DV) acc[m] += w * s_v[jj * DV + v];
                 }
             }
+            m_run = m_new;
         }
         barrier();  // everyone done with s_k / s_v before the next chunk
     }
-    [[unroll]] for (uint a = 0; a < QPT; ++a) {
-        if (live[a]) {
-            const uint pb = ((r[a] * p.n_heads + h[a]) * p.n_splits + c) * pstride;
-            if (lane == 0u) {
-                part[pb] = m_run[a];
-                part[pb + 1] = l_run[a];
-            }
-            [[unroll]] for (uint m = 0; m < MV; ++m) {
-                const uint d = 4 * (lane + m * LANES);
-                if (d < Dh) {
-                    [[unroll]] for (uint e = 0; e < 4; ++e) part[pb + 2 + d + e] = acc[a][m][e];
-                }
-            }
+    if (!live) return;
+    const uint pb = ((r * p.n_heads + h) * p.n_splits + c) * pstride;
+    if (lane == 0u) {
+        part[pb] = m_run;
+        part[pb + 1] = l_run;
+    }
+    [[unroll]] for (uint m = 0; m < MV; ++m) {
+        const uint d = 4 * (lane + m * LANES);
+        if (d < Dh) {
+            [[unroll]] for (uint e = 0; e < 4; ++e) part[pb + 2 + d + e] = acc[m][e];
         }
     }
 }
