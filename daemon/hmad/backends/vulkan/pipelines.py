@@ -162,7 +162,7 @@ TOPK_MAX = 256  # KMAX of topk.comp
 ATTENTION_DECODE_DPL = (4, 8, 32)  # attention_decode.comp: head dims per lane (Dh <= DPL * subgroup size)
 ATTENTION_DECODE_GROUPS = (4, 8)  # ... and query heads per KV head it holds registers for
 ATTENTION_PREFILL_DPL = (8, 16, 32)  # attention_prefill.comp: head dims per lane (Dh <= 8 DPL)
-ATTENTION_PREFILL_QV = 32  # ... query vectors (tile rows x query heads of a KV head) per workgroup: 32 QPT
+ATTENTION_PREFILL_QV = 32  # ... query vectors (tile rows x query heads of a KV head) per workgroup
 ATTENTION_PREFILL_TILE = TILE_ROWS  # ... rows of a tile
 
 
