@@ -8,17 +8,18 @@
 // Why: the per-row kernels load every key once per row; here the QV = 32 query vectors of a workgroup
 // (rows x the G = H / Hkv query heads of one KV head) share each chunk of KC keys loaded into shared memory.
 //
-// Workgroups: (tile, sub-tile, KV head, split). Sub-tile u < NSUB = ceil(32 G / QV) of a tile takes its rows
-// [u * BR, (u + 1) * BR), BR = QV / G (host asserts G divides 32), so its query vectors are rows x G heads.
+// Workgroups: (tile, sub-tile, KV head, split). Sub-tile u < G of a tile takes its rows [u * BR, (u + 1) * BR),
+// BR = QV / G (host asserts G divides QV), so its QV query vectors are BR rows x G heads.
 // Its key range [lo of its first row, pos of its last row] is cut into n_splits runs of
 // per = max(ceil(len / n_splits), KC) keys (trailing splits may be empty).
 // Invocations: 8 lanes per query vector (lin = subgroup id * subgroup size + lane: the 8 are one aligned
 // cluster of a subgroup, host asserts the subgroup size is a multiple of 8); lane l holds the vec4s
-// v = l + 8 m (m < DPL / 4) of its q (scaled) and output accumulator. The 4 lane groups of a 32-wide subgroup read the same shared-memory addresses. A score is the
-// 8 lanes' partial dots summed by subgroupShuffleXor. The online softmax (running max m, sum l) is per query
-// vector, updated once per chunk; keys outside [lo_t, pos_t] of the row (causal mask, sliding window, the
-// other sub-tiles' ranges) score -inf. (Two query vectors per invocation, each vec4 read from shared memory
-// serving both, measured 1.35x (27B) and 2.1x (270M) slower on an H200: more registers, fewer workgroups.)
+// v = l + 8 m (m < DPL / 4) of its q (scaled) and output accumulator; the 4 query vectors of a 32-wide
+// subgroup read the same shared-memory addresses. A score is the 8 lanes' partial dots summed by
+// subgroupShuffleXor. The online softmax (running max m, sum l) is per query vector, updated once per chunk;
+// keys outside [lo_t, pos_t] of the row (causal mask, sliding window, the other sub-tiles' ranges) score
+// -inf. (Two query vectors per invocation, each vec4 read from shared memory serving both, measured 1.35x
+// (27B) and 2.1x (270M) slower on an H200: more registers, fewer workgroups.)
 // Each (tile row, head, split) gets m = -inf, l = 0 (and zeros for acc) when none of its keys fell in the
 // split; attention_reduce ignores such splits.
 // Variants: DPL (8, 16, 32: Dh <= 8 DPL) x POOL_TYPE (float, float16_t); KC = 256 / DPL keys a chunk, so a
@@ -74,11 +75,11 @@ uint lo_of(uint pos) {
 void main() {
     const uint wg = group_index();
     const uint G = p.n_heads / p.n_kv_heads;
-    const uint BR = QV / G, NSUB = (32u + BR - 1u) / BR;
+    const uint BR = QV / G;
     const uint c = wg % p.n_splits;
     const uint kvh = (wg / p.n_splits) % p.n_kv_heads;
-    const uint u = (wg / (p.n_splits * p.n_kv_heads)) % NSUB;
-    const uint tile = wg / (p.n_splits * p.n_kv_heads * NSUB);
+    const uint u = (wg / (p.n_splits * p.n_kv_heads)) % G;
+    const uint tile = wg / (p.n_splits * p.n_kv_heads * G);
     if (tile >= p.max_tiles) return;  // uniform per workgroup (from here on, every early return is)
     const uint seq = meta[p.tiles_off + 3 * tile];
     const uint row0 = meta[p.tiles_off + 3 * tile + 1];

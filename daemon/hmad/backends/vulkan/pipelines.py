@@ -167,9 +167,10 @@ ATTENTION_PREFILL_TILE = TILE_ROWS  # ... rows of a tile
 
 
 def attention_prefill_groups(max_tiles: int, g: int, n_kv_heads: int, n_splits: int) -> int:
-    """Workgroups of an attention_prefill dispatch: (tile, sub-tile of QV / G rows, KV head, split)."""
-    rows = ATTENTION_PREFILL_QV // g
-    return max_tiles * -(-ATTENTION_PREFILL_TILE // rows) * n_kv_heads * n_splits
+    """Workgroups of an attention_prefill dispatch: (tile, sub-tile of QV / G rows, KV head, split); with
+    QV = ATTENTION_PREFILL_TILE a tile has G sub-tiles."""
+    assert ATTENTION_PREFILL_QV == ATTENTION_PREFILL_TILE and ATTENTION_PREFILL_QV % g == 0
+    return max_tiles * g * n_kv_heads * n_splits
 
 
 #: residual_norm.comp: one row per workgroup, up to 4 * WORDS (2) values per invocation held in registers
