@@ -54,6 +54,8 @@ layout(push_constant) uniform Push {
     uint skip_off;    // 0, or the meta section of per-row flags: rows flagged 1 are attention_prefill's
 } p;
 
+#include "paged_kv.glsl"
+
 const uint NONE = 0xFFFFFFFFu;
 #define NEG_INF uintBitsToFloat(0xFF800000u)
 
@@ -78,7 +80,7 @@ void main() {
     uint c0 = 1, c1 = 0, tab = 0, tab_len = 1;
     if (seq != NONE) {
         const uint pos = meta[p.pos_off + t];
-        const uint lo = (p.window != 0 && pos + 1 > p.window) ? pos + 1 - p.window : 0;
+        const uint lo = window_lo(pos, p.window);
         const uint per = max((pos + 1 - lo + p.n_splits - 1) / p.n_splits, MIN_PER);
         c0 = lo + c * per;
         c1 = min(c0 + per, pos + 1);
@@ -112,7 +114,7 @@ void main() {
         float kd[KU][DPL], vd[KU][DPL];
         [[unroll]] for (uint u = 0; u < KU; ++u) {
             const uint ju = j + u * nsg;
-            const uint ko = (meta[tab + (min(ju, c1 - 1) / B) % tab_len] * B + min(ju, c1 - 1) % B) * row + kvo;
+            const uint ko = kv_slot(tab, tab_len, min(ju, c1 - 1), B) * row + kvo;  // past c1: not loaded
             [[unroll]] for (uint i = 0; i < DPL; ++i) {
                 const uint d = lane + i * S;
                 kd[u][i] = d < Dh && ju < c1 ? float(k_pool[ko + d]) : 0.0;

@@ -63,14 +63,12 @@ layout(push_constant) uniform Push {
     float scale;
 } p;
 
+#include "paged_kv.glsl"
+
 #define NEG_INF uintBitsToFloat(0xFF800000u)
 
 shared vec4 s_k[CHUNK];  // (key, vec4 of dims)
 shared vec4 s_v[CHUNK];
-
-uint lo_of(uint pos) {
-    return (p.window != 0 && pos + 1 > p.window) ? pos + 1 - p.window : 0;
-}
 
 void main() {
     const uint wg = group_index();
@@ -90,7 +88,7 @@ void main() {
     const uint Dh = p.head_dim, DV = Dh / 4, pstride = Dh + 2;
     const uint lin = gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID;
     const uint qv = lin / LANES, lane = lin % LANES;
-    const uint k_lo = lo_of(meta[p.pos_off + row0 + r_lo]);
+    const uint k_lo = window_lo(meta[p.pos_off + row0 + r_lo], p.window);
     const uint k_hi = meta[p.pos_off + row0 + r_hi - 1] + 1;
     const uint per = max((k_hi - k_lo + p.n_splits - 1) / p.n_splits, KC);
     const uint c0 = k_lo + c * per, c1 = min(c0 + per, k_hi);
@@ -98,7 +96,7 @@ void main() {
     const uint r = row0 + r_lo + qv / G, h = kvh * G + qv % G;
     const bool live = r < row0 + r_hi;
     const uint pos = meta[p.pos_off + (live ? r : row0 + r_lo)];
-    const uint lo = lo_of(pos);
+    const uint lo = window_lo(pos, p.window);
     float m_run = NEG_INF, l_run = 0.0;
     vec4 qr[MV], acc[MV];
     [[unroll]] for (uint m = 0; m < MV; ++m) {
@@ -116,7 +114,7 @@ void main() {
             const uint j = base + jj;
             vec4 kd = vec4(0.0), vd = vec4(0.0);
             if (j < c1) {
-                const uint o = (meta[tab + (j / B) % tab_len] * B + j % B) * row + kvo + lv;
+                const uint o = kv_slot(tab, tab_len, j, B) * row + kvo + lv;
                 kd = vec4(k_pool[o]);
                 vd = vec4(v_pool[o]);
             }

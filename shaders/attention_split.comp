@@ -54,6 +54,8 @@ layout(push_constant) uniform Push {
     uint skip_off;    // 0, or the meta section of per-row flags: rows flagged 1 are attention_prefill's
 } p;
 
+#include "paged_kv.glsl"
+
 const uint NONE = 0xFFFFFFFFu;
 #define NEG_INF uintBitsToFloat(0xFF800000u)
 
@@ -81,7 +83,7 @@ void main() {
     uint c0 = 1, c1 = 0, lo = 0, tab = 0, tab_len = 1;
     if (seq != NONE) {
         const uint pos = meta[p.pos_off + t];
-        lo = (p.window != 0 && pos + 1 > p.window) ? pos + 1 - p.window : 0;
+        lo = window_lo(pos, p.window);
         const uint len = pos + 1 - lo;
         const uint per = max((len + p.n_splits - 1) / p.n_splits, KT);
         c0 = lo + c * per;
@@ -112,7 +114,7 @@ void main() {
         const uint nk = min(KT, c1 - base);
         if (tid < nk) {
             const uint j = base + tid;
-            s_slot[tid] = meta[tab + (j / B) % tab_len] * B + j % B;
+            s_slot[tid] = kv_slot(tab, tab_len, j, B);
         }
         barrier();  // s_slot (and s_q on the first tile) visible; previous tile done with s_s
         // scores: lane group grp takes keys jj = grp, grp + n_grp, ...
