@@ -192,7 +192,7 @@ def test_mul_mat_vec_x3(dev, kernels, gpu, t, variant):
         assert err <= 5e-6 * scale + 1e-12, (
             f"{kern.name} K={k} N={n} T={ntok}: error {err:.2e}, scale {scale:.2e}"
         )
-        print(f"{kern.name} K={k} N={n} T={ntok}: {err / scale:.1e} of the rounding scale")
+        print(f"{kern.name} K={k} N={n} T={ntok}: error {err:.1e}, rounding scale {scale:.1e}")
 
 
 @pytest.mark.parametrize("t", Q8_TYPES)
@@ -240,7 +240,7 @@ def test_mul_mat_vec_unit_geglu(dev, kernels, gpu, t, one):
         assert err <= 1e-5 * scale + 1e-12, (
             f"{kern.name} K={k} N={n} T={ntok}: error {err:.2e}, scale {scale:.2e}"
         )
-        print(f"{kern.name} K={k} N={n} T={ntok}: {err / scale:.1e} of the rounding scale")
+        print(f"{kern.name} K={k} N={n} T={ntok}: error {err:.1e}, rounding scale {scale:.1e}")
 
 
 def test_mul_mat_vec_q8_over_several_ranges(dev, kernels, gpu):
