@@ -28,6 +28,7 @@ from tiny_gguf import MIXED, make_tiny_gguf
 
 from hmad.engine.generate import generate
 from hmad.engine.sampling import SamplingParams
+from hmad.engine.scheduler import SchedulerConfig
 from hmad.model.loader import load_model
 
 pytestmark = pytest.mark.gpu
@@ -157,6 +158,24 @@ def test_one_recording_per_bucket_replayed(pair):
         assert sorted(be.graphs) == [(1, 1), (8, 1)]
         first = first or res.token_ids
         assert res.token_ids[:12] == first  # stale cache contents from the run before change nothing
+
+
+def test_kv_pools_made_again_and_again_still_equal_cpu(pair):
+    """Scheduler configurations in turn: each change closes the KV pools and makes new ones, and drivers
+    give new buffers the closed ones' VkBuffer handles. The recordings must bind the new pools; descriptor
+    sets once cached under the handle bound the freed memory (on lavapipe: wrong tokens or a crash; on an
+    H200: a step whose fence was never signalled)."""
+    cpu, vk = pair
+    rng = np.random.default_rng(6)
+    prompts = [rand_ids(rng, n, cpu.config.vocab_size) for n in (5, 13)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    want = [r.token_ids for r in generate(cpu, prompts, greedy)]
+    be = vk.backend
+    for kv_tokens in (64, 96, 64, 96, 128, 64):
+        cfg = SchedulerConfig(max_seqs=2, kv_tokens=kv_tokens)
+        assert [r.token_ids for r in generate(vk, prompts, greedy, cfg)] == want, kv_tokens
+    cached = [a for k in be.kernels.values() for _, arenas in k._sets.values() for a in arenas]
+    assert cached and not any(a.closed for a in cached)
 
 
 def test_step_metadata_copied_to_vram_when_mapped_memory_is_across_the_bus(tmp_path, monkeypatch):

@@ -486,3 +486,35 @@ def test_descriptor_pools_roll_over(dev, gpu):
     assert len(sets) == 10 and len(alloc.pools) == 3
     k.close()
     alloc.close()
+
+
+@pytest.mark.gpu
+def test_kernel_binds_a_new_buffer_made_where_a_closed_one_was(dev, kernels, gpu):
+    """Drivers hand a closed buffer's VkBuffer handle to the next buffer made (lavapipe within a few tries;
+    the KV pools are closed and made again when the scheduler's configuration changes). The descriptor
+    set a kernel cached for the closed buffer must not be what binds the new one: it points at freed memory.
+    """
+    from hmad.backends.vulkan.memory import create_buffer
+    from hmad.backends.vulkan.pipelines import AddPush, CommandRecorder, _handle_key
+
+    n, rng = 1024, np.random.default_rng(11)
+    b = rng.standard_normal(n).astype(np.float32)
+    va, vb = gpu.alloc(4 * n, "mapped"), gpu.put(b)
+    seen: set[int] = set()
+    for _ in range(64):
+        a = rng.standard_normal(n).astype(np.float32)
+        va.array(np.float32)[:] = a
+        out = create_buffer(dev, 4 * n, "mapped", "out")
+        handle = _handle_key(out.buffer)
+        out.array(np.float32)[:] = np.nan
+        rec = CommandRecorder(dev).begin()
+        rec.dispatch(kernels["add_f32"], [va, vb, out], AddPush(n), 4)
+        rec.end()
+        rec.submit()
+        rec.close()
+        np.testing.assert_array_equal(out.array(np.float32), a + b)
+        out.arena.close()
+        if handle in seen:
+            return
+        seen.add(handle)
+    pytest.skip("the driver gave no closed buffer's handle to a new one in 64 tries")

@@ -430,6 +430,7 @@ class VulkanConfig:
     matvec: str = _key("exact", _OneOf(("exact", "int8", "float")))
     coopmat: str = _key("auto", _OneOf(("auto", "off")))
     coopmat_min_tokens: int = _key(9, _Int(2))
+    step_timeout_s: float = _key(600.0, _Real(1.0))
 
 
 @dataclass(frozen=True)

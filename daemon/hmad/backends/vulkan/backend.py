@@ -283,6 +283,7 @@ class VulkanBackend(Backend):
         matvec: str = "exact",
         coopmat: str = "auto",
         coopmat_min_tokens: int = 9,
+        step_timeout_s: float = 600.0,
     ):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
@@ -323,6 +324,7 @@ class VulkanBackend(Backend):
         self.topk_buf: BufferView | None = None  # mapped: ids (rows, k) uint32, then values (rows, k)
         self.fence = self.dev.create_fence()
         self._fences = ffi.new("VkFence[]", [self.fence])
+        self.step_timeout_s = step_timeout_s  # a step's fence not signalled by then: Timeout (a GPU hang)
         self.vocab = 0
         self.last_gpu_ns: float | None = None
         self._rec: CommandRecorder | None = None
@@ -509,6 +511,8 @@ class VulkanBackend(Backend):
 
     def _record(self, net, t_b: int, o_b: int) -> Graph:
         layout = self._meta_layout(t_b)
+        for k in self.kernels.values():  # sets of buffers closed since (KV pools re-planned, metadata grown)
+            k.forget_closed()
         rec = CommandRecorder(self.dev, timestamps=self.timestamps, max_commands=8192).begin()
         if self.meta_gpu is not self.meta:
             rec.copy(self.meta, self.meta_gpu, layout.nbytes, label="step metadata to VRAM")
@@ -596,8 +600,8 @@ class VulkanBackend(Backend):
         )
         check(lib.vkResetFences(self.dev.handle, 1, self._fences), "vkResetFences")
         check(lib.vkQueueSubmit(self.dev.queue, 1, si, self.fence), "vkQueueSubmit(step)")
-        r = lib.vkWaitForFences(self.dev.handle, 1, self._fences, 1, 600 * 10**9)
-        check(r, "vkWaitForFences(step)")
+        r = lib.vkWaitForFences(self.dev.handle, 1, self._fences, 1, int(self.step_timeout_s * 1e9))
+        check(r, f"vkWaitForFences(step of bucket {graph.key}, {self.step_timeout_s:g} s)")
         self.steps += 1
         if graph.rec.query_pool is not None:
             graph.rec.submits += 1

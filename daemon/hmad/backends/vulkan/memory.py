@@ -23,6 +23,7 @@ file's pages, vkCmdCopyBuffer, fence) into device-local memory: no second copy o
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -254,11 +255,20 @@ def _does_not_fit(items: list[PlanItem], failed: PlanItem, pools: dict[str, Pool
 
 
 # -- device-side buffers -------------------------------------------------------------------------------------
+# Arena serial numbers: unlike VkBuffer handles, which drivers hand out again once a buffer is destroyed (an
+# H200 and lavapipe both do), a serial is never reused, so caches keyed by it cannot outlive their buffer.
+_SERIALS = itertools.count(1)
+
+
 class Arena:
-    """One VkDeviceMemory with one VkBuffer over all of it; persistently mapped when host-visible."""
+    """One VkDeviceMemory with one VkBuffer over all of it; persistently mapped when host-visible.
+
+    ``serial`` names it for caches (descriptor sets, barrier tracking): never reused in the process.
+    """
 
     def __init__(self, device: Device, nbytes: int, memory_type: int):
         self.device, self.nbytes, self.memory_type = device, nbytes, memory_type
+        self.serial = next(_SERIALS)
         self.flags = device.memory_types[memory_type].flags
         self.buffer = self.memory = None
         self.mapped: np.ndarray | None = None
@@ -303,6 +313,10 @@ class Arena:
     @property
     def host_visible(self) -> bool:
         return self.mapped is not None
+
+    @property
+    def closed(self) -> bool:
+        return self.buffer is None
 
     def close(self) -> None:
         d = self.device.handle

@@ -240,10 +240,23 @@ Binding = BufferView | tuple[BufferView, int, int]
 
 
 def _range_of(b: Binding) -> tuple[Any, int, int]:
+    """(VkBuffer, offset, nbytes) of a binding: what a descriptor is written with."""
     if isinstance(b, BufferView):
         return b.buffer, b.offset, b.nbytes
     view, off, n = b
     return view.buffer, view.offset + off, n
+
+
+def _key_of(b: Binding) -> tuple[int, int, int]:
+    """(arena serial, offset, nbytes) of a binding: what caches key on. Not the VkBuffer handle: a driver
+    gives a destroyed buffer's handle to the next one, and a descriptor set cached under it would bind the
+    freed memory (a GPU fault: on NVIDIA the step's fence is then never signalled)."""
+    view, off, n = (b, 0, b.nbytes) if isinstance(b, BufferView) else b
+    return view.arena.serial, view.offset + off, n
+
+
+def _arenas_of(buffers: Sequence[Binding]) -> tuple:
+    return tuple(b.arena if isinstance(b, BufferView) else b[0].arena for b in buffers)
 
 
 def _handle_key(h) -> int:
@@ -449,13 +462,19 @@ class Kernel:
     # -- binding and recording ----------------------------------------------------------------------------
     def descriptor_set(self, buffers: Sequence[Binding]):
         """The (cached) descriptor set binding ``buffers`` as bindings 0..N-1."""
-        ranges = [_range_of(b) for b in buffers]
-        key = tuple((_handle_key(h), o, n) for h, o, n in ranges)
-        ds = self._sets.get(key)
-        if ds is None:
-            ds = self._write_set(ranges)
-            self._sets[key] = ds
-        return ds
+        key = tuple(_key_of(b) for b in buffers)
+        hit = self._sets.get(key)
+        if hit is None:
+            hit = self._sets[key] = (self._write_set([_range_of(b) for b in buffers]), _arenas_of(buffers))
+        return hit[0]
+
+    def forget_closed(self) -> int:
+        """Drop the cached sets that bind a closed buffer (they can never be hit again); returns how many.
+        The sets themselves go back when their pool is destroyed."""
+        dead = [k for k, (_, arenas) in self._sets.items() if any(a.closed for a in arenas)]
+        for k in dead:
+            del self._sets[k]
+        return len(dead)
 
     def _write_set(self, ranges):
         limits = self.device.limits
@@ -521,7 +540,7 @@ class Kernel:
 
 # -- recorded command buffers --------------------------------------------------------------------------------
 class Hazards:
-    """Buffer ranges ``(VkBuffer, offset, nbytes)`` read and written since the last barrier."""
+    """Buffer ranges ``(arena serial, offset, nbytes)`` read and written since the last barrier."""
 
     def __init__(self):
         self.reads: list[tuple[int, int, int]] = []
@@ -529,8 +548,8 @@ class Hazards:
 
     @staticmethod
     def _key(r) -> tuple[int, int, int]:
-        h, off, n = r
-        return _handle_key(h), off, off + n
+        serial, off, n = r
+        return serial, off, off + n
 
     @staticmethod
     def _overlap(a: list, b: list) -> bool:
@@ -651,16 +670,16 @@ class CommandRecorder:
     def dispatch(self, kernel: Kernel, buffers: Sequence[Binding], push, groups, label: str = "") -> None:
         assert self._recording, "begin() first"
         kernel.check_args(buffers, push)
-        ranges = [_range_of(b) for b in buffers]
-        writes = [ranges[i] for i in kernel.written]
-        self._order([r for i, r in enumerate(ranges) if i not in kernel.written], writes)
+        keys = [_key_of(b) for b in buffers]
+        writes = [keys[i] for i in kernel.written]
+        self._order([r for i, r in enumerate(keys) if i not in kernel.written], writes)
         kernel.record(self.cmd, buffers, push, groups)
         self._after(label or kernel.name)
 
     def copy(self, src: BufferView, dst: BufferView, nbytes: int | None = None, label: str = "copy") -> None:
         assert self._recording, "begin() first"
         n = src.nbytes if nbytes is None else nbytes
-        self._order([(src.buffer, src.offset, n)], [(dst.buffer, dst.offset, n)])
+        self._order([_key_of((src, 0, n))], [_key_of((dst, 0, n))])
         region = new("VkBufferCopy", srcOffset=src.offset, dstOffset=dst.offset, size=n)
         lib.vkCmdCopyBuffer(self.cmd, src.buffer, dst.buffer, 1, region)
         self._after(label)
