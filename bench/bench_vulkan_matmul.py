@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 
 from bench_vulkan_copy import bench_variant  # noqa: E402
 
+from hmad.backends.vulkan import kernels_matmul as km  # noqa: E402
 from hmad.backends.vulkan.device import Device  # noqa: E402
 from hmad.backends.vulkan.kernels_matmul import (  # noqa: E402
     COOPMAT_TILES,
@@ -183,6 +184,12 @@ def main() -> int:
     )
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--rotate", type=int, default=4, help="copies of W the mat-vec timings cycle through")
+    ap.add_argument(
+        "--coopmat-groups",
+        default="",
+        help="comma list of kernels_matmul.COOPMAT_TARGET_GROUPS values to time the coopmat GEMM with (how "
+        "far K is split; default: the backend's)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = Device(args.device)
@@ -247,7 +254,14 @@ def main() -> int:
         )
         kern.close()
     if coop_ts and coopmat_usable(dev.info) and args.type in COOPMAT_TYPES:
-        res["coopmat"] = bench_coopmat(dev, args, ws, x, y, k, n, coop_ts, copy["GBps"])
+        res["coopmat"] = []
+        for groups in [int(g) for g in args.coopmat_groups.split(",") if g] or [km.COOPMAT_TARGET_GROUPS]:
+            km.COOPMAT_TARGET_GROUPS = groups  # coopmat_splits reads it at each call
+            print(f"coopmat GEMM, K split for about {groups} workgroups:")
+            res["coopmat"] += [
+                r | {"target_groups": groups}
+                for r in bench_coopmat(dev, args, ws, x, y, k, n, coop_ts, copy["GBps"])
+            ]
     best = max(res["matvec"], key=lambda r: r["GBps"])
     print(f"best mat-vec: {best['variant']} block {best['block']} T={best['T']}: {best['GBps']:.1f} GB/s")
     if args.out:

@@ -196,12 +196,19 @@ def bench_model(name: str, args, ceiling: float) -> dict:
     path = write_model(Path(args.dir) / f"synthetic-{name}.gguf", name)
     res: dict = {"write_model_s": time.perf_counter() - t0}
     model = load_model(
-        path, "vulkan", matvec=args.matvec, coopmat=args.coopmat, coopmat_min_tokens=args.coopmat_min_tokens
+        path,
+        "vulkan",
+        matvec=args.matvec,
+        coopmat=args.coopmat,
+        coopmat_min_tokens=args.coopmat_min_tokens,
+        kv_dtype=args.kv_dtype,
     )
     be = model.backend
+    be.attention_kl = not args.no_attention_kl
     weight_bytes = be.weights_plan.pools["device"].used + be.weights_plan.pools["host"].used
     res |= {"device": be.device, "load_s": model.load_seconds, "weight_bytes": weight_bytes}
-    res |= {"coopmat": be.coopmat, "coopmat_min_tokens": be.coopmat_min_t}
+    res |= {"coopmat": be.coopmat, "coopmat_min_tokens": be.coopmat_min_t, "kv_dtype": be.kv_dtype}
+    res["attention_kl"] = be.attention_kl
     print(f"{name}: {weight_bytes / 2**30:.2f} GiB of weights on {be.device} in {model.load_seconds:.1f} s")
     layout = KVLayout.plan(model.config, 32 * args.context, 32, 512)
     be.alloc_kv(layout)
@@ -243,6 +250,8 @@ def main() -> int:
     ap.add_argument("--matvec", default="exact", choices=("exact", "int8", "float"))
     ap.add_argument("--coopmat", default="auto", choices=("auto", "off"))
     ap.add_argument("--coopmat-min-tokens", type=int, default=9)
+    ap.add_argument("--kv-dtype", default="float32", choices=("float32", "float16"))
+    ap.add_argument("--no-attention-kl", action="store_true", help="attention_decode, not _kl (to compare)")
     ap.add_argument("--engine", default="270m,27b", help="models whose engine runs take 1, 8, 32 streams")
     ap.add_argument("--copy-mib", type=int, default=1024)
     ap.add_argument("--out", default=None)

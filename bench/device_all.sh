@@ -1,7 +1,7 @@
 #!/bin/bash
 # One `device` tool run (carry .gl and .whl): the Vulkan tests on the GPU, the matmul kernels, the models;
 # logs and JSON under $OUT, short tails printed.
-#   bash bench/device_all.sh [tests] [stats] [matmul] [types] [model] [model_cm2]
+#   bash bench/device_all.sh [tests] [stats] [matmul] [types] [model] [model_cm2] [stress] [stress_old] [splits] [model_kv16] [kl]
 set -uo pipefail
 . bench/device_env.sh
 OUT=${OUT:-/tmp/out}
@@ -22,12 +22,40 @@ for step in ${*:-tests matmul model}; do
             --out "$OUT/matmul_q4_k.json" >"$OUT/matmul.log" 2>&1
         grep -E "copy_vec4|T=1:|T=8:|mul_mm" "$OUT/matmul.log" | cut -c1-125
         ;;
+    splits)  # the coopmat GEMM at decode-batch sizes with K split for 512 .. 4096 workgroups
+        timeout 150 python3 bench/bench_vulkan_matmul.py --iters 20 --prefill 0 --tokens 1 --blocks 128 \
+            --coopmat 8,16,32 --coopmat-groups 512,1024,2048,4096 --out "$OUT/splits.json" >"$OUT/splits.log" 2>&1
+        grep -E "K split|T=  (8|32)" "$OUT/splits.log" | cut -c1-125
+        ;;
     types)  # the coopmat GEMM on the other weight types
         for t in q6_k q5_0 q8_0; do
             timeout 90 python3 bench/bench_vulkan_matmul.py --type $t --iters 10 --prefill 0 --coopmat 32,512 \
                 --tokens 1 --blocks 128 --out "$OUT/matmul_$t.json" >"$OUT/matmul_$t.log" 2>&1
             grep -E "mul_mm" "$OUT/matmul_$t.log" | cut -c1-100
         done
+        ;;
+    stress)  # the engine under changing scheduler configurations (KV pools made again each round), 27B
+        timeout 230 python3 bench/stress_vulkan_engine.py --model 27b --seconds "${STRESS_S:-170}" --out "$OUT/stress.json" \
+            >"$OUT/stress.log" 2>&1
+        echo "rc=$?"; tail -4 "$OUT/stress.log" | cut -c1-160
+        ;;
+    stress_old)  # the same with the descriptor-set cache keyed by VkBuffer handles (the defect), to compare
+        timeout 130 python3 bench/stress_vulkan_engine.py --model 27b --seconds "${STRESS_S:-80}" --step-timeout-s 20 \
+            --handle-keyed-cache --out "$OUT/stress_old.json" >"$OUT/stress_old.log" 2>&1
+        echo "rc=$?"; tail -4 "$OUT/stress_old.log" | cut -c1-160
+        ;;
+    kl)  # 27B with decode attention on attention_decode_kl, then on attention_decode (side by side)
+        for v in kl nokl; do
+            flag=$([ $v = nokl ] && echo --no-attention-kl)
+            timeout 200 python3 bench/bench_vulkan_model.py --models 27b --reps 5 --gen 32 --engine none $flag \
+                --watchdog-s 190 --out "$OUT/model_$v.json" >"$OUT/model_$v.log" 2>&1
+            echo "-- $v"; grep -E "27b (prefill|decode)|ops_decode" "$OUT/model_$v.log" | cut -c1-200
+        done
+        ;;
+    model_kv16)  # 27B with the KV cache in float16 (vulkan... kv_dtype: float16)
+        timeout 300 python3 bench/bench_vulkan_model.py --models 27b --reps 5 --gen 32 --kv-dtype float16 \
+            --watchdog-s 280 --out "$OUT/model_kv16.json" >"$OUT/model_kv16.log" 2>&1
+        grep -E "27b (prefill|decode)|engine [0-9]|ops_decode_32" "$OUT/model_kv16.log" | cut -c1-160
         ;;
     model_cm2)  # 27B with decode batches of 2..8 tokens on the GEMM too (float16 products)
         timeout 300 python3 bench/bench_vulkan_model.py --models 27b --reps 10 --gen 32 --coopmat-min-tokens 2 \

@@ -74,6 +74,12 @@ BUILD: list[tuple[str, str, dict[str, str]]] = [
         for mg in (4, 8)
     ],
     *[
+        (f"attention_decode_kl_{pool}_g{mg}", "attention_decode_kl.comp", {"MAX_GROUP": f"{mg}u", **d})
+        for pool, d in (("f32", {}), ("f16", {"POOL_TYPE": "float16_t"}))
+        for mg in (2, 4)
+    ],
+    ("attention_decode_kl_f32_g2_l4", "attention_decode_kl.comp", {"MAX_GROUP": "2u", "LANES": "4u"}),
+    *[
         (f"attention_prefill_{pool}_dpl{dpl}", "attention_prefill.comp", {"DPL": f"{dpl}u", **d})
         for pool, d in (("f32", {}), ("f16", {"POOL_TYPE": "float16_t"}))
         for dpl in (8, 16, 32)

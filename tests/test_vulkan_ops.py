@@ -206,9 +206,9 @@ def test_geglu_on_fused_gate_up_rows_matches_reference(dev, kernels, gpu):
 # -- kv_write + attention ------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("pool", ["f32", "f16"])
-@pytest.mark.parametrize("head_dim", [32, 256])
+@pytest.mark.parametrize("head_dim", [32, 128, 256])
 @pytest.mark.parametrize("splits", [1, 3, 64])
-@pytest.mark.parametrize("variant", ["split", "decode"])
+@pytest.mark.parametrize("variant", ["split", "decode", "decode_kl", "decode_kl4"])
 def test_kv_write_and_paged_attention_match_reference(dev, kernels, gpu, pool, head_dim, splits, variant):
     """Two layers (global, sliding window 6) over three sequences of different lengths in one batch.
 
@@ -216,7 +216,10 @@ def test_kv_write_and_paged_attention_match_reference(dev, kernels, gpu, pool, h
     query heads over 2 KV heads; one padding row past the batch (zeros out, nothing written).
     ``splits`` per token and KV head of attention_split (then attention_reduce): one split of 3 tiles of 16
     keys, splits of 16 keys, mostly empty splits; ``variant`` "decode": attention_decode (the subgroup
-    kernel, the variant the backend would pick for this device) in place of attention_split."""
+    kernel, the variant the backend would pick for this device) in place of attention_split; "decode_kl":
+    attention_decode_kl (8 lanes per key: 4 keys at once on a 32-wide subgroup, one on lavapipe's 8-wide
+    ones; head dims up to 128); "decode_kl4": its 4-lane test variant, so that lavapipe's subgroups hold two
+    keys and the merge of a subgroup's key clusters runs there too."""
     from hmad.backends.vulkan.pipelines import AttentionReducePush, AttentionSplitPush, KvWritePush
 
     rng = np.random.default_rng(head_dim)
@@ -248,6 +251,13 @@ def test_kv_write_and_paged_attention_match_reference(dev, kernels, gpu, pool, h
             pytest.skip("no subgroup arithmetic: the backend uses attention_split")
         dpl = next(d for d in ATTENTION_DECODE_DPL if head_dim <= d * sub)
         att_s = kernels(f"attention_decode_{pool}_dpl{dpl}_g4")  # G = 2 here
+    elif variant.startswith("decode_kl"):
+        lanes = 4 if variant == "decode_kl4" else 8
+        if head_dim > 128 or not dev.caps["subgroup_shuffle"] or dev.info.subgroup["size"] % lanes:
+            pytest.skip(f"attention_decode_kl: head dims up to 128, subgroup shuffles in clusters of {lanes}")
+        if lanes == 4 and pool != "f32":
+            pytest.skip("the 4-lane test variant is built for float32 pools")
+        att_s = kernels(f"attention_decode_kl_{pool}_g2" + ("_l4" if lanes == 4 else ""))
     else:
         att_s = kernels(f"attention_split_{pool}")
     for layer, name, win in ((0, "global", None), (1, "local", window)):

@@ -82,6 +82,7 @@ from hmad.backends.vulkan.memory import (
 from hmad.backends.vulkan.pipelines import (
     ATTENTION_DECODE_DPL,
     ATTENTION_DECODE_GROUPS,
+    ATTENTION_DECODE_KL_GROUPS,
     ATTENTION_PREFILL_DPL,
     ATTENTION_PREFILL_TILE,
     RESIDUAL_MAX_COLS,
@@ -324,6 +325,7 @@ class VulkanBackend(Backend):
         self.topk_buf: BufferView | None = None  # mapped: ids (rows, k) uint32, then values (rows, k)
         self.fence = self.dev.create_fence()
         self._fences = ffi.new("VkFence[]", [self.fence])
+        self.attention_kl = True  # attention_decode_kl where it fits (bench_vulkan_model --no-attention-kl)
         self.step_timeout_s = step_timeout_s  # a step's fence not signalled by then: Timeout (a GPU hang)
         self.vocab = 0
         self.last_gpu_ns: float | None = None
@@ -887,16 +889,18 @@ class VulkanBackend(Backend):
         return o
 
     def _attention_kernel(self, pool_t: str, dh: int, g: int) -> str:
-        """attention_decode (subgroups, no barrier in the key loop) on a GPU with subgroup arithmetic
-        where a variant holds the head; else attention_split (also on CPU implementations such as
-        lavapipe, where the subgroup kernel's per-invocation arrays run ~4x slower)."""
+        """attention_decode_kl (8 lanes per key) for heads of up to 128 dims and G <= 4 on a GPU with
+        subgroup shuffles, else attention_decode (a key's dims over the whole subgroup) with subgroup
+        arithmetic where a variant holds the head; else attention_split (also on CPU implementations such
+        as lavapipe, where the subgroup kernels' per-invocation arrays run ~4x slower)."""
         sub = self.dev.info.subgroup.get("size") or 0
-        if (
-            self.dev.caps["subgroup_arithmetic"]
-            and not self.dev.info.is_cpu
-            and sub >= 8
-            and 256 // sub <= 32
-        ):
+        if self.dev.info.is_cpu or sub < 8 or 256 // sub > 32:
+            return f"attention_split_{pool_t}"
+        if self.attention_kl and self.dev.caps["subgroup_shuffle"] and sub % 8 == 0 and dh % 4 == 0:
+            mg = next((m for m in ATTENTION_DECODE_KL_GROUPS if g <= m), None)
+            if dh <= 128 and mg:
+                return f"attention_decode_kl_{pool_t}_g{mg}"
+        if self.dev.caps["subgroup_arithmetic"]:
             dpl = next((d for d in ATTENTION_DECODE_DPL if dh <= d * sub), None)
             mg = next((m for m in ATTENTION_DECODE_GROUPS if g <= m), None)
             if dpl and mg:

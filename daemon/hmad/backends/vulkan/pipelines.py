@@ -161,6 +161,7 @@ class TopkPush(ctypes.Structure):
 TOPK_MAX = 256  # KMAX of topk.comp
 ATTENTION_DECODE_DPL = (4, 8, 32)  # attention_decode.comp: head dims per lane (Dh <= DPL * subgroup size)
 ATTENTION_DECODE_GROUPS = (4, 8)  # ... and query heads per KV head it holds registers for
+ATTENTION_DECODE_KL_GROUPS = (2, 4)  # attention_decode_kl.comp (8 lanes per key, Dh <= 128): query heads
 ATTENTION_PREFILL_DPL = (8, 16, 32)  # attention_prefill.comp: head dims per lane (Dh <= 8 DPL)
 ATTENTION_PREFILL_QV = 32  # ... query vectors (tile rows x query heads of a KV head) per workgroup
 ATTENTION_PREFILL_TILE = TILE_ROWS  # ... rows of a tile
@@ -209,6 +210,14 @@ KERNELS: dict[str, KernelSpec] = {
         for dpl in ATTENTION_DECODE_DPL
         for mg in ATTENTION_DECODE_GROUPS
     },
+    **{
+        f"attention_decode_kl_{pool}_g{mg}": KernelSpec(
+            "attention_decode_kl.comp", 5, AttentionSplitPush, 256
+        )
+        for pool in ("f32", "f16")
+        for mg in ATTENTION_DECODE_KL_GROUPS
+    },
+    "attention_decode_kl_f32_g2_l4": KernelSpec("attention_decode_kl.comp", 5, AttentionSplitPush, 256),
     **{
         f"attention_prefill_{pool}_dpl{dpl}": KernelSpec(
             "attention_prefill.comp", 5, AttentionPrefillPush, 256
