@@ -259,7 +259,7 @@ def _range_of(b: Binding) -> tuple[Any, int, int]:
 def _key_of(b: Binding) -> tuple[int, int, int]:
     """(arena serial, offset, nbytes) of a binding: what caches key on. Not the VkBuffer handle: a driver
     gives a destroyed buffer's handle to the next one, and a descriptor set cached under it would bind the
-    freed memory (a GPU fault: on NVIDIA the step's fence is then never signalled)."""
+    freed memory (the likely cause of an H200 step whose fence was never signalled)."""
     view, off, n = (b, 0, b.nbytes) if isinstance(b, BufferView) else b
     return view.arena.serial, view.offset + off, n
 
