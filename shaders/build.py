@@ -36,7 +36,7 @@ FLAGS = ["-fshader-stage=compute", "--target-env=vulkan1.2", "-O"]
 GLSLANG_FLAGS = ["-V", "-S", "comp", "--target-env", "vulkan1.3"]
 GLSLANG_SOURCES = {"mul_mm_coopmat.comp"}  # KHR cooperative matrix: SPIR-V 1.6, Vulkan 1.3 devices
 COOPMAT_TYPES = ("f16", "q8_0", "q4_0", "q5_0", "q4_k", "q6_k")  # kernels_matmul.COOPMAT_TYPES
-COOPMAT_TILES = ((32, 64), (64, 64), (64, 128), (128, 128))  # (BT, BN): kernels_matmul.COOPMAT_TILES
+COOPMAT_TILES = ((32, 64), (32, 128), (64, 64), (64, 128), (128, 128))  # kernels_matmul.COOPMAT_TILES
 
 # mat-vec variants (mul_mat_vec_q8.comp, mul_mat_vec_unit.comp): up to 8 tokens or one, plain or fused GeGLU
 MATVEC_VARIANTS = (

@@ -16,13 +16,22 @@
 // - the global loads of step s + 1 (x, and W raw: Q4_K as its 16-byte header + 8 bytes of quants per 16
 //   weights; other types decoded by dequant.glsl's dq8) are issued before the products of step s, so they
 //   are in flight while the tensor cores work; after the step's second barrier they go into the tiles;
-// - Q4_K weights decoded 16 at a time with one scale decode (the types of 27B models), others 8 at a time.
+// - Q4_K weights decoded 16 at a time with one scale decode (the types of 27B models), others 8 at a time;
+//   Q4_K without integer-to-float conversions (a quarter-rate instruction on NVIDIA, four per 4 weights in
+//   the first decoder): a nibble placed in the low mantissa bits of float16 1024.0 (0x6400) reads as
+//   1024 + q, so (h - 1024) is q exactly, and w = fma(q, d*sc, -dmin*m) in float16 (d*sc and dmin*m
+//   rounded to float16 first), two weights per instruction.
+// Tiles hold k in the order of float16 pairs that decode gives: within every 8, positions 0..7 hold k
+// 0,2,1,3,4,6,5,7 (row_scale.comp writes xh so); the products sum over k, so the order is free.
 // Bindings: 0 W, 1 xh (float16, rows x_stride halves apart, x_stride % 8 == 0), 2 y, 3 row scales.
 // Requires BLOCK_SIZE == 256 with 32-wide subgroups, K % 32 == 0 (Q4_K: whole superblocks), BN >= 64,
-// k_split % BK == 0. Dispatch (ceil(N / BN), ceil(T / BT), splits).
+// k_split % BK == 0. Dispatch (ceil(T / BT), ceil(N / BN), splits): token tiles vary fastest, so the
+// workgroups of all token tiles of one W tile run together and W streams from memory once (a 27B matrix,
+// 65 MB, does not stay in the 50 MB L2 of an H200 across token tiles); x stays in L2.
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
 #extension GL_KHR_shader_subgroup_basic : require
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
 #ifdef TYPE_Q4_K
@@ -85,8 +94,9 @@ uvec2 rq[WPT];  // 8 bytes of the chunk's quants
 uvec4 rw[WPT];  // 8 decoded weights as float16
 #endif
 
+// 8 weights k0..k7 (lo = k0..3, hi = k4..7) as float16 in the tiles' order 0,2,1,3,4,6,5,7
 uvec4 pack8(vec4 lo, vec4 hi) {
-    return uvec4(packHalf2x16(lo.xy), packHalf2x16(lo.zw), packHalf2x16(hi.xy), packHalf2x16(hi.zw));
+    return uvec4(packHalf2x16(lo.xz), packHalf2x16(lo.yw), packHalf2x16(hi.xz), packHalf2x16(hi.yw));
 }
 
 void fetch(uint n0, uint t0, uint k0, uint k_end, uint tid) {
@@ -117,10 +127,12 @@ void fetch(uint n0, uint t0, uint k0, uint k_end, uint tid) {
 }
 
 #ifdef TYPE_Q4_K
-// 4 nibbles of a word (at shift s) scaled: w = d sc q - dmin m
-vec4 nib4(uint w, uint s, float dl, float ml) {
-    w >>= s;
-    return vec4(w & 0xFu, (w >> 8) & 0xFu, (w >> 16) & 0xFu, (w >> 24) & 0xFu) * dl - ml;
+// The nibbles at bits s..s+3 and s+16..s+19 of w (bytes 0 and 2 at s = 0 or 4, 1 and 3 at s = 8 or 12)
+// scaled, as a float16 pair: w = d sc q - dmin m with dl = d sc, ml = dmin m
+uint nib2(uint w, uint s, f16vec2 dl, f16vec2 ml) {
+    const f16vec2 q = unpackFloat2x16(((w >> s) & 0x000F000Fu) | 0x64006400u) - f16vec2(1024.0hf);
+    precise const f16vec2 v = fma(q, dl, -ml);
+    return packFloat2x16(v);
 }
 #endif
 
@@ -135,11 +147,14 @@ void store(uint k0, uint tid) {
         const uint idx = tid + 256u * h, r = idx / 4u, j = idx % 4u;
         const vec2 dm = unpackHalf2x16(rh[h].x);
         const uvec2 s0 = q4k_scale_min(rh[h].yzw, 2u * c), s1 = q4k_scale_min(rh[h].yzw, 2u * c + 1u);
-        const float dl0 = dm.x * float(s0.x), ml0 = dm.y * float(s0.y);
-        const float dl1 = dm.x * float(s1.x), ml1 = dm.y * float(s1.y);
-        // low nibbles: sub-block 2c, k 8j..8j+7 of the chunk; high nibbles: 2c + 1, k 32 + 8j..
-        ws[r * SK8 + j] = pack8(nib4(rq[h].x, 0u, dl0, ml0), nib4(rq[h].y, 0u, dl0, ml0));
-        ws[r * SK8 + 4u + j] = pack8(nib4(rq[h].x, 4u, dl1, ml1), nib4(rq[h].y, 4u, dl1, ml1));
+        const f16vec2 dl0 = f16vec2(dm.x * float(s0.x)), ml0 = f16vec2(dm.y * float(s0.y));
+        const f16vec2 dl1 = f16vec2(dm.x * float(s1.x)), ml1 = f16vec2(dm.y * float(s1.y));
+        // low nibbles: sub-block 2c, k 8j..8j+7 of the chunk; high nibbles: 2c + 1, k 32 + 8j..; words
+        // .x = k 8j..8j+3 (bytes 0-3), .y = k 8j+4..; pairs (k0, k2), (k1, k3) as the tiles' order wants
+        const uint a = rq[h].x, b = rq[h].y;
+        ws[r * SK8 + j] = uvec4(nib2(a, 0u, dl0, ml0), nib2(a, 8u, dl0, ml0), nib2(b, 0u, dl0, ml0), nib2(b, 8u, dl0, ml0));
+        ws[r * SK8 + 4u + j] =
+            uvec4(nib2(a, 4u, dl1, ml1), nib2(a, 12u, dl1, ml1), nib2(b, 4u, dl1, ml1), nib2(b, 12u, dl1, ml1));
     }
 #else
     [[unroll]] for (uint h = 0; h < WPT; ++h) {
@@ -151,7 +166,7 @@ void store(uint k0, uint tid) {
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
-    const uint n0 = gl_WorkGroupID.x * BN, t0 = gl_WorkGroupID.y * BT;
+    const uint t0 = gl_WorkGroupID.x * BT, n0 = gl_WorkGroupID.y * BN;
     const uint sg = gl_SubgroupID, lane = gl_SubgroupInvocationID;
     const uint st = (sg % 2u) * WT, sn = (sg / 2u) * WN;  // this subgroup's corner inside the tile
 

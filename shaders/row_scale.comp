@@ -4,8 +4,10 @@
 // Dividing by a power of two is exact, and the kernel multiplies its float32 sums back by s, so rows in
 // range compute exactly as unscaled and large rows (Gemma's activations can pass 65504) do not overflow.
 // One workgroup per row; NaN or inf in a row give a NaN or inf scale (the error stays visible in y).
-// Also xh[t, k] = float16(x[t, k] / s[t]) (rows K halves apart, K even), the x operand of mul_mm_coopmat.comp:
-// converted once per step (and shared by the matmuls reading x), not once per GEMM tile.
+// Also xh[t] = float16(x[t, k] / s[t]) (rows K halves apart, K % 8 == 0), the x operand of mul_mm_coopmat.comp:
+// converted once per step (and shared by the matmuls reading x), not once per GEMM tile; within every 8
+// values in the order that kernel's tiles hold k: 0,2,1,3,4,6,5,7 (word w of a group = k pair
+// (4 (w / 2) + w % 2, that + 2)).
 #include "common.glsl"
 
 layout(binding = 0) readonly buffer X { float x[]; };
@@ -48,8 +50,8 @@ void main() {
     }
     barrier();
     const float inv = 1.0 / s_scale;  // exact: a power of two
-    for (uint k = 2u * tid; k < p.K; k += 2u * BLOCK_SIZE) {
-        const uint a = row * p.x_stride + k;
-        xh2[(row * p.K + k) / 2u] = packHalf2x16(vec2(x[a], x[a + 1u]) * inv);
+    for (uint i = tid; i < p.K / 2u; i += BLOCK_SIZE) {  // word i of the row
+        const uint w = i % 4u, a = row * p.x_stride + 8u * (i / 4u) + 4u * (w / 2u) + w % 2u;
+        xh2[row * (p.K / 2u) + i] = packHalf2x16(vec2(x[a], x[a + 2u]) * inv);
     }
 }

@@ -164,7 +164,8 @@ def _run_coopmat(dev, kernels, gpu, name, t, k, n, ntok, rng, max_range=None, bi
     assert np.isnan(y[:, n:]).all(), "wrote past N into the padding of y"
     s = np.ones((ntok, 1))
     s[list(big_rows)] = 2.0**20
-    rx, rw = (x[:, :k] / s).astype(np.float16), wref.astype(np.float32).astype(np.float16)
+    rw = _q4k_as_float16(raw, n, k) if t == "q4_k" else wref.astype(np.float32).astype(np.float16)
+    rx = (x[:, :k] / s).astype(np.float16)
     ref = s * (rx.astype(np.float64) @ rw.astype(np.float64).T)
     exact = x[:, :k].astype(np.float64) @ wref.T  # and the float16 roundings stay small against float32
     err = 0.0
@@ -175,6 +176,17 @@ def _run_coopmat(dev, kernels, gpu, name, t, k, n, ntok, rng, max_range=None, bi
             assert np.abs(y[rows, :n] - exact[rows]).max() / np.abs(exact[rows]).max() <= RTOL_F16
             err = max(err, e)
     return err, dispatches
+
+
+def _q4k_as_float16(raw: np.ndarray, n: int, k: int) -> np.ndarray:
+    """W (n, k) as mul_mm_coopmat's Q4_K decode makes it: dl = float16(d * sc), ml = float16(dmin * m), then
+    w = float16(q * dl - ml) rounded once (its float16 fma), scales unpacked by gguf's Q4_K.get_scale_min."""
+    b = raw.reshape(-1, 144)
+    d, dmin = (b[:, o : o + 2].copy().view(np.float16).astype(np.float32) for o in (0, 2))
+    sc, m = (v.astype(np.float32) for v in gguf.quants.Q4_K.get_scale_min(b[:, 4:16].copy()))
+    dl, ml = ((a * v).astype(np.float16).astype(np.float64)[:, :, None] for a, v in ((d, sc), (dmin, m)))
+    q = (b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    return (q.reshape(-1, 8, 32) * dl - ml).astype(np.float16).reshape(n, k)
 
 
 RTOL_F16 = 2e-3  # coopmat vs the unrounded product: float16 x and W (2^-11 each), K ≤ 5376 random terms
@@ -218,8 +230,9 @@ def test_mul_mm_coopmat_several_ranges(dev, kernels, gpu):
 def test_row_scale(dev, kernels, gpu):
     """row_scale.comp (runs everywhere, lavapipe included): 1 for rows within 2^14, else the smallest power
     of two bringing the row's max |x| to at most 2^14; a NaN row gives NaN. Exact (powers of two). Its
-    float16 copy of x / s equals numpy's rounding (round to nearest even, both)."""
-    from hmad.backends.vulkan.kernels_matmul import record_row_scale
+    float16 copy of x / s equals numpy's rounding (round to nearest even, both), its columns within every 8
+    in the tiles' order XH_ORDER."""
+    from hmad.backends.vulkan.kernels_matmul import XH_ORDER, record_row_scale
     from hmad.backends.vulkan.pipelines import CommandRecorder
 
     rng = np.random.default_rng()
@@ -241,6 +254,7 @@ def test_row_scale(dev, kernels, gpu):
     xh = gpu.get(bh, np.float16, (t, k))  # the float16 copy: x / s rounded, row 5 NaN
     with np.errstate(invalid="ignore"):
         want_h = (x[:, :k] / s[:, None]).astype(np.float16)
+    want_h = want_h.reshape(t, k // 8, 8)[:, :, list(XH_ORDER)].reshape(t, k)
     np.testing.assert_array_equal(np.delete(xh, 5, 0), np.delete(want_h, 5, 0))
     m = np.abs(x[:, :k]).max(axis=1)
     want = np.where(m <= 16384.0, 1.0, 2.0 ** np.ceil(np.log2(m / 16384.0)))

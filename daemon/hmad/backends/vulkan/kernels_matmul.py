@@ -65,7 +65,8 @@ COOPMAT_TYPES: dict[str, QType] = {
     "q4_k": QType.Q4_K,
     "q6_k": QType.Q6_K,
 }
-COOPMAT_TILES = ((32, 64), (64, 64), (64, 128), (128, 128))  # (BT tokens, BN rows) variants
+XH_ORDER = (0, 2, 1, 3, 4, 6, 5, 7)  # xh[t, 8g + i] = x[t, 8g + XH_ORDER[i]]: pairs as Q4_K decodes them
+COOPMAT_TILES = ((32, 64), (32, 128), (64, 64), (64, 128), (128, 128))  # (BT tokens, BN rows) variants
 COOPMAT_BK = 64  # K per step of mul_mm_coopmat.comp
 COOPMAT_TARGET_GROUPS = 1024  # split K until a dispatch has about this many workgroups
 COOPMAT_MIN_STEPS = 4  # ... but keep at least this many BK steps per split
@@ -138,11 +139,12 @@ def coopmat_usable(info) -> bool:
 def coopmat_tile(t: int, qtype: QType = QType.Q4_K) -> tuple[int, int]:
     """The (BT, BN) variant of mul_mm_coopmat for a step of ``t`` tokens of a ``qtype`` weight: the fastest
     measured on an H200 at the 27B shapes (bench_vulkan_matmul.py, bench/results/2026-11-23-h200-pipe-*,
-    where the kernel is named mul_mm_pipe):
-    32x64 at 8..32 tokens for every type; at 512, 64x128 for Q4_K (850 us against 915 for 64x64) and 64x64
-    for the types decoded 8 weights at a time (Q5_0: 1283 us against 1607)."""
+    where the kernel is named mul_mm_pipe, and 2026-11-23-h200-q4k-decode-matmul-q4_k.json):
+    at 8..32 tokens 32x128 for Q4_K (88 us against 101 for 32x64 at 32 tokens) and 32x64 for the others;
+    at 512, 64x128 for Q4_K (850 us against 915 for 64x64) and 64x64 for the types decoded 8 weights at a
+    time (Q5_0: 1283 us against 1607)."""
     if t <= 32:
-        return (32, 64)
+        return (32, 128) if qtype == QType.Q4_K else (32, 64)
     return (64, 128) if t > 128 and qtype == QType.Q4_K else (64, 64)
 
 
@@ -176,7 +178,10 @@ class SplitReducePush(ctypes.Structure):
 
 def record_row_scale(rec, kernel, x, scale, xh, k: int, t: int, x_stride: int | None = None) -> None:
     """Record scale[:t] = the float16-range power of two of each row of x and xh (t, k) float16 = x / scale
-    (row_scale.comp): the inputs of the coopmat kernels, made once for every matmul reading the same x."""
+    (row_scale.comp): the inputs of the coopmat kernels, made once for every matmul reading the same x.
+    Within every 8 columns xh holds k in the coopmat tiles' order (:data:`XH_ORDER`); k % 8 == 0."""
+    if k % 8:
+        raise ValueError(f"K={k}: row_scale writes xh in groups of 8 (K % 8 == 0)")
     rec.dispatch(kernel, [x, scale, xh], RowScalePush(k, t, x_stride or k), kernel.groups_for(t))
 
 
@@ -217,7 +222,7 @@ def record_coopmat(
         part = part(need) if need else None
     for (wb,), rows, row0 in pieces:
         splits, k_split = coopmat_splits(k, rows, t, (bt, bn))
-        groups = (-(-rows // bn), -(-t // bt), splits)
+        groups = (-(-t // bt), -(-rows // bn), splits)  # token tiles fastest
         if splits == 1:
             push = CoopMatPush(k, rows, t, x_stride, y_stride, rb, row0, k)
             rec.dispatch(kernel, [wb, xh, y, scale], push, groups)
