@@ -58,9 +58,8 @@ layout(push_constant) uniform Push {
 } p;
 
 #include "paged_kv.glsl"
+#include "attention_part.glsl"
 
-const uint NONE = 0xFFFFFFFFu;
-#define NEG_INF uintBitsToFloat(0xFF800000u)
 
 shared float s_m[MAX_SG * MAX_GROUP];
 shared float s_l[MAX_SG * MAX_GROUP];
@@ -81,26 +80,12 @@ void main() {
     const uint G = p.n_heads / p.n_kv_heads;
     const uint Dh = p.head_dim, DV = Dh / 4u;
     const uint h0 = kvh * G;
-    const uint pstride = Dh + 2;
 
-    const uint seq = meta[p.seq_off + t];
-    if (p.skip_off != 0u && meta[p.skip_off + t] != 0u) return;  // a tile row: attention_prefill writes it
-    uint c0 = 1, c1 = 0, tab = 0, tab_len = 1;
-    if (seq != NONE) {
-        const uint pos = meta[p.pos_off + t];
-        const uint lo = window_lo(pos, p.window);
-        const uint per = max((pos + 1 - lo + p.n_splits - 1) / p.n_splits, MIN_PER);
-        c0 = lo + c * per;
-        c1 = min(c0 + per, pos + 1);
-        tab = meta[p.info_off + 2 * seq];
-        tab_len = meta[p.info_off + 2 * seq + 1];
-    }
+    if (tiled_row(t)) return;  // a tile row: attention_prefill writes it
+    uint c0, c1, tab, tab_len;
+    split_keys(t, c, MIN_PER, c0, c1, tab, tab_len);
     if (c0 >= c1) {  // empty split or padding row: uniform per workgroup
-        if (tid < G) {
-            const uint pb = ((t * p.n_heads + h0 + tid) * p.n_splits + c) * pstride;
-            part[pb] = NEG_INF;
-            part[pb + 1] = 0.0;
-        }
+        write_empty_partial(t, h0, c, G, tid);
         return;
     }
     const uint row = p.n_kv_heads * DV, kvo = kvh * DV, B = p.block_size;  // in vec4s
@@ -183,13 +168,13 @@ void main() {
     }
     for (uint e = tid; e < G * DV; e += BLOCK_SIZE) {
         const uint g = e / DV, v = e % DV;
-        const uint pb = ((t * p.n_heads + h0 + g) * p.n_splits + c) * pstride + 2 + 4u * v;
+        const uint pb = part_base(t, h0 + g, c) + 2 + 4u * v;
         [[unroll]] for (uint k = 0; k < 4u; ++k) part[pb + k] = s_acc[e][k];
     }
     if (tid < G) {
         float lsum = 0.0;
         for (uint s = 0; s < nsg; ++s) lsum += s_l[s * MAX_GROUP + tid] * rescale(s_m[s * MAX_GROUP + tid], mx[tid]);
-        const uint pb = ((t * p.n_heads + h0 + tid) * p.n_splits + c) * pstride;
+        const uint pb = part_base(t, h0 + tid, c);
         part[pb] = mx[tid];
         part[pb + 1] = lsum;
     }
