@@ -38,13 +38,31 @@ GLSLANG_SOURCES = {"mul_mm_coopmat.comp"}  # KHR cooperative matrix: SPIR-V 1.6,
 COOPMAT_TYPES = ("f16", "q8_0", "q4_0", "q5_0", "q4_k", "q6_k")  # kernels_matmul.COOPMAT_TYPES
 COOPMAT_TILES = ((32, 64), (32, 128), (64, 64), (64, 128), (128, 128))  # kernels_matmul.COOPMAT_TILES
 
-# mat-vec variants (mul_mat_vec_q8.comp, mul_mat_vec_unit.comp): up to 8 tokens or one, plain or fused GeGLU
+# float mat-vec variants (mul_mat_vec_unit.comp): up to 8 tokens or one, plain or fused GeGLU
 MATVEC_VARIANTS = (
     ("", {}),
     ("_geglu", {"GEGLU": "1"}),
     ("_t1", {"MAX_T": "1u"}),
     ("_geglu_t1", {"GEGLU": "1", "MAX_T": "1u"}),
 )
+
+# layouts of the int8 mat-vec (mul_mat_vec_q8.comp; kernels_matmul.Q8_LAYOUTS): suffix -> (NR rows per lane
+# group, KS lane groups per row group), and the layouts built for one token too
+Q8_LAYOUTS = {"": (2, 1), "_k2": (2, 2), "_r4": (4, 1), "_r4k2": (4, 2)}
+Q8_T1_LAYOUTS = ("", "_k2")
+
+
+def q8_matvec_variants() -> list[tuple[str, dict[str, str]]]:
+    """(name suffix after the type, defines) of every int8 mat-vec variant: plain or GeGLU, layout, _t1."""
+    out = []
+    for lay, (nr, ks) in Q8_LAYOUTS.items():
+        d = {"NR": f"{nr}u", "KS": f"{ks}u"} if lay else {}
+        for geglu, g in (("", {}), ("_geglu", {"GEGLU": "1"})):
+            out.append((f"{geglu}{lay}", {**g, **d}))
+            if lay in Q8_T1_LAYOUTS:
+                out.append((f"{geglu}{lay}_t1", {**g, **d, "MAX_T": "1u"}))
+    return out
+
 
 # (output name, source, defines)
 BUILD: list[tuple[str, str, dict[str, str]]] = [
@@ -102,7 +120,7 @@ BUILD: list[tuple[str, str, dict[str, str]]] = [
         (f"mul_mat_vec_{x}_{t.lower()}{suffix}", "mul_mat_vec_q8.comp", {f"TYPE_{t}": "1", **planes, **extra})
         for x, planes in (("q8x", {}), ("x3", {"PLANES": "3"}))
         for t in ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K")
-        for suffix, extra in MATVEC_VARIANTS
+        for suffix, extra in q8_matvec_variants()
     ],
     # matmul per weight type (kernels_matmul.py): float mat-vec of float weights (shared / subgroup reduce)
     *[

@@ -3,11 +3,12 @@
 // read as GGUF blocks decoded to int8 lanes (dq_int8.glsl): the dot products run on packed 4 x int8 (OpSDot),
 // the scales in float. GEGLU: W is the gate and binding 4 the up projection (same type and shape);
 // y = gelu_tanh(x . gate) * (x . up), as geglu.comp.
-// Work: LANES invocations share NR consecutive rows (BLOCK_SIZE / LANES * NR rows per workgroup); each lane
-// takes units u = lane, lane + LANES, ... of those rows, decodes each unit once and uses it for every token,
-// and loads each block of x once for all NR rows (x, three planes of it, is the larger stream through L1);
-// the lanes' partial sums are added in shared memory (no assumption on the subgroup size: lavapipe's is 8,
-// RADV's 32 or 64).
+// Work: KS lane groups of LANES invocations share NR consecutive rows (BLOCK_SIZE / LANES / KS * NR rows per
+// workgroup); lane l of lane group c takes units u = l + LANES c, l + LANES (KS + c), ... of those rows,
+// decodes each unit once and uses it for every token, and loads each block of x once for all NR rows (x,
+// three planes of it, is the larger stream through L1); the lanes' partial sums are added in shared memory
+// (no assumption on the subgroup size: lavapipe's is 8, RADV's 32 or 64). The layouts (NR, KS) are variants
+// (kernels_matmul.Q8_LAYOUTS), picked per weight shape (kernels_matmul.q8_matvec_layout).
 // PLANES 3 (the exact decode path): x comes as three int8 planes (q8act.glsl), each block's three integer dots
 // combined with their power-of-two plane scales before the float factors.
 // Bindings: 0 W, 1 XQ (uvec4: 4 words), 2 XD (vec2), 3 Y, [4 W_up]. Push as mul_mat_vec.comp.
@@ -33,10 +34,16 @@ layout(binding = 4) readonly buffer WU { W_ELEM w_up[]; };
 #ifndef MAX_T
 #define MAX_T 8u  // the _t1 variants: 1 (decode at batch 1: fewer registers, more rows in flight)
 #endif
+#ifndef NR
 #define NR 2u  // rows per lane group (H200, 27B Q4_K shape: x3 56 -> 40 us at T = 1, 393 -> 235 us at T = 8)
+#endif
 #define UW (UNIT_W / 4u)      // lane words per unit
 #define UB (UNIT_W / 32u)     // x blocks per unit
 #define GROUPS (BLOCK_SIZE / LANES)
+#ifndef KS
+#define KS 1u  // lane groups per row group, splitting the rows' units between them (more lanes on a long K)
+#endif
+#define RGROUPS (GROUPS / KS)  // row groups per workgroup: RGROUPS * NR rows
 
 layout(binding = 1) readonly buffer XQ { uvec4 xq4[]; };
 layout(binding = 2) readonly buffer XD { vec2 xd[]; };
@@ -108,12 +115,12 @@ float block_term(const uint q[UW], vec4 f, uint b, XBlock x) {
 
 void main() {
     const uint tid = gl_LocalInvocationID.x, lane = tid % LANES, grp = tid / LANES;
-    const uint row0 = (group_index() * GROUPS + grp) * NR;
+    const uint row0 = (group_index() * RGROUPS + grp / KS) * NR;
     uint rb[NR];
     [[unroll]] for (uint r = 0; r < NR; ++r) rb[r] = min(row0 + r, p.N - 1u) * (p.row_bytes / WSIZE);
     float acc[NACC];
     [[unroll]] for (uint a = 0; a < NACC; ++a) acc[a] = 0.0;
-    for (uint u = lane; u < p.K / UNIT_W; u += LANES) {
+    for (uint u = lane + LANES * (grp % KS); u < p.K / UNIT_W; u += LANES * KS) {
         uint q[NR][UW];
         vec4 f[NR];
         [[unroll]] for (uint r = 0; r < NR; ++r) load_unit(rb[r], u, q[r], f[r]);
@@ -139,17 +146,20 @@ void main() {
 
     [[unroll]] for (uint a = 0; a < NACC; ++a) red[lane][grp * NACC + a] = acc[a];
     barrier();
-    // invocation i < GROUPS * NR * T sums (lane group, row, token) = (i / (NR T), i / T % NR, i % T)
-    if (tid < GROUPS * NR * p.T) {
+    // invocation i < RGROUPS * NR * T sums (row group, row, token) = (i / (NR T), i / T % NR, i % T) over
+    // the row group's KS lane groups
+    if (tid < RGROUPS * NR * p.T) {
         const uint g = tid / (NR * p.T), r = (tid / p.T) % NR, t = tid % p.T;
         float s = 0.0;
-        for (uint l = 0; l < LANES; ++l) s += red[l][g * NACC + r * MAX_T + t];
+        for (uint c = g * KS; c < (g + 1u) * KS; ++c)
+            for (uint l = 0; l < LANES; ++l) s += red[l][c * NACC + r * MAX_T + t];
 #ifdef GEGLU
         float su = 0.0;
-        for (uint l = 0; l < LANES; ++l) su += red[l][g * NACC + (NR + r) * MAX_T + t];
+        for (uint c = g * KS; c < (g + 1u) * KS; ++c)
+            for (uint l = 0; l < LANES; ++l) su += red[l][c * NACC + (NR + r) * MAX_T + t];
         s = gelu_mul(s, su);
 #endif
-        const uint n = (group_index() * GROUPS + g) * NR + r;
+        const uint n = (group_index() * RGROUPS + g) * NR + r;
         if (n < p.N) y[t * p.y_stride + p.row_offset + n] = s;
     }
 }

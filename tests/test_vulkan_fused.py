@@ -29,11 +29,13 @@ import pytest
 from gguf.quants import dequantize as gguf_dequantize
 from vk_harness import assert_x3_planes
 
+from hmad.backends.vulkan.kernels_matmul import q8_matvec_suffixes
 from hmad.model.quants import random_blocks
-from hmad.model.tensors import QType
+from hmad.model.tensors import QType, block_layout
 
 pytestmark = pytest.mark.gpu
 Q8_TYPES = ["q8_0", "q4_0", "q5_0", "q4_k", "q6_k"]
+Q8_VARIANTS = q8_matvec_suffixes()  # [_geglu] layout [_t1]
 
 
 def q8_reference(x: np.ndarray):
@@ -124,12 +126,13 @@ def _matvec_ref(xs, w, u=None):
 
 
 @pytest.mark.parametrize("t", Q8_TYPES)
-@pytest.mark.parametrize("geglu", [False, True])
-@pytest.mark.parametrize("one", [False, True])
-def test_mul_mat_vec_q8(dev, kernels, gpu, t, geglu, one):
-
+@pytest.mark.parametrize("variant", Q8_VARIANTS)
+def test_mul_mat_vec_q8(dev, kernels, gpu, t, variant):
+    """Every variant: plain or GeGLU, each layout (kernels_matmul.Q8_LAYOUTS), up to 8 tokens or one; the
+    shapes leave partial workgroups and lanes without a unit."""
     rng = np.random.default_rng()
-    kern = kernels(f"mul_mat_vec_q8x_{t}" + ("_geglu" if geglu else "") + ("_t1" if one else ""))
+    geglu, one = "_geglu" in variant, variant.endswith("_t1")
+    kern = kernels(f"mul_mat_vec_q8x_{t}{variant}")
     shapes = [(256, 37, 1), (768, 22, 3), (2048, 9, 8)]
     for k, n, ntok in [(k, n, 1) for k, n, _ in shapes] if one else shapes:
         raw, wref = _weights(t, n, k, rng)
@@ -169,7 +172,7 @@ def test_quantize_x3_planes(dev, kernels, gpu):
 
 
 @pytest.mark.parametrize("t", Q8_TYPES)
-@pytest.mark.parametrize("variant", ["", "_t1", "_geglu", "_geglu_t1"])
+@pytest.mark.parametrize("variant", Q8_VARIANTS)
 def test_mul_mat_vec_x3(dev, kernels, gpu, t, variant):
     """The exact decode path (mul_mat_vec_q8.comp with three planes) against float64 on the float x itself
     (not on the quantized x): 5e-6 of the rounding scale (``_rounding_scale``): the planes leave at most
@@ -193,6 +196,41 @@ def test_mul_mat_vec_x3(dev, kernels, gpu, t, variant):
             f"{kern.name} K={k} N={n} T={ntok}: error {err:.2e}, scale {scale:.2e}"
         )
         print(f"{kern.name} K={k} N={n} T={ntok}: error {err:.1e}, rounding scale {scale:.1e}")
+
+
+#: per type, the byte range of a block's quant bits and the byte that puts every int8 lane (dq_int8.glsl) at
+#: its extreme (Q4_K's nibbles at 15; the others' at their most negative offset lane, Q8_0's at -128)
+EXTREME_QUANTS = {
+    "q8_0": (2, 34, 0x80),
+    "q4_0": (2, 18, 0x00),
+    "q5_0": (2, 22, 0x00),
+    "q4_k": (16, 144, 0xFF),
+    "q6_k": (0, 192, 0x00),
+}
+
+
+@pytest.mark.parametrize("t", Q8_TYPES)
+@pytest.mark.parametrize("variant", ["", "_t1", "_r4k2", "_k2_t1"])
+def test_mul_mat_vec_x3_extreme_lanes(dev, kernels, gpu, t, variant):
+    """The exact path at the ends of its integer ranges: every weight lane at its extreme and every x block
+    at full scale with one sign (q1 = 126..127 everywhere, q2 and q3 nonzero), so the int8 dots are as large
+    as they get and nothing cancels; the same 5e-6 of the rounding scale as above."""
+    rng = np.random.default_rng()
+    ntok = 1 if variant.endswith("_t1") else 3
+    k, n = 2048, 9
+    q = QType[t.upper()]
+    raw = np.ascontiguousarray(random_blocks(q, (n, k), rng)).view(np.uint8).reshape(n, -1).copy()
+    lo, hi, byte = EXTREME_QUANTS[t]
+    blocks = raw.reshape(n, -1, block_layout(q)[1])  # a view: writing it writes raw
+    blocks[:, :, lo:hi] = byte
+    wref = gguf_dequantize(raw, gguf.GGMLQuantizationType[t.upper()]).astype(np.float64)
+    x = (rng.uniform(0.99, 1.0, (ntok, k)) * rng.uniform(0.1, 100, (ntok, 1))).astype(np.float32)
+    bq, bd = _quantize(dev, kernels, gpu, x, planes=3)
+    assert (gpu.get(bq, np.int8, (ntok, 3, k))[:, 0] >= 126).all()
+    y = _run_q8_matvec(dev, gpu, kernels(f"mul_mat_vec_x3_{t}{variant}"), raw, None, bq, bd, k, n, ntok)
+    xs = x.astype(np.float64)
+    err, scale = np.abs(y - xs @ wref.T).max(), _rounding_scale(xs, wref).max()
+    assert err <= 5e-6 * scale, f"{t}{variant}: error {err:.2e}, scale {scale:.2e}"
 
 
 @pytest.mark.parametrize("t", Q8_TYPES)

@@ -108,21 +108,64 @@ def test_weight_bound_as_several_ranges(dev, kernels, gpu, name):
     assert dispatches == 3
 
 
-def test_registries_agree():
-    """The build list makes exactly the variants kernels_matmul registers (names, sources, defines)."""
+def _shader_build():
+    """shaders/build.py as a module."""
     import importlib.util
     from pathlib import Path
-
-    from hmad.backends.vulkan.kernels_matmul import build_entries
-    from hmad.backends.vulkan.pipelines import KERNELS
 
     path = Path(__file__).resolve().parents[1] / "shaders" / "build.py"
     spec = importlib.util.spec_from_file_location("shader_build", path)
     build = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build)
+    return build
+
+
+def test_registries_agree():
+    """The build list makes exactly the variants kernels_matmul registers (names, sources, defines)."""
+    from hmad.backends.vulkan.kernels_matmul import build_entries
+    from hmad.backends.vulkan.pipelines import KERNELS
+
     mine = {e[0]: e for e in build_entries()}
-    assert {e[0]: e for e in build.BUILD if e[0] in mine} == mine
+    assert {e[0]: e for e in _shader_build().BUILD if e[0] in mine} == mine
     assert all(KERNELS[name].source == src for name, src, _ in mine.values())
+
+
+def test_q8_matvec_layouts():
+    """The int8 mat-vec variants built are the ones registered, each name parses back to the layout it was
+    built with, and the layout picked for any step of the models' shapes names a built variant (the picks
+    of the measured shapes as kernels_matmul.q8_matvec_layout says)."""
+    from hmad.backends.vulkan.kernels_matmul import (
+        UNIT_TYPES,
+        q8_matvec_layout,
+        q8_matvec_suffixes,
+        q8_matvec_variant,
+    )
+    from hmad.backends.vulkan.pipelines import KERNELS
+
+    built = {name: d for name, src, d in _shader_build().BUILD if src == "mul_mat_vec_q8.comp"}
+    suffixes = q8_matvec_suffixes()
+    names = {f"mul_mat_vec_{x}_{t}{s}" for x in ("q8x", "x3") for t in UNIT_TYPES for s in suffixes}
+    assert set(built) == names and all(KERNELS[n].source == "mul_mat_vec_q8.comp" for n in names)
+    for name, d in built.items():
+        qtype, (nr, ks) = q8_matvec_variant(name)
+        assert (d.get("NR", "2u"), d.get("KS", "1u")) == (f"{nr}u", f"{ks}u"), name
+        assert f"_{qtype.name.lower()}" in name and ("MAX_T" in d) == name.endswith("_t1")
+    shapes = [(8192, 5376), (5376, 4096), (21504, 5376), (5376, 21504), (1536, 640), (2048, 640), (640, 2048)]
+    shapes += [(640, 1024)]
+    for t in range(1, 9):
+        for n, k in shapes:
+            assert f"mul_mat_vec_x3_q4_k{q8_matvec_layout(t, n, k)}{'_t1' if t == 1 else ''}" in built
+    picks = {(n, k): (q8_matvec_layout(1, n, k), q8_matvec_layout(8, n, k)) for n, k in shapes}
+    assert picks == {
+        (8192, 5376): ("", "_r4"),
+        (5376, 4096): ("", "_r4k2"),
+        (21504, 5376): ("", "_r4"),
+        (5376, 21504): ("", "_r4k2"),
+        (1536, 640): ("", ""),
+        (2048, 640): ("", ""),
+        (640, 2048): ("_k2", "_k2"),
+        (640, 1024): ("_k2", "_k2"),
+    }
 
 
 COOPMAT_CASES = [(256, 67, 17), (512, 300, 130), (1024, 129, 32), (2048, 128, 64), (5376, 200, 9)]

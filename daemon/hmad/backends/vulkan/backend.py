@@ -65,6 +65,7 @@ from hmad.backends.vulkan.kernels_matmul import (
     UNIT_TYPES,
     coopmat_tile,
     coopmat_usable,
+    q8_matvec_layout,
     record_coopmat,
     record_matmul,
     record_matvec_q8,
@@ -734,8 +735,8 @@ class VulkanBackend(Backend):
 
     def _matvec_q8(self, x: Act, ws: list[VkWeight], y: Act) -> None:
         """y = x · Wᵀ (or the GeGLU of two weights) on the int8 mat-vec (three planes of x for ``exact``,
-        one for ``int8``), MATVEC_MAX_T tokens a dispatch (the chunks read the same weights back to back; no
-        barrier between them)."""
+        one for ``int8``) in the layout of its shape (q8_matvec_layout), MATVEC_MAX_T tokens a dispatch
+        (the chunks read the same weights back to back; no barrier between them)."""
         (t, k), n = x.shape, ws[0].shape[0]
         xq, xd = self._q8(x)
         planes = self.planes
@@ -745,7 +746,7 @@ class VulkanBackend(Backend):
         )
         for t0 in range(0, t, MATVEC_MAX_T):
             tc = min(MATVEC_MAX_T, t - t0)
-            kern = self._kernel(base + _t1(tc))
+            kern = self._kernel(base + q8_matvec_layout(tc, n, k) + _t1(tc))
             xq_rows = _rows(xq.view, t0, tc, planes * k)
             rows = [xq_rows, _rows(xd.view, t0, tc, k // 4), _rows(y.view, t0, tc, 4 * n)]
             up = ws[1].view if len(ws) > 1 else None

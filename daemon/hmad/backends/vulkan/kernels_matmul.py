@@ -16,8 +16,9 @@ Variants (one per weight type ``<t>`` in :data:`MATMUL_TYPES`):
   that row_scale.comp makes with its row scales), BT tokens × BN rows a workgroup, loads pipelined, K split
   over workgroups when the tiles alone are too few (partial sums in a scratch, added by ``split_reduce``);
   only on devices offering that shape with 32-wide subgroups (:func:`coopmat_usable`).
-- ``mul_mat_vec_{q8x,x3}_<t>`` (shaders/mul_mat_vec_q8.comp): T ≤ 8 on int8 activations, one plane or three
-  (the exact path), :func:`record_matvec_q8`.
+- ``mul_mat_vec_{q8x,x3}_<t>[_geglu][<layout>][_t1]`` (shaders/mul_mat_vec_q8.comp): T ≤ 8 on int8
+  activations, one plane or three (the exact path), :func:`record_matvec_q8`; the layouts
+  (:data:`Q8_LAYOUTS`: rows per lane group, lane groups per row) picked per shape by :func:`q8_matvec_layout`.
 
 Bindings: 0 = W (the raw bytes of its rows, bound whole or as one range of whole rows), 1 = x float32,
 2 = y float32. A W bigger than maxStorageBufferRange is bound as several ranges (:meth:`BufferView.ranges`)
@@ -72,7 +73,12 @@ COOPMAT_TARGET_GROUPS = 1024  # split K until a dispatch has about this many wor
 COOPMAT_MIN_STEPS = 4  # ... but keep at least this many BK steps per split
 Q8_MATVEC_LANES = 32  # invocations per row (LANES in mul_mat_vec_q8.comp)
 Q8_MATVEC_BLOCK = 128  # workgroup size: 4 lane groups
-Q8_MATVEC_ROWS = 2  # rows per lane group (NR): 8 rows per workgroup
+Q8_MATVEC_ROWS = 2  # rows per lane group (NR) of the default layout: 8 rows per workgroup
+#: layouts of mul_mat_vec_q8.comp (shaders/build.py builds the same): name suffix -> (NR rows per lane group,
+#: KS lane groups per row group, splitting the rows' K between them); built for T <= 8 tokens, and the
+#: Q8_T1_LAYOUTS for one token too (``_t1``)
+Q8_LAYOUTS = {"": (2, 1), "_k2": (2, 2), "_r4": (4, 1), "_r4k2": (4, 2)}
+Q8_T1_LAYOUTS = ("", "_k2")
 UNIT_ROWS = 2  # rows per lane group of mul_mat_vec_unit.comp (NR)
 UNIT_BLOCK = 128  # its workgroup size: 4 lane groups of 32 (LANES), 8 rows
 MATVEC_ROWS = 2  # rows of W per mat-vec workgroup (NUM_ROWS in mul_mat_vec.comp)
@@ -253,13 +259,38 @@ def kernel_specs(spec_type) -> dict:
         n_buffers, push, block = iface[src]
         specs[name] = spec_type(src, n_buffers + ("_geglu" in name), push, block)
     for t in UNIT_TYPES:  # int8 mat-vecs, x as one plane (q8x) or three (x3): W, XQ, XD, y [, W_up]
-        for suffix, _ in UNIT_VARIANTS:
+        for suffix in q8_matvec_suffixes():
             for x in ("q8x", "x3"):
                 n_buffers = 4 + ("_geglu" in suffix)
                 specs[f"mul_mat_vec_{x}_{t}{suffix}"] = spec_type(
                     "mul_mat_vec_q8.comp", n_buffers, MatMulPush, Q8_MATVEC_BLOCK
                 )
     return specs
+
+
+def q8_matvec_suffixes() -> list[str]:
+    """The name suffixes (after the weight type) of the int8 mat-vec variants: [_geglu] layout [_t1]."""
+    return [
+        f"{geglu}{lay}{t1}"
+        for lay in Q8_LAYOUTS
+        for geglu in ("", "_geglu")
+        for t1 in (("", "_t1") if lay in Q8_T1_LAYOUTS else ("",))
+    ]
+
+
+def q8_matvec_layout(t: int, n: int, k: int) -> str:
+    """The layout (a :data:`Q8_LAYOUTS` suffix) of the int8 mat-vec for ``t`` tokens of an N × K weight:
+    the fastest measured on an H200 at the 27B and 270M layer shapes (bench/bench_vulkan_matvec_layouts.py,
+    bench/results/2026-11-23-h200-matvec-layouts.json). At one token 2 rows a lane group on one lane group
+    (its 40-45 % of the copy ceiling on the 27B shapes), unless that leaves under 128 workgroups (the 270M's
+    down projection, N = 640: 7.2 -> 5.6 us with K split over two lane groups). At 2..8 tokens, where the
+    per-token work bounds the kernel: 4 rows a lane group from N = 4096 (27B QKV 82 -> 62 us), and K
+    split over two lane groups when K >= 1024 and the workgroups would be under 512 (27B down projection
+    307 -> 165 us, output projection 62 -> 34 us)."""
+    nr = 4 if t > 1 and n >= 4096 else 2
+    groups = n / (Q8_MATVEC_BLOCK // Q8_MATVEC_LANES * nr)
+    split = groups < 128 if t == 1 else groups < 512 and k >= 1024
+    return {(2, False): "", (2, True): "_k2", (4, False): "_r4", (4, True): "_r4k2"}[nr, split]
 
 
 def weight_row_bytes(qtype: QType, k: int) -> int:
@@ -348,6 +379,14 @@ def row_ranges(kernel, ws: list, rb: int, n: int, max_range: int | None = None) 
     return out
 
 
+def q8_matvec_variant(name: str) -> tuple[QType, tuple[int, int]]:
+    """(weight type, (NR, KS) layout) of an int8 mat-vec kernel name."""
+    base = name.removeprefix("mul_mat_vec_q8x_").removeprefix("mul_mat_vec_x3_").removesuffix("_t1")
+    base = base.replace("_geglu", "")
+    lay = next(s for s in sorted(Q8_LAYOUTS, key=len, reverse=True) if base.endswith(s))
+    return UNIT_TYPES[base.removesuffix(lay) if lay else base], Q8_LAYOUTS[lay]
+
+
 def record_matvec_q8(
     rec,
     kernel,
@@ -366,15 +405,14 @@ def record_matvec_q8(
     one plane for ``mul_mat_vec_q8x_*``, three for ``mul_mat_vec_x3_*``) into ``rec``; a ``_geglu`` kernel
     also takes ``w_up`` and writes gelu(x · Wᵀ) * (x · W_upᵀ). One dispatch per bind range of W (and the
     same range of W_up); returns the dispatch count."""
-    base = kernel.name.removeprefix("mul_mat_vec_q8x_").removeprefix("mul_mat_vec_x3_")
-    qtype = UNIT_TYPES[base.split("_geglu")[0].removesuffix("_t1")]
+    qtype, (nr, ks) = q8_matvec_variant(kernel.name)
     rb = weight_row_bytes(qtype, k)
     max_t = 1 if kernel.name.endswith("_t1") else MATVEC_MAX_T
     if not 1 <= t <= max_t:
         raise ValueError(f"{kernel.name}: T={t} tokens, this q8 mat-vec takes 1..{max_t}")
     ws = [w] if w_up is None else [w, w_up]
     pieces = row_ranges(kernel, ws, rb, n, max_range)
-    rows_per_group = kernel.block_size // Q8_MATVEC_LANES * Q8_MATVEC_ROWS
+    rows_per_group = kernel.block_size // (Q8_MATVEC_LANES * ks) * nr
     for binds, rows, row0 in pieces:
         push = MatMulPush(k, rows, t, k, y_stride or n, rb, row0)
         groups = kernel.groups_for(-(-rows // rows_per_group))
