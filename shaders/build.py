@@ -150,6 +150,7 @@ BUILD: list[tuple[str, str, dict[str, str]]] = [
         for bt, bn in COOPMAT_TILES
     ],
     ("split_reduce", "split_reduce.comp", {}),
+    ("split_reduce_geglu", "split_reduce.comp", {"GEGLU": "1"}),
     ("row_scale", "row_scale.comp", {}),
 ]
 

@@ -328,3 +328,88 @@ def test_split_reduce(dev, kernels, gpu):
         want += part[s]  # float32, split order: the shader's order
     np.testing.assert_array_equal(y[:, off : off + n], want)
     assert np.isnan(y[:, :off]).all() and np.isnan(y[:, off + n :]).all()
+
+
+def test_split_reduce_geglu(dev, kernels, gpu):
+    """split_reduce.comp with GEGLU (runs everywhere): y = gelu_tanh(sum of the gate partials) * (sum of
+    the up partials), each sum in split order, against float64 gelu of those float32 sums (1e-6 relative
+    to the largest |y|: the shader's exp-based gelu in float32); the rest of y untouched (poisoned)."""
+    from hmad.backends.vulkan.kernels_matmul import SplitReducePush
+    from hmad.backends.vulkan.pipelines import CommandRecorder
+
+    rng = np.random.default_rng()
+    splits, t, n, ys, off = 3, 7, 41, 60, 9
+    pg, pu = (rng.standard_normal((splits, t, n)).astype(np.float32) * 2 for _ in range(2))
+    bg, bu, by = gpu.put(pg), gpu.put(pu), gpu.poison(gpu.alloc(4 * t * ys))
+    k = kernels("split_reduce_geglu")
+    rec = CommandRecorder(dev).begin()
+    rec.dispatch(k, [bg, by, bu], SplitReducePush(n, t, splits, ys, off), k.groups_for(2))
+    rec.end()
+    rec.submit()
+    rec.close()
+    y = gpu.get(by, shape=(t, ys))
+    g, u = pg[0].copy(), pu[0].copy()
+    for s in range(1, splits):
+        g, u = g + pg[s], u + pu[s]  # float32, split order
+    g64 = g.astype(np.float64)
+    want = 0.5 * g64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (g64 + 0.044715 * g64**3))) * u
+    assert np.abs(y[:, off : off + n] - want).max() <= 1e-6 * np.abs(want).max()
+    assert np.isnan(y[:, :off]).all() and np.isnan(y[:, off + n :]).all()
+
+
+@pytest.mark.parametrize("t", ["q4_k", "q8_0"])
+def test_coopmat_geglu(dev, kernels, gpu, t):
+    """record_coopmat_geglu (the gate and up matmuls into partial sums, then split_reduce_geglu) against
+    float64 gelu(x · Gᵀ) * (x · Uᵀ) of the float16 roundings the kernel multiplies: 1e-5 of the output's
+    rounding scale (max gelu' ≈ 1.13 times |x||G| |u|, plus |gelu(g)| |x||U|: float32 accumulation); K
+    split and not, one bind range and three; coopmat devices only (not lavapipe: skipped in CI, run on the
+    device machine)."""
+    from hmad.backends.vulkan.kernels_matmul import (
+        coopmat_tile,
+        coopmat_usable,
+        record_coopmat_geglu,
+        record_row_scale,
+        weight_row_bytes,
+    )
+    from hmad.backends.vulkan.pipelines import CommandRecorder
+
+    if not coopmat_usable(dev.info):
+        pytest.skip(f"{dev.info.name}: no float16 16x16x16 cooperative matrix with 32-wide subgroups")
+    rng = np.random.default_rng()
+    qt = QType[t.upper()]
+    rb = weight_row_bytes(qt, 256)
+    max_range = int(np.lcm(rb, 256)) * 8  # 128 rows or more a range
+    three = 2 * (max_range // rb) + 5
+    for k, n, ntok, cap in [(512, 300, 32, None), (256, three, 40, max_range), (2048, 96, 9, None)]:
+        (rg, wg), (ru, wu) = _weights(t, n, k, rng), _weights(t, n, k, rng)
+        x = rng.standard_normal((ntok, k)).astype(np.float32)
+        bx, by = gpu.put(x), gpu.poison(gpu.alloc(ntok * n * 4))
+        scale, xh = gpu.poison(gpu.alloc(ntok * 4)), gpu.poison(gpu.alloc(ntok * k * 2))
+
+        def part(nbytes):
+            return gpu.poison(gpu.alloc(nbytes))
+
+        bt, bn = coopmat_tile(ntok, qt)
+        kern, red = kernels(f"mul_mm_coopmat_{t}_{bt}x{bn}"), kernels("split_reduce_geglu")
+        rec = CommandRecorder(dev).begin()
+        record_row_scale(rec, kernels("row_scale"), bx, scale, xh, k, ntok)
+        args = (gpu.put(rg), gpu.put(ru), xh, by, scale, k, n, ntok, part)
+        d = record_coopmat_geglu(rec, kern, red, *args, max_range=cap)
+        rec.end()
+        rec.submit()
+        rec.close()
+        assert d == (9 if cap else 3)
+        y = gpu.get(by, shape=(ntok, n))
+        hg, hu = (
+            (_q4k_as_float16(r, n, k) if t == "q4_k" else w.astype(np.float32).astype(np.float16)).astype(
+                np.float64
+            )
+            for r, w in ((rg, wg), (ru, wu))
+        )
+        xs = x.astype(np.float16).astype(np.float64)
+        g, u = xs @ hg.T, xs @ hu.T
+        gelu = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3)))
+        bound = 1.13 * (np.abs(xs) @ np.abs(hg).T) * np.abs(u) + np.abs(gelu) * (np.abs(xs) @ np.abs(hu).T)
+        err = np.abs(y - gelu * u).max() / bound.max()
+        print(f"{t} K={k} N={n} T={ntok} {bt}x{bn}: error {err:.1e} of the rounding scale ({d} dispatches)")
+        assert err <= 1e-5, f"{t} K={k} N={n} T={ntok}: error {err:.1e} of the rounding scale"

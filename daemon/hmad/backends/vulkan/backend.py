@@ -67,6 +67,7 @@ from hmad.backends.vulkan.kernels_matmul import (
     coopmat_usable,
     q8_matvec_layout,
     record_coopmat,
+    record_coopmat_geglu,
     record_matmul,
     record_matvec_q8,
     record_row_scale,
@@ -726,7 +727,11 @@ class VulkanBackend(Backend):
             y = self._new((t, n))
             self._matvec_q8(x, [gate, up], y)
             return y
-        if self._coopmat_for(t, gate) or t > MATVEC_MAX_T or gate.qtype not in UNIT_TYPES.values():
+        if self._coopmat_for(t, gate):
+            y = self._new((t, n))
+            self._coopmat(x, [gate, up], y)
+            return y
+        if t > MATVEC_MAX_T or gate.qtype not in UNIT_TYPES.values():
             return super().geglu_matmul(x, gate, up)
         y = self._new((t, n))
         kern = self._kernel(self._matvec_name(t, gate, geglu=True))
@@ -752,23 +757,31 @@ class VulkanBackend(Backend):
             up = ws[1].view if len(ws) > 1 else None
             record_matvec_q8(self._rec, kern, ws[0].view, *rows, k, n, tc, w_up=up)
 
-    def _coopmat(self, x: Act, w: VkWeight, y: Act) -> None:
-        """y = x · Wᵀ on the cooperative-matrix mat-mat, x's row scales and float16 copy made on first use."""
-        (t, k), n = x.shape, w.shape[0]
-        bt, bn = coopmat_tile(t, w.qtype)
-        kern = self._kernel(f"mul_mm_coopmat_{_type_name(w.qtype, COOPMAT_TYPES)}_{bt}x{bn}")
+    def _coopmat(self, x: Act, ws: VkWeight | list[VkWeight], y: Act) -> None:
+        """y = x · Wᵀ on the cooperative-matrix mat-mat, or the GeGLU of two weights ([gate, up]: their
+        partial sums added and the GeGLU applied in one pass); x's row scales and float16 copy made on first
+        use."""
+        ws = ws if isinstance(ws, list) else [ws]
+        (t, k), n = x.shape, ws[0].shape[0]
+        bt, bn = coopmat_tile(t, ws[0].qtype)
+        kern = self._kernel(f"mul_mm_coopmat_{_type_name(ws[0].qtype, COOPMAT_TYPES)}_{bt}x{bn}")
         held: list[Act] = []  # the partial-sum scratch, alive until its dispatches are recorded
 
         def part(nbytes: int) -> BufferView:
             held.append(self._new((nbytes // 4,)))
-            return held[0].view
+            return held[-1].view
 
         if x.scale is None:
             x.scale = (self._new((t,)), self._new((t, k // 2)))  # k float16 a row
             record_row_scale(self._rec, self._kernel("row_scale"), x.view, *(a.view for a in x.scale), k, t)
         scale, xh = (a.view for a in x.scale)
-        reduce = self._kernel("split_reduce")
-        record_coopmat(self._rec, kern, reduce, w.view, xh, y.view, scale, k, n, t, part)
+        if len(ws) == 2:
+            reduce = self._kernel("split_reduce_geglu")
+            views = (ws[0].view, ws[1].view)
+            record_coopmat_geglu(self._rec, kern, reduce, *views, xh, y.view, scale, k, n, t, part)
+        else:
+            reduce = self._kernel("split_reduce")
+            record_coopmat(self._rec, kern, reduce, ws[0].view, xh, y.view, scale, k, n, t, part)
 
     def _coopmat_for(self, t: int, w: VkWeight) -> bool:
         """The cooperative-matrix mat-mat for steps over Q8_MAX_T tokens, and for decode batches of

@@ -213,37 +213,97 @@ def record_coopmat(
     K split as :func:`coopmat_splits` says; with several splits the partial sums go to ``part`` (a
     BufferView, or a callable ``nbytes -> BufferView`` asked once for the largest range's need) and
     ``reduce_kernel`` (split_reduce) adds them into y. Returns the dispatch count."""
-    name = kernel.name.removeprefix("mul_mm_coopmat_")
-    qtype = COOPMAT_TYPES[name.rsplit("_", 1)[0]]
-    bt, bn = map(int, name.rsplit("_", 1)[1].split("x"))
-    rb = weight_row_bytes(qtype, k)
+    tile, rb = _coopmat_layout(kernel, k, x_stride or k)
     x_stride, y_stride = x_stride or k, y_stride or n
-    if x_stride % 8:
-        raise ValueError(f"x_stride {x_stride} must be a multiple of 8 (xh is read 8 float16 at a time)")
     count = 0
     pieces = row_ranges(kernel, [w], rb, n, max_range)
-    if callable(part):
-        splits = [coopmat_splits(k, rows, t, (bt, bn))[0] for _, rows, _ in pieces]
-        need = max((s * t * p[1] * 4 for s, p in zip(splits, pieces, strict=True) if s > 1), default=0)
-        part = part(need) if need else None
+    part = _part_scratch(part, pieces, k, t, tile, split_only=True)
     for (wb,), rows, row0 in pieces:
-        splits, k_split = coopmat_splits(k, rows, t, (bt, bn))
-        groups = (-(-t // bt), -(-rows // bn), splits)  # token tiles fastest
+        splits, k_split = coopmat_splits(k, rows, t, tile)
+        groups = (-(-t // tile[0]), -(-rows // tile[1]), splits)  # token tiles fastest
         if splits == 1:
             push = CoopMatPush(k, rows, t, x_stride, y_stride, rb, row0, k)
             rec.dispatch(kernel, [wb, xh, y, scale], push, groups)
             count += 1
             continue
-        if part is None or part.nbytes < splits * t * rows * 4:
-            raise ValueError(
-                f"{kernel.name}: {splits} splits need a partial-sum scratch of {splits * t * rows * 4} B"
-            )
+        _check_part(kernel, part, splits * t * rows * 4)
         push = CoopMatPush(k, rows, t, x_stride, rows, rb, 0, k_split)
         rec.dispatch(kernel, [wb, xh, part, scale], push, groups)
         push = SplitReducePush(rows, t, splits, y_stride, row0)
-        rec.dispatch(reduce_kernel, [part, y], push, reduce_kernel.groups_for(min(-(-t * rows // 256), 4096)))
+        rec.dispatch(reduce_kernel, [part, y], push, _reduce_groups(reduce_kernel, t, rows))
         count += 2
     return count
+
+
+def record_coopmat_geglu(
+    rec,
+    kernel,
+    reduce_kernel,
+    w_gate,
+    w_up,
+    xh,
+    y,
+    scale,
+    k: int,
+    n: int,
+    t: int,
+    part,
+    x_stride: int | None = None,
+    y_stride: int | None = None,
+    max_range: int | None = None,
+) -> int:
+    """Record y[:t, :n] = gelu_tanh(x · W_gateᵀ) * (x · W_upᵀ) on the cooperative-matrix kernel: per bind
+    range of the two weights (same type and shape) one dispatch for each into its partial sums (K split as
+    for :func:`record_coopmat`, one "split" when K is not), then ``reduce_kernel`` (split_reduce_geglu) adds
+    both and writes their GeGLU into y: three dispatches where the plain ops take five (two matmuls with
+    their reductions, then geglu). ``part`` a callable ``nbytes -> BufferView``, asked twice (gate, up)
+    for the largest range's need. Returns the dispatch count."""
+    tile, rb = _coopmat_layout(kernel, k, x_stride or k)
+    x_stride, y_stride = x_stride or k, y_stride or n
+    pieces = row_ranges(kernel, [w_gate, w_up], rb, n, max_range)
+    parts = [_part_scratch(part, pieces, k, t, tile, split_only=False) for _ in range(2)]
+    for (wg, wu), rows, row0 in pieces:
+        splits, k_split = coopmat_splits(k, rows, t, tile)
+        groups = (-(-t // tile[0]), -(-rows // tile[1]), splits)
+        push = CoopMatPush(k, rows, t, x_stride, rows, rb, 0, k_split)
+        for wb, pb in zip((wg, wu), parts, strict=True):
+            _check_part(kernel, pb, splits * t * rows * 4)
+            rec.dispatch(kernel, [wb, xh, pb, scale], push, groups)
+        push = SplitReducePush(rows, t, splits, y_stride, row0)
+        rec.dispatch(reduce_kernel, [parts[0], y, parts[1]], push, _reduce_groups(reduce_kernel, t, rows))
+    return 3 * len(pieces)
+
+
+def _coopmat_layout(kernel, k: int, x_stride: int) -> tuple[tuple[int, int], int]:
+    """((BT, BN) tile, W's row bytes) of a ``mul_mm_coopmat_<type>_<BT>x<BN>`` kernel."""
+    name = kernel.name.removeprefix("mul_mm_coopmat_")
+    qtype = COOPMAT_TYPES[name.rsplit("_", 1)[0]]
+    bt, bn = map(int, name.rsplit("_", 1)[1].split("x"))
+    if x_stride % 8:
+        raise ValueError(f"x_stride {x_stride} must be a multiple of 8 (xh is read 8 float16 at a time)")
+    return (bt, bn), weight_row_bytes(qtype, k)
+
+
+def _part_scratch(part, pieces, k: int, t: int, tile, split_only: bool):
+    """The partial-sum scratch: ``part`` itself, or asked of it (a callable) once for the largest need of
+    the bind ranges ``pieces`` (only ranges whose K is split need one when ``split_only``)."""
+    if not callable(part):
+        return part
+    needs = [0]
+    for _, rows, _ in pieces:
+        splits = coopmat_splits(k, rows, t, tile)[0]
+        if splits > 1 or not split_only:
+            needs.append(splits * t * rows * 4)
+    return part(max(needs)) if max(needs) else None
+
+
+def _check_part(kernel, part, nbytes: int) -> None:
+    if part is None or part.nbytes < nbytes:
+        raise ValueError(f"{kernel.name}: its K splits need a partial-sum scratch of {nbytes} B")
+
+
+def _reduce_groups(reduce_kernel, t: int, rows: int):
+    return reduce_kernel.groups_for(min(-(-t * rows // 256), 4096))
 
 
 def kernel_specs(spec_type) -> dict:

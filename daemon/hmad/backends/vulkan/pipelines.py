@@ -233,6 +233,7 @@ KERNELS: dict[str, KernelSpec] = {
     "argmax_f32": KernelSpec("argmax.comp", 2, ArgmaxPush, 256),
     "topk_f32": KernelSpec("topk.comp", 3, TopkPush, 256),
     "split_reduce": KernelSpec("split_reduce.comp", 2, SplitReducePush, 256),
+    "split_reduce_geglu": KernelSpec("split_reduce.comp", 3, SplitReducePush, 256),  # gate, y, up
     "row_scale": KernelSpec("row_scale.comp", 3, RowScalePush, 256),
     "norm_rope_f32": KernelSpec("norm_rope.comp", 4, NormRopePush, 128),
     "quantize_q8": KernelSpec("quantize_q8.comp", 3, QuantizeQ8Push, 128),
