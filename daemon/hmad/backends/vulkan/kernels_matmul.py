@@ -258,6 +258,10 @@ def record_coopmat_geglu(
     both and writes their GeGLU into y: three dispatches where the plain ops take five (two matmuls with
     their reductions, then geglu). ``part`` a callable ``nbytes -> BufferView``, asked twice (gate, up)
     for the largest range's need. Returns the dispatch count."""
+    if not callable(part):
+        raise TypeError(
+            f"{kernel.name}: part must be a callable nbytes -> BufferView (one for gate, one for up)"
+        )
     tile, rb = _coopmat_layout(kernel, k, x_stride or k)
     x_stride, y_stride = x_stride or k, y_stride or n
     pieces = row_ranges(kernel, [w_gate, w_up], rb, n, max_range)
