@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -46,15 +47,19 @@ from hmad.backends.vulkan.pipelines import CommandRecorder, Kernel, QuantizeQ8Pu
 from hmad.model.quants import dequantize, random_blocks  # noqa: E402
 
 
-def median_gpu_ns(dev, iters: int, record_one) -> float:
+def median_gpu_ns(dev, iters: int, record_one, warm_s: float = 0.0) -> float:
     """Median GPU ns of one call: ``record_one(rec, i)`` records call i into ``rec`` and returns its dispatch
-    count; the recording is submitted once to warm up, then once measured (a timestamp after each command)."""
+    count; the recording is submitted once to warm up (and again for ``warm_s`` seconds: the GPU clocks
+    down while the host prepares), then once measured (a timestamp after each command)."""
     rec = CommandRecorder(dev, timestamps=True, max_commands=iters * 8).begin()
     per_call = 0
     for i in range(iters):
         per_call = record_one(rec, i)
     rec.end()
     rec.submit()  # warm-up
+    t_end = time.perf_counter() + warm_s
+    while time.perf_counter() < t_end:
+        rec.submit()
     rec.submit()
     ns = np.array([v for _, v in rec.gpu_times()["commands"]]).reshape(iters, per_call).sum(axis=1)
     rec.close()

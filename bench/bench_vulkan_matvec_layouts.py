@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vulkan_copy import bench_variant  # noqa: E402
+from bench_vulkan_matmul import median_gpu_ns  # noqa: E402
 
 from hmad.backends.vulkan import kernels_matmul as km  # noqa: E402
 from hmad.backends.vulkan.device import Device  # noqa: E402
@@ -46,23 +46,6 @@ SHAPES = [
     ("270m_down", "q6_k", 2048, 640, False),
 ]
 T_MAX = 8
-
-
-def timed(dev, record_one, iters: int, warm_s: float) -> float:
-    """Median GPU ns of one call: ``iters`` calls recorded once, submitted for ``warm_s`` seconds, then once
-    more with a timestamp after each command."""
-    rec = CommandRecorder(dev, timestamps=True, max_commands=iters * 8).begin()
-    per_call = 0
-    for i in range(iters):
-        per_call = record_one(rec, i)
-    rec.end()
-    t_end = time.perf_counter() + warm_s
-    while time.perf_counter() < t_end:
-        rec.submit()
-    rec.submit()
-    ns = np.array([v for _, v in rec.gpu_times()["commands"]]).reshape(iters, per_call).sum(axis=1)
-    rec.close()
-    return float(np.median(ns))
 
 
 def reference(x: np.ndarray, w: list[np.ndarray], geglu: bool) -> np.ndarray:
@@ -126,7 +109,7 @@ def time_case(dev, up, sh: Shape, ref, name: str, t: int, args) -> dict:
     rec.submit()
     rec.close()
     y0 = up.download(sh.y).view(np.float32)[: sh.n]
-    ns = timed(dev, lambda rec, i: sh.record(rec, kern, i, t), args.iters, args.warm_s)
+    ns = median_gpu_ns(dev, args.iters, lambda rec, i: sh.record(rec, kern, i, t), args.warm_s)
     kern.close()
     return {"ns": ns, "max_err_over_max_ref": float(np.abs(y0 - ref).max() / np.abs(ref).max())}
 
