@@ -119,7 +119,8 @@ def run_shape(dev, up, sh: Shape, x_name: str, args, copy_gbps: float) -> list[d
     first timings after a shape's upload can read several times too slow, whatever the warm-up)."""
     base = f"mul_mat_vec_{x_name}_{sh.qtype.name.lower()}" + ("_geglu" if sh.geglu else "")
     ref = reference(sh.x, sh.wref, sh.geglu)
-    cases = [(1, lay) for lay in km.Q8_T1_LAYOUTS] + [(T_MAX, lay) for lay in km.Q8_LAYOUTS]
+    lays = [lay for lay, (nr, _) in km.Q8_LAYOUTS.items() if nr == 2 or not sh.geglu]  # GeGLU: NR 2 only
+    cases = [(1, lay) for lay in km.Q8_T1_LAYOUTS] + [(T_MAX, lay) for lay in lays]
     runs: dict[tuple[int, str], list[dict]] = {c: [] for c in cases}
     for t, lay in cases + cases[::-1]:
         runs[t, lay].append(time_case(dev, up, sh, ref, base + lay + ("_t1" if t == 1 else ""), t, args))
@@ -134,7 +135,7 @@ def run_shape(dev, up, sh: Shape, x_name: str, args, copy_gbps: float) -> list[d
         rows.append(r)
     for t in (1, T_MAX):
         best = min((r for r in rows if r["T"] == t), key=lambda r: r["us"])
-        pick = km.q8_matvec_layout(t, sh.n, sh.k)
+        pick = km.q8_matvec_layout(t, sh.n, sh.k, geglu=sh.geglu)
         for r in (r for r in rows if r["T"] == t):
             r["fastest"], r["picked"] = r is best, r["layout"] == pick
             tag = ("fastest " if r["fastest"] else "") + ("picked" if r["picked"] else "")

@@ -135,6 +135,7 @@ def test_q8_matvec_layouts():
     built with, and the layout picked for any step of the models' shapes names a built variant (the picks
     of the measured shapes as kernels_matmul.q8_matvec_layout says)."""
     from hmad.backends.vulkan.kernels_matmul import (
+        Q8_MATVEC_BLOCK,
         UNIT_TYPES,
         q8_matvec_layout,
         q8_matvec_suffixes,
@@ -150,11 +151,17 @@ def test_q8_matvec_layouts():
         qtype, (nr, ks) = q8_matvec_variant(name)
         assert (d.get("NR", "2u"), d.get("KS", "1u")) == (f"{nr}u", f"{ks}u"), name
         assert f"_{qtype.name.lower()}" in name and ("MAX_T" in d) == name.endswith("_t1")
+        # the lanes' partial sums in shared memory (red[LANES][GROUPS * NACC + 1] floats) fit the 32 KiB
+        # that lavapipe and some GPUs allow
+        nacc = (2 if "GEGLU" in d else 1) * nr * (1 if "MAX_T" in d else 8)
+        assert 32 * (Q8_MATVEC_BLOCK // 32 * nacc + 1) * 4 <= 32768, name
     shapes = [(8192, 5376), (5376, 4096), (21504, 5376), (5376, 21504), (1536, 640), (2048, 640), (640, 2048)]
     shapes += [(640, 1024)]
     for t in range(1, 9):
         for n, k in shapes:
-            assert f"mul_mat_vec_x3_q4_k{q8_matvec_layout(t, n, k)}{'_t1' if t == 1 else ''}" in built
+            t1 = "_t1" if t == 1 else ""
+            assert f"mul_mat_vec_x3_q4_k{q8_matvec_layout(t, n, k)}{t1}" in built
+            assert f"mul_mat_vec_x3_q4_k_geglu{q8_matvec_layout(t, n, k, geglu=True)}{t1}" in built
     picks = {(n, k): (q8_matvec_layout(1, n, k), q8_matvec_layout(8, n, k)) for n, k in shapes}
     assert picks == {
         (8192, 5376): ("", "_r4"),
@@ -166,6 +173,7 @@ def test_q8_matvec_layouts():
         (640, 2048): ("_k2", "_k2"),
         (640, 1024): ("_k2", "_k2"),
     }
+    assert q8_matvec_layout(8, 21504, 5376, geglu=True) == ""  # the 27B's gate/up: GeGLU stays at NR 2
 
 
 COOPMAT_CASES = [(256, 67, 17), (512, 300, 130), (1024, 129, 32), (2048, 128, 64), (5376, 200, 9)]

@@ -751,7 +751,7 @@ class VulkanBackend(Backend):
         )
         for t0 in range(0, t, MATVEC_MAX_T):
             tc = min(MATVEC_MAX_T, t - t0)
-            kern = self._kernel(base + q8_matvec_layout(tc, n, k) + _t1(tc))
+            kern = self._kernel(base + q8_matvec_layout(tc, n, k, geglu=len(ws) > 1) + _t1(tc))
             xq_rows = _rows(xq.view, t0, tc, planes * k)
             rows = [xq_rows, _rows(xd.view, t0, tc, k // 4), _rows(y.view, t0, tc, 4 * n)]
             up = ws[1].view if len(ws) > 1 else None

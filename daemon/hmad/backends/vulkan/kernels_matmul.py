@@ -76,7 +76,8 @@ Q8_MATVEC_BLOCK = 128  # workgroup size: 4 lane groups
 Q8_MATVEC_ROWS = 2  # rows per lane group (NR) of the default layout: 8 rows per workgroup
 #: layouts of mul_mat_vec_q8.comp (shaders/build.py builds the same): name suffix -> (NR rows per lane group,
 #: KS lane groups per row group, splitting the rows' K between them); built for T <= 8 tokens, and the
-#: Q8_T1_LAYOUTS for one token too (``_t1``)
+#: Q8_T1_LAYOUTS for one token too (``_t1``); GeGLU variants at NR 2 only (at NR 4 and 8 tokens their
+#: reduction would need 32.1 KiB of shared memory, over the 32 KiB lavapipe and some GPUs allow)
 Q8_LAYOUTS = {"": (2, 1), "_k2": (2, 2), "_r4": (4, 1), "_r4k2": (4, 2)}
 Q8_T1_LAYOUTS = ("", "_k2")
 UNIT_ROWS = 2  # rows per lane group of mul_mat_vec_unit.comp (NR)
@@ -336,13 +337,13 @@ def q8_matvec_suffixes() -> list[str]:
     """The name suffixes (after the weight type) of the int8 mat-vec variants: [_geglu] layout [_t1]."""
     return [
         f"{geglu}{lay}{t1}"
-        for lay in Q8_LAYOUTS
-        for geglu in ("", "_geglu")
+        for lay, (nr, _) in Q8_LAYOUTS.items()
+        for geglu in ("", "_geglu")[: 1 if nr > 2 else 2]
         for t1 in (("", "_t1") if lay in Q8_T1_LAYOUTS else ("",))
     ]
 
 
-def q8_matvec_layout(t: int, n: int, k: int) -> str:
+def q8_matvec_layout(t: int, n: int, k: int, geglu: bool = False) -> str:
     """The layout (a :data:`Q8_LAYOUTS` suffix) of the int8 mat-vec for ``t`` tokens of an N × K weight:
     the fastest measured on an H200 at the 27B and 270M layer shapes (bench/bench_vulkan_matvec_layouts.py,
     bench/results/2026-11-23-h200-matvec-layouts.json). At one token 2 rows a lane group on one lane group
@@ -350,8 +351,9 @@ def q8_matvec_layout(t: int, n: int, k: int) -> str:
     down projection, N = 640: 7.2 -> 5.6 us with K split over two lane groups). At 2..8 tokens, where the
     per-token work bounds the kernel: 4 rows a lane group from N = 4096 (27B QKV 82 -> 62 us), and K
     split over two lane groups when K >= 1024 and the workgroups would be under 512 (27B down projection
-    307 -> 165 us, output projection 62 -> 34 us)."""
-    nr = 4 if t > 1 and n >= 4096 else 2
+    307 -> 165 us, output projection 62 -> 34 us). A GeGLU pair stays at 2 rows (its NR 4 variants are not
+    built; 27B gate/up at 8 tokens: 308 against 304 us)."""
+    nr = 4 if t > 1 and n >= 4096 and not geglu else 2
     groups = n / (Q8_MATVEC_BLOCK // Q8_MATVEC_LANES * nr)
     split = groups < 128 if t == 1 else groups < 512 and k >= 1024
     return {(2, False): "", (2, True): "_k2", (4, False): "_r4", (4, True): "_r4k2"}[nr, split]
