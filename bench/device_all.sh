@@ -1,7 +1,7 @@
 #!/bin/bash
 # One `device` tool run (carry .gl and .whl): the Vulkan tests on the GPU, the matmul kernels, the models;
 # logs and JSON under $OUT, short tails printed.
-#   bash bench/device_all.sh [tests] [stats] [matmul] [types] [model] [model_cm2] [stress] [stress_old] [splits] [model_kv16] [kl]
+#   bash bench/device_all.sh [tests] [stats] [matmul] [layouts] [types] [model] [model_cm2] [stress] [stress_old] [splits] [model_kv16] [kl]
 set -uo pipefail
 . bench/device_env.sh
 OUT=${OUT:-/tmp/out}
@@ -21,6 +21,11 @@ for step in ${*:-tests matmul model}; do
         timeout 200 python3 bench/bench_vulkan_matmul.py --iters 20 --prefill 0 --coopmat 8,16,32,512 --blocks 128 \
             --out "$OUT/matmul_q4_k.json" >"$OUT/matmul.log" 2>&1
         grep -E "copy_vec4|T=1:|T=8:|mul_mm" "$OUT/matmul.log" | cut -c1-125
+        ;;
+    layouts)  # the int8 mat-vec's layouts on every layer shape of the two models, exact path (three planes)
+        timeout 300 python3 bench/bench_vulkan_matvec_layouts.py --out "$OUT/matvec_layouts.json" \
+            >"$OUT/layouts.log" 2>&1
+        grep -E "T=|picked layout" "$OUT/layouts.log" | cut -c1-120
         ;;
     splits)  # the coopmat GEMM at decode-batch sizes with K split for 512 .. 4096 workgroups
         timeout 150 python3 bench/bench_vulkan_matmul.py --iters 20 --prefill 0 --tokens 1 --blocks 128 \

@@ -4,7 +4,8 @@
 // over the splits with l_c > 0 (the others are empty and their acc is never read). No live split (a padding
 // row): zeros. One workgroup per (token, head): the split weights go through shared memory, then invocations
 // over the dims. Host asserts n_splits <= MAX_SPLITS. Q8OUT: o is also written quantized for the int8 mat-vec
-// of the output projection (q8act.glsl; a head's Dh values are whole blocks of 32), through shared memory.
+// of the output projection (q8act.glsl; a head's Dh values are whole blocks of 32, o_stride % 64 == 0),
+// through shared memory.
 #include "common.glsl"
 #ifdef Q8OUT
 #include "q8act.glsl"
@@ -89,7 +90,8 @@ void main() {
         uint qw[PLANES];
         q8_words(v, d, id, qw);
         const uint rw = p.o_stride / 4u;  // plane pl of token t is XQ row PLANES * t + pl
-        [[unroll]] for (uint pl = 0; pl < PLANES; ++pl) oq[(PLANES * t + pl) * rw + (h * p.head_dim) / 4u + w] = qw[pl];
+        const uint at = xq_word((h * p.head_dim) / 4u + w, rw / 16u);
+        [[unroll]] for (uint pl = 0; pl < PLANES; ++pl) oq[(PLANES * t + pl) * rw + at] = qw[pl];
         if (w % 8u == 0u) {  // the block's XD entry, from its 8 words' shares
             float sum = 0.0;
             for (uint i = 0; i < 32u; i += 4u) {

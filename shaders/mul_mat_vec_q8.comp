@@ -12,7 +12,7 @@
 // PLANES 3 (the exact decode path): x comes as three int8 planes (q8act.glsl), each block's three integer dots
 // combined with their power-of-two plane scales before the float factors.
 // Bindings: 0 W, 1 XQ (uvec4: 4 words), 2 XD (vec2), 3 Y, [4 W_up]. Push as mul_mat_vec.comp.
-// Requires K % UNIT_W == 0, BLOCK_SIZE % LANES == 0.
+// Requires K % 64 == 0 (XQ's order), BLOCK_SIZE % LANES == 0.
 #include "common.glsl"
 #include "q8act.glsl"
 #include "dq_int8.glsl"
@@ -83,15 +83,17 @@ struct XBlock {
     vec2 ds;  // (d, s): XD
 };
 
+// (block xb is quarters 2 (xb % 2) and 2 (xb % 2) + 1 of 64-value group xb / 2: q8act.glsl's XQ order, in
+// which lanes on consecutive units read consecutive uvec4s)
 XBlock x_block(uint t, uint xb) {
     XBlock x;
-    const uint nb = p.K / 32u;
+    const uint groups = p.K / 64u, j = 2u * (xb & 1u);
     [[unroll]] for (uint pl = 0; pl < PLANES; ++pl) {
-        const uint xw = (t * PLANES + pl) * nb + xb;  // plane pl of token t, block xb
-        x.w[2u * pl] = xq4[2u * xw];
-        x.w[2u * pl + 1u] = xq4[2u * xw + 1u];
+        const uint g = (t * PLANES + pl) * (p.K / 16u) + xb / 2u;  // plane pl of token t, xb's group
+        x.w[2u * pl] = xq4[g + j * groups];
+        x.w[2u * pl + 1u] = xq4[g + (j + 1u) * groups];
     }
-    x.ds = xd[t * nb + xb];
+    x.ds = xd[t * (p.K / 32u) + xb];
     return x;
 }
 

@@ -1,6 +1,12 @@
 // Activations quantized for the int8 mat-vec (ggml's q8_1 idea), per block of 32 values along K:
-//   XQ  T rows of K/4 uint words; word i holds values 4i..4i+3 as int8, value 4i in the low byte;
+//   XQ  T rows of K/4 uint words; word i holds values 4i..4i+3 as int8, value 4i in the low byte, and is
+//       stored at xq_word(i, K / 64) of its row (below);
 //   XD  T rows of K/32 vec2 (d, s): value ~ d * q, and s = d * sum(q) over the block (for weight minimums).
+// XQ's order within a row: K is cut into groups of 64 values (4 quarters of 16 values, a uvec4 each) and the
+// row holds every group's quarter 0, then every group's quarter 1, ...: quarter j of group g is uvec4
+// j * (K / 64) + g. The mat-vec's lanes take consecutive units (64 or 32 weights), so a warp's load of one
+// quarter reads consecutive 16-byte words (in file order, lanes would read 16 bytes every 64: 4x the cache
+// lines a load). Requires K % 64 == 0.
 // d = max|x| / 127 and q = round(x / d), as ggml's quantize_row_q8_1.
 // Three planes (the exact decode path, PLANES 3): XQ holds T x 3 rows of K/4 words (token t, plane p at row
 // 3t + p): x = d * (q1 + q2 / 128 + q3 / 16384) + r, each plane rounding the rest of the one before
@@ -31,6 +37,12 @@ uint q8_word(ivec4 q) {
 #ifndef PLANES
 #define PLANES 1  // 3: the exact path's three planes
 #endif
+
+// Where word w (values 4w..4w+3) of an XQ row of `groups` = K / 64 groups is stored, in words from the row's
+// start: quarter (w / 4) % 4 of group w / 16, word w % 4 of that quarter.
+uint xq_word(uint w, uint groups) {
+    return ((((w >> 2) & 3u) * groups + (w >> 4)) << 2) | (w & 3u);
+}
 
 // The three planes of 4 values (see the top): d the block's scale, id = 1 / d (0 for an all-zero block).
 void q8x3_round(vec4 v, float d, float id, out ivec4 q1, out ivec4 q2, out ivec4 q3) {

@@ -2,7 +2,7 @@
 // x (T, K) float32 -> XQ / XD (q8act.glsl), one plane, or three with PLANES 3 (the exact decode path). Each
 // invocation takes 4 values (one XQ word per plane), 8 invocations a block of 32: the block's max and sum go
 // through shared memory. Grid-stride over the T * K / 4 words.
-// Requires K % 32 == 0, x_stride % 4 == 0, BLOCK_SIZE % 8 == 0.
+// Requires K % 64 == 0 (XQ's order), x_stride % 4 == 0, BLOCK_SIZE % 8 == 0.
 #include "common.glsl"
 #include "q8act.glsl"
 
@@ -36,7 +36,7 @@ void main() {
         uint qw[PLANES];
         s_sum[tid] = q8_words(v, d, id, qw);
         if (live) {  // plane pl of token t is XQ row PLANES * t + pl
-            [[unroll]] for (uint pl = 0; pl < PLANES; ++pl) xq[(PLANES * t + pl) * words + i] = qw[pl];
+            [[unroll]] for (uint pl = 0; pl < PLANES; ++pl) xq[(PLANES * t + pl) * words + xq_word(i, p.K / 64u)] = qw[pl];
         }
         barrier();
         if (live && tid == first) {

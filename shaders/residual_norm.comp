@@ -7,7 +7,7 @@
 // its (at most WORDS) groups of 4 values once, up front, and keeps them in registers; sums go through
 // subgroupAdd and one shared slot per subgroup; a q8 block (8 words) is 8 neighbouring invocations, which
 // exchange their maxima and sums through shared memory.
-// Bindings: 0 x, 1 a, 2 wa, 3 x' [, 4 wh, 5 h [, 6 hq, 7 hd]]. Requires D % 4 == 0 (Q8OUT: D % 32 == 0),
+// Bindings: 0 x, 1 a, 2 wa, 3 x' [, 4 wh, 5 h [, 6 hq, 7 hd]]. Requires D % 4 == 0 (Q8OUT: D % 64 == 0),
 // D <= 4 * WORDS * BLOCK_SIZE, BLOCK_SIZE % 8 == 0.
 #include "common.glsl"
 #extension GL_KHR_shader_subgroup_arithmetic : require
@@ -93,7 +93,7 @@ void main() {
         uint qw[PLANES];
         s_sum[tid] = q8_words(v, d, id, qw);
         if (live) {  // plane pl of row r is XQ row PLANES * r + pl
-            [[unroll]] for (uint pl = 0; pl < PLANES; ++pl) hq[(PLANES * row + pl) * nw + w] = qw[pl];
+            [[unroll]] for (uint pl = 0; pl < PLANES; ++pl) hq[(PLANES * row + pl) * nw + xq_word(w, p.ncols / 64u)] = qw[pl];
         }
         barrier();
         if (live && tid == first) {

@@ -71,7 +71,7 @@ def test_quantize_q8_matches_reference(dev, kernels, gpu):
     x[2, 64:96] = 0.0  # an all-zero block: d = 0, q = 0
     bq, bd = _quantize(dev, kernels, gpu, x)
     q_ref, d_ref, s_ref = q8_reference(x)
-    q = gpu.get(bq, np.int8, (5, 640))
+    q = gpu.get_xq(bq, (5, 640))
     ds = gpu.get(bd, np.float32, (5, 20, 2))
     diff = np.abs(q.astype(np.int32) - q_ref)
     assert diff.max() <= 1 and (diff > 0).mean() <= 1e-3
@@ -140,7 +140,7 @@ def test_mul_mat_vec_q8(dev, kernels, gpu, t, variant):
         x = rng.standard_normal((ntok, k)).astype(np.float32)
         bq, bd = _quantize(dev, kernels, gpu, x)
         # the exact reference takes the GPU's own q8 values (the quantizer is checked on its own above)
-        q = gpu.get(bq, np.int8, (ntok, k)).astype(np.float64)
+        q = gpu.get_xq(bq, (ntok, k)).astype(np.float64)
         d = gpu.get(bd, np.float32, (ntok, k // 32, 2))[..., 0].astype(np.float64)
         xhat = (q.reshape(ntok, -1, 32) * d[..., None]).reshape(ntok, k)
         y = _run_q8_matvec(dev, gpu, kern, raw, raw_u if geglu else None, bq, bd, k, n, ntok)
@@ -165,7 +165,7 @@ def test_quantize_x3_planes(dev, kernels, gpu):
     x[2, 64:96] = 0.0  # an all-zero block
     x[3, :32] = np.linspace(-1, 1, 32)  # values at exact fractions of d
     bq, bd = _quantize(dev, kernels, gpu, x, planes=3)
-    q = gpu.get(bq, np.int8, (t, 3, k))
+    q = gpu.get_xq(bq, (t, 3, k))
     ds = gpu.get(bd, np.float32, (t, k // 32, 2))
     assert_x3_planes(q, ds, x)
     assert (q[2, :, 64:96] == 0).all() and ds[2, 2, 0] == 0
@@ -226,7 +226,7 @@ def test_mul_mat_vec_x3_extreme_lanes(dev, kernels, gpu, t, variant):
     wref = gguf_dequantize(raw, gguf.GGMLQuantizationType[t.upper()]).astype(np.float64)
     x = (rng.uniform(0.99, 1.0, (ntok, k)) * rng.uniform(0.1, 100, (ntok, 1))).astype(np.float32)
     bq, bd = _quantize(dev, kernels, gpu, x, planes=3)
-    assert (gpu.get(bq, np.int8, (ntok, 3, k))[:, 0] >= 126).all()
+    assert (gpu.get_xq(bq, (ntok, 3, k))[:, 0] >= 126).all()
     y = _run_q8_matvec(dev, gpu, kernels(f"mul_mat_vec_x3_{t}{variant}"), raw, None, bq, bd, k, n, ntok)
     xs = x.astype(np.float64)
     err, scale = np.abs(y - xs @ wref.T).max(), _rounding_scale(xs, wref).max()
@@ -340,11 +340,11 @@ def test_residual_norm(dev, kernels, gpu, variant, d):
         np.testing.assert_allclose(h, h_ref, rtol=2e-5, atol=2e-5 * np.abs(h_ref).max())
     if "q8" in variant:
         q_ref, d_ref, _ = q8_reference(h)
-        q = gpu.get(bq, np.int8)[: t * d].reshape(t, d).astype(np.int32)
+        q = gpu.get_xq(bq, (t, d)).astype(np.int32)
         assert np.abs(q - q_ref).max() <= 1 and (q != q_ref).mean() <= 1e-3
         np.testing.assert_allclose(gpu.get(bd, np.float32, (t, d // 32, 2))[..., 0], d_ref, rtol=1e-6)
     if variant.endswith("_x3"):  # the planes of h as the GPU wrote it
-        assert_x3_planes(gpu.get(bq, np.int8, (t, 3, d)), gpu.get(bd, np.float32, (t, d // 32, 2)), h)
+        assert_x3_planes(gpu.get_xq(bq, (t, 3, d)), gpu.get(bd, np.float32, (t, d // 32, 2)), h)
 
 
 def rng_seed() -> int:

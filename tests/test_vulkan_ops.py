@@ -303,7 +303,7 @@ def test_kv_write_and_paged_attention_match_reference(dev, kernels, gpu, pool, h
         run(dev, (att_q, [b_part, b_o2, b_oq, b_od], reduce, att_q.groups_for((t + 1) * h)))
         np.testing.assert_array_equal(gpu.get(b_o2, shape=got.shape), got)
         q_ref, d_ref, _ = q8_reference(got)
-        oq = gpu.get(b_oq, np.int8, got.shape).astype(np.int32)
+        oq = gpu.get_xq(b_oq, got.shape).astype(np.int32)
         assert np.abs(oq - q_ref).max() <= 1 and (oq != q_ref).mean() <= 1e-3
         np.testing.assert_allclose(gpu.get(b_od, np.float32, (t + 1, -1, 2))[..., 0], d_ref, rtol=1e-6)
         # ... and the three planes of the exact path
@@ -311,7 +311,7 @@ def test_kv_write_and_paged_attention_match_reference(dev, kernels, gpu, pool, h
         b_xq = gpu.poison(gpu.alloc(3 * (t + 1) * h * head_dim))
         run(dev, (att_x, [b_part, b_o2, b_xq, b_od], reduce, att_x.groups_for((t + 1) * h)))
         np.testing.assert_array_equal(gpu.get(b_o2, shape=got.shape), got)
-        xq = gpu.get(b_xq, np.int8, (t + 1, 3, h * head_dim))
+        xq = gpu.get_xq(b_xq, (t + 1, 3, h * head_dim))
         assert_x3_planes(xq, gpu.get(b_od, np.float32, (t + 1, -1, 2)), got)
         kp_want, vp_want = cpu.pools[name][0][0], cpu.pools[name][1][0]
         np.testing.assert_array_equal(gpu.get(b_kp, dtype, kp_want.shape), kp_want)

@@ -74,6 +74,12 @@ class Gpu:
         a = self.up.download(view).view(dtype)
         return a if shape is None else a.reshape(shape)
 
+    def get_xq(self, view, shape):
+        """q8 activations (XQ, rows of K int8 in the GPU's order: shaders/q8act.glsl) in K order."""
+        from hmad.backends.vulkan.kernels_matmul import xq_natural
+
+        return xq_natural(self.get(view, np.int8)[: int(np.prod(shape))].reshape(shape))
+
     def close(self):
         self.dev.wait_idle()
         self.up.close()

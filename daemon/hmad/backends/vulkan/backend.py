@@ -814,7 +814,7 @@ class VulkanBackend(Backend):
                 "quantize_x3" if self.planes == 3 else "quantize_q8",
                 [x.view, xq.view, xd.view],
                 QuantizeQ8Push(k, t, k),
-                self._grid(t * k // 32, 128),
+                self._grid(t * k // 4, 128),  # one XQ word an invocation: every word in one round
             )
             x.q8 = (xq, xd)
         return x.q8
@@ -830,8 +830,8 @@ class VulkanBackend(Backend):
             return xo, None
         h = self._new(x.shape)
         binds = [x.view, a.view, w_a.view, xo.view, w_next.view, h.view]
-        if self.planes and t <= Q8_MAX_T and d % 32 == 0:
-            # int8 mat-vecs follow: quantize h here too (one plane or three)
+        if self.planes and t <= Q8_MAX_T and d % 64 == 0:
+            # int8 mat-vecs follow (K % 64 == 0: XQ's order): quantize h here too (one plane or three)
             h.q8 = self._new_q8(t, d, self.planes)
             name = "residual_norm_next_x3" if self.planes == 3 else "residual_norm_next_q8"
             self._dispatch(name, [*binds, h.q8[0].view, h.q8[1].view], push, t)
@@ -893,7 +893,8 @@ class VulkanBackend(Backend):
             self._dispatch(tiles, binds, push, attention_prefill_groups(meta.max_tiles, g, hkv, splits))
         o = self._new((t, h * dh))
         reduce = AttentionReducePush(t, h, dh, splits, h * dh)
-        if self.planes and t <= Q8_MAX_T and dh % 32 == 0:  # the output projection's int8 input too
+        # the output projection's int8 input too (a head is whole q8 blocks; K % 64 == 0: XQ's order)
+        if self.planes and t <= Q8_MAX_T and dh % 32 == 0 and h * dh % 64 == 0:
             o.q8 = self._new_q8(t, h * dh, self.planes)
             binds = [part.view, o.view, o.q8[0].view, o.q8[1].view]
             name = "attention_reduce_f32_x3" if self.planes == 3 else "attention_reduce_f32_q8"

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
+
 from hmad.model.tensors import QType, block_layout
 
 u32 = ctypes.c_uint32
@@ -94,6 +96,22 @@ UNIT_VARIANTS = (
     ("_t1", {"MAX_T": "1u"}),
     ("_geglu_t1", {"GEGLU": "1", "MAX_T": "1u"}),
 )
+
+
+def xq_word_order(k: int) -> np.ndarray:
+    """Where each word of an XQ row of ``k`` values is stored (shaders/q8act.glsl, ``xq_word``): word w
+    (values 4w..4w+3) at quarter (w / 4) % 4 of 64-value group w / 16, every group's quarter 0 first."""
+    if k % 64:
+        raise ValueError(f"K={k}: XQ rows are whole groups of 64 values")
+    w = np.arange(k // 4)
+    return (((w >> 2) & 3) * (k // 64) + (w >> 4)) * 4 + (w & 3)
+
+
+def xq_natural(q: np.ndarray) -> np.ndarray:
+    """XQ rows (..., K) int8 as the GPU stores them -> values in K order."""
+    k = q.shape[-1]
+    words = np.ascontiguousarray(q).view(np.uint32)
+    return np.ascontiguousarray(words[..., xq_word_order(k)]).view(np.int8).reshape(q.shape)
 
 
 class MatMulPush(ctypes.Structure):
