@@ -3,7 +3,8 @@
 
 Models are synthetic (timing does not depend on weight values): GGUFs with the real shapes written with
 random valid blocks into ``--dir`` (``write_model``; the 27B one reuses each tensor kind's blocks in every
-layer, so 16 GB write in seconds):
+layer, so 16 GB write in seconds), or a real file of the shape with ``--gguf 270m=PATH`` (the embedded
+Gemma 3 270M):
 - ``270m``: 18 layers, d 640, 4 heads over 1 KV head of 256, ffn 2048, vocab 262144; the embedded model's
   quant mix (Q8_0 embedding = output, Q5_0 q/k/gate/up, Q8_0 v, Q4_K attn_output, Q6_K ffn_down).
 - ``27b``: 62 layers, d 5376, 32 heads over 16 KV heads of 128, ffn 21504, vocab 262144; every matrix
@@ -167,6 +168,24 @@ def measure_steps(model, kv, layout, context: int, reps: int, ceiling: float, we
     return out
 
 
+def sweep(model, kv, layout, context: int, reps: int, attr: str, values) -> dict:
+    """Decode steps at 1, 8, 32 sequences with the backend attribute ``attr`` (an int: attention_kl, a
+    setting under test, ...) at each of ``values`` in turn, every bucket recorded again per value; side by
+    side in one process. The attribute is restored after."""
+    be, out, keep = model.backend, {}, getattr(model.backend, attr)
+    for i, v in enumerate(values):
+        setattr(be, attr, v)
+        be._drop_graphs()
+        out[f"{v}#{i}"] = r = {}
+        for b in (1, 8, 32):
+            st = time_steps(model, make_batch(kv, layout, b, 1, context // 2), reps)
+            r[f"decode_{b}"] = st | {"tok_s": b / (st["wall_ms"] / 1e3)}
+        print(f"  {attr} {v}: " + ", ".join(f"{k} {x['tok_s']:.0f}" for k, x in r.items()), flush=True)
+    setattr(be, attr, keep)
+    be._drop_graphs()
+    return out
+
+
 def measure_engine(model, gen: int, streams) -> dict:
     """generate() with one scheduler configuration for every run, as the daemon keeps one scheduler: the
     KV pools and the recorded graphs are made once (in the warm-up), not per call."""
@@ -193,8 +212,9 @@ def measure_engine(model, gen: int, streams) -> dict:
 
 def bench_model(name: str, args, ceiling: float) -> dict:
     t0 = time.perf_counter()
-    path = write_model(Path(args.dir) / f"synthetic-{name}.gguf", name)
-    res: dict = {"write_model_s": time.perf_counter() - t0}
+    real = args.gguf.get(name)  # a real model file of this shape (--gguf 270m=PATH), else a synthetic one
+    path = Path(real) if real else write_model(Path(args.dir) / f"synthetic-{name}.gguf", name)
+    res: dict = {"model_file": str(path) if real else "synthetic", "write_model_s": time.perf_counter() - t0}
     model = load_model(
         path,
         "vulkan",
@@ -221,6 +241,10 @@ def bench_model(name: str, args, ceiling: float) -> dict:
     for k, r in res["steps"].items():
         extra = f", weights at {r['of_ceiling']:.1%} of the copy ceiling" if "of_ceiling" in r else ""
         print(f"  {name} {k}: {r['tok_s']:.0f} tok/s ({r['wall_ms']:.3f} ms/step{extra})", flush=True)
+    for spec in args.sweep:  # attr=v1,v2,...: twice over, so that each value is timed early and late
+        attr, values = spec.split("=")
+        vals = [int(v) for v in values.split(",")] * 2
+        res.setdefault("sweeps", {})[attr] = sweep(model, kv, layout, args.context, args.reps, attr, vals)
     res["engine"] = measure_engine(model, args.gen, args.engine_streams if name in args.engine else (1,))
     be.set_timestamps(True)
     be.alloc_kv(layout)  # generate() re-planned the KV pools for its prompts; kv's tables are this layout's
@@ -236,7 +260,8 @@ def bench_model(name: str, args, ceiling: float) -> dict:
     for k in ("ops_decode_1_us", "ops_decode_32_us", "ops_prefill_512_us"):
         print(f"  {name} {k}: {res[k]}")
     be.close()
-    path.unlink()
+    if not real:
+        path.unlink()
     return res
 
 
@@ -253,6 +278,18 @@ def main() -> int:
     ap.add_argument("--kv-dtype", default="float32", choices=("float32", "float16"))
     ap.add_argument("--no-attention-kl", action="store_true", help="attention_decode, not _kl (to compare)")
     ap.add_argument("--engine", default="270m,27b", help="models whose engine runs take 1, 8, 32 streams")
+    ap.add_argument(
+        "--gguf",
+        action="append",
+        default=[],
+        help="name=PATH: bench this GGUF (e.g. the embedded Gemma 3 270M) in place of the synthetic model",
+    )
+    ap.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        help="attr=v1,v2,...: decode steps with a backend attribute at each value (attention_kl=1,0)",
+    )
     ap.add_argument("--copy-mib", type=int, default=1024)
     ap.add_argument("--out", default=None)
     ap.add_argument("--watchdog-s", type=float, default=0, help="dump the stacks and exit after this")
@@ -262,6 +299,7 @@ def main() -> int:
 
         faulthandler.dump_traceback_later(args.watchdog_s, exit=True)
     args.engine, args.engine_streams = args.engine.split(","), (1, 8, 32)
+    args.gguf = dict(spec.split("=", 1) for spec in args.gguf)
     import bench_vulkan_copy as bc
 
     from hmad.backends.vulkan.device import Device

@@ -106,6 +106,7 @@ from hmad.backends.vulkan.pipelines import (
     RopePush,
     TopkPush,
     attention_prefill_groups,
+    residual_block,
 )
 from hmad.backends.vulkan.stepmeta import StepMetaLayout
 from hmad.engine.batch import StepBatch
@@ -644,10 +645,12 @@ class VulkanBackend(Backend):
         self.graphs = {}
 
     # -- recording helpers -----------------------------------------------------------------------------
-    def _kernel(self, name: str) -> Kernel:
-        k = self.kernels.get(name)
+    def _kernel(self, name: str, block: int | None = None) -> Kernel:
+        """The kernel ``name`` (at workgroup size ``block``, else its spec's), built once."""
+        key = name if block is None else f"{name}@{block}"
+        k = self.kernels.get(key)
         if k is None:
-            k = self.kernels[name] = Kernel(self.dev, name, descriptors=self.descriptors)
+            k = self.kernels[key] = Kernel(self.dev, name, block_size=block, descriptors=self.descriptors)
         return k
 
     def _new(self, shape: tuple[int, ...]) -> Act:
@@ -658,9 +661,9 @@ class VulkanBackend(Backend):
         xd (T, K/32, 2)."""
         return self._new((t, planes * k // 4)), self._new((t, k // 32, 2))
 
-    def _dispatch(self, name: str, buffers, push, groups) -> None:
+    def _dispatch(self, name: str, buffers, push, groups, block: int | None = None) -> None:
         assert self._rec is not None, "VulkanBackend ops run only while recording (through run())"
-        k = self._kernel(name)
+        k = self._kernel(name, block)
         self._rec.dispatch(k, buffers, push, groups if isinstance(groups, tuple) else k.groups_for(groups))
 
     @staticmethod
@@ -824,9 +827,9 @@ class VulkanBackend(Backend):
         if d % 4 or d > RESIDUAL_MAX_COLS:
             return super().residual_norm(x, a, w_a, w_next, eps)
         xo = self._new(x.shape)
-        push = ResidualNormPush(d, t, eps)
+        push, block = ResidualNormPush(d, t, eps), residual_block(d)
         if w_next is None:
-            self._dispatch("residual_norm", [x.view, a.view, w_a.view, xo.view], push, t)
+            self._dispatch("residual_norm", [x.view, a.view, w_a.view, xo.view], push, t, block)
             return xo, None
         h = self._new(x.shape)
         binds = [x.view, a.view, w_a.view, xo.view, w_next.view, h.view]
@@ -834,9 +837,9 @@ class VulkanBackend(Backend):
             # int8 mat-vecs follow (K % 64 == 0: XQ's order): quantize h here too (one plane or three)
             h.q8 = self._new_q8(t, d, self.planes)
             name = "residual_norm_next_x3" if self.planes == 3 else "residual_norm_next_q8"
-            self._dispatch(name, [*binds, h.q8[0].view, h.q8[1].view], push, t)
+            self._dispatch(name, [*binds, h.q8[0].view, h.q8[1].view], push, t, block)
         else:
-            self._dispatch("residual_norm_next", binds, push, t)
+            self._dispatch("residual_norm_next", binds, push, t, block)
         return xo, h
 
     def norm_rope(self, x: Act, w: VkWeight, eps: float, positions, base: float, scale: float) -> Act:

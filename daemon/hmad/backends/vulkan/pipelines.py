@@ -176,7 +176,14 @@ def attention_prefill_groups(max_tiles: int, g: int, n_kv_heads: int, n_splits: 
 
 #: residual_norm.comp: one row per workgroup, up to 4 * WORDS (2) values per invocation held in registers
 RESIDUAL_BLOCK = 1024
-RESIDUAL_MAX_COLS = 8 * RESIDUAL_BLOCK
+RESIDUAL_WORDS = 2  # vec4s of a row an invocation holds (WORDS in residual_norm.comp)
+RESIDUAL_MAX_COLS = 4 * RESIDUAL_WORDS * RESIDUAL_BLOCK
+
+
+def residual_block(d: int) -> int:
+    """residual_norm's workgroup size for rows of ``d`` values: enough invocations for RESIDUAL_WORDS vec4s
+    each, in whole 64s (a 640-wide row on 128, not 1024 of which 864 idle through the row sums)."""
+    return min(RESIDUAL_BLOCK, -(-d // (4 * RESIDUAL_WORDS * 64)) * 64)
 
 
 @dataclass(frozen=True)
