@@ -5,7 +5,7 @@
 // XQ's order within a row: K is cut into groups of 64 values (4 quarters of 16 values, a uvec4 each) and the
 // row holds every group's quarter 0, then every group's quarter 1, ...: quarter j of group g is uvec4
 // j * (K / 64) + g. The mat-vec's lanes take consecutive units (64 or 32 weights), so a warp's load of one
-// quarter reads consecutive 16-byte words (in file order, lanes would read 16 bytes every 64: 4x the cache
+// quarter reads consecutive 16-byte words (in K order, lanes would read 16 bytes every 64: 4x the cache
 // lines a load). Requires K % 64 == 0.
 // d = max|x| / 127 and q = round(x / d), as ggml's quantize_row_q8_1.
 // Three planes (the exact decode path, PLANES 3): XQ holds T x 3 rows of K/4 words (token t, plane p at row
