@@ -33,12 +33,12 @@ for step in ${*:-tests matmul model}; do
         grep -E "prompts identical|diverges|passed|failed" "$OUT/fidelity.log"
         ;;
     daemon)  # hmad with backend vulkan on the embedded model: a query, status; then device-local capped
+        hmactl() { python3 -c 'import sys; from hmaclient.cli import main; sys.exit(main())' \
+            --socket /tmp/hd/h.sock "$@"; }
         for cap in none 64MiB; do
             set=$([ $cap = none ] || echo "--set vulkan.device_local_bytes=$cap")
             python3 -m hmad --model /tmp/gemma-3-270m-q4_k_m.gguf --backend vulkan --socket /tmp/hd/h.sock $set \
                 >"$OUT/daemon_$cap.log" 2>&1 &
-            hmactl() { python3 -c 'import sys; from hmaclient.cli import main; sys.exit(main())' \
-                --socket /tmp/hd/h.sock "$@"; }
             hmactl ping --wait 120 >/dev/null
             echo "-- device_local_bytes $cap"
             hmactl query --raw --max-tokens 24 --temperature 0 "The capital of France is"; echo

@@ -316,8 +316,8 @@ def _rms(v, w, eps):
 )
 @pytest.mark.parametrize("d", [640, 1152, 5376])  # 5376 (27B): some invocations hold two groups of 4
 @pytest.mark.parametrize("fit", [False, True])  # the spec's 1024 invocations, or residual_block(d)
-def test_residual_norm(dev, variant, d, fit, gpu):
-    from hmad.backends.vulkan.pipelines import CommandRecorder, Kernel, ResidualNormPush, residual_block
+def test_residual_norm(dev, kernels, gpu, variant, d, fit):
+    from hmad.backends.vulkan.pipelines import CommandRecorder, ResidualNormPush, residual_block
 
     rng = np.random.default_rng([zlib.crc32(variant.encode()), rng_seed()])
     t, eps = 3, 1e-6
@@ -328,13 +328,11 @@ def test_residual_norm(dev, variant, d, fit, gpu):
     bq, bd = gpu.poison(gpu.alloc(3 * t * d)), gpu.poison(gpu.alloc(t * d // 32 * 8))
     quantized = variant.endswith(("_q8", "_x3"))
     binds = [bx, ba, bwa, bxo] + ([bwh, bh] if "next" in variant else []) + ([bq, bd] if quantized else [])
-    kern = Kernel(dev, variant, block_size=residual_block(d) if fit else None)
     rec = CommandRecorder(dev).begin()
-    rec.dispatch(kern, binds, ResidualNormPush(d, t, eps), t)
+    rec.dispatch(kernels(variant, residual_block(d) if fit else None), binds, ResidualNormPush(d, t, eps), t)
     rec.end()
     rec.submit()
     rec.close()
-    kern.close()
     x_ref = x + _rms(a, wa, eps)
     np.testing.assert_allclose(gpu.get(bxo, shape=(t, d)), x_ref, rtol=2e-5, atol=2e-5 * np.abs(x_ref).max())
     if "next" in variant:

@@ -30,12 +30,14 @@ class Kernels:
     def __init__(self, dev):
         self.dev, self.made = dev, {}
 
-    def __call__(self, name: str):
+    def __call__(self, name: str, block: int | None = None):
+        """The kernel ``name`` at workgroup size ``block`` (else its spec's), built once."""
         from hmad.backends.vulkan.pipelines import Kernel
 
-        if name not in self.made:
-            self.made[name] = Kernel(self.dev, name)
-        return self.made[name]
+        key = (name, block)
+        if key not in self.made:
+            self.made[key] = Kernel(self.dev, name, block_size=block)
+        return self.made[key]
 
     __getitem__ = __call__
 
