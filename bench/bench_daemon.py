@@ -1,17 +1,25 @@
-"""Aggregate throughput of a running hmad at 1, 4, 16, 32 concurrent clients, and what one streamed token
-costs in the daemon's socket loop and in IPC, measured in one run beside the decode step it rides on.
+"""What users get from a running hmad, beside what its engine does in-process, measured in one run.
 
-    python3 bench/bench_daemon.py [--model default] [--backend cpu] [--tokens 32] [--json out.json]
+    python3 bench/bench_daemon.py --model M.gguf [--backend vulkan] [--levels 8,32] [--gen 128] [--engine]
+                                  [--json out.json]
 
-It starts hmad itself (socket in a temp dir), runs each concurrency level with greedy raw prompts, then:
-- server_us_per_reply: the socket loop's time per forwarded reply (pack + send), from hmad's status;
-- ipc_rtt_us: a ping round trip on a bare ZeroMQ DEALER (client -> daemon -> client), median of 500;
-- step_ms: hmad's mean engine step at the last level; overhead % = (server + rtt/2) / step.
+It starts hmad itself (socket in a temp dir) and measures, through hmaclient's AsyncClient (N concurrent
+``generate`` calls on one event loop, as an app would):
+- ``ready_s``: process start -> the first ``pong`` (READY: the model resident, the buckets recorded);
+- ``first_burst``: the largest level, sent the moment hmad is ready;
+- ``levels``: each level twice in a row, the second one reported (steady state): aggregate generated
+  tokens / wall time, prefill of the ~``--prompt-words``-token prompts included;
+- ``server_us_per_reply``, ``ipc_rtt_us`` and hmad's own per-step profile (``status.engine_profile``: the
+  step's forward and host times) after the last level.
+With ``--engine``, hmad is stopped and the same prompts run in-process through ``generate()`` (one
+scheduler configuration, warmed once: what bench_vulkan_model.py's engine figures measure), and each level's
+ratio daemon / engine is reported.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
@@ -19,65 +27,60 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from pathlib import Path
 
 import zmq
 
-from hmaclient import Client
-from hmaclient import protocol as P
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "daemon")]
+
+from hmaclient import AsyncClient, Client  # noqa: E402
+from hmaclient import protocol as P  # noqa: E402
+
+# one token each in the embedded model's vocabulary and in bench_vulkan_model.synthetic_vocab's
+WORDS = ("the", "of", "and", "to", "in", "is", "was", "there", "time")
 
 
-def start(model: str, backend: str, tmp: str, max_seqs: int) -> tuple[subprocess.Popen, str]:
+def prompt(i: int, words: int) -> str:
+    return " ".join(WORDS[(i * 7 + j * (j + i)) % len(WORDS)] for j in range(words))
+
+
+def start(a, tmp: str) -> tuple[subprocess.Popen, str, float]:
     sock = os.path.join(tmp, "hmad.sock")
-    cmd = [
-        sys.executable,
-        "-m",
-        "hmad",
-        "--model",
-        model,
-        "--backend",
-        backend,
-        "--socket",
-        sock,
-        "--set",
-        f"engine.max_seqs={max_seqs}",
-        "--log-level",
-        "warning",
-    ]
+    cmd = [sys.executable, "-m", "hmad", "--model", a.model, "--backend", a.backend, "--socket", sock]
+    cmd += ["--set", f"engine.max_seqs={a.max_seqs}", "--log-level", "warning"]
+    for s in a.set:
+        cmd += ["--set", s]
+    t0 = time.perf_counter()
     proc = subprocess.Popen(cmd)
-    subprocess.run(
-        ["hmactl", "--socket", sock, "ping", "--wait", "300"], check=True, stdout=subprocess.DEVNULL
-    )
-    return proc, sock
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"hmad exited with {proc.returncode}")
+        try:
+            with Client(sock, timeout=1, connect_timeout=1) as c:
+                c.ping()
+            return proc, sock, time.perf_counter() - t0
+        except Exception:
+            time.sleep(0.05)
 
 
-def level(sock: str, n: int, tokens: int) -> dict:
-    counts = [0] * n
-
-    def ask(i: int) -> None:
-        with Client(sock, timeout=600) as c:
-            r = c.generate(
-                f"Story {i}: once upon a time there was a", raw=True, max_tokens=tokens, temperature=0
+async def burst(sock: str, n: int, a) -> dict:
+    async with AsyncClient(sock, timeout=1800) as c:
+        t0 = time.perf_counter()
+        res = await asyncio.gather(
+            *(
+                c.generate(prompt(i, a.prompt_words), raw=True, max_tokens=a.gen, temperature=0)
+                for i in range(n)
             )
-            counts[i] = r.generated_tokens
-
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(n)]
-    t = time.perf_counter()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    wall = time.perf_counter() - t
-    with Client(sock) as c:
-        st = c.status()
+        )
+        wall = time.perf_counter() - t0
+    toks = sum(r.generated_tokens for r in res)
     return {
         "clients": n,
-        "tokens": sum(counts),
+        "generated": toks,
+        "prompt_tokens_mean": statistics.mean(r.prompt_tokens for r in res),
         "wall_s": round(wall, 3),
-        "aggregate_tok_s": round(sum(counts) / wall, 2),
-        "step_ms": st["step_ms"],
-        "max_batch": max(st["recent_batch_sizes"] or [0]),
+        "tok_s": round(toks / wall, 1),
     }
 
 
@@ -95,42 +98,84 @@ def ipc_rtt_us(sock: str, n: int = 500) -> float:
     return statistics.median(samples[10:]) * 1e6
 
 
+def run_daemon(a, levels: list[int]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, sock, ready = start(a, tmp)
+        print(f"hmad ready in {ready:.2f} s", flush=True)
+        try:
+            out = {"ready_s": round(ready, 3), "first_burst": asyncio.run(burst(sock, max(levels), a))}
+            print(f"first burst ({max(levels)} clients): {out['first_burst']['tok_s']} tok/s", flush=True)
+            out["levels"] = {}
+            for n in levels:
+                asyncio.run(burst(sock, n, a))
+                r = out["levels"][n] = asyncio.run(burst(sock, n, a))
+                print(f"{n} clients, steady: {r['tok_s']} tok/s", flush=True)
+            out["ipc_rtt_us"] = round(ipc_rtt_us(sock), 1)
+            with Client(sock) as c:
+                out["status"] = c.status()
+        finally:
+            proc.terminate()
+            out["exit"] = proc.wait(120)
+    return out
+
+
+def run_engine(a, levels: list[int]) -> dict:
+    """The same prompts through generate() in-process: the engine alone, no socket, no client."""
+    from hmad.engine.generate import generate
+    from hmad.engine.sampling import SamplingParams
+    from hmad.engine.scheduler import SchedulerConfig
+    from hmad.model.loader import load_model
+
+    model = load_model(a.model, a.backend)
+    cfg = SchedulerConfig(max_seqs=a.max_seqs, kv_tokens=32768)
+    greedy = SamplingParams(temperature=0.0, max_tokens=a.gen, stop=[])
+    generate(model, [prompt(i, a.prompt_words) for i in range(max(levels))], greedy, cfg)  # warm-up
+    out = {}
+    for n in levels:
+        prompts = [prompt(i, a.prompt_words) for i in range(n)]
+        t0 = time.perf_counter()
+        res = generate(model, prompts, greedy, cfg)
+        wall = time.perf_counter() - t0
+        toks = sum(len(r.token_ids) for r in res)
+        out[n] = {"generated": toks, "wall_s": round(wall, 3), "tok_s": round(toks / wall, 1)}
+        print(f"engine {n} streams: {out[n]['tok_s']} tok/s", flush=True)
+    model.backend.close()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="default")
     ap.add_argument("--backend", default="cpu")
-    ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--levels", default="1,4,16,32")
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--prompt-words", type=int, default=127)
+    ap.add_argument("--levels", default="8,32")
+    ap.add_argument("--max-seqs", type=int, default=32)
+    ap.add_argument("--set", action="append", default=[], help="a config override for hmad (KEY=VALUE)")
+    ap.add_argument("--engine", action="store_true", help="also the engine in-process, for the ratio")
     ap.add_argument("--json")
     a = ap.parse_args()
     levels = [int(x) for x in a.levels.split(",")]
-    with tempfile.TemporaryDirectory() as tmp:
-        proc, sock = start(a.model, a.backend, tmp, max(levels))
-        try:
-            results = [level(sock, n, a.tokens) for n in levels]
-            rtt = ipc_rtt_us(sock)
-            with Client(sock) as c:
-                st = c.status()
-        finally:
-            proc.terminate()
-            proc.wait(60)
-    step_us = results[-1]["step_ms"] * 1e3
-    per_token_us = st["server_us_per_reply"] + rtt / 2
     out = {
-        "device": f"{platform.machine()}, {os.cpu_count()} cores",
-        "backend": st["backend"],
-        "model": st["model"],
+        "host": f"{platform.machine()}, {os.cpu_count()} cores",
         "date": time.strftime("%Y-%m-%d"),
-        "levels": results,
-        "server_us_per_reply": st["server_us_per_reply"],
-        "ipc_rtt_us": round(rtt, 1),
-        "per_token_daemon_ipc_us": round(per_token_us, 1),
-        "per_token_share_of_step_pct": round(100 * per_token_us / step_us, 3) if step_us else None,
+        "model": a.model,
+        "backend": a.backend,
+        "gen": a.gen,
+        "daemon": run_daemon(a, levels),
     }
-    print(json.dumps(out, indent=1))
+    out["device"] = out["daemon"]["status"].get("device")
+    if a.engine:
+        out["engine"] = run_engine(a, levels)
+        out["ratio_daemon_engine"] = {
+            n: round(out["daemon"]["levels"][n]["tok_s"] / out["engine"][n]["tok_s"], 3) for n in levels
+        }
+        print(f"daemon / engine: {out['ratio_daemon_engine']}", flush=True)
+    first = out["daemon"]["first_burst"]["tok_s"] / out["daemon"]["levels"][max(levels)]["tok_s"]
+    out["ratio_first_burst_steady"] = round(first, 3)
+    print(json.dumps({k: v for k, v in out.items() if k != "daemon"} | {"ready_s": out["daemon"]["ready_s"]}))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+        Path(a.json).write_text(json.dumps(out, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -71,6 +71,22 @@ TYPES = {
 }
 
 
+def synthetic_vocab(n: int) -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece-style vocabulary of ``n`` tokens that encodes any text: the 4 specials, the 256 byte
+    tokens ``<0xXX>`` (type 6), then ``▁``-words and letters (scored so longer pieces win), then fillers."""
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    letters = [chr(c) for c in range(0x21, 0x7F)]
+    words = ["\u2581" + w for w in ("the", "of", "and", "to", "in", "is", "was", "there", "time")]
+    pieces = ["\u2581", *letters, *("\u2581" + c for c in letters), *words]
+    fillers = [f"t{i}" for i in range(n - len(specials) - len(byte_tokens) - len(pieces))]
+    tokens = specials + byte_tokens + pieces + fillers
+    scores = [0.0] * (len(specials) + len(byte_tokens)) + [float(len(p)) for p in pieces]
+    scores += [-1e4] * len(fillers)
+    types_ = [3, 3, 3, 2] + [6] * len(byte_tokens) + [1] * (len(pieces) + len(fillers))
+    return tokens, scores, types_
+
+
 def write_model(path: Path, name: str) -> Path:
     """A GGUF of ``SHAPES[name]`` with random valid blocks of ``TYPES[name]``; layers share block bytes."""
     s, types = SHAPES[name], TYPES[name]
@@ -89,10 +105,10 @@ def write_model(path: Path, name: str) -> Path:
     w.add_rope_freq_base(1_000_000.0)
     w.add_sliding_window(s["window"])
     w.add_tokenizer_model("llama")
-    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
-    w.add_token_list(specials + [f"t{i}" for i in range(s["vocab"] - len(specials))])
-    w.add_token_scores([0.0] * s["vocab"])
-    w.add_token_types([3, 3, 3, 2] + [1] * (s["vocab"] - 4))
+    tokens, scores, types_ = synthetic_vocab(s["vocab"])
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types_)
     w.add_bos_token_id(2)
     w.add_eos_token_id(1)
     w.add_unk_token_id(3)

@@ -1,0 +1,43 @@
+#!/bin/bash
+# One `device` run (carry .gl .whl .peer) for the serving path: load time beside llama-server on the same
+# file, hmad's load profile, and the daemon's throughput beside its engine, per model shape. Results in $OUT.
+#   bash bench/device_serving.sh [write] [peer_load] [load_profile] [daemon_270m] [daemon_27b] [peer_270m] [peer_27b]
+set -uo pipefail
+. bench/device_env.sh
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/peer
+[ -x /tmp/peer/bin/llama-server ] || tar xzf .peer/llama-server-bin.tar.gz -C /tmp/peer
+for step in ${*:-write peer_load load_profile daemon_270m daemon_27b}; do
+    echo "== $step $(date +%T)"
+    case $step in
+    write)  # the synthetic 270M- and 27B-shaped files (bench_vulkan_model.write_model), page cache warmed
+        python3 -c "
+import sys, time; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_vulkan_model import write_model
+for n in ('270m', '27b'):
+    t = time.time(); write_model(Path(f'/tmp/syn-{n}.gguf'), n); print(n, 'written in', round(time.time() - t, 1), 's')"
+        cat /tmp/syn-27b.gguf > /dev/null; ls -la /tmp/syn-*.gguf
+        ;;
+    peer_load)  # llama-server's load time on the 27B file, twice
+        for i in 1 2; do
+            timeout 120 python3 bench/bench_peer.py --server-dir /tmp/peer/bin --gguf /tmp/syn-27b.gguf --load-only \
+                --streams 1 --json "$OUT/peer_load_$i.json" 2>&1 | grep ready
+        done
+        ;;
+    load_profile)  # hmad's load of the 27B file in-process under cProfile, and its buckets' recording
+        timeout 200 python3 bench/bench_load.py --gguf /tmp/syn-27b.gguf --top 25 --json "$OUT/load_profile.json" \
+            >"$OUT/load_profile.log" 2>&1
+        head -120 "$OUT/load_profile.log" | cut -c1-150
+        ;;
+    daemon_270m | daemon_27b)  # through the daemon (first burst, steady 8 and 32) beside the engine in-process
+        m=${step#daemon_}
+        timeout 400 python3 bench/bench_daemon.py --model /tmp/syn-$m.gguf --backend vulkan --engine \
+            --json "$OUT/daemon_$m.json" 2>&1 | tail -12 | cut -c1-300
+        ;;
+    peer_270m | peer_27b)  # llama-server's prefill, 1, 8 and 32 streams on the same file
+        m=${step#peer_}
+        timeout 300 python3 bench/bench_peer.py --server-dir /tmp/peer/bin --gguf /tmp/syn-$m.gguf \
+            --json "$OUT/peer_$m.json" 2>&1 | grep -E "ready|prefill|streams" | head -8
+        ;;
+    esac
+done
+echo "== done $(date +%T)"
