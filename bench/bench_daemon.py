@@ -58,8 +58,8 @@ def start(a, tmp: str) -> tuple[subprocess.Popen, str, float]:
             raise RuntimeError(f"hmad exited with {proc.returncode}")
         try:
             with Client(sock, timeout=1, connect_timeout=1) as c:
-                c.ping()
-            return proc, sock, time.perf_counter() - t0
+                if c.ready():
+                    return proc, sock, time.perf_counter() - t0
         except Exception:
             time.sleep(0.05)
 
@@ -96,6 +96,20 @@ def ipc_rtt_us(sock: str, n: int = 500) -> float:
             s.recv()
             samples.append(time.perf_counter() - t)
     return statistics.median(samples[10:]) * 1e6
+
+
+def run_ready(a) -> dict:
+    """hmad started and stopped: process start -> ready, and the load phases its status reports."""
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, sock, ready = start(a, tmp)
+        try:
+            with Client(sock) as c:
+                load = c.status().get("load", {})
+        finally:
+            proc.terminate()
+            code = proc.wait(120)
+    print(f"hmad ready in {ready:.2f} s; its phases: {load}", flush=True)
+    return {"ready_s": round(ready, 3), "load": load, "exit": code}
 
 
 def run_daemon(a, levels: list[int]) -> dict:
@@ -153,8 +167,19 @@ def main() -> None:
     ap.add_argument("--max-seqs", type=int, default=32)
     ap.add_argument("--set", action="append", default=[], help="a config override for hmad (KEY=VALUE)")
     ap.add_argument("--engine", action="store_true", help="also the engine in-process, for the ratio")
+    ap.add_argument("--ready-only", type=int, default=0, help="N: only start hmad N times, time READY")
     ap.add_argument("--json")
     a = ap.parse_args()
+    if a.ready_only:
+        out = {
+            "model": a.model,
+            "date": time.strftime("%Y-%m-%d"),
+            "runs": [run_ready(a) for _ in range(a.ready_only)],
+        }
+        print(json.dumps(out))
+        if a.json:
+            Path(a.json).write_text(json.dumps(out, indent=1))
+        return
     levels = [int(x) for x in a.levels.split(",")]
     out = {
         "host": f"{platform.machine()}, {os.cpu_count()} cores",

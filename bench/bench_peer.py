@@ -40,7 +40,7 @@ def free_port() -> int:
 def start(server_dir: Path, gguf: str, port: int, parallel: int, ctx: int, log) -> subprocess.Popen:
     env = {**os.environ, "LD_LIBRARY_PATH": f"{server_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
     cmd = [str(server_dir / "llama-server"), "-m", gguf, "-ngl", "999", "--host", "127.0.0.1"]
-    cmd += ["--port", str(port), "-np", str(parallel), "-c", str(ctx), "--no-warmup"]
+    cmd += ["--port", str(port), "-np", str(parallel), "-c", str(ctx)]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 

@@ -6,7 +6,7 @@ set -uo pipefail
 . bench/device_env.sh
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/peer
-[ -x /tmp/peer/bin/llama-server ] || tar xzf .peer/llama-server-bin.tar.gz -C /tmp/peer
+mkdir -p /tmp/peer/bin; [ -x /tmp/peer/bin/llama-server ] || tar xzf .peer/llama-server-bin.tar.gz -C /tmp/peer/bin
 for step in ${*:-write peer_load load_profile daemon_270m daemon_27b}; do
     echo "== $step $(date +%T)"
     case $step in
@@ -21,6 +21,15 @@ for n in ('270m', '27b'):
         for i in 1 2; do
             timeout 120 python3 bench/bench_peer.py --server-dir /tmp/peer/bin --gguf /tmp/syn-27b.gguf --load-only \
                 --streams 1 --json "$OUT/peer_load_$i.json" 2>&1 | grep ready
+        done
+        ;;
+    ready)  # READY side by side on the 27B file: llama-server then hmad, three starts each (the first one
+            # fills the drivers' shader caches), alternated
+        for i in 1 2 3; do
+            timeout 120 python3 bench/bench_peer.py --server-dir /tmp/peer/bin --gguf /tmp/syn-27b.gguf --load-only \
+                --streams 1 --json "$OUT/peer_ready_$i.json" 2>&1 | grep "ready in"
+            timeout 120 python3 bench/bench_daemon.py --model /tmp/syn-27b.gguf --backend vulkan --ready-only 1 \
+                --json "$OUT/hmad_ready_$i.json" 2>&1 | grep "ready in" | cut -c1-400
         done
         ;;
     load_profile)  # hmad's load of the 27B file in-process under cProfile, and its buckets' recording

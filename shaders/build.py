@@ -76,6 +76,10 @@ BUILD: list[tuple[str, str, dict[str, str]]] = [
     ("embed_f32", "embed.comp", {}),
     ("embed_f16", "embed.comp", {"TABLE_F16": "1"}),
     ("embed_q8_0", "embed.comp", {"TABLE_Q8_0": "1"}),
+    *[
+        (f"embed_{t.lower()}", "embed_dq.comp", {f"TYPE_{t}": "1"})
+        for t in ("BF16", "Q4_0", "Q5_0", "Q4_K", "Q6_K")
+    ],
     ("rope_f32", "rope.comp", {}),
     ("geglu_f32", "geglu.comp", {}),
     ("kv_write_f32", "kv_write.comp", {}),

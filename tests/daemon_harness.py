@@ -41,7 +41,8 @@ class Daemon:
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout: float = 120.0) -> Daemon:
-        """Until the daemon answers a ping (raises with its log if it exits or takes too long)."""
+        """Until the daemon answers a ping with state ready, its model loaded (raises with its log if it
+        exits or takes too long)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -58,7 +59,8 @@ class Daemon:
             s.send(P.pack(P.ping_request("harness")))
             if not s.poll(int(timeout * 1000)):
                 return False
-            return P.unpack(s.recv())["type"] == "pong"
+            reply = P.parse_reply(s.recv())
+            return isinstance(reply, P.Pong) and reply.state == "ready"
 
     def rss_kib(self) -> int:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():

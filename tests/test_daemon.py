@@ -299,3 +299,40 @@ def test_slow_reader_does_not_stall_others(daemon):
                 assert c.generate("the dog", max_tokens=20, temperature=0, raw=True).generated_tokens >= 1
             st = c.status()
         assert st["in_flight"] >= 1  # the slow one is still going (or its replies are still queued)
+
+
+def test_socket_answers_while_loading(embedded_model_path, tmp_path):
+    """The socket is bound before the model loads: status shows the phase (and, on a GPU, bytes uploaded of
+    the total), ping says state loading, a generate gets one error with code ``loading``; then READY."""
+    d = Daemon(embedded_model_path, tmp_path, "engine.max_seqs=2")
+    seen: dict = {}
+    try:
+        with zmq.Context() as ctx:
+            deadline = time.monotonic() + 120
+            while "loading" not in seen and time.monotonic() < deadline:
+                assert d.proc.poll() is None, d.log_text()
+                if not os.path.exists(d.socket):
+                    time.sleep(0.02)
+                    continue
+                s = raw_socket(ctx, d.socket)
+                s.send(P.pack(P.status_request("st")))
+                st = recv(s)["status"]
+                if st["state"] == "loading":
+                    s.send(P.pack(P.ping_request("p")))
+                    pong = P.parse_reply(s.recv())
+                    s.send(P.pack(P.generate_request("g", prompt="hi", max_tokens=2)))
+                    seen = {"loading": st, "pong": pong, "generate": recv(s)}
+                s.close()
+        assert "loading" in seen, "never saw the loading state"
+        assert seen["loading"]["phase"] and seen["loading"]["model"] == str(embedded_model_path)
+        assert seen["pong"].state == "loading"
+        gen = seen["generate"]
+        assert gen["type"] == "error" and gen["code"] == P.LOADING and "loading" in gen["message"]
+        d.wait_ready()
+        with Client(d.socket, timeout=120) as c:
+            st = c.status()
+            assert st["state"] == "ready" and st["load"]["ready_s"] > 0
+            assert c.ready()
+            assert c.generate("The sky is", raw=True, max_tokens=2, temperature=0).generated_tokens >= 1
+    finally:
+        assert d.stop() == 0, d.log_text()

@@ -28,7 +28,7 @@ from tiny_gguf import MIXED, make_tiny_gguf
 
 from hmad.engine.generate import generate
 from hmad.engine.sampling import SamplingParams
-from hmad.engine.scheduler import SchedulerConfig
+from hmad.engine.scheduler import Scheduler, SchedulerConfig
 from hmad.model.loader import load_model
 
 pytestmark = pytest.mark.gpu
@@ -158,6 +158,29 @@ def test_one_recording_per_bucket_replayed(pair):
         assert sorted(be.graphs) == [(1, 1), (8, 1)]
         first = first or res.token_ids
         assert res.token_ids[:12] == first  # stale cache contents from the run before change nothing
+
+
+def test_prepared_buckets_serve_every_step_without_recording(pair):
+    """Scheduler.prepare() (the daemon, before READY) records one graph per token bucket the configuration
+    reaches, with the scheduler's sequences' logit rows; the steps after it record nothing and give the
+    tokens a backend that records on first use gives."""
+    cpu, vk = pair
+    be = vk.backend
+    rng = np.random.default_rng(8)
+    prompts = [rand_ids(rng, n, cpu.config.vocab_size) for n in (3, 21, 7, 40)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    cfg = SchedulerConfig(max_seqs=4, step_tokens=64, max_chunk=32, kv_tokens=256)
+    want = [r.token_ids for r in generate(cpu, prompts, greedy, cfg)]
+    sched = Scheduler(vk, cfg)
+    sched.prepare()
+    try:
+        assert sorted(be.graphs) == [(1, 1), (2, 2), (4, 4), (8, 4), (16, 4), (32, 4), (64, 4)]
+        rec0 = be.recordings
+        assert [r.token_ids for r in generate(vk, prompts, greedy, cfg)] == want
+        assert be.recordings == rec0, "a step recorded after prepare()"
+    finally:
+        be.logit_rows_b = 1  # the other tests' buckets as before
+        be._drop_graphs()
 
 
 def test_kv_pools_made_again_and_again_still_equal_cpu(pair):

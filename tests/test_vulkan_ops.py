@@ -29,7 +29,7 @@ from hmad.backends.vulkan.pipelines import ATTENTION_DECODE_DPL
 from hmad.backends.vulkan.stepmeta import NONE, StepMetaLayout, kv_slots
 from hmad.engine.batch import SeqSlice, StepBatch
 from hmad.engine.kvcache import KVLayout
-from hmad.model.quants import quantize_q8_0
+from hmad.model.quants import quantize_q8_0, random_blocks
 from hmad.model.tensors import QType, WeightTensor
 
 REF = CpuBackend(numerics="f32")
@@ -140,6 +140,49 @@ def test_embed_matches_reference(dev, kernels, gpu, table_type):
         ],
     )
     np.testing.assert_array_equal(gpu.get(b_y, shape=(len(tokens), dim)), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("table_type", ["bf16", "q4_0", "q5_0", "q4_k", "q6_k"])
+def test_embed_block_types_match_gguf(dev, kernels, gpu, table_type):
+    """embed_dq.comp gathers rows of a table in its file's block type; the reference dequantizes with the
+    gguf package (independent of hmad's decoders). dq8 may fuse a product into an FMA: one float32
+    rounding of a weight, times the scale."""
+    from gguf import GGMLQuantizationType, quants
+
+    from hmad.backends.vulkan.pipelines import EmbedDqPush
+
+    rng = np.random.default_rng(11)
+    vocab, dim, split = 300, 512, 128
+    qtype = QType[table_type.upper()]
+    data = random_blocks(qtype, (vocab, dim), rng)
+    row_bytes = data.nbytes // vocab
+    raw = data.view(np.uint8).reshape(vocab, -1)  # gguf takes the bytes of a row for every type
+    ref_table = quants.dequantize(raw, GGMLQuantizationType[table_type.upper()]).astype(np.float32)
+    tokens = np.array([3, 299, 0, 128, 127, 42, 3, 200], np.uint32)
+    ids = np.concatenate([np.full(5, 7, np.uint32), tokens])
+    scale = float(np.sqrt(dim))
+    want = ref_table[tokens] * np.float32(scale)
+
+    b_tab, b_ids = gpu.put(np.ascontiguousarray(data)), gpu.put(ids)
+    b_y = gpu.poison(gpu.alloc(len(tokens) * dim * 4))
+    k = kernels(f"embed_{table_type}")
+    ranges = [(0, split), (split, vocab - split)]  # two ranges of whole rows, one dispatch each
+    run(
+        dev,
+        *[
+            (
+                k,
+                [(b_tab, r0 * row_bytes, n * row_bytes), b_ids, b_y],
+                EmbedDqPush(len(tokens), dim, 5, r0, n, dim, row_bytes, scale),
+                k.groups_for(len(tokens)),
+            )
+            for r0, n in ranges
+        ],
+    )
+    got = gpu.get(b_y, shape=(len(tokens), dim))
+    tol = 2 * np.finfo(np.float32).eps * np.abs(want).max() + 1e-30
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol)
 
 
 # -- rope ----------------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import pytest
 from hmad.backends.vulkan import device as vkdev
 from hmad.backends.vulkan.device import MemoryHeap, MemoryType, PhysicalDeviceInfo
 from hmad.backends.vulkan.memory import (
+    COPY_PIECE,
     DEVICE_LOCAL,
     HOST_CACHED,
     HOST_COHERENT,
@@ -27,6 +28,7 @@ from hmad.backends.vulkan.memory import (
     BufferView,
     MemoryPlanError,
     PlanItem,
+    host_copy,
     plan_memory,
 )
 
@@ -518,3 +520,13 @@ def test_kernel_binds_a_new_buffer_made_where_a_closed_one_was(dev, kernels, gpu
             return
         seen.add(handle)
     pytest.skip("the driver gave no closed buffer's handle to a new one in 64 tries")
+
+
+@pytest.mark.parametrize("n", [0, 1, COPY_PIECE, COPY_PIECE + 1, 5 * COPY_PIECE + 4093])
+def test_host_copy_in_pieces(n):
+    """The upload's threaded host copy writes every byte once, whatever the length (poisoned target)."""
+    src = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    dst = np.full(n + 7, 0xA5, np.uint8)
+    host_copy(dst[:n], src)
+    np.testing.assert_array_equal(dst[:n], src)
+    assert (dst[n:] == 0xA5).all()

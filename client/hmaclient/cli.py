@@ -66,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "status":
             return _status(client, args.json, sys.stdout)
         if args.command == "ping":
-            client = _ping(client, args)
+            client, ready = _ping(client, args)
+            if not ready:
+                return _fail(f"hmad at {client.path} is still loading its model", EXIT_UNREACHABLE)
             print(f"hmad is running at {client.path}")
             return EXIT_OK
         return _query(client, args, sys.stdout)
@@ -89,14 +91,16 @@ def main(argv: list[str] | None = None) -> int:
             client.close()
 
 
-def _ping(client: Client, args: argparse.Namespace) -> Client:
-    """Ping, retrying with a fresh client until ``--wait`` seconds have passed; returns the client that
-    got the answer (the caller closes it)."""
+def _ping(client: Client, args: argparse.Namespace) -> tuple[Client, bool]:
+    """Ping until the daemon is ready (its model loaded), retrying with a fresh client while it is
+    unreachable, until ``--wait`` seconds have passed; returns the client that got the last answer (the
+    caller closes it) and whether the daemon was ready."""
     deadline = time.monotonic() + args.wait
     while True:
         try:
-            client.ping()
-            return client
+            ready = client.ready()
+            if ready or time.monotonic() >= deadline:
+                return client, ready
         except DaemonUnreachable:
             if time.monotonic() >= deadline:
                 raise

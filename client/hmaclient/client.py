@@ -224,6 +224,11 @@ class AsyncClient:
         reply = await self._call(P.ping_request, P.Pong, timeout)
         return reply.time
 
+    async def ready(self, timeout: float | None = _DEFAULT) -> bool:
+        """Whether the daemon serves generations now (False while it is still loading its model)."""
+        reply = await self._call(P.ping_request, P.Pong, timeout)
+        return reply.state == "ready"
+
     async def connect(self) -> None:
         """Open the socket and check the daemon answers (once; again after a lost connection)."""
         if self._closed:
@@ -554,6 +559,9 @@ class Client:
 
     def ping(self, timeout: float | None = _DEFAULT) -> float:
         return self._run(self._async.ping(timeout))
+
+    def ready(self, timeout: float | None = _DEFAULT) -> bool:
+        return self._run(self._async.ready(timeout))
 
     def connect(self) -> None:
         self._run(self._async.connect())

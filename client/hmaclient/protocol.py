@@ -77,7 +77,10 @@ Replies (daemon -> client)
                with keys such as model, backend, device, memory (per heap), context, running, queued,
                batch_sizes, tokens_per_s, kv_cache, uptime_s. Keys ending in ``_bytes`` are byte counts and
                ``_s`` seconds (``hmactl status`` formats them so).
-``pong``       {id, time}: the daemon's wall clock, float seconds since the epoch.
+``pong``       {id, time, state}: the daemon's wall clock, float seconds since the epoch; state "ready"
+               (generations are served) or "loading" (the socket answers while the model loads: status
+               shows the progress, a ``generate`` gets ``error`` code ``loading``). A reply without state
+               comes from a daemon that answers only once ready.
 
 Order: a ``generate`` gets either one ``error`` (refused: nothing else follows), or ``accepted`` then any
 number of ``token`` then **exactly one** terminal reply: ``done`` | ``error`` | ``cancelled``. An ``error``
@@ -155,6 +158,7 @@ TOO_LARGE = "too_large"
 BUSY = "busy"
 PROMPT_TOO_LONG = "prompt_too_long"
 SHUTTING_DOWN = "shutting_down"
+LOADING = "loading"  # the model is still loading (retry later; ``ping`` says when it is ready)
 NOT_FOUND = "not_found"
 INTERNAL = "internal"
 ERROR_CODES = frozenset(
@@ -166,6 +170,7 @@ ERROR_CODES = frozenset(
         BUSY,
         PROMPT_TOO_LONG,
         SHUTTING_DOWN,
+        LOADING,
         NOT_FOUND,
         INTERNAL,
     }
@@ -632,8 +637,8 @@ def status(id: Id, info: dict[str, Any]) -> dict[str, Any]:
     return {"v": PROTOCOL_VERSION, "type": "status", "id": id, "status": info}
 
 
-def pong(id: Id, time: float) -> dict[str, Any]:
-    return {"v": PROTOCOL_VERSION, "type": "pong", "id": id, "time": float(time)}
+def pong(id: Id, time: float, state: str = "ready") -> dict[str, Any]:
+    return {"v": PROTOCOL_VERSION, "type": "pong", "id": id, "time": float(time), "state": state}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -690,6 +695,7 @@ class Status:
 class Pong:
     id: Id
     time: float
+    state: str = "ready"  # "loading" while the daemon loads its model
 
 
 Reply = Accepted | Token | Done | Error | Cancelled | Status | Pong
@@ -735,6 +741,9 @@ def parse_reply(frame: bytes, max_size: int = MAX_REPLY_BYTES) -> Reply:
     values = {name: msg[name] for name in required}
     if mtype == "status":
         return Status(mid, msg["status"])
+    if mtype == "pong":
+        state = msg.get("state")
+        return Pong(mid, values["time"], state if isinstance(state, str) else "ready")
     if mtype == "done":
         known = {"v", "type", "id", "text", "token_ids", *required}
         extra = {k: v for k, v in msg.items() if k not in known}

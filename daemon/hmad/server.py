@@ -11,7 +11,9 @@ Guarantees:
 - a peer that has gone (ROUTER_MANDATORY raises EHOSTUNREACH) has its requests cancelled; the engine frees
   their slots and KV blocks at its next step;
 - a slow peer's replies queue in its own outbox (bounded) so it never stalls the others; a peer whose
-  outbox overflows has its requests cancelled.
+  outbox overflows has its requests cancelled;
+- while the model loads (no engine attached yet) the socket already answers: ``status`` shows the load's
+  progress, ``ping`` says ``state: loading``, a ``generate`` gets ``error`` code ``loading``.
 """
 
 from __future__ import annotations
@@ -63,8 +65,10 @@ class Server:
         heartbeat_timeout_s: float = 5.0,
         max_frame_bytes: int = P.MAX_FRAME_BYTES,
         status_extra=None,
+        loading_status=None,
     ):
         self.engine, self.model, self.defaults = engine, model, defaults
+        self.loading_status = loading_status or (lambda: {})  # what status shows while engine is None
         self.max_in_flight = max_in_flight
         self.max_frame_bytes = max_frame_bytes
         self.status_extra = status_extra or (lambda: {})
@@ -92,6 +96,10 @@ class Server:
         self.forward_s, self.events_forwarded = 0.0, 0  # time the loop spends per reply (pack + send)
 
     # -- engine side -----------------------------------------------------------------------------------
+    def attach(self, engine: EngineThread, model) -> None:
+        """The model is loaded: serve generations from now on."""
+        self.model, self.engine = model, engine
+
     def wake(self) -> None:
         """Called by the engine thread after publishing events (zmq sockets are not thread-safe: the PUSH
         is used from the engine thread only)."""
@@ -155,6 +163,9 @@ class Server:
         key = (peer, req.id)
         if self.draining:
             return self._send(peer, P.error(req.id, P.SHUTTING_DOWN, "hmad is shutting down"))
+        if self.engine is None:
+            msg = f"hmad is loading its model ({self.loading_status().get('phase', '')}); retry when ready"
+            return self._send(peer, P.error(req.id, P.LOADING, msg))
         if req.id is not None and key in self.by_client:
             msg = f"request id {req.id!r} is already active"
             return self._send(peer, P.error(req.id, P.BAD_REQUEST, msg))
@@ -189,7 +200,7 @@ class Server:
 
     def _cancel(self, peer: bytes, req) -> None:
         rid = self.by_client.get((peer, req.id))
-        if rid is None:
+        if rid is None or self.engine is None:
             return self._send(peer, P.error(req.id, P.NOT_FOUND, f"no active request with id {req.id!r}"))
         self.engine.cancel(rid)
 
@@ -197,11 +208,19 @@ class Server:
         self._send(peer, P.status(req.id, self.status()))
 
     def _ping(self, peer: bytes, req) -> None:
-        self._send(peer, P.pong(req.id, time.time()))
+        self._send(peer, P.pong(req.id, time.time(), "loading" if self.engine is None else "ready"))
 
     def status(self) -> dict:
+        if self.engine is None:
+            return {
+                "state": "loading",
+                **self.loading_status(),
+                "uptime_s": round(time.time() - self.started, 1),
+                "draining": self.draining,
+            }
         snap = dict(self.engine.snapshot)
         return {
+            "state": "ready",
             "model": self.model.path,
             "model_name": self.model.config.name,
             "backend": self.model.backend.name,
@@ -224,7 +243,7 @@ class Server:
 
     # -- engine events -> replies ----------------------------------------------------------------------
     def _forward_events(self) -> None:
-        while True:
+        while self.engine is not None:
             try:
                 batch = self.engine.events.get_nowait()
             except queue.Empty:
@@ -309,7 +328,8 @@ class Server:
             self.drain_deadline = time.monotonic() + grace_s
 
     def _drained(self) -> bool:
-        if self.engine.failed:  # nothing will answer what the engine had not taken yet: answer it here
+        # the engine failed: nothing will answer what it had not taken yet, so answer it here
+        if self.engine is not None and self.engine.failed:
             for rid in list(self.routes):
                 route = self.routes[rid]
                 self._end(rid, P.error(route.client_id, P.INTERNAL, "engine failure; see the daemon log"))

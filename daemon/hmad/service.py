@@ -2,9 +2,11 @@
 
 systemd (Type=notify)             hmad
 ─────────────────────             ────
-                                  lock <socket>.lock (a second hmad on the same socket refuses to start)
-STATUS=loading … EXTEND_TIMEOUT   load the model; keep extending the start timeout while it loads
-READY=1                           the model is resident, the socket bound with its mode and group
+                                  lock <socket>.lock (a second hmad on the same socket refuses to start);
+                                  bind the socket with its mode and group: status shows the load's progress
+STATUS=loading … EXTEND_TIMEOUT   load the model (a thread); keep extending the start timeout while it loads;
+                                  allocate the KV cache, record every step bucket
+READY=1                           the model is resident and ready: generations are served
 WATCHDOG=1 (every WatchdogSec/2)  only while the engine thread makes progress
 STOPPING=1                        SIGTERM/SIGINT: refuse new work, let running requests finish within
                                   service.drain_grace_s, cancel the rest, each with its terminal reply
@@ -43,6 +45,10 @@ class ServiceError(HmadError):
     """The service cannot start (socket in use, bad runtime directory …)."""
 
 
+class LoadCancelled(HmadError):
+    """A stop signal came while the model was loading: the load gives up, the service exits 0."""
+
+
 class Notifier:
     """sd_notify; a no-op outside systemd (no NOTIFY_SOCKET)."""
 
@@ -65,14 +71,53 @@ class Service:
         self.loading = threading.Event()
         self.stopping = False
         self.exit_code = 0
+        self.t0 = time.monotonic()
+        self.load: dict = {"phase": "starting"}  # what status shows while loading (load_status)
+        self.loaded: Scheduler | None = None  # set by the load thread when done
+        self.load_error: BaseException | None = None
 
     def run(self) -> int:
         lock = self._lock()
         try:
-            model = self._load()
-            return self._serve(model)
+            return self._run_locked()
         finally:
             lock.close()
+
+    def _run_locked(self) -> int:
+        """Bind the socket at once (status shows the load's progress), load in a thread, serve once loaded."""
+        cfg = self.cfg
+        ctx = zmq.Context()
+        server = Server(
+            ctx,
+            P.endpoint(self.path),
+            None,
+            None,
+            cfg.sampling_defaults(),
+            max_in_flight=cfg.engine.max_seqs + cfg.engine.max_queue,
+            heartbeat_ivl_s=cfg.service.heartbeat_ivl_s,
+            heartbeat_timeout_s=cfg.service.heartbeat_timeout_s,
+            max_frame_bytes=cfg.limits.max_frame_bytes,
+            loading_status=self.load_status,
+        )
+        self._socket_permissions()
+        self._install_signals()
+        loader = threading.Thread(target=self._load, name="hmad-load", daemon=True)
+        loader.start()
+        try:
+            server.serve(tick=lambda: self._tick(server))
+        finally:
+            self.stopping = True  # a load still running gives up at its next progress report
+            loader.join()
+            if server.engine is not None:
+                server.engine.stop()
+            server.close()
+            ctx.term()
+            if os.path.exists(self.path):
+                os.unlink(self.path)
+        if self.load_error is not None and not isinstance(self.load_error, LoadCancelled):
+            raise self.load_error
+        log.info("stopped cleanly" if self.exit_code == 0 else "stopped after an engine failure")
+        return self.exit_code
 
     # -- start -----------------------------------------------------------------------------------------
     def _lock(self):
@@ -97,21 +142,50 @@ class Service:
         if st.st_uid != os.geteuid() and os.geteuid() != 0:
             raise ServiceError(f"runtime directory {d} belongs to uid {st.st_uid}, not to this user")
 
-    def _load(self):
+    def _load(self) -> None:
+        """The load thread: the model resident, its scheduler's KV pools, every step bucket made ready
+        (recorded on a GPU) so that the first requests after READY run at full speed. The result (or the
+        error) is picked up by the serving thread's tick."""
         cfg = self.cfg
-        backend = resolve_backend_name(cfg.backend, cfg.backend_options("npu"))  # auto: vulkan, npu or cpu
         self.notify(f"STATUS=loading {cfg.model}", f"EXTEND_TIMEOUT_USEC={EXTEND_BY_US}")
         self.loading.set()
-        keepalive = threading.Thread(target=self._extend_while_loading, daemon=True)
-        keepalive.start()
+        threading.Thread(target=self._extend_while_loading, daemon=True).start()
         try:
-            return load_model(
-                cfg.model, backend=backend, progress=self._progress, **cfg.backend_options(backend)
+            backend = resolve_backend_name(
+                cfg.backend, cfg.backend_options("npu")
+            )  # auto: vulkan, npu or cpu
+            self.load["backend"] = backend
+            model = load_model(
+                cfg.model,
+                backend=backend,
+                progress=self._progress,
+                background=True,
+                **cfg.backend_options(backend),
             )
+            t0 = time.perf_counter()
+            scheduler = Scheduler(model, cfg.scheduler_config())  # while the weights upload
+            scheduler.prepare()
+            phases = model.info["load_phases_s"]
+            phases["kv_and_prepare_s"] = round(time.perf_counter() - t0, 3)
+            model.backend.wait_resident()
+            phases["ready_s"] = round(time.monotonic() - self.t0, 3)
+            self._progress(f"ready: {model.config.name or model.path} on {model.backend.name}")
+            self.loaded = scheduler
+        except BaseException as e:  # noqa: BLE001 - handed to the serving thread, which raises it
+            self.load_error = e
         finally:
             self.loading.clear()
 
-    def _progress(self, msg: str) -> None:
+    def load_status(self) -> dict:
+        """What ``status`` shows while loading: the model, the phase, bytes uploaded of the total."""
+        return {"model": str(self.cfg.model), **self.load, "elapsed_s": round(time.monotonic() - self.t0, 1)}
+
+    def _progress(self, msg: str, done: int | None = None, total: int | None = None) -> None:
+        if self.stopping:
+            raise LoadCancelled("stopped while loading")
+        self.load["phase"] = msg
+        if total:
+            self.load["uploaded_bytes"], self.load["total_bytes"] = done, total
         log.info("%s", msg)
         self.notify(f"STATUS={msg}", f"EXTEND_TIMEOUT_USEC={EXTEND_BY_US}")
 
@@ -121,40 +195,20 @@ class Service:
             time.sleep(EXTEND_EVERY_S)
 
     # -- serve -----------------------------------------------------------------------------------------
-    def _serve(self, model) -> int:
-        cfg = self.cfg
-        ctx = zmq.Context()
-        scheduler = Scheduler(model, cfg.scheduler_config())
-        server = Server(
-            ctx,
-            P.endpoint(self.path),
-            None,
-            model,
-            cfg.sampling_defaults(),
-            max_in_flight=cfg.engine.max_seqs + cfg.engine.max_queue,
-            heartbeat_ivl_s=cfg.service.heartbeat_ivl_s,
-            heartbeat_timeout_s=cfg.service.heartbeat_timeout_s,
-            max_frame_bytes=cfg.limits.max_frame_bytes,
-            status_extra=lambda: {"npu": npu_status(model.backend)},
-        )
-        engine = server.engine = EngineThread(scheduler, server.wake)
-        self._socket_permissions()
+    def _start_serving(self, server: Server, scheduler: Scheduler) -> None:
+        """Called once by the serving thread when the load is done: the engine starts, READY=1."""
+        model = scheduler.model
+        server.status_extra = lambda: {
+            "npu": npu_status(model.backend),
+            "load": model.info["load_phases_s"],
+        }
+        engine = EngineThread(scheduler, server.wake)
+        server.attach(engine, model)
         engine.start()
-        self._install_signals()
         threading.Thread(target=self._watchdog, args=(engine,), daemon=True).start()
         threading.Thread(target=self._status_updates, args=(engine,), daemon=True).start()
         self.notify("READY=1", f"STATUS=serving {model.config.name or model.path} on {model.backend.name}")
         log.info("serving %s (%s) at %s", model.path, model.backend.name, self.path)
-        try:
-            server.serve(tick=lambda: self._tick(server))
-        finally:
-            engine.stop()
-            server.close()
-            ctx.term()
-            if os.path.exists(self.path):
-                os.unlink(self.path)
-        log.info("stopped cleanly" if self.exit_code == 0 else "stopped after an engine failure")
-        return self.exit_code
 
     def _socket_permissions(self) -> None:
         os.chmod(self.path, self.cfg.socket.mode)
@@ -172,7 +226,17 @@ class Service:
         signal.signal(signal.SIGINT, on_signal)
 
     def _tick(self, server: Server) -> bool:
-        """Called by the server loop: start the drain once a stop signal arrived or the engine failed."""
+        """Called by the server loop: start serving once loaded; end the loop if the load failed or a stop
+        signal came during it; start the drain once a stop signal arrived or the engine failed."""
+        if server.engine is None:
+            if self.load_error is not None:
+                return True
+            if self.loaded is not None:
+                self._start_serving(server, self.loaded)
+            elif self.stop_signal is not None:
+                log.info("%s while loading: stopping", signal.Signals(self.stop_signal).name)
+                return True
+            return False
         if server.engine.failed and not self.stopping:
             self.stopping, self.exit_code = True, 1
             self.notify("STOPPING=1", "STATUS=engine failure")

@@ -37,14 +37,23 @@ class Backend(ABC):
     # -- residency -------------------------------------------------------------------------------------
     @abstractmethod
     def load_weights(
-        self, tensors: dict[str, WeightTensor], progress: Callable[[str], None] | None = None
+        self, tensors: dict[str, WeightTensor], progress: Callable[..., None] | None = None, background=False
     ) -> dict[str, Weight]:
-        """Make every weight resident; returns handles keyed like ``tensors``. ``progress(message)``
-        may be called while uploading (the service forwards it to systemd's STATUS=)."""
+        """Make every weight resident; returns handles keyed like ``tensors``. ``progress(message, done_bytes,
+        total_bytes)`` may be called while uploading (the service shows it in status and systemd's STATUS=).
+        ``background``: a backend may return before its upload is done; ``wait_resident`` then waits."""
 
     @abstractmethod
     def alloc_kv(self, layout: KVLayout) -> None:
         """Allocate the paged KV pools described by ``layout``."""
+
+    def prepare(self, net, max_tokens: int, max_rows: int) -> None:  # noqa: B027 - optional hook
+        """Make ready every step shape of up to ``max_tokens`` tokens and ``max_rows`` logit rows, so that no
+        step pays a one-time cost later (the daemon calls this before READY). Default: nothing to do."""
+
+    def wait_resident(self) -> None:  # noqa: B027 - optional hook
+        """Until the weights a ``load_weights(..., background=True)`` started uploading are resident
+        (raises the upload's error). Default: load_weights was synchronous."""
 
     def begin_step(self, batch: StepBatch) -> None:  # noqa: B027 - optional hook
         """Called before a step's ops: a recording backend uploads the per-step values here."""

@@ -71,7 +71,9 @@ class CpuBackend(Backend):
         self.loaded: dict[str, CpuWeight] = {}
 
     # -- residency -------------------------------------------------------------------------------------
-    def load_weights(self, tensors: dict[str, WeightTensor], progress=None) -> dict[str, CpuWeight]:
+    def load_weights(
+        self, tensors: dict[str, WeightTensor], progress=None, background=False
+    ) -> dict[str, CpuWeight]:
         out = {}
         for name, t in tensors.items():
             f32_bytes = 4 * t.n_elements

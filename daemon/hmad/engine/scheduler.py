@@ -89,6 +89,11 @@ class Scheduler:
         """Cancel at the next step boundary (a cancelled event is emitted then)."""
         self._cancelled.add(request_id)
 
+    def prepare(self) -> None:
+        """Have the backend make ready every step shape this configuration can produce (the daemon calls
+        this before READY: a GPU backend records its buckets then, not on first use)."""
+        self.model.backend.prepare(self.model.net, self.cfg.step_tokens, self.cfg.max_seqs)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._cancelled)
 

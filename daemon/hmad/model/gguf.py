@@ -160,6 +160,9 @@ def _map_file(path: str) -> mmap.mmap:
         raise ModelFormatError(path, f"cannot open: {e.strerror or e}") from e
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     """Bounds-checked little-endian reads through the header; an overrun is a 'truncated' ModelFormatError."""
 
@@ -190,6 +193,24 @@ class _Cursor:
             return self.buf[start : start + n].decode("utf-8")
         except UnicodeDecodeError as e:
             raise self.error(f"{what} is not valid UTF-8") from e
+
+    def strings(self, count: int, what: str) -> list[str]:
+        """``count`` strings in a row (a string array, e.g. a 262k-token vocabulary) in one tight loop;
+        an item that is not well formed is read again by ``string``, which raises its precise error."""
+        buf, size, out = self.buf, self.size, []
+        length = _U64.unpack_from
+        for i in range(count):
+            pos = self.pos
+            n = length(buf, pos)[0] if pos + 8 <= size else MAX_STRING_BYTES + 1
+            end = pos + 8 + n
+            if n > MAX_STRING_BYTES or end > size:
+                self.string(f"item {i} of {what}")  # raises
+            try:
+                out.append(buf[pos + 8 : end].decode("utf-8"))
+            except UnicodeDecodeError:
+                self.string(f"item {i} of {what}")  # raises
+            self.pos = end
+        return out
 
     def numbers(self, code: str, count: int, what: str) -> np.ndarray:
         dtype = np.dtype("<" + code)
@@ -259,7 +280,7 @@ def _read_array(cur: _Cursor, key: str) -> list[str] | np.ndarray:
     if item_type == GGUFValueType.ARRAY:
         raise cur.error(f"array {key!r} holds arrays; nested arrays are not supported")
     if item_type == GGUFValueType.STRING:
-        return [cur.string(f"item {i} of {key!r}") for i in range(count)]
+        return cur.strings(count, repr(key))
     items = cur.numbers(_SCALAR_CODES[item_type], count, f"items of {key!r}")
     return items != 0 if item_type == GGUFValueType.BOOL else items
 

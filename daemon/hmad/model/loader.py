@@ -161,27 +161,41 @@ def make_backend(name: str, **opts) -> Backend:
     raise ValueError(f"backend {name!r} is not available (allowed: cpu, vulkan, npu, auto)")
 
 
+#: progress(message, done_bytes=None, total_bytes=None): what a load is doing; the byte counts while
+#: weights are uploaded (a backend that can tell)
+Progress = Callable[..., None]
+
+
 def load_model(
     spec: str | Path,
     backend: str | Backend = "cpu",
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
+    background: bool = False,
     **backend_opts,
 ) -> Model:
     """Load a model and make its weights resident on ``backend``.
 
     ``spec`` is ``default``, a GGUF file or an HF checkpoint directory. Corrupt files raise
-    ``ModelFormatError`` naming the file and the problem.
+    ``ModelFormatError`` naming the file and the problem. ``model.info["load_phases_s"]`` says where the
+    time went (read, device, upload: what ``hmactl status`` shows). ``background``: return while a GPU
+    backend still uploads (the daemon records its steps meanwhile); ``backend.wait_resident()`` waits.
     """
     t0 = time.perf_counter()
+    phases: dict[str, float] = {}
     path = resolve_model_path(spec)
-    note = progress or (lambda msg: log.info("%s", msg))
+    note = progress or (lambda msg, *_: log.info("%s", msg))
     note(f"reading {path}")
     files = read_model_files(path)
     check_tensors(files)
+    phases["read_s"] = time.perf_counter() - t0
     ops = backend if isinstance(backend, Backend) else make_backend(backend, **backend_opts)
+    phases["device_s"] = time.perf_counter() - t0 - sum(phases.values())
     note(f"uploading {len(files.tensors)} tensors to {ops.name}")
-    weights = ops.load_weights(files.tensors, progress=note)
+    weights = ops.load_weights(files.tensors, progress=note, background=background)
     net = get_architecture(files.config.arch).model_cls(files.config, weights, ops)
+    phases["allocate_s" if background else "upload_s"] = time.perf_counter() - t0 - sum(phases.values())
     model = Model(str(path), files.config, files.tokenizer, ops, net, time.perf_counter() - t0)
-    note(f"model resident in {model.load_seconds:.1f} s")
+    model.info["load_phases_s"] = {k: round(v, 3) for k, v in phases.items()}
+    if not background:
+        note(f"model resident in {model.load_seconds:.1f} s")
     return model

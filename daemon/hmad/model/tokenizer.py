@@ -274,8 +274,8 @@ class SpmTokenizer(Tokenizer):
         unspecified order; harmless for Gemma 3, where no two equal-length special texts can overlap).
         The grouping only lets ``encode`` skip, with one substring test, groups absent from the text.
         """
-        mask = TokenAttr.CONTROL | TokenAttr.USER_DEFINED | TokenAttr.UNKNOWN
-        ids = [i for i, a in enumerate(self._attr) if a & mask]
+        mask = int(TokenAttr.CONTROL | TokenAttr.USER_DEFINED | TokenAttr.UNKNOWN)
+        ids = np.flatnonzero(np.asarray(self._attr, dtype=np.int64) & mask).tolist()
         ids.sort(key=lambda i: -len(self._text[i].encode()))
         self._special_order = ids
         groups: dict[str, list[tuple[int, str]]] = {}

@@ -133,7 +133,7 @@ class NpuBackend(CpuBackend):
             self.device = f"{self.device} + NPU {dev.name} ({dev.family}) through {dev.xrt_module}"
 
     # -- residency -------------------------------------------------------------------------------------
-    def load_weights(self, tensors, progress=None) -> dict[str, CpuWeight]:
+    def load_weights(self, tensors, progress=None, background=False) -> dict[str, CpuWeight]:
         out = super().load_weights(tensors, progress)
         prepared = 0
         for w in out.values():

@@ -46,7 +46,9 @@ between them (CommandRecorder).
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -87,6 +89,7 @@ from hmad.backends.vulkan.pipelines import (
     ATTENTION_DECODE_KL_GROUPS,
     ATTENTION_PREFILL_DPL,
     ATTENTION_PREFILL_TILE,
+    KERNELS,
     RESIDUAL_MAX_COLS,
     AddPush,
     ArgmaxPush,
@@ -95,6 +98,7 @@ from hmad.backends.vulkan.pipelines import (
     AttentionSplitPush,
     CommandRecorder,
     DescriptorAllocator,
+    EmbedDqPush,
     EmbedPush,
     GegluPush,
     Kernel,
@@ -114,7 +118,9 @@ from hmad.engine.kvcache import KVLayout
 from hmad.model.tensors import QType, WeightTensor
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-EMBED_TYPES = {QType.F32: "f32", QType.F16: "f16", QType.Q8_0: "q8_0"}
+# the embedding gather reads every type a weight is uploaded in (embed.comp: float and Q8_0 tables;
+# embed_dq.comp: the other block types through dequant.glsl), so no table is ever converted for it
+EMBED_TYPES = {q: name for name, q in MATMUL_TYPES.items()}
 #: vulkan.matvec: the decode-step matmul: x as three int8 planes (float32-exact), one (q8_1), or float32
 MATVEC_MODES = ("exact", "int8", "float")
 KV_DTYPES = {"float32": ("f32", 4), "float16": ("f16", 2)}
@@ -153,6 +159,11 @@ def bucket(n: int) -> int:
     return -(-n // BUCKETS[-1]) * BUCKETS[-1]
 
 
+def buckets_upto(top: int) -> list[int]:
+    """Every bucket a step of at most ``top`` tokens can fall in, ascending."""
+    return sorted({b for b in BUCKETS if b <= top} | set(range(BUCKETS[-1], top + 1, BUCKETS[-1])) | {top})
+
+
 @dataclass
 class VkWeight:
     """A resident weight: its bytes on the GPU as stored in the file (or converted, see the docstring)."""
@@ -161,8 +172,6 @@ class VkWeight:
     view: BufferView
     qtype: QType
     shape: tuple[int, ...]
-    embed_view: BufferView | None = None  # float16 copy for the gather when the type has no embed shader
-    embed_qtype: QType | None = None
 
 
 class _Buf:
@@ -315,6 +324,9 @@ class VulkanBackend(Backend):
         self.recordings = 0  # forward passes recorded (a replay test counts them)
         self.steps = 0  # steps submitted
         self.topk_steps = 0  # of which sampled from on-device top-k candidates
+        self.logit_rows_b = 1  # logit rows a step computes at least (prepare: the scheduler's sequences)
+        self._uploading: threading.Thread | None = None  # load_weights(background=True)
+        self._upload_error: BaseException | None = None
         self.weights_plan: MemoryPlan | None = None
         self.weights_mem: ResidentMemory | None = None
         self.kv_plan: MemoryPlan | None = None
@@ -340,12 +352,16 @@ class VulkanBackend(Backend):
 
     # -- residency -------------------------------------------------------------------------------------
     def load_weights(
-        self, tensors: dict[str, WeightTensor], progress: Callable[[str], None] | None = None
+        self,
+        tensors: dict[str, WeightTensor],
+        progress: Callable[..., None] | None = None,
+        background: bool = False,
     ) -> dict[str, VkWeight]:
+        """Plan, allocate and upload every weight. ``background``: the upload runs in a thread and this
+        returns once the memory is allocated, so the caller can allocate the KV pools and record the steps
+        meanwhile (the daemon's load: the upload has its own command pool and is the queue's only user
+        until ``wait_resident``, which every submit calls first)."""
         forms = {name: _upload_form(t) for name, t in tensors.items()}  # name -> (array, qtype)
-        emb = tensors.get("token_embd.weight")
-        if emb is not None and emb.qtype not in EMBED_TYPES:  # a float16 copy for the gather
-            forms["token_embd.weight@f16"] = (emb.dequantize().astype(np.float16), QType.F16)
         items = [
             PlanItem(name, int(data.nbytes), _is_hot(name, data), "weight", _row_bytes(data))
             for name, (data, _) in forms.items()
@@ -361,12 +377,15 @@ class VulkanBackend(Backend):
             host_visible_bytes=host_cap,
         )
         self.weights_plan, self.weights_mem = plan, ResidentMemory(self.dev, plan)
-        self._upload([(self.weights_mem[n], data) for n, (data, _) in forms.items()], progress)
-        out = {n: VkWeight(n, self.weights_mem[n], forms[n][1], tuple(t.shape)) for n, t in tensors.items()}
-        if "token_embd.weight@f16" in forms:
-            out["token_embd.weight"].embed_view = self.weights_mem["token_embd.weight@f16"]
-            out["token_embd.weight"].embed_qtype = QType.F16
-        return out
+        pairs = [(self.weights_mem[n], data) for n, (data, _) in forms.items()]
+        if background:
+            self._uploading = threading.Thread(
+                target=self._upload, args=(pairs, progress), name="hmad-upload"
+            )
+            self._uploading.start()
+        else:
+            self._upload(pairs, progress)
+        return {n: VkWeight(n, self.weights_mem[n], forms[n][1], tuple(t.shape)) for n, t in tensors.items()}
 
     def _upload(self, pairs, progress: Callable[[str], None] | None) -> None:
         last = [0.0]
@@ -375,13 +394,25 @@ class VulkanBackend(Backend):
             now = time.monotonic()
             if progress and (now - last[0] >= 1.0 or done == total):
                 last[0] = now
-                progress(f"uploading weights to {self.device}: {done / MIB:.0f}/{total / MIB:.0f} MiB")
+                progress(
+                    f"uploading weights to {self.device}: {done / MIB:.0f}/{total / MIB:.0f} MiB", done, total
+                )
 
         up = Uploader(self.dev)
         try:
             up.upload_all(pairs, report)
+        except BaseException as e:  # noqa: BLE001 - raised again by wait_resident, in the caller's thread
+            self._upload_error = e
         finally:
             up.close()
+
+    def wait_resident(self) -> None:
+        """Until a background upload is done (raises its error, if it failed)."""
+        if self._uploading is not None:
+            self._uploading.join()
+            self._uploading = None
+        if self._upload_error is not None:
+            raise self._upload_error
 
     def alloc_kv(self, layout: KVLayout) -> None:
         """Plan and allocate the paged pools (one K and one V range per layer) where the weights left room.
@@ -483,6 +514,8 @@ class VulkanBackend(Backend):
         self.timestamps = on
 
     def close(self) -> None:
+        with contextlib.suppress(Exception):  # an upload that failed: its error was the caller's to see
+            self.wait_resident()
         self.dev.wait_idle()
         self._drop_graphs()
         for k in self.kernels.values():
@@ -504,10 +537,24 @@ class VulkanBackend(Backend):
         self.dev.close()
 
     # -- the step: bucket, metadata, record once, replay ----------------------------------------------
+    def prepare(self, net, max_tokens: int, max_rows: int) -> None:
+        """Record every bucket a step of up to ``max_tokens`` tokens can fall in, largest first (so the
+        metadata and candidate buffers are sized once), each with its top-k tail. From here on a step
+        computes the logits of min(tokens, bucket(max_rows)) rows whatever its own count: one recording per
+        token bucket, not one per (tokens, rows) pair (the extra rows cost the output projection a few
+        rows more: noise beside a step)."""
+        self.logit_rows_b = bucket(max(1, max_rows))
+        top = bucket(max(1, max_tokens))
+        self._ensure_meta(top)
+        for t_b in reversed(buckets_upto(top)):
+            o_b = min(t_b, self.logit_rows_b)
+            graph = self.graphs.get((t_b, o_b)) or self._record(net, t_b, o_b)
+            self._topk_tail(graph)
+
     def run(self, net, batch: StepBatch) -> StepOutput:
         assert self.kv_layout is not None, "alloc_kv() before the first step"
         t_b = bucket(max(1, batch.n_tokens))
-        o_b = min(bucket(max(1, len(batch.logit_rows))), t_b)
+        o_b = min(bucket(max(self.logit_rows_b, len(batch.logit_rows))), t_b)
         self._ensure_meta(t_b)
         graph = self.graphs.get((t_b, o_b)) or self._record(net, t_b, o_b)
         words = graph.layout.words
@@ -599,6 +646,7 @@ class VulkanBackend(Backend):
         return graph.topk_tail
 
     def _submit(self, graph: Graph, tail: CommandRecorder) -> None:
+        self.wait_resident()
         cmds = ffi.new("VkCommandBuffer[]", [graph.rec.cmd, tail.cmd])
         si = new(
             "VkSubmitInfo", sType=vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, commandBufferCount=2, pCommandBuffers=cmds
@@ -674,16 +722,17 @@ class VulkanBackend(Backend):
     # -- ops: append dispatches --------------------------------------------------------------------------
     def embed(self, table: VkWeight, tokens, scale: float) -> Act:
         t_b, dim = len(tokens), table.shape[1]
-        view, qtype = table.view, table.qtype
-        if table.embed_view is not None:
-            view, qtype = table.embed_view, table.embed_qtype
+        view, name = table.view, f"embed_{EMBED_TYPES[table.qtype]}"
         rb = view.row_bytes or view.nbytes // table.shape[0]
         y = self._new((t_b, dim))
         for off, nbytes in view.ranges(self.max_range, self.align):
-            r0 = (off - view.offset) // rb
-            push = EmbedPush(t_b, dim, self._layout.tokens, r0, nbytes // rb, dim, scale)
-            binding = (view, off - view.offset, nbytes)
-            self._dispatch(f"embed_{EMBED_TYPES[qtype]}", [self.meta_gpu, binding, y.view], push, t_b)
+            r0, binding = (off - view.offset) // rb, (view, off - view.offset, nbytes)
+            if KERNELS[name].push is EmbedDqPush:  # the file's blocks through dequant.glsl: table at 0
+                push = EmbedDqPush(t_b, dim, self._layout.tokens, r0, nbytes // rb, dim, rb, scale)
+                self._dispatch(name, [binding, self.meta_gpu, y.view], push, t_b)
+            else:
+                push = EmbedPush(t_b, dim, self._layout.tokens, r0, nbytes // rb, dim, scale)
+                self._dispatch(name, [self.meta_gpu, binding, y.view], push, t_b)
         return y
 
     def rms_norm(self, x: Act, w: VkWeight, eps: float) -> Act:

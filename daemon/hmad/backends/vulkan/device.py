@@ -541,7 +541,7 @@ class Device:
             self.caps = capabilities(self.info)
             self.limits = self.info.limits
             self.handle, self.queue = self._create_device(pipeline_stats)
-            self.command_pool = self._create_command_pool()
+            self.command_pool = self.create_command_pool()
         except BaseException:
             self.close()
             raise
@@ -594,7 +594,10 @@ class Device:
         self.enabled_extensions = exts
         return out[0], q[0]
 
-    def _create_command_pool(self):
+    def create_command_pool(self):
+        """A command pool of the compute queue's family. Recording into command buffers of one pool is
+        externally synchronized: a thread that records while another does (the uploader while the steps
+        are recorded) takes a pool of its own."""
         ci = new(
             "VkCommandPoolCreateInfo",
             sType=vk.VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO,

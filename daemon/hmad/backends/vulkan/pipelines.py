@@ -76,6 +76,15 @@ class EmbedPush(ctypes.Structure):
     ]
 
 
+class EmbedDqPush(ctypes.Structure):
+    """shaders/embed_dq.comp"""
+
+    _fields_ = [
+        *[(n, u32) for n in ("n_tokens", "dim", "ids_off", "row_begin", "n_rows", "y_stride", "row_bytes")],
+        ("scale", f32),
+    ]
+
+
 class RopePush(ctypes.Structure):
     """shaders/rope.comp"""
 
@@ -205,6 +214,10 @@ KERNELS: dict[str, KernelSpec] = {
     "embed_f32": KernelSpec("embed.comp", 3, EmbedPush, 128),
     "embed_f16": KernelSpec("embed.comp", 3, EmbedPush, 128),
     "embed_q8_0": KernelSpec("embed.comp", 3, EmbedPush, 128),
+    **{
+        f"embed_{t}": KernelSpec("embed_dq.comp", 3, EmbedDqPush, 128)
+        for t in ("bf16", "q4_0", "q5_0", "q4_k", "q6_k")
+    },
     "rope_f32": KernelSpec("rope.comp", 3, RopePush, 256),
     "geglu_f32": KernelSpec("geglu.comp", 3, GegluPush, 256),
     "kv_write_f32": KernelSpec("kv_write.comp", 5, KvWritePush, 256),
