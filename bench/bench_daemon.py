@@ -9,8 +9,9 @@ It starts hmad itself (socket in a temp dir) and measures, through hmaclient's A
 - ``first_burst``: the largest level, sent the moment hmad is ready;
 - ``levels``: each level twice in a row, the second one reported (steady state): aggregate generated
   tokens / wall time, prefill of the ~``--prompt-words``-token prompts included;
-- ``server_us_per_reply``, ``ipc_rtt_us`` and hmad's own per-step profile (``status.engine_profile``: the
-  step's forward and host times) after the last level.
+- ``step_profile_ms``: hmad's mean step and, of it, the forward pass (status ``step_ms`` and ``forward_ms``;
+  the rest is host work: batch, sampling, detokenization, stop strings, events), over the last level's last
+  steps; then ``server_us_per_reply`` (the socket loop's pack + send) and ``ipc_rtt_us``.
 With ``--engine``, hmad is stopped and the same prompts run in-process through ``generate()`` (one
 scheduler configuration, warmed once: what bench_vulkan_model.py's engine figures measure), and each level's
 ratio daemon / engine is reported.
@@ -124,6 +125,10 @@ def run_daemon(a, levels: list[int]) -> dict:
                 asyncio.run(burst(sock, n, a))
                 r = out["levels"][n] = asyncio.run(burst(sock, n, a))
                 print(f"{n} clients, steady: {r['tok_s']} tok/s", flush=True)
+            with Client(sock) as c:  # the last level's steps: forward pass vs host work per step
+                st = c.status()
+                out["step_profile_ms"] = {"step": st["step_ms"], "forward": st["forward_ms"]}
+                print(f"per step: {st['step_ms']} ms, of which forward {st['forward_ms']} ms", flush=True)
             out["ipc_rtt_us"] = round(ipc_rtt_us(sock), 1)
             with Client(sock) as c:
                 out["status"] = c.status()

@@ -62,6 +62,7 @@ class Scheduler:
         self.eot = set(model.tokenizer.eot_ids)
         self.recent_batches: collections.deque[int] = collections.deque(maxlen=32)
         self.recent_step_s: collections.deque[float] = collections.deque(maxlen=32)
+        self.recent_forward_s: collections.deque[float] = collections.deque(maxlen=32)
         self.steps = 0
         self.tokens_out = 0
 
@@ -107,16 +108,23 @@ class Scheduler:
             batch = StepBatch.build([(s, toks, want) for _, s, toks, want in parts], self.layout.block_size)
             wanting = [r for r, _, _, want in parts if want]
             if self._greedy_on_device(wanting):
-                events += self._take_ids(wanting, self.model.forward_argmax(batch))  # (S_out,) ids
+                events += self._take_ids(wanting, self._forward(self.model.forward_argmax, batch))  # (S_out,)
             elif self._topk_on_device(wanting):
-                events += self._sample_candidates(wanting, *self.model.forward_topk(batch))  # (S_out, M) x2
+                events += self._sample_candidates(wanting, *self._forward(self.model.forward_topk, batch))
             else:
-                events += self._sample(wanting, self.model.forward(batch))  # logits (S_out, V)
+                events += self._sample(wanting, self._forward(self.model.forward, batch))  # (S_out, V)
             self.recent_batches.append(len(parts))
             self.recent_step_s.append(time.perf_counter() - t0)
             self.steps += 1
         self._release_finished()
         return events
+
+    def _forward(self, fn, batch: StepBatch):
+        """``fn(batch)``, timed: the forward pass (device work and its wait) apart from the host work."""
+        t0 = time.perf_counter()
+        out = fn(batch)
+        self.recent_forward_s.append(time.perf_counter() - t0)
+        return out
 
     def _retire_cancelled(self) -> list[Event]:
         events = []
@@ -234,6 +242,9 @@ class Scheduler:
             "queued": len(self.waiting),
             "recent_batch_sizes": list(self.recent_batches),
             "step_ms": round(1e3 * sum(self.recent_step_s) / max(1, len(self.recent_step_s)), 3),
+            # of which the forward pass (submit and wait on a GPU); the rest is host work: batch, sampling,
+            # detokenization, stop strings, events
+            "forward_ms": round(1e3 * sum(self.recent_forward_s) / max(1, len(self.recent_forward_s)), 3),
             "steps": self.steps,
             "kv": self.kv.usage(),
         }
