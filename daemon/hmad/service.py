@@ -30,6 +30,8 @@ from hmad.config import Config
 from hmad.engine.scheduler import Scheduler
 from hmad.engine.worker import EngineThread
 from hmad.errors import HmadError
+from hmad.faults import fault_from_env
+from hmad.faults import install as install_fault
 from hmad.model.loader import load_model, resolve_backend_name
 from hmad.server import Server
 
@@ -67,10 +69,13 @@ class Service:
         self.exit_code = 0
 
     def run(self) -> int:
+        fault = fault_from_env()  # TEST-ONLY (hmad/faults.py); a malformed value refuses to start
         lock = self._lock()
         try:
             model = self._load()
-            return self._serve(model)
+            if fault is not None:
+                install_fault(model.backend, fault)
+            return self._serve(model, fault.describe() if fault else None)
         finally:
             lock.close()
 
@@ -121,7 +126,7 @@ class Service:
             time.sleep(EXTEND_EVERY_S)
 
     # -- serve -----------------------------------------------------------------------------------------
-    def _serve(self, model) -> int:
+    def _serve(self, model, test_fault: str | None = None) -> int:
         cfg = self.cfg
         ctx = zmq.Context()
         scheduler = Scheduler(model, cfg.scheduler_config())
@@ -135,7 +140,7 @@ class Service:
             heartbeat_ivl_s=cfg.service.heartbeat_ivl_s,
             heartbeat_timeout_s=cfg.service.heartbeat_timeout_s,
             max_frame_bytes=cfg.limits.max_frame_bytes,
-            status_extra=lambda: {"npu": npu_status(model.backend)},
+            status_extra=lambda: self._status_extra(model, test_fault),
         )
         engine = server.engine = EngineThread(scheduler, server.wake)
         self._socket_permissions()
@@ -155,6 +160,13 @@ class Service:
                 os.unlink(self.path)
         log.info("stopped cleanly" if self.exit_code == 0 else "stopped after an engine failure")
         return self.exit_code
+
+    @staticmethod
+    def _status_extra(model, test_fault: str | None) -> dict:
+        extra = {"npu": npu_status(model.backend)}
+        if test_fault:
+            extra["test_fault"] = test_fault
+        return extra
 
     def _socket_permissions(self) -> None:
         os.chmod(self.path, self.cfg.socket.mode)

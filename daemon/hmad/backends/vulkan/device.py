@@ -20,7 +20,7 @@ from typing import Any
 
 import vulkan as vk
 
-from hmad.errors import HmadError
+from hmad.errors import BackendUnusable, HmadError
 
 ffi, lib = vk.ffi, vk.lib
 
@@ -70,7 +70,14 @@ Incomplete = _err("Incomplete", "VK_INCOMPLETE")
 OutOfHostMemory = _err("OutOfHostMemory", "VK_ERROR_OUT_OF_HOST_MEMORY")
 OutOfDeviceMemory = _err("OutOfDeviceMemory", "VK_ERROR_OUT_OF_DEVICE_MEMORY")
 InitializationFailed = _err("InitializationFailed", "VK_ERROR_INITIALIZATION_FAILED")
-DeviceLost = _err("DeviceLost", "VK_ERROR_DEVICE_LOST")
+
+
+class DeviceLost(VulkanError, BackendUnusable):
+    """VK_ERROR_DEVICE_LOST from the driver: the device runs nothing more (the engine stops; exit 1)."""
+
+    vk_name = "VK_ERROR_DEVICE_LOST"
+
+
 MemoryMapFailed = _err("MemoryMapFailed", "VK_ERROR_MEMORY_MAP_FAILED")
 LayerNotPresent = _err("LayerNotPresent", "VK_ERROR_LAYER_NOT_PRESENT")
 ExtensionNotPresent = _err("ExtensionNotPresent", "VK_ERROR_EXTENSION_NOT_PRESENT")
