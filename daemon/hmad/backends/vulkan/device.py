@@ -65,7 +65,15 @@ def _err(cls_name: str, vk_name: str) -> type[VulkanError]:
 
 # VkResult -> error class, named after the enum (VK_ERROR_OUT_OF_DEVICE_MEMORY -> OutOfDeviceMemory).
 NotReady = _err("NotReady", "VK_NOT_READY")
-Timeout = _err("Timeout", "VK_TIMEOUT")
+
+
+class Timeout(VulkanError, BackendUnusable):
+    """VK_TIMEOUT: we only see it from fence waits with a finite timeout, i.e. the GPU hung and its buffers
+    may still be in use, so no further step may run (the engine stops; exit 1)."""
+
+    vk_name = "VK_TIMEOUT"
+
+
 Incomplete = _err("Incomplete", "VK_INCOMPLETE")
 OutOfHostMemory = _err("OutOfHostMemory", "VK_ERROR_OUT_OF_HOST_MEMORY")
 OutOfDeviceMemory = _err("OutOfDeviceMemory", "VK_ERROR_OUT_OF_DEVICE_MEMORY")
