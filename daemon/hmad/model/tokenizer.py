@@ -214,7 +214,7 @@ class SpmTokenizer(Tokenizer):
         self._apply_model_quirks(model_name)
         self._specials = self._special_groups()
         self._byte_ids = [self._lookup_byte(b) for b in range(256)]
-        strips = any(a & (TokenAttr.LSTRIP | TokenAttr.RSTRIP) for a in self._attr)
+        strips = bool((np.asarray(self._attr) & int(TokenAttr.LSTRIP | TokenAttr.RSTRIP)).any())
         self.max_token_chars = None if strips else max(map(len, self._text), default=1)
 
     # -- construction --------------------------------------------------------------------------------
