@@ -17,7 +17,16 @@ from hmaclient import protocol as P
 class Daemon:
     """A running hmad (``python -m hmad``) with its socket, log file and exit status."""
 
-    def __init__(self, model: str | Path, tmp: Path, *sets: str, backend: str = "cpu"):
+    def __init__(
+        self,
+        model: str | Path,
+        tmp: Path,
+        *sets: str,
+        backend: str = "cpu",
+        env: dict[str, str] | None = None,
+    ):
+        """``sets``: ``--set KEY=VALUE`` overrides; ``env``: extra environment variables (e.g. the test-only
+        HMAD_TEST_FAULT of hmad/faults.py)."""
         self.socket = str(tmp / "run" / "hmad.sock")
         self.log_path = tmp / "hmad.log"
         cmd = [
@@ -35,7 +44,7 @@ class Daemon:
         ]
         for s in sets:
             cmd += ["--set", s]
-        env = {**os.environ, "HMAD_CONFIG": str(tmp / "none.yaml")}
+        env = {**os.environ, "HMAD_CONFIG": str(tmp / "none.yaml"), **(env or {})}
         (tmp / "none.yaml").write_text("{}\n")
         self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
@@ -80,5 +89,6 @@ class Daemon:
         return code
 
     def log_text(self) -> str:
-        self.log.flush()
+        if not self.log.closed:  # after stop() the log is closed and complete
+            self.log.flush()
         return self.log_path.read_text()

@@ -195,6 +195,32 @@ def test_repetition_penalty_multiplies_negative_logits():
     assert _sampler(temperature=0.0, repetition_penalty=0.5).sample(logits, [1]) == 1
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324])
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_temperature_below_float32_range_is_greedy(temperature, top_p):
+    """Found by tests/test_fuzz_requests.py: such a temperature is 0 in float32, and dividing the logits by
+    it gave NaN weights (IndexError, or bincount's ValueError under top-p). Its limit is greedy."""
+    logits = np.random.default_rng(3).standard_normal(1000).astype(np.float32)
+    params = SamplingParams(temperature=temperature, top_p=top_p, seed=1)
+    assert params.temperature == 0.0
+    assert Sampler(params).sample(logits, []) == int(np.argmax(logits))
+    assert SamplingParams(temperature=1e-40).temperature == 1e-40  # a float32 subnormal: kept
+
+
+@pytest.mark.parametrize("penalty", [5e-324, 1e-300])
+def test_tiny_repetition_penalty_caps_instead_of_overflowing(penalty):
+    """v / 1e-300 is inf in float32, which no softmax takes: capped at float32's max, the penalised
+    positive logit wins, at any temperature, on the whole row and on the candidates alike."""
+    logits = np.random.default_rng(4).standard_normal(1000).astype(np.float32)
+    logits[7] = 0.5  # positive, not the argmax
+    for temperature in (0.0, 0.8):
+        s = _sampler(temperature=temperature, repetition_penalty=penalty, top_p=0.9)
+        assert s.sample(logits, [7]) == 7
+        ids = np.argsort(-logits)[:50]
+        ids = np.append(ids, 7) if 7 not in ids else ids
+        assert s.sample_candidates(ids, logits[ids], [7]) == 7
+
+
 def test_repetition_penalty_only_looks_at_last_n_tokens():
     logits = np.array([2.0, 1.5, 0.0], dtype=np.float32)
     s = _sampler(temperature=0.0, repetition_penalty=2.0, repeat_last_n=3)

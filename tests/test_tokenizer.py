@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from hmad.errors import UnencodableText
 from hmad.model.tokenizer import HFTokenizer, SpmTokenizer, StreamDecoder, TokenAttr
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tokenizer_llamacpp.json"
@@ -166,6 +167,20 @@ def test_spm_byte_fallback_and_spaces():
     tok = tiny_spm({"a": -1, "\u2581": -2, "\u2581a": -1})
     assert pieces_of(tok, tok.encode(" a é", add_bos=False)) == ["\u2581a", "\u2581", "<0xC3>", "<0xA9>"]
     assert tok.decode(tok.encode(" a é")) == " a é"
+
+
+def test_spm_without_byte_tokens_names_the_unencodable_character():
+    """llama.cpp's byte_to_token throws std::out_of_range here; hmad raises UnencodableText (a ValueError)
+    naming the character and the byte, which the daemon answers bad_request (test_daemon.py)."""
+    tokens = ["<unk>", "<s>", "</s>", "a", "b"]
+    tok = SpmTokenizer(tokens, None, [2, 3, 3, 1, 1], add_space_prefix=False)
+    assert tok.encode("ab", add_bos=False) == [3, 4]  # ASCII with one-character tokens needs no byte tokens
+    for text, char, byte in (("a→b", "U+2192", "0xE2"), ("aBb", "U+0042", "0x42"), ("😀", "U+1F600", "0xF0")):
+        with pytest.raises(UnencodableText) as e:
+            tok.encode(text)
+        assert char in str(e.value) and byte in str(e.value) and "byte-fallback" in str(e.value)
+        assert isinstance(e.value, ValueError)
+    assert tok.max_token_chars == 5  # "<unk>": encode(text) has at least len(text) / 5 ids
 
 
 def test_spm_partition_and_parse_special():

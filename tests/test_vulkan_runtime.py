@@ -31,6 +31,7 @@ from hmad.backends.vulkan.memory import (
     host_copy,
     plan_memory,
 )
+from hmad.errors import BackendUnusable
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB, GIB = 1 << 20, 1 << 30
@@ -97,6 +98,9 @@ def test_check_raises_errors_named_after_vkresult():
     with pytest.raises(vkdev.VulkanError, match=r"VkResult\(-999\)"):
         vkdev.check(-999, "vkBar")
     assert issubclass(vkdev.OutOfPoolMemory, vkdev.VulkanError)
+    # a lost or hung device ends the engine (exit 1); any other failed step fails only its requests
+    assert issubclass(vkdev.DeviceLost, BackendUnusable) and issubclass(vkdev.Timeout, BackendUnusable)
+    assert not issubclass(vkdev.OutOfDeviceMemory, BackendUnusable)
 
 
 # -- memory plan (synthetic heaps) ---------------------------------------------------------------------------

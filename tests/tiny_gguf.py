@@ -32,15 +32,20 @@ MIXED = {
 _QUANTIZERS = {Q.Q8_0: quantize_q8_0, Q.Q4_0: quantize_q4_0, Q.Q5_0: quantize_q5_0}
 
 
-def tiny_vocab() -> tuple[list[str], list[float], list[int]]:
-    """A small SentencePiece-style vocab: specials, 256 byte tokens, letters and a few words."""
-    tokens = list(SPECIAL) + [f"<0x{b:02X}>" for b in range(256)]
-    types = [3, 3, 3, 2, 3, 3] + [6] * 256
+def tiny_vocab(byte_tokens: bool = True) -> tuple[list[str], list[float], list[int]]:
+    """A small SentencePiece-style vocab: specials, 256 byte tokens, letters and a few words.
+
+    ``byte_tokens=False`` leaves the byte tokens out (as bench_vulkan_model.write_model's synthetic
+    vocabularies do): then only text made of the pieces below can be encoded (lower-case ASCII letters,
+    digits, space, ``.``, ``,``, ``\\n`` and the special tokens' texts).
+    """
+    tokens = list(SPECIAL) + ([f"<0x{b:02X}>" for b in range(256)] if byte_tokens else [])
+    types = [3, 3, 3, 2, 3, 3] + ([6] * 256 if byte_tokens else [])
     pieces = ["▁"] + [chr(c) for c in range(97, 123)] + ["▁" + chr(c) for c in range(97, 123)]
     pieces += [str(d) for d in range(10)] + ["▁" + w for w in WORDS] + [".", ",", "\n"]
+    scores = [0.0] * len(tokens) + [-float(i) for i in range(len(pieces))]
     tokens += pieces
     types += [1] * len(pieces)
-    scores = [0.0] * 262 + [-float(i) for i in range(len(pieces))]
     return tokens, scores, types
 
 
@@ -66,12 +71,14 @@ def make_tiny_gguf(
     d_ff: int = 512,
     window: int = 8,
     rope_scale: float = 2.0,
+    byte_tokens: bool = True,
 ) -> Path:
     """Write a random Gemma 3 GGUF; ``types`` maps tensor kinds (e.g. ``attn_q``) to quant types
-    (default: F32 everywhere); returns the path."""
+    (default: F32 everywhere); ``byte_tokens=False``: a vocabulary without byte-fallback tokens
+    (``tiny_vocab``); returns the path."""
     rng = np.random.default_rng(seed)
     types = {**{k: Q.F32 for k in MIXED}, **(types or {})}
-    tokens, scores, ttypes = tiny_vocab()
+    tokens, scores, ttypes = tiny_vocab(byte_tokens)
     w = GGUFWriter(str(path), "gemma3")
     w.add_name(f"tiny-gemma3-seed{seed}")
     w.add_block_count(n_layers)

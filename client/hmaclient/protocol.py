@@ -91,7 +91,8 @@ request's id when it could be read, else ``id: nil``.
 Error codes
 ===========
     bad_request           malformed msgpack, not a map, wrong type or range of a field, unknown or missing
-                          field, duplicate id in flight
+                          field, duplicate id in flight, text the model's vocabulary cannot encode (a GGUF
+                          without byte-fallback tokens; the message names the character)
     unsupported_version   ``v`` is an int other than PROTOCOL_VERSION
     unknown_type          ``type`` names no request
     too_large             frame over MAX_FRAME_BYTES, or an array / map / nesting depth / container count /
@@ -100,7 +101,9 @@ Error codes
     prompt_too_long       the tokenized prompt (+1) does not fit the model's context
     shutting_down         the daemon is draining for shutdown and takes no new work
     not_found             ``cancel`` of an id not in flight on this connection
-    internal              a bug or device failure in the daemon; the message says what
+    internal              a bug or device failure in the daemon; the message says what. Only the requests
+                          it concerns get it (one failed step: that step's); the daemon serves on unless
+                          its device is lost, when it answers everyone and exits 1
 
 Limits (enforced in ``unpack`` before any field is looked at)
 =============================================================

@@ -24,3 +24,14 @@ class ModelNotFoundError(HmadError):
 
 class UnsupportedArchitectureError(HmadError):
     """The model's architecture has no entry in the registry."""
+
+
+class UnencodableText(HmadError, ValueError):
+    """Text the tokenizer cannot turn into ids: a character is no token and the vocabulary has no
+    byte-fallback token for one of its UTF-8 bytes. The server answers that request ``bad_request``."""
+
+
+class BackendUnusable(HmadError):
+    """Raised (or subclassed) by a backend whose device can run no further step (e.g. Vulkan's
+    VK_ERROR_DEVICE_LOST). The engine then answers every request ``internal`` and the daemon exits 1 so its
+    supervisor restarts it; any other exception from a step fails only that step's requests."""

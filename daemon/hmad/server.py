@@ -7,6 +7,10 @@ client id, stream flag) and, for non-streaming requests, the text so far.
 Guarantees:
 - a malformed frame gets one ``error`` reply (or, if it cannot even be attributed, is dropped) and the loop
   carries on;
+- nothing one request does ends the loop: an exception while handling it (tokenizer, chat template,
+  parameters, status) becomes that request's one ``error`` reply (``bad_request`` for text the vocabulary
+  cannot encode, else ``internal`` naming the exception), logged once with its traceback; so does an
+  exception while turning one engine event into a reply;
 - every accepted request gets exactly one terminal reply (done, error or cancelled) and nothing after it;
 - a peer that has gone (ROUTER_MANDATORY raises EHOSTUNREACH) has its requests cancelled; the engine frees
   their slots and KV blocks at its next step;
@@ -31,6 +35,7 @@ from hmaclient import protocol as P
 from hmad.engine.request import Event, Request
 from hmad.engine.sampling import SamplingParams
 from hmad.engine.worker import EngineThread
+from hmad.errors import UnencodableText
 from hmad.model.chat import render_chat, render_prompt
 
 log = logging.getLogger("hmad.server")
@@ -48,6 +53,10 @@ class Route:
     stream: bool
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+
+
+class PromptTooLong(ValueError):
+    """The prompt cannot fit the context (answered ``prompt_too_long``)."""
 
 
 class Server:
@@ -156,7 +165,27 @@ class Server:
             P.StatusRequest: self._status,
             P.PingRequest: self._ping,
         }[type(req)]
-        handler(peer, req)
+        first_rid = self.next_rid
+        try:
+            handler(peer, req)
+        except Exception as e:  # a bug or a failure of this request alone: its error, never the loop's end
+            self._request_failed(peer, req, e, first_rid)
+
+    def _request_failed(self, peer: bytes, req, e: Exception, first_rid: int) -> None:
+        """Answer a request whose handler raised with one ``internal`` error (after ``accepted``, if it got
+        that far: its route ends and the engine drops it); log the traceback once."""
+        log.exception("%s %r from peer %s failed", type(req).__name__, req.id, peer.hex())
+        self.counters["internal"] += 1
+        reply = P.error(req.id, P.INTERNAL, f"hmad failed on this request: {type(e).__name__}: {e}")
+        started = [rid for rid in range(first_rid, self.next_rid) if rid in self.routes]
+        try:
+            for rid in started:
+                self.engine.cancel(rid)
+                self._end(rid, reply)
+            if not started:
+                self._send(peer, reply)
+        except Exception:  # the reply itself cannot be sent (e.g. the socket is closing)
+            log.exception("could not answer %s %r with an error", type(req).__name__, req.id)
 
     # -- request types ---------------------------------------------------------------------------------
     def _generate(self, peer: bytes, req) -> None:
@@ -174,12 +203,13 @@ class Server:
             return self._send(peer, P.error(req.id, P.BUSY, msg))
         try:
             ids, params = self._prepare(req)
-        except ValueError as e:
+        except PromptTooLong as e:
+            return self._send(peer, P.error(req.id, P.PROMPT_TOO_LONG, str(e)))
+        except UnencodableText as e:
+            self.counters["unencodable"] += 1
             return self._send(peer, P.error(req.id, P.BAD_REQUEST, str(e)))
-        context = self.engine.scheduler.context
-        if len(ids) >= context:
-            msg = f"the prompt is {len(ids)} tokens; the context holds {context}"
-            return self._send(peer, P.error(req.id, P.PROMPT_TOO_LONG, msg))
+        except ValueError as e:  # the chat template's or SamplingParams' checks
+            return self._send(peer, P.error(req.id, P.BAD_REQUEST, str(e)))
         rid = self.next_rid
         self.next_rid += 1
         self.routes[rid] = Route(peer, req.id, req.stream)
@@ -189,13 +219,22 @@ class Server:
         self.engine.submit(Request(rid, ids, params, tag=key))
 
     def _prepare(self, req) -> tuple[list[int], SamplingParams]:
+        """Prompt ids and sampling parameters; raises PromptTooLong, UnencodableText or ValueError."""
+        params = SamplingParams(**{**vars(self.defaults), **req.sampling()})
+        params.validate()
         if req.messages is not None:
             text = render_chat(req.messages)
         else:
             text = req.prompt if req.raw else render_prompt(req.prompt)
-        ids = self.model.tokenizer.encode(text)
-        params = SamplingParams(**{**vars(self.defaults), **req.sampling()})
-        params.validate()
+        tok, context = self.model.tokenizer, self.engine.scheduler.context
+        if tok.max_token_chars and len(text) > tok.max_token_chars * context:  # surely too long: skip
+            raise PromptTooLong(  # tokenizing it (seconds for a MAX_PROMPT_CHARS prompt)
+                f"the prompt of {len(text)} characters is at least {-(-len(text) // tok.max_token_chars)} "
+                f"tokens; the context holds {context}"
+            )
+        ids = tok.encode(text)
+        if len(ids) >= context:
+            raise PromptTooLong(f"the prompt is {len(ids)} tokens; the context holds {context}")
         return ids, params
 
     def _cancel(self, peer: bytes, req) -> None:
@@ -250,7 +289,10 @@ class Server:
                 return
             t0 = time.perf_counter()
             for ev in batch:
-                self._forward(ev)
+                try:
+                    self._forward(ev)
+                except Exception as e:  # one reply that cannot be built or sent: that request's error
+                    self._event_failed(ev, e)
             self.forward_s += time.perf_counter() - t0
             self.events_forwarded += len(batch)
 
@@ -267,6 +309,17 @@ class Server:
             return
         self._end(ev.request_id, self._terminal(route, ev))
 
+    def _event_failed(self, ev: Event, e: Exception) -> None:
+        log.exception("reply to request %d (%s event) failed", ev.request_id, ev.kind)
+        self.counters["internal"] += 1
+        route = self.routes.get(ev.request_id)
+        if route is None:
+            return
+        if not ev.terminal:
+            self.engine.cancel(ev.request_id)  # its later events find no route and are dropped
+        with contextlib.suppress(Exception):
+            self._end(ev.request_id, P.error(route.client_id, P.INTERNAL, f"{type(e).__name__}: {e}"))
+
     @staticmethod
     def _terminal(route: Route, ev: Event) -> dict:
         if ev.kind == "done":
@@ -274,7 +327,8 @@ class Server:
             return P.done(route.client_id, ev.finish_reason, **ev.stats, **extra)
         if ev.kind == "cancelled":
             return P.cancelled(route.client_id, ev.stats.get("generated_tokens", 0))
-        return P.error(route.client_id, ev.error_code or P.INTERNAL, ev.text)
+        code = ev.error_code if ev.error_code in P.ERROR_CODES else P.INTERNAL
+        return P.error(route.client_id, code, ev.text)
 
     def _end(self, rid: int, reply: dict | None) -> None:
         route = self.routes.pop(rid)

@@ -32,6 +32,8 @@ from hmad.config import Config
 from hmad.engine.scheduler import Scheduler
 from hmad.engine.worker import EngineThread
 from hmad.errors import HmadError
+from hmad.faults import fault_from_env
+from hmad.faults import install as install_fault
 from hmad.model.loader import load_model, resolve_backend_name
 from hmad.server import Server
 
@@ -75,17 +77,19 @@ class Service:
         self.load: dict = {"phase": "starting"}  # what status shows while loading (load_status)
         self.loaded: Scheduler | None = None  # set by the load thread when done
         self.load_error: BaseException | None = None
+        self.fault = None  # TEST-ONLY fault injection (hmad/faults.py), from HMAD_TEST_FAULT
 
     def run(self) -> int:
+        fault = fault_from_env()  # TEST-ONLY (hmad/faults.py); a malformed value refuses to start
         lock = self._lock()
         try:
-            return self._run_locked()
+            return self._run_locked(fault)
         finally:
             lock.close()
 
-    def _run_locked(self) -> int:
+    def _run_locked(self, fault) -> int:
         """Bind the socket at once (status shows the load's progress), load in a thread, serve once loaded."""
-        cfg = self.cfg
+        cfg, self.fault = self.cfg, fault
         ctx = zmq.Context()
         server = Server(
             ctx,
@@ -162,6 +166,8 @@ class Service:
                 background=True,
                 **cfg.backend_options(backend),
             )
+            if self.fault is not None:
+                install_fault(model.backend, self.fault)
             t0 = time.perf_counter()
             scheduler = Scheduler(model, cfg.scheduler_config())  # while the weights upload
             scheduler.prepare()
@@ -198,10 +204,7 @@ class Service:
     def _start_serving(self, server: Server, scheduler: Scheduler) -> None:
         """Called once by the serving thread when the load is done: the engine starts, READY=1."""
         model = scheduler.model
-        server.status_extra = lambda: {
-            "npu": npu_status(model.backend),
-            "load": model.info["load_phases_s"],
-        }
+        server.status_extra = lambda: self._status_extra(model)
         engine = EngineThread(scheduler, server.wake)
         server.attach(engine, model)
         engine.start()
@@ -209,6 +212,12 @@ class Service:
         threading.Thread(target=self._status_updates, args=(engine,), daemon=True).start()
         self.notify("READY=1", f"STATUS=serving {model.config.name or model.path} on {model.backend.name}")
         log.info("serving %s (%s) at %s", model.path, model.backend.name, self.path)
+
+    def _status_extra(self, model) -> dict:
+        extra = {"npu": npu_status(model.backend), "load": model.info["load_phases_s"]}
+        if self.fault is not None:
+            extra["test_fault"] = self.fault.describe()
+        return extra
 
     def _socket_permissions(self) -> None:
         os.chmod(self.path, self.cfg.socket.mode)

@@ -23,7 +23,13 @@ Weight = Any  # a backend's resident weight
 
 
 class Backend(ABC):
-    """Op provider. ``name`` identifies it in status; ``device`` names the hardware."""
+    """Op provider. ``name`` identifies it in status; ``device`` names the hardware.
+
+    Failures: an exception from ``run`` (or from reading its result back) fails that step's requests only,
+    and the next step runs as usual, so a backend must leave itself usable after raising. One that cannot
+    (its device is lost) raises ``hmad.errors.BackendUnusable`` (or a subclass, as the Vulkan backend's
+    ``DeviceLost``): the engine then answers every request and the daemon exits 1.
+    """
 
     name: str = "base"
     device: str = ""

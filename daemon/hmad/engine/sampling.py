@@ -44,6 +44,7 @@ _NUCLEUS_BUCKETS_PER_OCTAVE = 8
 _NUCLEUS_LAST_BUCKET = 8 * 151
 # The two-level draw splits the weights into blocks of this many entries (256 blocks at V = 262144).
 _DRAW_BLOCK = 1024
+_F32_MAX = np.float32(np.finfo(np.float32).max)
 
 
 @dataclass
@@ -59,6 +60,12 @@ class SamplingParams:
     seed: int | None = None  # None => fresh entropy
     max_tokens: int = 256
     stop: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # Logits are float32: a positive temperature under its range (< ~1.4e-45, e.g. 1e-300) is 0 there,
+        # and dividing by it gave NaN weights. Its limit is greedy, as in llama.cpp (a float temperature).
+        if isinstance(self.temperature, float) and self.temperature > 0 and np.float32(self.temperature) == 0:
+            self.temperature = 0.0
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SamplingParams:
@@ -159,8 +166,7 @@ class Sampler:
         if seen.size:
             hit = np.isin(ids, seen)
             values = values.copy()
-            v = values[hit]
-            values[hit] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+            values[hit] = _penalty(values[hit], p.repetition_penalty)
         if p.temperature == 0:
             return int(ids[np.argmax(values)])
         pos, kept = _top_k(values, p.top_k)
@@ -195,9 +201,16 @@ class Sampler:
         if not seen.size:
             return logits
         out = logits.astype(np.float32, copy=True)
-        vals = out[seen]
-        out[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        out[seen] = _penalty(out[seen], p.repetition_penalty)
         return out
+
+
+def _penalty(vals: np.ndarray, penalty: float) -> np.ndarray:
+    """CTRL's penalty: positive logits divided by it, negative ones multiplied. A tiny penalty (> 0, as
+    1e-300) would overflow float32 to inf, which no softmax takes: the result is capped at float32's max."""
+    with np.errstate(over="ignore"):
+        up = np.minimum(vals / np.float32(penalty) if np.float32(penalty) else np.inf, _F32_MAX)
+    return np.where(vals > 0, up, vals * np.float32(penalty)).astype(np.float32)
 
 
 def _top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray | None, np.ndarray]:
@@ -224,7 +237,8 @@ def _softmax_weights(logits: np.ndarray, temperature: float) -> np.ndarray:
     top = x.max()
     if not np.isfinite(top):
         raise ValueError(f"logits have no finite maximum (max is {top})")
-    return np.exp((x - top) / np.float32(temperature))
+    with np.errstate(over="ignore"):  # a tiny temperature: -inf, weight 0, which is its limit
+        return np.exp((x - top) / np.float32(temperature))
 
 
 def _nucleus(weights: np.ndarray, top_p: float) -> np.ndarray:

@@ -9,11 +9,20 @@ Each ``step()``:
   5. sample   - per request: sampler -> stream decoder -> stop strings -> limits; events out;
   6. release  - finished requests give their blocks back.
 Requests join and leave between steps; nothing a request does changes another's tokens.
+
+Failures: an exception while sampling, decoding or stop-matching one request's token ends that request
+alone with an ``error`` event (code internal). An exception from the forward pass (step 4, or building
+its batch) ends every request of that step with an ``error`` event and frees their blocks; none is
+retried (the step may have half-written their KV blocks); requests waiting, or running outside the step,
+go on. A backend that raises ``BackendUnusable`` can run no further step: that propagates, and the engine
+thread fails everything (engine/worker.py). So does an exception while retiring, admitting or planning
+(bookkeeping), as the scheduler's state can no longer be trusted.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from dataclasses import dataclass
 
@@ -22,7 +31,9 @@ import numpy as np
 from hmad.engine.batch import SeqSlice, StepBatch
 from hmad.engine.kvcache import KVCacheManager, KVLayout
 from hmad.engine.request import Event, Request, State
-from hmad.errors import HmadError
+from hmad.errors import BackendUnusable, HmadError
+
+log = logging.getLogger("hmad.engine")
 
 
 class QueueFull(HmadError):
@@ -105,19 +116,39 @@ class Scheduler:
         parts = self._plan()
         if parts:
             t0 = time.perf_counter()
-            batch = StepBatch.build([(s, toks, want) for _, s, toks, want in parts], self.layout.block_size)
-            wanting = [r for r, _, _, want in parts if want]
-            if self._greedy_on_device(wanting):
-                events += self._take_ids(wanting, self._forward(self.model.forward_argmax, batch))  # (S_out,)
-            elif self._topk_on_device(wanting):
-                events += self._sample_candidates(wanting, *self._forward(self.model.forward_topk, batch))
-            else:
-                events += self._sample(wanting, self._forward(self.model.forward, batch))  # (S_out, V)
+            self.steps += 1
+            try:
+                events += self._forward_and_sample(parts)
+            except BackendUnusable:
+                raise
+            except Exception as e:
+                events += self._fail_step([r for r, *_ in parts], e)
             self.recent_batches.append(len(parts))
             self.recent_step_s.append(time.perf_counter() - t0)
-            self.steps += 1
         self._release_finished()
         return events
+
+    def _forward_and_sample(self, parts: list[tuple[Request, SeqSlice, list[int], bool]]) -> list[Event]:
+        batch = StepBatch.build([(s, toks, want) for _, s, toks, want in parts], self.layout.block_size)
+        wanting = [r for r, _, _, want in parts if want]
+        if self._greedy_on_device(wanting):
+            return self._take_ids(wanting, self._forward(self.model.forward_argmax, batch))  # (S_out,) ids
+        if self._topk_on_device(wanting):
+            return self._sample_candidates(
+                wanting, *self._forward(self.model.forward_topk, batch)
+            )  # (S_out, M)
+        return self._sample(wanting, self._forward(self.model.forward, batch))  # logits (S_out, V)
+
+    def _fail_step(self, reqs: list[Request], e: Exception) -> list[Event]:
+        """Step ``self.steps`` raised: every request in it ends with an error, those that had finished while
+        it was being sampled too (the step's events are lost with the exception)."""
+        log.exception("step %d failed; failing its %d request(s): %s", self.steps, len(reqs), e)
+        msg = f"the forward pass of step {self.steps} failed: {type(e).__name__}: {e}"
+        return [ev for r in reqs for ev in self._fail(r, msg)]
+
+    def _fail(self, r: Request, message: str) -> list[Event]:
+        r.state, r.finish_reason, r.t_done = State.FINISHED, "error", time.perf_counter()
+        return [Event("error", r.id, text=message, error_code="internal")]
 
     def _forward(self, fn, batch: StepBatch):
         """``fn(batch)``, timed: the forward pass (device work and its wait) apart from the host work."""
@@ -167,18 +198,33 @@ class Scheduler:
     def _sample(self, reqs: list[Request], logits: np.ndarray) -> list[Event]:
         events = []
         for r, row in zip(reqs, logits, strict=True):
-            tok = r.sampler.sample(row, r.prompt_ids + r.output_ids)
-            r.state = State.DECODE
-            events += self._accept_token(r, tok)
+            events += self._guarded(r, lambda r=r, row=row: self._sample_one(r, row))
         return events
+
+    def _sample_one(self, r: Request, row: np.ndarray) -> list[Event]:
+        tok = r.sampler.sample(row, r.prompt_ids + r.output_ids)
+        r.state = State.DECODE
+        return self._accept_token(r, tok)
 
     def _sample_candidates(self, reqs: list[Request], ids: np.ndarray, vals: np.ndarray) -> list[Event]:
         events = []
         for r, i, v in zip(reqs, ids, vals, strict=True):
-            tok = r.sampler.sample_candidates(i, v, r.prompt_ids + r.output_ids)
-            r.state = State.DECODE
-            events += self._accept_token(r, tok)
+            events += self._guarded(r, lambda r=r, i=i, v=v: self._take_candidate(r, i, v))
         return events
+
+    def _take_candidate(self, r: Request, ids: np.ndarray, vals: np.ndarray) -> list[Event]:
+        tok = r.sampler.sample_candidates(ids, vals, r.prompt_ids + r.output_ids)
+        r.state = State.DECODE
+        return self._accept_token(r, tok)
+
+    def _guarded(self, r: Request, work) -> list[Event]:
+        """``work()``'s events; if it raises (sampler, decoder, stop matcher), only ``r`` ends, with an error
+        (the token events it produced before raising are dropped with it)."""
+        try:
+            return work()
+        except Exception as e:
+            log.exception("request %d failed while taking its token", r.id)
+            return self._fail(r, f"taking the next token failed: {type(e).__name__}: {e}")
 
     def _topk_on_device(self, reqs: list[Request]) -> bool:
         """Whether every token of this step can be sampled from the backend's on-device top-k candidates
@@ -201,7 +247,7 @@ class Scheduler:
         events = []
         for r, tok in zip(reqs, ids.tolist(), strict=True):
             r.state = State.DECODE
-            events += self._accept_token(r, int(tok))
+            events += self._guarded(r, lambda r=r, tok=tok: self._accept_token(r, int(tok)))
         return events
 
     def _accept_token(self, r: Request, tok: int) -> list[Event]:

@@ -4,6 +4,11 @@ The server thread talks to it through two queues: commands in (submit, cancel), 
 publishing a batch the engine calls ``wake()`` (the server's inproc socket), so the socket loop never polls
 the engine and never blocks on compute. ``last_progress`` is the heartbeat the service turns into
 ``WATCHDOG=1``: it moves at every step and every idle wait, and stops if a step hangs.
+
+Failures: a request the scheduler cannot take (an exception from ``submit``) gets its own ``error`` event;
+a failed step fails only its requests (engine/scheduler.py). An exception that leaves ``step()`` (the
+backend raised ``BackendUnusable``, or the scheduler's bookkeeping broke) is the engine's end: every
+request it holds gets ``error`` (internal), ``failed`` is set, and the service answers the rest and exits 1.
 """
 
 from __future__ import annotations
@@ -60,10 +65,10 @@ class EngineThread:
                 if self.scheduler.has_work():
                     self._publish(self.scheduler.step())
                 self._update_snapshot()
-        except Exception:  # the engine must never die silently: fail every request, then stop
-            log.exception("engine step failed")
+        except Exception as e:  # the engine must never die silently: fail every request, then stop
+            log.exception("engine failure: no further steps")
             self.failed = True
-            self._fail_all("internal", "engine failure; see the daemon log")
+            self._fail_all("internal", f"engine failure ({type(e).__name__}: {e}); see the daemon log")
 
     def _drain_commands(self, block: bool) -> None:
         events: list[Event] = []
@@ -85,6 +90,10 @@ class EngineThread:
                 return [Event("error", arg.id, error_code="busy", text=str(e))]
             except RequestRejected as e:
                 return [Event("error", arg.id, error_code="prompt_too_long", text=str(e))]
+            except Exception as e:  # this request alone: e.g. its sampler or stop strings could not be built
+                log.exception("request %d could not be queued", arg.id)
+                text = f"could not queue the request: {type(e).__name__}: {e}"
+                return [Event("error", arg.id, error_code="internal", text=text)]
         elif kind == "cancel":
             self.scheduler.cancel(arg)
         return []

@@ -16,7 +16,11 @@ matters, in the order ``encode`` runs it:
    concatenation is in the vocabulary (ANY token type, control tokens included) with the highest score,
    ties to the leftmost pair.
 4. Each final symbol that is a token is emitted; a symbol that is not (only single code points can be)
-   is emitted as its UTF-8 bytes through the ``<0xXX>`` byte tokens.
+   is emitted as its UTF-8 bytes through the ``<0xXX>`` byte tokens. A vocabulary without a byte token
+   for one of those bytes (no ``<0xXX>`` and, for ASCII, no one-character token) cannot encode the text:
+   llama.cpp's ``byte_to_token`` throws ``std::out_of_range`` there (``token_to_id.at``; no fallback to
+   UNK), and ``encode`` raises :class:`hmad.errors.UnencodableText` naming the character and the byte,
+   which the daemon answers as that request's ``bad_request``.
 
 Decoding follows ``token_to_piece``: NORMAL pieces get U+2581 turned back into spaces, USER_DEFINED
 pieces are copied verbatim, BYTE tokens give their byte, CONTROL/UNKNOWN give nothing unless specials
@@ -34,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from hmad.errors import UnencodableText
 
 SPACE_MARK = "\u2581"  # "▁", SentencePiece's escaped space
 _ASCII_SPACE = " \t\n\v\f\r"  # C isspace() in the "C" locale, used by LSTRIP/RSTRIP
@@ -94,6 +100,10 @@ class Tokenizer:
     eos_id: int | None
     eot_ids: frozenset[int]  # ids that end a turn / a generation (EOS, <end_of_turn>, ...)
     strip_first_space: bool = False  # drop one leading space of the first piece when decoding
+    #: No token covers more than this many characters of the text, so ``encode(text)`` gives at least
+    #: ``len(text) / max_token_chars`` ids (the server refuses a prompt that long without tokenizing it);
+    #: None where no such bound holds (normalizers or stripping tokens may drop characters).
+    max_token_chars: int | None = None
 
     def encode(self, text: str, add_bos: bool = True, parse_special: bool = True) -> list[int]:
         """Token ids of ``text``; ``parse_special`` lets control-token texts (``<start_of_turn>``) match."""
@@ -204,6 +214,8 @@ class SpmTokenizer(Tokenizer):
         self._apply_model_quirks(model_name)
         self._specials = self._special_groups()
         self._byte_ids = [self._lookup_byte(b) for b in range(256)]
+        strips = bool((np.asarray(self._attr) & int(TokenAttr.LSTRIP | TokenAttr.RSTRIP)).any())
+        self.max_token_chars = None if strips else max(map(len, self._text), default=1)
 
     # -- construction --------------------------------------------------------------------------------
 
@@ -414,7 +426,10 @@ class SpmTokenizer(Tokenizer):
         for b in piece.encode("utf-8"):
             bid = self._byte_ids[b]
             if bid is None:  # llama.cpp throws std::out_of_range here
-                raise KeyError(f"vocabulary has no byte token for 0x{b:02X}")
+                raise UnencodableText(
+                    f"the model's vocabulary cannot encode {piece!r} (U+{ord(piece[0]):04X}): it has no "
+                    f"token for it and no byte-fallback token for its byte 0x{b:02X}"
+                )
             out.append(bid)
 
     # -- decode --------------------------------------------------------------------------------------

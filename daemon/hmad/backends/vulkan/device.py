@@ -20,7 +20,7 @@ from typing import Any
 
 import vulkan as vk
 
-from hmad.errors import HmadError
+from hmad.errors import BackendUnusable, HmadError
 
 ffi, lib = vk.ffi, vk.lib
 
@@ -65,12 +65,27 @@ def _err(cls_name: str, vk_name: str) -> type[VulkanError]:
 
 # VkResult -> error class, named after the enum (VK_ERROR_OUT_OF_DEVICE_MEMORY -> OutOfDeviceMemory).
 NotReady = _err("NotReady", "VK_NOT_READY")
-Timeout = _err("Timeout", "VK_TIMEOUT")
+
+
+class Timeout(VulkanError, BackendUnusable):
+    """VK_TIMEOUT: we only see it from fence waits with a finite timeout, i.e. the GPU hung and its buffers
+    may still be in use, so no further step may run (the engine stops; exit 1)."""
+
+    vk_name = "VK_TIMEOUT"
+
+
 Incomplete = _err("Incomplete", "VK_INCOMPLETE")
 OutOfHostMemory = _err("OutOfHostMemory", "VK_ERROR_OUT_OF_HOST_MEMORY")
 OutOfDeviceMemory = _err("OutOfDeviceMemory", "VK_ERROR_OUT_OF_DEVICE_MEMORY")
 InitializationFailed = _err("InitializationFailed", "VK_ERROR_INITIALIZATION_FAILED")
-DeviceLost = _err("DeviceLost", "VK_ERROR_DEVICE_LOST")
+
+
+class DeviceLost(VulkanError, BackendUnusable):
+    """VK_ERROR_DEVICE_LOST from the driver: the device runs nothing more (the engine stops; exit 1)."""
+
+    vk_name = "VK_ERROR_DEVICE_LOST"
+
+
 MemoryMapFailed = _err("MemoryMapFailed", "VK_ERROR_MEMORY_MAP_FAILED")
 LayerNotPresent = _err("LayerNotPresent", "VK_ERROR_LAYER_NOT_PRESENT")
 ExtensionNotPresent = _err("ExtensionNotPresent", "VK_ERROR_EXTENSION_NOT_PRESENT")

@@ -1,0 +1,75 @@
+"""TEST-ONLY fault injection: make the backend's forward pass raise at a chosen step.
+
+    HMAD_TEST_FAULT=forward:N            the N-th forward pass since start (1-based) raises InjectedFault:
+                                         a recoverable error (that step's requests get ``error``, the
+                                         daemon serves on)
+    HMAD_TEST_FAULT=forward:N:unusable   it raises InjectedDeviceLoss, a BackendUnusable (every request is
+                                         answered ``error``, the daemon exits 1)
+
+It exists for tests/test_daemon_faults.py, which starts hmad with the variable set. Without the variable
+nothing is installed. With it, the service logs a warning at start and ``status`` shows ``test_fault``; a
+value that does not parse refuses to start (so a typo cannot silently test nothing). Never set it in
+production.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+
+from hmad.errors import BackendUnusable, HmadError
+
+log = logging.getLogger("hmad.faults")
+
+ENV = "HMAD_TEST_FAULT"
+_SPEC = re.compile(r"forward:([1-9][0-9]*)(:unusable)?")
+
+
+class InjectedFault(RuntimeError):
+    """The recoverable fault HMAD_TEST_FAULT=forward:N raises."""
+
+
+class InjectedDeviceLoss(BackendUnusable):
+    """The unrecoverable fault HMAD_TEST_FAULT=forward:N:unusable raises."""
+
+
+class FaultSpecError(HmadError):
+    """HMAD_TEST_FAULT is set but does not parse."""
+
+
+@dataclass(frozen=True)
+class ForwardFault:
+    step: int  # 1-based count of forward passes
+    unusable: bool
+
+    def describe(self) -> str:
+        return f"forward:{self.step}" + (":unusable" if self.unusable else "")
+
+
+def fault_from_env(environ=os.environ) -> ForwardFault | None:
+    """The fault HMAD_TEST_FAULT asks for, None when it is unset or empty; raises FaultSpecError."""
+    spec = environ.get(ENV, "")
+    if not spec:
+        return None
+    m = _SPEC.fullmatch(spec)
+    if m is None:
+        raise FaultSpecError(f"{ENV}={spec!r}: expected forward:N or forward:N:unusable (N >= 1)")
+    return ForwardFault(int(m.group(1)), bool(m.group(2)))
+
+
+def install(backend, fault: ForwardFault) -> None:
+    """Wrap ``backend.run`` (one call per step) so that call number ``fault.step`` raises."""
+    log.warning("TEST-ONLY fault injection active (%s=%s)", ENV, fault.describe())
+    run, calls = backend.run, 0
+
+    def run_with_fault(net, batch):
+        nonlocal calls
+        calls += 1
+        if calls == fault.step:
+            kind = InjectedDeviceLoss if fault.unusable else InjectedFault
+            raise kind(f"{ENV}: fault injected into forward pass {calls}")
+        return run(net, batch)
+
+    backend.run = run_with_fault
