@@ -422,8 +422,7 @@ class VulkanBackend(Backend):
         self._ensure_meta(BUCKETS[-1])
 
     def _max_table(self) -> int:
-        lay = self.kv_layout
-        return lay.n_global_blocks + lay.n_local_blocks + 1
+        return self.kv_layout.max_table_entries
 
     def _meta_layout(self, t_b: int) -> StepMetaLayout:
         """The metadata layout of bucket ``t_b``: with prefill-attention tiles from ATTENTION_TILE_MIN_BUCKET
