@@ -167,7 +167,8 @@ def test_reserve_takes_everything_up_front_and_is_never_cached():
 
 def test_max_table_entries_covers_sharers():
     lay = layout(n_global=40, ring=4, max_seqs=4)
-    assert lay.max_table_entries >= 4 * (40 + 4)
+    assert lay.max_table_entries() >= 4 * (40 + 4) and lay.max_table_entries(9) == lay.max_table_entries()
+    assert 40 + 4 <= lay.max_table_entries(1) < 2 * (40 + 4)
 
 
 def test_random_workload_keeps_the_invariants_and_leaks_nothing():

@@ -98,16 +98,15 @@ class KVLayout:
     def bytes_per_block(self, itemsize: int) -> int:
         return 2 * self.block_size * self.n_kv_heads * self.head_dim * itemsize
 
-    @property
-    def max_table_entries(self) -> int:
-        """Block-table entries one step can carry: sequences sharing cached blocks each list them, so up to
-        ``max_seqs`` global tables of the whole pool plus their rings."""
+    def max_table_entries(self, n_seqs: int | None = None) -> int:
+        """Block-table entries a step of at most ``n_seqs`` sequences (default and at most ``max_seqs``) can
+        carry: sequences sharing cached blocks each list them, so each may list a whole pool's worth."""
         if not self.max_seqs:
             return self.n_global_blocks + self.n_local_blocks + 1
         per_seq = (self.n_global_blocks if self.global_layers else 0) + (
             self.ring_blocks if self.local_layers else 0
         )
-        return self.max_seqs * per_seq + 1
+        return min(n_seqs or self.max_seqs, self.max_seqs) * per_seq + 1
 
 
 ROOT_KEY = b""
