@@ -27,10 +27,10 @@ from hmaclient import Client, HmaError
 
 
 def shared_prefix(n_tokens: int, tag: str) -> str:
-    """About ``n_tokens`` tokens of varied text (~15 tokens a record with Gemma's tokenizer)."""
+    """About ``n_tokens`` tokens of varied text (~20 tokens a record with Gemma's tokenizer)."""
     return " ".join(
         f"Record {tag}-{i}: sensor {i % 17} read {(i * 37) % 101} units at hour {i % 24}."
-        for i in range(n_tokens // 14)
+        for i in range(-(-n_tokens // 20))
     )
 
 

@@ -140,6 +140,19 @@ def test_hits_past_the_window_and_mid_window_are_exact(model):
     bit-identical with and without cache. The last one (a chat's next turn) reuses the first request's
     generated tokens too, whose KV came from one-row decode steps while the uncached run computes them in
     4-row chunks (the numpy matmul of one row rounds differently): tokens identical, logits close."""
+    hits_scenario(model)
+
+
+def test_hits_on_the_npu_backend_are_exact(tmp_path, fake_npu):
+    """backend npu (the XRT stand-in, tests/fake_pyxrt.py): the numpy KV cache with prefill attention and
+    matmuls offloaded; a hit's first chunk attends from pos0 > 0 over cached keys on the NPU."""
+    path = make_tiny_gguf(tmp_path / "tiny.gguf", seed=11, types=MIXED)
+    m = load_model(path, "npu", xclbin_dir=str(fake_npu.kernels), idle_s=0.0, min_rows=1)
+    hits_scenario(m)
+    assert m.backend.npu_status()["ops"]["attention_prefill"].startswith("npu (checked")
+
+
+def hits_scenario(model) -> None:
     base, (a, b, c, d) = prompts(model)
     p0 = base + a
     first = Run(model, SchedulerConfig(prefix_cache=False, **ALIGNED), [(None, p0, 6)], logits=False)
@@ -171,32 +184,29 @@ def test_eviction_then_hit_again_is_exact(model):
 
 def test_concurrent_sharers_hit_a_running_prefill(model):
     """Three requests arrive while the first is still prefilling their shared 30-token prefix: they reuse
-    its blocks registered so far (16 positions after two steps of 8) and run batched with it; chunks
-    differ from the uncached run, so logits are compared within tolerance and tokens exactly."""
+    its blocks registered so far (16 positions after two steps of 8) and run batched with it; a fifth
+    arrives when all are done and reuses the whole prefix. Chunks differ from the uncached run, so logits
+    are compared within tolerance (numpy) and tokens exactly; on Vulkan the path a daemon runs: argmax on
+    the device, only token ids read back."""
     base, more = prompts(model, seed=3)
-    jobs = [(0, base + base + more[0], 5)] + [(2, base + m, 5) for m in more[1:]]
-    on, off = both(model, jobs, max_seqs=4, step_tokens=16, max_chunk=8, block_size=B, kv_tokens=512)
+    jobs = [(0, base + base + more[0], 5)] + [(2, base + m, 5) for m in more[1:]] + [(None, base + [9], 5)]
+    cfg = dict(max_seqs=4, step_tokens=16, max_chunk=8, block_size=B, kv_tokens=512)
+    on, off = both(model, jobs, logits=model.backend.name == "cpu", **cfg)
     assert_same(on, off, exact=False)
-    assert on.cached() == [0, 16, 16, 16]
-
-
-def test_greedy_on_the_device_with_cache_equals_without(model):
-    """The path a daemon runs (on Vulkan: argmax on the device, only ids read back), sharers mid-flight."""
-    base, more = prompts(model, seed=4)
-    jobs = [(0, base + more[0], 5), (3, base + more[1], 5), (None, base + more[2], 5)]
-    on, off = both(model, jobs, logits=False, max_seqs=2, step_tokens=12, max_chunk=8, block_size=B)
-    assert on.tokens == off.tokens
-    assert on.cached()[1:] == [24, 28]  # 24 positions written when the second arrives
+    assert on.cached() == [0, 16, 16, 16, 28]
 
 
 @pytest.mark.slow
-def test_daemon_second_request_with_a_shared_2000_token_prefix(embedded_model_path, tmp_path):
+def test_daemon_second_request_with_a_shared_2000_token_prefix(embedded_model_path, tmp_path, monkeypatch):
     """hmad on the embedded 270M (numpy backend): a prompt of a 2,000+ token prefix and a question, then
     the same prefix with another question. The second reuses the prefix's blocks and its time to first
     token (the daemon's ttft_s: arrival to first token) is at most 20 % of the first's; both are printed.
+    One OpenBLAS thread: on a busy machine two spinning threads made the second's small matmuls 5x slower
+    (16.9 s against 3.2 s), measuring contention instead of the work done.
     The same measurement on a GPU: bench/bench_prefix_cache.py."""
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
     prefix = " ".join(
-        f"Record {i}: sensor {i % 17} read {(i * 37) % 101} units at hour {i % 24}." for i in range(150)
+        f"Record {i}: sensor {i % 17} read {(i * 37) % 101} units at hour {i % 24}." for i in range(110)
     )
     d = Daemon(embedded_model_path, tmp_path, "engine.max_seqs=4").wait_ready()
     try:
