@@ -201,8 +201,8 @@ def test_daemon_second_request_with_a_shared_2000_token_prefix(embedded_model_pa
     """hmad on the embedded 270M (numpy backend): a prompt of a 2,000+ token prefix and a question, then
     the same prefix with another question. The second reuses the prefix's blocks and its time to first
     token (the daemon's ttft_s: arrival to first token) is at most 20 % of the first's; both are printed.
-    One OpenBLAS thread: on a busy machine two spinning threads made the second's small matmuls 5x slower
-    (16.9 s against 3.2 s), measuring contention instead of the work done.
+    One OpenBLAS thread: on a busy 2-core machine (load ~10, 2026-11-25) its default threads measured
+    contention more than work: 85.3 s then 16.9 s (19.8 %); with one thread 32.6 s then 0.88 s (2.7 %).
     The same measurement on a GPU: bench/bench_prefix_cache.py."""
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
     prefix = " ".join(
