@@ -85,9 +85,17 @@ class KVLayout:
         n_global = cdiv(max_tokens, block_size) + max_seqs if glob else 0
         n_local = min(ring, cdiv(max_tokens, block_size) + 1) * max_seqs if loc else 0
         return KVLayout(
-            block_size, n_global, n_local, ring, glob, loc, cfg.n_kv_heads, cfg.head_dim,
-            window=cfg.sliding_window, max_seqs=max_seqs,
-        )  # fmt: skip
+            block_size=block_size,
+            n_global_blocks=n_global,
+            n_local_blocks=n_local,
+            ring_blocks=ring,
+            global_layers=glob,
+            local_layers=loc,
+            n_kv_heads=cfg.n_kv_heads,
+            head_dim=cfg.head_dim,
+            window=cfg.sliding_window,
+            max_seqs=max_seqs,
+        )
 
     def pool_of(self, layer: int) -> tuple[str, int]:
         """('global' | 'local', slot) of a model layer."""
