@@ -1,7 +1,7 @@
 #!/bin/bash
 # One `device` tool run (carry .gl and .whl): the Vulkan tests on the GPU, the matmul kernels, the models;
 # logs and JSON under $OUT, short tails printed.
-#   bash bench/device_all.sh [tests] [stats] [matmul] [layouts] [types] [model] [real fidelity daemon model_real] [model_cm2] [stress] [stress_old] [splits] [model_kv16] [kl]
+#   bash bench/device_all.sh [tests] [stats] [matmul] [layouts] [types] [model] [real fidelity daemon prefix model_real] [model_cm2] [stress] [stress_old] [splits] [model_kv16] [kl]
 set -uo pipefail
 . bench/device_env.sh
 OUT=${OUT:-/tmp/out}
@@ -10,7 +10,8 @@ for step in ${*:-tests matmul model}; do
     echo "== $step $(date +%T)"
     case $step in
     tests)
-        timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_vulkan_*.py >"$OUT/tests.log" 2>&1
+        timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_vulkan_*.py tests/test_prefix_cache.py \
+            >"$OUT/tests.log" 2>&1
         tail -5 "$OUT/tests.log"
         ;;
     stats)
@@ -45,6 +46,11 @@ for step in ${*:-tests matmul model}; do
             hmactl status | grep -iE "backend|device|heap|vulkan|matvec" | head -12
             kill -TERM $!; wait $!; echo "hmad exit $?"
         done
+        ;;
+    prefix)  # hmad on the embedded model: TTFT with a 2,000-token prefix computed, then cached (after real)
+        timeout 300 python3 bench/bench_prefix_cache.py --model /tmp/gemma-3-270m-q4_k_m.gguf --backend vulkan \
+            --runs 3 --json "$OUT/prefix_cache.json" >"$OUT/prefix_cache.log" 2>&1
+        tail -5 "$OUT/prefix_cache.log"
         ;;
     model_real)  # the two models with the real 270M, engine runs included
         timeout 560 python3 bench/bench_vulkan_model.py --models 270m,27b --gguf 270m=/tmp/gemma-3-270m-q4_k_m.gguf \

@@ -124,3 +124,4 @@ def test_every_accepted_request_gets_exactly_one_terminal_reply(daemon):
             assert time.monotonic() < deadline, f"killed clients' requests not freed: {st}"
             time.sleep(0.1)
         assert st["kv"]["sequences"] == 0
+        assert st["kv"]["global_blocks_used"] == st["kv"]["local_blocks_used"] == 0  # cached at most

@@ -136,6 +136,7 @@ def _query(client: Client, args: argparse.Namespace, out: TextIO) -> int:
             "text": r.text,
             "token_ids": r.token_ids,
             "prompt_tokens": r.prompt_tokens,
+            "cached_tokens": r.extra.get("cached_tokens", 0),
             "generated_tokens": r.generated_tokens,
             "finish_reason": r.finish_reason,
             "timings": r.timings,

@@ -67,10 +67,12 @@ Replies (daemon -> client)
                Concatenating every piece's text and token_ids gives what ``done`` would carry with
                stream=false.
 ``done``       {id, finish_reason, prompt_tokens, generated_tokens, ttft_s, tokens_per_s, total_s,
-               and with stream=false: text, token_ids}
+               cached_tokens, and with stream=false: text, token_ids}
                finish_reason: "stop" (end of turn / EOS, or a stop string) | "length" (max_tokens, or the
                context is full). prompt_tokens, generated_tokens: int. ttft_s (arrival -> first token),
                total_s (arrival -> end): float seconds; tokens_per_s: float decode rate (0 if < 2 tokens).
+               cached_tokens: int, the prompt tokens whose KV came from the prefix cache (not computed;
+               absent from daemons before it, so clients read it as optional: Done.extra).
 ``error``      {id, code, message}: code is one of ERROR_CODES (stable strings), message is for people.
 ``cancelled``  {id, generated_tokens}
 ``status``     {id, status: map}: what the daemon reports, free-form but nested at most MAX_DEPTH - 2 deep,

@@ -378,6 +378,7 @@ class EngineConfig:
     block_size: int = _key(16, _PowerOfTwo(1, 256))
     max_queue: int = _key(256, _Int(1, 65536))
     context_length: int = _key(0, _Int(0, 1 << 24))
+    prefix_cache: bool = _key(True, _Bool())
 
 
 @dataclass(frozen=True)

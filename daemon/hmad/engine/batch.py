@@ -20,8 +20,9 @@ class SeqSlice:
     start: int
     n: int
     pos0: int
-    global_table: np.ndarray  # (n_blocks,) int32: block j holds positions [j*B, (j+1)*B)
+    global_table: np.ndarray  # (n_blocks,) int32: block j holds positions [j*B, (j+1)*B) (may be shared)
     local_table: np.ndarray  # (ring,) int32: position p lives in block local_table[(p // B) % ring]
+    # (valid for the positions this step writes or reads; engine/kvcache.py)
 
     @property
     def end_pos(self) -> int:

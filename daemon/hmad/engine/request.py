@@ -57,6 +57,7 @@ class Request:
     tag: Any = None  # opaque to the engine: the server's routing info
     state: State = State.WAITING
     n_cached: int = 0  # positions already in the KV cache
+    n_reused: int = 0  # of the prompt's, those found in the prefix cache at admission
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""
     t_arrival: float = field(default_factory=time.perf_counter)
@@ -82,6 +83,13 @@ class Request:
             return self.prompt_ids[self.n_cached : self.n_cached + max_chunk]
         return [self.output_ids[-1]]
 
+    def token_ids(self, a: int, b: int) -> list[int]:
+        """Token ids of positions [a, b) of the sequence (prompt, then generated)."""
+        n = len(self.prompt_ids)
+        if b <= n:
+            return self.prompt_ids[a:b]
+        return (self.prompt_ids[a:] if a < n else []) + self.output_ids[max(0, a - n) : b - n]
+
     def stats(self) -> dict[str, Any]:
         end = self.t_done or time.perf_counter()
         first = self.t_first or end
@@ -89,6 +97,7 @@ class Request:
         decode_s = end - first
         return {
             "prompt_tokens": len(self.prompt_ids),
+            "cached_tokens": self.n_reused,
             "generated_tokens": n,
             "ttft_s": round(first - self.t_arrival, 6),
             "total_s": round(end - self.t_arrival, 6),

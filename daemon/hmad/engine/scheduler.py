@@ -3,11 +3,13 @@
 Each ``step()``:
   1. retire   - drop cancelled requests, free their KV blocks;
   2. admit    - move waiting requests (FIFO) to running while a sequence slot and their KV budget are free;
+                a prompt starting with cached blocks (engine/kvcache.py, prefix cache) skips their prefill;
   3. plan     - one decode token for every decoding sequence, then prefill chunks of the others while the
-                step's token budget lasts;
+                step's token budget lasts; each takes the KV blocks its positions need;
   4. forward  - one batched forward pass, logits only for rows that produce a token;
-  5. sample   - per request: sampler -> stream decoder -> stop strings -> limits; events out;
-  6. release  - finished requests give their blocks back.
+  5. commit   - blocks the step filled are registered in the prefix cache;
+  6. sample   - per request: sampler -> stream decoder -> stop strings -> limits; events out;
+  7. release  - finished requests give their blocks back (full ones stay cached until evicted).
 Requests join and leave between steps; nothing a request does changes another's tokens.
 
 Failures: an exception while sampling, decoding or stop-matching one request's token ends that request
@@ -53,6 +55,7 @@ class SchedulerConfig:
     block_size: int = 16
     max_queue: int = 256
     context_length: int = 0  # 0: the model's
+    prefix_cache: bool = True  # reuse the KV blocks of earlier prompts' shared prefixes
 
 
 class Scheduler:
@@ -66,7 +69,7 @@ class Scheduler:
             mc, self.cfg.kv_tokens, self.cfg.max_seqs, self.cfg.max_chunk, self.cfg.block_size
         )
         model.backend.alloc_kv(self.layout)
-        self.kv = KVCacheManager(self.layout)
+        self.kv = KVCacheManager(self.layout, prefix_cache=self.cfg.prefix_cache)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._cancelled: set[int] = set()
@@ -121,8 +124,11 @@ class Scheduler:
                 events += self._forward_and_sample(parts)
             except BackendUnusable:
                 raise
-            except Exception as e:
+            except Exception as e:  # the step's KV may be half written: nothing of it goes into the cache
                 events += self._fail_step([r for r, *_ in parts], e)
+            else:
+                for r, _, _, _ in parts:
+                    self.kv.commit(r.id, r.n_cached, r.token_ids)
             self.recent_batches.append(len(parts))
             self.recent_step_s.append(time.perf_counter() - t0)
         self._release_finished()
@@ -170,10 +176,11 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.cfg.max_seqs:
             req = self.waiting[0]
-            if not self.kv.can_reserve(req.n_positions):
+            reused = self.kv.admit(req.id, req.n_positions, req.prompt_ids)
+            if reused is None:
                 break  # FIFO: later requests wait behind the head rather than starve it
             self.waiting.popleft()
-            self.kv.reserve(req.id, req.n_positions)
+            req.n_cached = req.n_reused = reused
             req.state = State.PREFILL
             self.running.append(req)
 
@@ -186,7 +193,7 @@ class Scheduler:
             if budget <= 0:
                 break
             toks = r.next_input(min(self.cfg.max_chunk, budget))
-            tables = self.kv.tables(r.id)
+            tables = self.kv.prepare(r.id, r.n_cached, len(toks))
             s = SeqSlice(r.id, 0, len(toks), r.n_cached, tables.global_table, tables.local_table)
             done_prompt = r.state is State.DECODE or r.n_cached + len(toks) == len(r.prompt_ids)
             parts.append((r, s, toks, done_prompt))

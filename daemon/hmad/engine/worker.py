@@ -62,9 +62,9 @@ class EngineThread:
         try:
             while not self._stop.is_set():
                 self._drain_commands(block=not self.scheduler.has_work())
-                if self.scheduler.has_work():
-                    self._publish(self.scheduler.step())
-                self._update_snapshot()
+                events = self.scheduler.step() if self.scheduler.has_work() else []
+                self._update_snapshot()  # before the events go out: a status after a reply includes its step
+                self._publish(events)
         except Exception as e:  # the engine must never die silently: fail every request, then stop
             log.exception("engine failure: no further steps")
             self.failed = True

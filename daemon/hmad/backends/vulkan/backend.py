@@ -452,15 +452,15 @@ class VulkanBackend(Backend):
             self.kv_views[(pool, int(slot))] = (self.kv_mem[base + "k"], self.kv_mem[base + "v"])
         self._ensure_meta(BUCKETS[-1])
 
-    def _max_table(self) -> int:
-        lay = self.kv_layout
-        return lay.n_global_blocks + lay.n_local_blocks + 1
+    def _max_table(self, t_b: int) -> int:
+        """Block-table words of bucket ``t_b``'s metadata (it holds at most ``t_b`` sequences)."""
+        return self.kv_layout.max_table_entries(t_b)
 
     def _meta_layout(self, t_b: int) -> StepMetaLayout:
         """The metadata layout of bucket ``t_b``: with prefill-attention tiles from ATTENTION_TILE_MIN_BUCKET
         rows (sequences of at least ATTENTION_TILE_MIN_ROWS rows go in tiles)."""
         tiles = ATTENTION_TILE_MIN_ROWS if t_b >= ATTENTION_TILE_MIN_BUCKET else 0
-        return StepMetaLayout(t_b, t_b, self._max_table(), tile_min_rows=tiles)
+        return StepMetaLayout(t_b, t_b, self._max_table(t_b), tile_min_rows=tiles)
 
     def _ensure_meta(self, t_b: int) -> None:
         """The metadata buffer holds the layout of bucket ``t_b``; growing it drops every recording."""
