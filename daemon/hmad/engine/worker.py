@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from hmad.engine.request import Event, Request
-from hmad.engine.scheduler import QueueFull, RequestRejected, Scheduler
+from hmad.engine.scheduler import QueueFull, RequestInvalid, RequestRejected, Scheduler
 
 log = logging.getLogger("hmad.engine")
 
@@ -85,6 +85,8 @@ class EngineThread:
                 return [Event("error", arg.id, error_code="busy", text=str(e))]
             except RequestRejected as e:
                 return [Event("error", arg.id, error_code="prompt_too_long", text=str(e))]
+            except RequestInvalid as e:
+                return [Event("error", arg.id, error_code="bad_request", text=str(e))]
         elif kind == "cancel":
             self.scheduler.cancel(arg)
         return []
