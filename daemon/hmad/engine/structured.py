@@ -16,7 +16,8 @@ allowed only where the JSON is complete.
 
 Whitespace between JSON tokens is bounded as llama.cpp's json-schema-to-grammar bounds it (one space, or
 one or two newlines and up to 20 spaces or tabs of indent), so a model cannot spend its tokens on blank
-space: compact and pretty-printed JSON both pass. A schema's own ``x-guidance`` options may change that.
+space: compact and pretty-printed JSON both pass. A schema's own ``x-guidance`` map (llguidance's JSON
+options) is honoured: ``{"whitespace_flexible": false}`` there asks for compact JSON only.
 """
 
 from __future__ import annotations
@@ -65,8 +66,12 @@ def compile_schema(schema: dict[str, Any]) -> str:
         )
     if not isinstance(schema, dict):
         raise ValueError(f"json_schema must be a map (a JSON Schema object), got {type(schema).__name__}")
+    own = schema.get("x-guidance")
+    own_space = isinstance(own, dict) and ("whitespace_flexible" in own or "whitespace_pattern" in own)
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_COMPILE_OPTIONS)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            schema, defaults=None if own_space else _COMPILE_OPTIONS
+        )
     except ValueError as e:
         raise ValueError(f"json_schema: {e}") from None
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
