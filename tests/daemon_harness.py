@@ -17,7 +17,14 @@ from hmaclient import protocol as P
 class Daemon:
     """A running hmad (``python -m hmad``) with its socket, log file and exit status."""
 
-    def __init__(self, model: str | Path, tmp: Path, *sets: str, backend: str = "cpu"):
+    def __init__(
+        self,
+        model: str | Path,
+        tmp: Path,
+        *sets: str,
+        backend: str = "cpu",
+        env: dict[str, str] | None = None,
+    ):
         self.socket = str(tmp / "run" / "hmad.sock")
         self.log_path = tmp / "hmad.log"
         cmd = [
@@ -35,7 +42,7 @@ class Daemon:
         ]
         for s in sets:
             cmd += ["--set", s]
-        env = {**os.environ, "HMAD_CONFIG": str(tmp / "none.yaml")}
+        env = {**os.environ, **(env or {}), "HMAD_CONFIG": str(tmp / "none.yaml")}
         (tmp / "none.yaml").write_text("{}\n")
         self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
