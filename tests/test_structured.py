@@ -5,6 +5,8 @@ parses and validates; a schema that cannot be finished ends with "length" and sc
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import jsonschema
 import numpy as np
@@ -209,3 +211,16 @@ def test_a_stop_string_inside_the_json_reports_it_incomplete(tiny_model):
     )[0]
     assert (r.finish_reason, r.stats["schema_complete"]) == ("stop", False)
     assert '"' not in r.text
+
+
+def test_hmad_generate_with_a_json_schema(tmp_path):
+    model = make_tiny_gguf(tmp_path / "tiny.gguf", seed=3)
+    schema = json.dumps({"type": "array", "items": {"enum": ["cat", "dog"]}, "minItems": 2, "maxItems": 2})
+    cmd = [sys.executable, "-m", "hmad", "generate", "--model", str(model), "--max-tokens", "60"]
+    run = subprocess.run([*cmd, "--json-schema", schema, "--json", "the"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.splitlines()[-1])
+    assert (out["finish_reason"], out["schema_complete"]) == ("stop", True)
+    assert all(x in ("cat", "dog") for x in json.loads(out["text"])) and len(json.loads(out["text"])) == 2
+    bad = subprocess.run([*cmd, "--json-schema", '{"type": "strin"}', "the"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "Invalid type: strin" in bad.stderr

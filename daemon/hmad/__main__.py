@@ -96,6 +96,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop=args.stop,
     )
     params.validate()
+    if args.json_schema is not None:
+        from hmad.engine.structured import compile_schema
+
+        try:
+            compile_schema(args.json_schema)  # before the model loads: a bad schema is a usage error
+        except ValueError as e:
+            print(f"hmad: {e}", file=sys.stderr)
+            return 2
     model = load_model(args.model, backend=args.backend)
 
     def stream(ev):
