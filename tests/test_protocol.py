@@ -314,7 +314,8 @@ def test_version_2_with_the_field_is_served():
 def test_builders_stamp_the_lowest_version_needed():
     assert P.generate_request(1, "hi")["v"] == 1  # an old daemon still serves it
     assert P.generate_request(1, "hi", json_schema=SCHEMA)["v"] == 2
-    assert P.required_version({"type": "generate", "json_schema": None}) == 1  # nil = absent
+    assert P.required_version({"type": "generate", "json_schema": None}) == 2  # present, even as nil
+    refused(raw(gen(json_schema=None)), P.BAD_REQUEST, id="r1", match="needs protocol version 2")
     assert [P.ping_request()["v"], P.status_request(1)["v"], P.cancel_request(1)["v"]] == [1, 1, 1]
     assert P.unpack(P.pack({"type": "generate", "prompt": "x", "json_schema": {}}))["v"] == 2
 

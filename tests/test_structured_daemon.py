@@ -23,7 +23,6 @@ PERSON = {
     "type": "object",
     "properties": {
         "name": {"type": "string", "minLength": 1, "maxLength": 16},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "height_m": {"type": "number", "minimum": 0.5, "maximum": 2.5},
         "role": {"enum": ["admin", "editor", "viewer"]},
         "active": {"type": "boolean"},
@@ -31,7 +30,7 @@ PERSON = {
             "type": "array",
             "items": {"type": "string", "maxLength": 12},
             "minItems": 1,
-            "maxItems": 3,
+            "maxItems": 2,
         },
         "address": {
             "type": "object",
@@ -43,7 +42,7 @@ PERSON = {
             "additionalProperties": False,
         },
     },
-    "required": ["name", "age", "height_m", "role", "active", "skills", "address"],
+    "required": ["name", "height_m", "role", "active", "skills", "address"],
     "additionalProperties": False,
 }
 PROMPT = "Give a user record for our staff directory as JSON."
@@ -64,12 +63,9 @@ def hmad(embedded_model_path, tmp_path_factory):
 
 @pytest.mark.slow
 def test_nested_schema_answers_parse_and_validate(hmad):
-    """Greedy and sampled at two temperatures over three seeds, served together in one batch."""
-    runs = [
-        {"temperature": 0.0},
-        *({"temperature": 0.8, "seed": s} for s in (1, 2)),
-        {"temperature": 1.2, "seed": 3},
-    ]
+    """Greedy, and sampled at two temperatures and seeds, served together in one batch (about 100 steps:
+    a minute or two of the 270M on 2 cores; the tiny model's test in test_structured.py runs more seeds)."""
+    runs = [{"temperature": 0.0}, {"temperature": 0.8, "seed": 1}, {"temperature": 1.2, "seed": 3}]
 
     async def ask_all():
         async with AsyncClient(hmad.socket, timeout=600) as c:

@@ -360,11 +360,10 @@ def _message(frame: bytes, max_size: int) -> tuple[dict[str, Any], Id]:
 
 
 def required_version(msg: dict[str, Any]) -> int:
-    """The lowest protocol version that has the message's type and every field it carries (see ADDED_IN)."""
+    """The lowest protocol version that has the message's type and every field it carries, nil or not
+    (see ADDED_IN)."""
     mtype = msg.get("type")
-    used = [ADDED_IN.get((mtype, None), 1)]
-    used += [ADDED_IN.get((mtype, k), 1) for k in msg if msg[k] is not None]
-    return max(used)
+    return max([ADDED_IN.get((mtype, None), 1), *(ADDED_IN.get((mtype, k), 1) for k in msg)])
 
 
 def _check_version(msg: dict[str, Any], mid: Id) -> None:

@@ -22,6 +22,7 @@ options) is honoured: ``{"whitespace_flexible": false}`` there asks for compact 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import weakref
@@ -37,6 +38,8 @@ try:
 except ImportError:  # an install without it serves everything but json_schema
     llguidance = None
     llg_numpy = None
+
+log = logging.getLogger("hmad.structured")
 
 # llama.cpp's json-schema-to-grammar: space ::= | " " | "\n"{1,2} [ \t]{0,20}
 WHITESPACE = r"(?:[ ]|\n{1,2}[ \t]{0,20})?"
@@ -93,10 +96,12 @@ class Vocabulary:
     def __init__(self, tokenizer: Tokenizer):
         if llguidance is None:
             raise StructuredUnavailable("structured output needs the Python package llguidance")
+        t0 = time.perf_counter()
         self.size = tokenizer.vocab_size
         self.eos_ids = sorted(tokenizer.eot_ids)
         wrapper = llguidance.TokenizerWrapper(_Pieces(tokenizer))
         self.ll = llguidance.LLTokenizer(wrapper, n_vocab=self.size, eos_token=self.eos_ids)
+        log.info("structured output: indexed %d tokens in %.2f s", self.size, time.perf_counter() - t0)
 
     @classmethod
     def of(cls, tokenizer: Tokenizer) -> Vocabulary:
