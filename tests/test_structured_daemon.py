@@ -26,23 +26,15 @@ PERSON = {
         "height_m": {"type": "number", "minimum": 0.5, "maximum": 2.5},
         "role": {"enum": ["admin", "editor", "viewer"]},
         "active": {"type": "boolean"},
-        "skills": {
-            "type": "array",
-            "items": {"type": "string", "maxLength": 12},
-            "minItems": 1,
-            "maxItems": 2,
-        },
-        "address": {
+        "tags": {"type": "array", "items": {"enum": ["new", "remote", "lead"]}, "minItems": 1, "maxItems": 2},
+        "office": {
             "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 16},
-                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
-            },
-            "required": ["city", "zip"],
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
             "additionalProperties": False,
         },
     },
-    "required": ["name", "height_m", "role", "active", "skills", "address"],
+    "required": ["name", "height_m", "role", "active", "tags", "office"],
     "additionalProperties": False,
 }
 PROMPT = "Give a user record for our staff directory as JSON."
@@ -63,12 +55,12 @@ def hmad(embedded_model_path, tmp_path_factory):
 
 @pytest.mark.slow
 def test_nested_schema_answers_parse_and_validate(hmad):
-    """Greedy, and sampled at two temperatures and seeds, served together in one batch (about 100 steps:
-    a minute or two of the 270M on 2 cores; the tiny model's test in test_structured.py runs more seeds)."""
+    """Greedy, and sampled at two temperatures and seeds, served together in one batch (about 70 steps of
+    the 270M; the tiny model's test in test_structured.py runs more seeds)."""
     runs = [{"temperature": 0.0}, {"temperature": 0.8, "seed": 1}, {"temperature": 1.2, "seed": 3}]
 
     async def ask_all():
-        async with AsyncClient(hmad.socket, timeout=600) as c:
+        async with AsyncClient(hmad.socket, timeout=None) as c:  # pytest's own timeout bounds it
             asks = [c.generate(PROMPT, json_schema=PERSON, max_tokens=160, **kw) for kw in runs]
             return await asyncio.gather(*asks)
 
