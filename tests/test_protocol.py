@@ -178,7 +178,7 @@ def test_error_builder_refuses_unknown_codes():
         (raw({"v": 1, "type": "token", "id": 1, "text": 3, "token_ids": []}), P.BAD_REQUEST),
         (raw({"v": 1, "type": "accepted", "id": 1, "rid": True}), P.BAD_REQUEST),
         (raw({"v": 1, "type": "surprise", "id": 1}), P.UNKNOWN_TYPE),
-        (raw({"v": 2, "type": "pong", "time": 1.0}), P.UNSUPPORTED_VERSION),
+        (raw({"v": 3, "type": "pong", "time": 1.0}), P.UNSUPPORTED_VERSION),
     ],
 )
 def test_bad_replies(frame, kind):
@@ -232,8 +232,10 @@ def test_counts_over_protocol_limits():
 def test_deep_nesting():
     refused(b"\x91" * 1000 + b"\xc0", P.TOO_LARGE, match="nesting")
     refused(b"\x91" * 100_000 + b"\xc0", P.TOO_LARGE)
-    deep = {"a": [[[[[[[[1]]]]]]]]}
-    refused(raw({**gen(), "stop": deep}), P.TOO_LARGE, match="nesting")
+    deep = 1
+    for _ in range(P.MAX_DEPTH - 1):  # with the top-level map: MAX_DEPTH + 1 containers deep
+        deep = [deep]
+    refused(raw({**gen(), "stop": {"a": deep}}), P.TOO_LARGE, match="nesting")
     # Depth MAX_DEPTH itself is fine at the unpack level (the schema then refuses it).
     ok = 1
     for _ in range(P.MAX_DEPTH):
@@ -275,9 +277,72 @@ def test_version():
     refused(raw({"type": "ping", "id": 4}), P.BAD_REQUEST, id=4, match="'v'")
     refused(raw({"v": "1", "type": "ping"}), P.BAD_REQUEST, match="'v'")
     refused(raw({"v": True, "type": "ping"}), P.BAD_REQUEST)
-    e = refused(raw(gen(v=2)), P.UNSUPPORTED_VERSION, id="r1")
-    assert "2" in e.message and "1" in e.message
+    e = refused(raw(gen(v=3)), P.UNSUPPORTED_VERSION, id="r1")
+    assert "3" in e.message and "1, 2" in e.message
+    assert e.reply()["v"] == 1  # an unsupported version is answered in 1, which every client reads
     refused(raw(gen(v=0)), P.UNSUPPORTED_VERSION, id="r1")
+
+
+# -- versions ------------------------------------------------------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+
+def test_version_1_without_new_fields_is_served_and_answered_in_1():
+    req = P.parse_request(raw(gen(max_tokens=3)))
+    assert (req.v, req.max_tokens, req.json_schema) == (1, 3, None)
+    for mtype, cls in (("ping", P.PingRequest), ("status", P.StatusRequest)):
+        assert P.parse_request(raw({"v": 1, "type": mtype, "id": 5})) == cls(5)
+    # a v1 client reads the replies to it: they say v 1
+    assert P.parse_reply(P.pack(P.pong(5, 1.0, v=req.v))) == P.Pong(5, 1.0)
+    assert P.unpack(P.pack(P.done(1, "stop", 1, 1, 0, 0, 0, v=req.v)))["v"] == 1
+
+
+def test_version_1_with_a_version_2_field_is_refused_naming_both():
+    e = refused(raw(gen(json_schema=SCHEMA)), P.BAD_REQUEST, id="r1", match="'json_schema'")
+    assert "version 2" in e.message and "not 1" in e.message
+    assert e.reply()["v"] == 1  # answered in the version the client speaks
+
+
+def test_version_2_with_the_field_is_served():
+    req = P.parse_request(raw(gen(v=2, json_schema=SCHEMA)))
+    assert (req.v, req.json_schema) == (2, SCHEMA)
+    e = refused(raw(gen(v=2, json_schema="{}")), P.BAD_REQUEST, id="r1", match="json_schema must be a map")
+    assert e.reply()["v"] == 2
+
+
+def test_builders_stamp_the_lowest_version_needed():
+    assert P.generate_request(1, "hi")["v"] == 1  # an old daemon still serves it
+    assert P.generate_request(1, "hi", json_schema=SCHEMA)["v"] == 2
+    assert P.required_version({"type": "generate", "json_schema": None}) == 2  # present, even as nil
+    refused(raw(gen(json_schema=None)), P.BAD_REQUEST, id="r1", match="needs protocol version 2")
+    assert [P.ping_request()["v"], P.status_request(1)["v"], P.cancel_request(1)["v"]] == [1, 1, 1]
+    assert P.unpack(P.pack({"type": "generate", "prompt": "x", "json_schema": {}}))["v"] == 2
+
+
+def test_added_in_table_drives_the_check(monkeypatch):
+    """A request type added in a later version is refused in an older message, as a field is."""
+    monkeypatch.setitem(P.ADDED_IN, ("status", None), 2)
+    refused(
+        raw({"v": 1, "type": "status", "id": 1}),
+        P.BAD_REQUEST,
+        id=1,
+        match="'status' needs protocol version 2",
+    )
+    assert P.status_request(1)["v"] == 2
+    assert P.parse_request(P.pack(P.status_request(1))) == P.StatusRequest(1)
+
+
+def test_replies_of_every_supported_version_parse():
+    for v in sorted(P.SUPPORTED_VERSIONS):
+        assert P.parse_reply(P.pack(P.accepted("a", 1, v=v))) == P.Accepted("a", 1)
+
+
+def test_deep_json_schema_within_the_limits():
+    schema: dict = {"type": "string"}
+    for _ in range(10):  # ten nested objects: 20 map levels under the envelope
+        schema = {"type": "object", "properties": {"x": schema}, "required": ["x"]}
+    assert P.parse_request(P.pack(P.generate_request(1, "hi", json_schema=schema))).json_schema == schema
 
 
 def test_type():

@@ -286,3 +286,35 @@ def test_embedded_model_greedy_equals_cpu(embedded_pair):
     print(f"{len(prompts) - len(diverged)} of {len(prompts)} prompts identical over {n_new} greedy tokens")
     assert len(diverged) <= 1, diverged
     assert all(m < NEAR_TIE for _, _, m in diverged), diverged
+
+
+@pytest.mark.parametrize("pair", ["mixed-exact"], indirect=True)  # the defaults: one is enough here
+def test_json_schema_rows_beside_device_sampled_ones(pair):
+    """A step holding json_schema requests reads whole logits rows back: their answers equal the CPU's
+    (greedy) and validate; the unconstrained requests sharing those steps get the tokens they get alone
+    through the on-device argmax / top-k."""
+    cpu, vk = pair
+    schema = {
+        "type": "object",
+        "properties": {"pet": {"enum": ["cat", "dog"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["pet", "n"],
+        "additionalProperties": False,
+        "x-guidance": {"whitespace_flexible": False},
+    }
+    rng = np.random.default_rng(5)
+    prompts = [rand_ids(rng, n, cpu.config.vocab_size) for n in (4, 7, 5, 9)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=40),
+        SamplingParams(temperature=0.0, max_tokens=12),
+        SamplingParams(temperature=0.9, top_k=40, seed=4, max_tokens=12),
+    ]
+    schemas = [schema, schema, None, None]
+    mixed = generate(vk, prompts, params, json_schemas=schemas)
+    for r in mixed[:2]:
+        assert (r.finish_reason, r.stats["schema_complete"]) == ("stop", True)
+        obj = json.loads(r.text)
+        assert obj["pet"] in ("cat", "dog") and 0 <= obj["n"] <= 9 and set(obj) == {"pet", "n"}
+    assert mixed[0].token_ids == generate(cpu, prompts[:1], params[0], json_schemas=schema)[0].token_ids
+    alone = generate(vk, prompts[2:], params[2:])
+    assert [r.token_ids for r in mixed[2:]] == [r.token_ids for r in alone]

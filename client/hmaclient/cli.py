@@ -3,10 +3,13 @@
     hmactl [--socket PATH] [--timeout S] status [--json]
     hmactl [--socket PATH] [--timeout S] ping [--wait S]
     hmactl [--socket PATH] [--timeout S] query [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
-           [--min-p P] [--repetition-penalty R] [--seed S] [--stop STR]... [--raw] [--json] PROMPT|-
+           [--min-p P] [--repetition-penalty R] [--seed S] [--stop STR]... [--raw]
+           [--json-schema FILE_OR_JSON] [--json] PROMPT|-
 
 ``query`` streams the answer to stdout as it arrives (``-`` reads the prompt from stdin; ``--raw`` skips the
-chat template); with ``--json`` it prints one JSON object at the end instead. Ctrl-C cancels the request.
+chat template); with ``--json`` it prints one JSON object at the end instead. ``--json-schema`` makes the
+answer one JSON value satisfying that JSON Schema (a file holding it, or its JSON text; ``'{"type":
+"object"}'`` is any JSON object). Ctrl-C cancels the request.
 
 Exit codes: 0 ok, 1 the request failed (error reply, timeout), 2 usage, 3 hmad unreachable, 130 interrupted.
 """
@@ -51,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--seed", type=int)
     q.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable)")
     q.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    q.add_argument(
+        "--json-schema",
+        type=json_schema_arg,
+        metavar="FILE_OR_JSON",
+        help="answer with JSON satisfying this JSON Schema: a file, or the schema's JSON text",
+    )
     q.add_argument("--json", action="store_true", help="print one JSON object at the end, no streaming")
     q.add_argument("prompt", metavar="PROMPT|-", help="the prompt, or - to read it from stdin")
     return ap
@@ -91,6 +100,27 @@ def main(argv: list[str] | None = None) -> int:
             client.close()
 
 
+def json_schema_arg(value: str) -> dict[str, Any]:
+    """``--json-schema``: the JSON text of a schema (it starts with ``{``) or a file holding it -> a dict.
+
+    Raises argparse.ArgumentTypeError (a usage error, exit 2) naming what is wrong.
+    """
+    text = value
+    if not value.lstrip().startswith("{"):
+        try:
+            with open(value, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise argparse.ArgumentTypeError(f"cannot read the schema file {value!r}: {e.strerror}") from None
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"the schema is not JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise argparse.ArgumentTypeError(f"a JSON Schema here is a JSON object, got {type(schema).__name__}")
+    return schema
+
+
 def _ping(client: Client, args: argparse.Namespace) -> tuple[Client, bool]:
     """Ping until the daemon is ready (its model loaded), retrying with a fresh client while it is
     unreachable, until ``--wait`` seconds have passed; returns the client that got the last answer (the
@@ -129,6 +159,7 @@ def _query(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         "seed": args.seed,
         "stop": args.stop,
         "raw": True if args.raw else None,
+        "json_schema": args.json_schema,
     }
     if args.json:
         r = client.generate(prompt, **params)
@@ -140,6 +171,7 @@ def _query(client: Client, args: argparse.Namespace, out: TextIO) -> int:
             "generated_tokens": r.generated_tokens,
             "finish_reason": r.finish_reason,
             "timings": r.timings,
+            **({"schema_complete": r.extra["schema_complete"]} if "schema_complete" in r.extra else {}),
         }
         print(json.dumps(obj, ensure_ascii=False), file=out)
         return EXIT_OK

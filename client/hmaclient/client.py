@@ -178,7 +178,9 @@ class AsyncClient:
         """Generate a whole answer (sent with stream=false). ``timeout`` bounds the whole call.
 
         ``params``: raw, max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, repeat_last_n,
-        seed, stop (a str or a list of str). Raises RequestCancelled if the request is cancelled.
+        seed, stop (a str or a list of str), json_schema (a dict: a JSON Schema the answer must satisfy;
+        the result's ``extra["schema_complete"]`` then says whether the JSON was finished within
+        max_tokens). Raises RequestCancelled if the request is cancelled.
         """
         timeout = self.timeout if timeout is _DEFAULT else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -203,7 +205,8 @@ class AsyncClient:
     ) -> AsyncStream:
         """An async iterator of ``Piece``s, ending after the terminal reply (then ``.result`` is set).
 
-        Nothing is sent until the first ``__anext__``. ``timeout`` bounds each wait for the next reply.
+        ``params`` as for :meth:`generate`. Nothing is sent until the first ``__anext__``. ``timeout``
+        bounds each wait for the next reply.
         Leaving early (``break``, ``aclose()``, ``async with`` exit) cancels the request.
         """
         timeout = self.timeout if timeout is _DEFAULT else timeout

@@ -1,4 +1,4 @@
-"""The hmad wire protocol, version 1: every message, every field, every limit. This module is the spec.
+"""The hmad wire protocol, version 2: every message, every field, every limit. This module is the spec.
 
 Transport
 =========
@@ -7,11 +7,22 @@ A message is **one frame** holding **one msgpack map** (the ROUTER adds and stri
 frame; neither side ever sees or sends more frames). Strings are msgpack ``str`` (UTF-8); no ``bin`` and no
 ``ext`` types (timestamps included) appear anywhere. Every message has
 
-    v     int   protocol version, PROTOCOL_VERSION (1)
+    v     int   protocol version: the rules this message follows, one of SUPPORTED_VERSIONS (1, 2)
     type  str   the message type, below
 
 Requests are **strict**: a field not listed for its type is refused, naming the field. Replies are
 **lenient**: clients ignore fields they do not know, so the daemon may add fields without a new version.
+
+Versions
+--------
+Version 2 adds ``generate.json_schema`` (structured output). ``ADDED_IN`` lists every request type and
+field newer than version 1 with the version that brought it. The daemon serves messages of every
+supported version: a message of version v may use only what version v had (an older ``v`` using a newer
+field or type is refused with ``bad_request`` naming the field and the version it needs), and every reply
+to it carries the same ``v`` (a reply to a frame whose ``v`` could not be read or is not supported carries
+1, which every client reads). So a version-1 client keeps working unchanged. Clients stamp the lowest
+version their message needs (``required_version``; hmaclient does), so a newer client also keeps working
+with an older daemon for everything the older one knows.
 
 Ids
 ---
@@ -45,6 +56,12 @@ Requests (client -> daemon)
                                             generation ends before the first occurrence, which is never sent
     stream              bool                default true: ``token`` messages as text is produced.
                                             false: no ``token`` messages; ``done`` carries text and token_ids
+    json_schema         map                 since version 2. A JSON Schema the answer must satisfy: sampling
+                                            is constrained so the text is one JSON value that parses and
+                                            validates (``{"type": "object"}``: any JSON object). A schema the
+                                            daemon cannot compile is refused (bad_request naming the
+                                            problem), as is any json_schema when the daemon lacks its
+                                            grammar library. See ``done.schema_complete``.
     An absent sampling field (or nil) means "the daemon's default" (its config, else SamplingParams').
     Floats must be finite; bools are not numbers.
 
@@ -68,11 +85,15 @@ Replies (daemon -> client)
                stream=false.
 ``done``       {id, finish_reason, prompt_tokens, generated_tokens, ttft_s, tokens_per_s, total_s,
                cached_tokens, and with stream=false: text, token_ids}
-               finish_reason: "stop" (end of turn / EOS, or a stop string) | "length" (max_tokens, or the
-               context is full). prompt_tokens, generated_tokens: int. ttft_s (arrival -> first token),
-               total_s (arrival -> end): float seconds; tokens_per_s: float decode rate (0 if < 2 tokens).
+               finish_reason: "stop" (end of turn / EOS, or a stop string, or with json_schema: the JSON
+               value is complete) | "length" (max_tokens, or the context is full). prompt_tokens,
+               generated_tokens: int. ttft_s (arrival -> first token), total_s (arrival -> end): float
+               seconds; tokens_per_s: float decode rate (0 if < 2 tokens).
                cached_tokens: int, the prompt tokens whose KV came from the prefix cache (not computed;
                absent from daemons before it, so clients read it as optional: Done.extra).
+               With json_schema also schema_complete (bool): true when the text is a whole JSON value
+               that satisfies the schema; false when max_tokens (or the context) ran out first
+               (finish_reason "length": the text is a valid but unfinished prefix) or a stop string cut it.
 ``error``      {id, code, message}: code is one of ERROR_CODES (stable strings), message is for people.
 ``cancelled``  {id, generated_tokens}
 ``status``     {id, status: map}: what the daemon reports, free-form but nested at most MAX_DEPTH - 2 deep,
@@ -95,7 +116,7 @@ Error codes
     bad_request           malformed msgpack, not a map, wrong type or range of a field, unknown or missing
                           field, duplicate id in flight, text the model's vocabulary cannot encode (a GGUF
                           without byte-fallback tokens; the message names the character)
-    unsupported_version   ``v`` is an int other than PROTOCOL_VERSION
+    unsupported_version   ``v`` is an int not in SUPPORTED_VERSIONS
     unknown_type          ``type`` names no request
     too_large             frame over MAX_FRAME_BYTES, or an array / map / nesting depth / container count /
                           prompt / message count over its limit
@@ -114,7 +135,7 @@ Limits (enforced in ``unpack`` before any field is looked at)
     declared sizes   a str/bin/array/map header declaring more than the rest of the frame can hold is
                      refused at once as bad_request (truncated), allocating nothing: limits passed to
                      msgpack are min(protocol limit, what len(frame) could hold)
-    nesting          <= MAX_DEPTH containers deep (the top-level map is depth 1)
+    nesting          <= MAX_DEPTH containers deep (the top-level map is depth 1; 8 before version 2)
     containers       <= MAX_CONTAINERS arrays and maps in all (too_large)
     map keys         str only
     exactly one msgpack object per frame: trailing bytes are refused
@@ -137,7 +158,8 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # the newest version this module speaks
+SUPPORTED_VERSIONS = frozenset({1, 2})
 
 MAX_FRAME_BYTES = 4 * 1024 * 1024  # a request frame
 MAX_REPLY_BYTES = 64 * 1024 * 1024  # a reply frame (done with stream=false carries a whole answer)
@@ -149,7 +171,7 @@ MAX_ID_CHARS = 128
 MAX_TOKENS_LIMIT = 1_000_000
 MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 100.0
-MAX_DEPTH = 8
+MAX_DEPTH = 32  # a json_schema nests (properties -> schema -> items -> ...)
 MAX_ARRAY_LEN = 4 * 1024 * 1024  # token_ids of a long answer; requests are bounded by their frame anyway
 MAX_MAP_LEN = 1024
 MAX_CONTAINERS = 4096  # arrays + maps in one message (a request has at most MAX_MESSAGES + 2)
@@ -184,6 +206,12 @@ ERROR_CODES = frozenset(
 FINISH_REASONS = frozenset({"stop", "length"})
 ROLES = frozenset({"system", "user", "model", "assistant"})
 REQUEST_TYPES = frozenset({"generate", "cancel", "status", "ping"})
+
+# What each version added: (request type, field) -> version, with field None for a whole request type.
+# A message whose v is older than an entry it uses is refused, naming the field and the version.
+ADDED_IN: dict[tuple[str, str | None], int] = {
+    ("generate", "json_schema"): 2,
+}
 REPLY_TYPES = frozenset({"accepted", "token", "done", "error", "cancelled", "status", "pong"})
 TERMINAL_TYPES = frozenset({"done", "error", "cancelled"})
 
@@ -193,17 +221,18 @@ _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
 
 
 class ProtocolError(ValueError):
-    """A frame or message breaks the protocol: ``code`` in ERROR_CODES; ``id`` the request's when known.
+    """A frame or message breaks the protocol: ``code`` in ERROR_CODES; ``id`` the request's when known;
+    ``v`` the version to answer in (the message's when it is a supported one, else 1).
 
-    The daemon answers with ``error(e.id, e.code, e.message)``, i.e. ``e.reply()``.
+    The daemon answers with ``error(e.id, e.code, e.message, v=e.v)``, i.e. ``e.reply()``.
     """
 
-    def __init__(self, code: str, message: str, id: Id = None):
+    def __init__(self, code: str, message: str, id: Id = None, v: int = 1):
         super().__init__(f"{code}: {message}")
-        self.code, self.message, self.id = code, message, id
+        self.code, self.message, self.id, self.v = code, message, id, v
 
     def reply(self) -> dict[str, Any]:
-        return error(self.id, self.code, self.message)
+        return error(self.id, self.code, self.message, v=self.v)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -211,11 +240,12 @@ class ProtocolError(ValueError):
 
 
 def pack(msg: dict[str, Any]) -> bytes:
-    """One message -> one frame. Adds ``v`` when missing; the caller's dict is not modified."""
+    """One message -> one frame. Adds ``v`` when missing (the lowest version the message needs); the
+    caller's dict is not modified."""
     if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
         raise TypeError(f"a message is a dict with a str 'type', got {msg!r:.80}")
     if "v" not in msg:
-        msg = {"v": PROTOCOL_VERSION, **msg}
+        msg = {"v": required_version(msg), **msg}
     return msgpack.packb(msg, use_bin_type=True)
 
 
@@ -320,7 +350,7 @@ def _check_tree(obj: Any) -> None:
 
 
 def _message(frame: bytes, max_size: int) -> tuple[dict[str, Any], Id]:
-    """unpack + the envelope: a map with the right ``v`` and a str ``type``; returns it and its valid id."""
+    """unpack + the envelope: a map with a supported ``v`` and a str ``type``; returns it and its valid id."""
     msg = unpack(frame, max_size)
     if not isinstance(msg, dict):
         raise ProtocolError(BAD_REQUEST, f"a message is a msgpack map, got {_kind(msg)}")
@@ -329,15 +359,37 @@ def _message(frame: bytes, max_size: int) -> tuple[dict[str, Any], Id]:
     v = msg.get("v")
     if "v" not in msg or not isinstance(v, int) or isinstance(v, bool):
         raise ProtocolError(BAD_REQUEST, "field 'v' (protocol version, int) is missing or not an int", mid)
-    if v != PROTOCOL_VERSION:
+    if v not in SUPPORTED_VERSIONS:
+        speaks = ", ".join(map(str, sorted(SUPPORTED_VERSIONS)))
         raise ProtocolError(
-            UNSUPPORTED_VERSION,
-            f"protocol version {v} is not supported (this side speaks {PROTOCOL_VERSION})",
-            mid,
+            UNSUPPORTED_VERSION, f"protocol version {v} is not supported (this side speaks {speaks})", mid
         )
     if not isinstance(msg.get("type"), str):
-        raise ProtocolError(BAD_REQUEST, "field 'type' (str) is missing or not a str", mid)
+        raise ProtocolError(BAD_REQUEST, "field 'type' (str) is missing or not a str", mid, v)
     return msg, mid
+
+
+def required_version(msg: dict[str, Any]) -> int:
+    """The lowest protocol version that has the message's type and every field it carries, nil or not
+    (see ADDED_IN)."""
+    mtype = msg.get("type")
+    return max([ADDED_IN.get((mtype, None), 1), *(ADDED_IN.get((mtype, k), 1) for k in msg)])
+
+
+def _check_version(msg: dict[str, Any], mid: Id) -> None:
+    """Refuse a type or field newer than the message's own ``v``, naming it and the version it needs."""
+    v, mtype = msg["v"], msg["type"]
+    need = ADDED_IN.get((mtype, None), 1)
+    if need > v:
+        raise ProtocolError(
+            BAD_REQUEST, f"request type {mtype!r} needs protocol version {need}, not {v}", mid
+        )
+    for k in msg:
+        need = ADDED_IN.get((mtype, k), 1)
+        if need > v:
+            raise ProtocolError(
+                BAD_REQUEST, f"field {k!r} of {mtype} needs protocol version {need}, not {v}", mid
+            )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -346,7 +398,10 @@ def _message(frame: bytes, max_size: int) -> tuple[dict[str, Any], Id]:
 
 @dataclass
 class GenerateRequest:
-    """A validated ``generate``. Sampling fields left None mean "the daemon's default"."""
+    """A validated ``generate``. Sampling fields left None mean "the daemon's default".
+
+    ``v`` (every request has it): the version the message came in, which its replies carry.
+    """
 
     id: Id = None
     prompt: str | None = None
@@ -362,6 +417,8 @@ class GenerateRequest:
     repeat_last_n: int | None = None
     seed: int | None = None
     stop: list[str] | None = None
+    json_schema: dict[str, Any] | None = None
+    v: int = field(default=1, compare=False)
 
     def sampling(self) -> dict[str, Any]:
         """The sampling fields the client gave, as ``SamplingParams`` keyword arguments (None left out)."""
@@ -371,16 +428,19 @@ class GenerateRequest:
 @dataclass
 class CancelRequest:
     id: Id
+    v: int = field(default=1, compare=False)
 
 
 @dataclass
 class StatusRequest:
     id: Id = None
+    v: int = field(default=1, compare=False)
 
 
 @dataclass
 class PingRequest:
     id: Id = None
+    v: int = field(default=1, compare=False)
 
 
 Request = GenerateRequest | CancelRequest | StatusRequest | PingRequest
@@ -423,7 +483,9 @@ _REAL_FIELDS = frozenset({"temperature", "top_p", "min_p", "repetition_penalty"}
 SAMPLING_FIELDS = (*_SAMPLING_CHECKS, "stop")
 _ENVELOPE = ("v", "type", "id")
 _FIELDS = {
-    "generate": frozenset({*_ENVELOPE, "prompt", "messages", "raw", "stream", *SAMPLING_FIELDS}),
+    "generate": frozenset(
+        {*_ENVELOPE, "prompt", "messages", "raw", "stream", "json_schema", *SAMPLING_FIELDS}
+    ),
     "cancel": frozenset(_ENVELOPE),
     "status": frozenset(_ENVELOPE),
     "ping": frozenset(_ENVELOPE),
@@ -431,9 +493,14 @@ _FIELDS = {
 
 
 def parse_request(frame: bytes, max_size: int = MAX_FRAME_BYTES) -> Request:
-    """One frame from a client -> a validated request. Raises ProtocolError (with ``id`` when known)."""
+    """One frame from a client -> a validated request. Raises ProtocolError (with ``id`` when known, and
+    ``v`` the version to answer in)."""
     msg, mid = _message(frame, max_size)
-    return validate_request(msg, mid)
+    try:
+        return validate_request(msg, mid)
+    except ProtocolError as e:
+        e.v = msg["v"]  # _message checked it is a supported version
+        raise
 
 
 def validate_request(msg: dict[str, Any], mid: Id = None) -> Request:
@@ -447,22 +514,24 @@ def validate_request(msg: dict[str, Any], mid: Id = None) -> Request:
     if unknown:
         names = ", ".join(repr(k[:64]) for k in unknown[:8])
         raise ProtocolError(BAD_REQUEST, f"unknown field(s) in {mtype}: {names}", mid)
+    _check_version(msg, mid)
     if msg.get("id") is not None and not _valid_id(msg["id"]):
         raise ProtocolError(BAD_REQUEST, _ID_RULE + f", got {_kind(msg['id'])}")
+    v = msg["v"]
     if mtype == "generate":
         return _generate(msg, mid)
     if mtype == "cancel":
         if msg.get("id") is None:
             raise ProtocolError(BAD_REQUEST, "cancel needs the 'id' of the generation to cancel")
-        return CancelRequest(mid)
-    return StatusRequest(mid) if mtype == "status" else PingRequest(mid)
+        return CancelRequest(mid, v)
+    return StatusRequest(mid, v) if mtype == "status" else PingRequest(mid, v)
 
 
 def _generate(msg: dict[str, Any], mid: Id) -> GenerateRequest:
     def fail(text: str, code: str = BAD_REQUEST) -> ProtocolError:
         return ProtocolError(code, text, mid)
 
-    req = GenerateRequest(id=mid)
+    req = GenerateRequest(id=mid, v=msg["v"])
     for name in ("raw", "stream"):
         if msg.get(name) is not None:
             if not isinstance(msg[name], bool):
@@ -498,6 +567,10 @@ def _generate(msg: dict[str, Any], mid: Id) -> GenerateRequest:
         if problem:
             raise fail(problem)
         req.stop = list(msg["stop"])
+    if msg.get("json_schema") is not None:
+        if not isinstance(msg["json_schema"], dict):
+            raise fail(f"json_schema must be a map (a JSON Schema object), got {_kind(msg['json_schema'])}")
+        req.json_schema = msg["json_schema"]
     return req
 
 
@@ -552,48 +625,47 @@ def _kind(v: Any) -> str:
 def generate_request(
     id: Id, prompt: str | None = None, messages: list[dict[str, str]] | None = None, **fields: Any
 ) -> dict[str, Any]:
-    """A ``generate`` map; ``fields`` are raw, stream and the sampling fields. None values are left out."""
-    msg = {
-        "v": PROTOCOL_VERSION,
-        "type": "generate",
-        "id": id,
-        "prompt": prompt,
-        "messages": messages,
-        **fields,
-    }
+    """A ``generate`` map; ``fields`` are raw, stream, json_schema and the sampling fields. None values are
+    left out; ``v`` is the lowest version that has every field used."""
+    msg = {"type": "generate", "id": id, "prompt": prompt, "messages": messages, **fields}
     msg = {k: v for k, v in msg.items() if v is not None}
+    msg = {"v": required_version(msg), **msg}
     validate_request(msg, id)
     return msg
 
 
 def cancel_request(id: Id) -> dict[str, Any]:
-    return {"v": PROTOCOL_VERSION, "type": "cancel", "id": id}
+    return _stamped({"type": "cancel", "id": id}, id)
 
 
 def status_request(id: Id = None) -> dict[str, Any]:
-    return _with_id({"v": PROTOCOL_VERSION, "type": "status"}, id)
+    return _stamped({"type": "status"}, id)
 
 
 def ping_request(id: Id = None) -> dict[str, Any]:
-    return _with_id({"v": PROTOCOL_VERSION, "type": "ping"}, id)
+    return _stamped({"type": "ping"}, id)
 
 
-def _with_id(msg: dict[str, Any], id: Id) -> dict[str, Any]:
+def _stamped(msg: dict[str, Any], id: Id) -> dict[str, Any]:
+    """With ``id`` (when given) and ``v``: the lowest version the message needs."""
     if id is not None:
         msg["id"] = id
-    return msg
+    return {"v": required_version(msg), **msg}
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Replies: builders (the daemon's side)
 
 
-def accepted(id: Id, rid: int) -> dict[str, Any]:
-    return {"v": PROTOCOL_VERSION, "type": "accepted", "id": id, "rid": rid}
+# Every builder takes ``v``: the version of the request it answers (see Versions).
 
 
-def token(id: Id, text: str, token_ids: list[int]) -> dict[str, Any]:
-    return {"v": PROTOCOL_VERSION, "type": "token", "id": id, "text": text, "token_ids": list(token_ids)}
+def accepted(id: Id, rid: int, *, v: int = PROTOCOL_VERSION) -> dict[str, Any]:
+    return {"v": v, "type": "accepted", "id": id, "rid": rid}
+
+
+def token(id: Id, text: str, token_ids: list[int], *, v: int = PROTOCOL_VERSION) -> dict[str, Any]:
+    return {"v": v, "type": "token", "id": id, "text": text, "token_ids": list(token_ids)}
 
 
 def done(
@@ -606,11 +678,14 @@ def done(
     total_s: float,
     text: str | None = None,
     token_ids: list[int] | None = None,
+    *,
+    v: int = PROTOCOL_VERSION,
     **extra: Any,
 ) -> dict[str, Any]:
-    """``text`` and ``token_ids`` only with stream=false. ``extra`` fields (e.g. seed) go out as they are."""
+    """``text`` and ``token_ids`` only with stream=false. ``extra`` fields (e.g. schema_complete) go out as
+    they are."""
     msg = {
-        "v": PROTOCOL_VERSION,
+        "v": v,
         "type": "done",
         "id": id,
         "finish_reason": finish_reason,
@@ -628,22 +703,22 @@ def done(
     return msg
 
 
-def error(id: Id, code: str, message: str) -> dict[str, Any]:
+def error(id: Id, code: str, message: str, *, v: int = PROTOCOL_VERSION) -> dict[str, Any]:
     if code not in ERROR_CODES:
         raise ValueError(f"unknown error code {code!r}")
-    return {"v": PROTOCOL_VERSION, "type": "error", "id": id, "code": code, "message": message}
+    return {"v": v, "type": "error", "id": id, "code": code, "message": message}
 
 
-def cancelled(id: Id, generated_tokens: int) -> dict[str, Any]:
-    return {"v": PROTOCOL_VERSION, "type": "cancelled", "id": id, "generated_tokens": generated_tokens}
+def cancelled(id: Id, generated_tokens: int, *, v: int = PROTOCOL_VERSION) -> dict[str, Any]:
+    return {"v": v, "type": "cancelled", "id": id, "generated_tokens": generated_tokens}
 
 
-def status(id: Id, info: dict[str, Any]) -> dict[str, Any]:
-    return {"v": PROTOCOL_VERSION, "type": "status", "id": id, "status": info}
+def status(id: Id, info: dict[str, Any], *, v: int = PROTOCOL_VERSION) -> dict[str, Any]:
+    return {"v": v, "type": "status", "id": id, "status": info}
 
 
-def pong(id: Id, time: float, state: str = "ready") -> dict[str, Any]:
-    return {"v": PROTOCOL_VERSION, "type": "pong", "id": id, "time": float(time), "state": state}
+def pong(id: Id, time: float, state: str = "ready", *, v: int = PROTOCOL_VERSION) -> dict[str, Any]:
+    return {"v": v, "type": "pong", "id": id, "time": float(time), "state": state}
 
 
 # ---------------------------------------------------------------------------------------------------------

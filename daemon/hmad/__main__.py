@@ -1,12 +1,14 @@
 """`hmad`: the command line.
 
     hmad [--config FILE] [--model M] [--backend B] [--socket PATH] [--set KEY=VALUE]... [--foreground]
-    hmad generate [--model default] [--backend cpu] [--max-tokens N] [--temperature T] ... [--json] PROMPT
+    hmad generate [--model default] [--backend cpu] [--max-tokens N] [--temperature T] ...
+                  [--json-schema FILE_OR_JSON] [--json] PROMPT
     hmad install-default-model
 
 With no subcommand hmad runs the service in the foreground (systemd runs it so too). ``generate`` runs
 offline (no daemon): it loads the model, streams the continuation to stdout and, with ``--json``, prints
-one JSON object on the last line.
+one JSON object on the last line. ``--json-schema`` constrains the continuation to JSON satisfying the
+schema (a file, or the schema's JSON text itself).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import logging
 import sys
 
+from hmaclient.cli import json_schema_arg
 from hmad.errors import HmadError
 
 
@@ -64,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default="default", help="'default', a .gguf file or an HF checkpoint dir")
     g.add_argument("--backend", default="cpu", choices=["cpu", "vulkan", "npu", "auto"])
     g.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    g.add_argument(
+        "--json-schema",
+        type=json_schema_arg,
+        metavar="FILE_OR_JSON",
+        help="constrain the output to JSON satisfying this JSON Schema (a file, or the JSON text)",
+    )
     g.add_argument("prompt", help="prompt text, or - to read stdin")
     _add_sampling_flags(g)
     sub.add_parser("install-default-model", help="assemble and verify the embedded default model")
@@ -87,6 +96,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop=args.stop,
     )
     params.validate()
+    if args.json_schema is not None:
+        from hmad.engine.structured import compile_schema
+
+        try:
+            compile_schema(args.json_schema)  # before the model loads: a bad schema is a usage error
+        except ValueError as e:
+            print(f"hmad: {e}", file=sys.stderr)
+            return 2
     model = load_model(args.model, backend=args.backend)
 
     def stream(ev):
@@ -94,7 +111,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(ev.text)
             sys.stdout.flush()
 
-    res = generate(model, [prompt], params, on_event=stream)[0]
+    res = generate(model, [prompt], params, on_event=stream, json_schemas=args.json_schema)[0]
     sys.stdout.write("\n")
     if args.json:
         out = {

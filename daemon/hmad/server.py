@@ -18,6 +18,7 @@ Guarantees:
   outbox overflows has its requests cancelled;
 - while the model loads (no engine attached yet) the socket already answers: ``status`` shows the load's
   progress, ``ping`` says ``state: loading``, a ``generate`` gets ``error`` code ``loading``.
+- every reply carries the protocol version of the request it answers (a version-1 client never sees 2).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import zmq
 from hmaclient import protocol as P
 from hmad.engine.request import Event, Request
 from hmad.engine.sampling import SamplingParams
+from hmad.engine.structured import compile_schema
 from hmad.engine.worker import EngineThread
 from hmad.errors import UnencodableText
 from hmad.model.chat import render_chat, render_prompt
@@ -51,6 +53,7 @@ class Route:
     peer: bytes
     client_id: object
     stream: bool
+    v: int  # the request's protocol version, which every reply to it carries
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
 
@@ -157,7 +160,7 @@ class Server:
             req = P.parse_request(frame, max_size=self.max_frame_bytes)
         except P.ProtocolError as e:
             self.counters["bad_request"] += 1
-            self._send(peer, P.error(e.id, e.code, e.message))
+            self._send(peer, e.reply())
             return
         handler = {
             P.GenerateRequest: self._generate,
@@ -176,7 +179,8 @@ class Server:
         that far: its route ends and the engine drops it); log the traceback once."""
         log.exception("%s %r from peer %s failed", type(req).__name__, req.id, peer.hex())
         self.counters["internal"] += 1
-        reply = P.error(req.id, P.INTERNAL, f"hmad failed on this request: {type(e).__name__}: {e}")
+        msg = f"hmad failed on this request: {type(e).__name__}: {e}"
+        reply = P.error(req.id, P.INTERNAL, msg, v=req.v)
         started = [rid for rid in range(first_rid, self.next_rid) if rid in self.routes]
         try:
             for rid in started:
@@ -191,37 +195,37 @@ class Server:
     def _generate(self, peer: bytes, req) -> None:
         key = (peer, req.id)
         if self.draining:
-            return self._send(peer, P.error(req.id, P.SHUTTING_DOWN, "hmad is shutting down"))
+            return self._refuse(peer, req, P.SHUTTING_DOWN, "hmad is shutting down")
         if self.engine is None:
             msg = f"hmad is loading its model ({self.loading_status().get('phase', '')}); retry when ready"
-            return self._send(peer, P.error(req.id, P.LOADING, msg))
+            return self._refuse(peer, req, P.LOADING, msg)
         if req.id is not None and key in self.by_client:
-            msg = f"request id {req.id!r} is already active"
-            return self._send(peer, P.error(req.id, P.BAD_REQUEST, msg))
+            return self._refuse(peer, req, P.BAD_REQUEST, f"request id {req.id!r} is already active")
         if len(self.routes) >= self.max_in_flight:
-            msg = f"{len(self.routes)} requests in flight; retry later"
-            return self._send(peer, P.error(req.id, P.BUSY, msg))
+            return self._refuse(peer, req, P.BUSY, f"{len(self.routes)} requests in flight; retry later")
         try:
-            ids, params = self._prepare(req)
+            ids, params, grammar = self._prepare(req)
         except PromptTooLong as e:
-            return self._send(peer, P.error(req.id, P.PROMPT_TOO_LONG, str(e)))
+            return self._refuse(peer, req, P.PROMPT_TOO_LONG, str(e))
         except UnencodableText as e:
             self.counters["unencodable"] += 1
-            return self._send(peer, P.error(req.id, P.BAD_REQUEST, str(e)))
-        except ValueError as e:  # the chat template's or SamplingParams' checks
-            return self._send(peer, P.error(req.id, P.BAD_REQUEST, str(e)))
+            return self._refuse(peer, req, P.BAD_REQUEST, str(e))
+        except ValueError as e:  # the chat template's, SamplingParams' or the schema's checks
+            return self._refuse(peer, req, P.BAD_REQUEST, str(e))
         rid = self.next_rid
         self.next_rid += 1
-        self.routes[rid] = Route(peer, req.id, req.stream)
+        self.routes[rid] = Route(peer, req.id, req.stream, req.v)
         if req.id is not None:  # id-less requests cannot be cancelled by id
             self.by_client[key] = rid
-        self._send(peer, P.accepted(req.id, rid))
-        self.engine.submit(Request(rid, ids, params, tag=key))
+        self._send(peer, P.accepted(req.id, rid, v=req.v))
+        self.engine.submit(Request(rid, ids, params, tag=key, grammar=grammar))
 
-    def _prepare(self, req) -> tuple[list[int], SamplingParams]:
-        """Prompt ids and sampling parameters; raises PromptTooLong, UnencodableText or ValueError."""
+    def _prepare(self, req) -> tuple[list[int], SamplingParams, str | None]:
+        """Prompt ids, sampling parameters and the json_schema's grammar; raises PromptTooLong,
+        UnencodableText or ValueError (naming the problem)."""
         params = SamplingParams(**{**vars(self.defaults), **req.sampling()})
         params.validate()
+        grammar = None if req.json_schema is None else compile_schema(req.json_schema)
         if req.messages is not None:
             text = render_chat(req.messages)
         else:
@@ -235,19 +239,22 @@ class Server:
         ids = tok.encode(text)
         if len(ids) >= context:
             raise PromptTooLong(f"the prompt is {len(ids)} tokens; the context holds {context}")
-        return ids, params
+        return ids, params, grammar
+
+    def _refuse(self, peer: bytes, req, code: str, message: str) -> None:
+        self._send(peer, P.error(req.id, code, message, v=req.v))
 
     def _cancel(self, peer: bytes, req) -> None:
         rid = self.by_client.get((peer, req.id))
         if rid is None or self.engine is None:
-            return self._send(peer, P.error(req.id, P.NOT_FOUND, f"no active request with id {req.id!r}"))
+            return self._refuse(peer, req, P.NOT_FOUND, f"no active request with id {req.id!r}")
         self.engine.cancel(rid)
 
     def _status(self, peer: bytes, req) -> None:
-        self._send(peer, P.status(req.id, self.status()))
+        self._send(peer, P.status(req.id, self.status(), v=req.v))
 
     def _ping(self, peer: bytes, req) -> None:
-        self._send(peer, P.pong(req.id, time.time(), "loading" if self.engine is None else "ready"))
+        self._send(peer, P.pong(req.id, time.time(), "loading" if self.engine is None else "ready", v=req.v))
 
     def status(self) -> dict:
         if self.engine is None:
@@ -271,6 +278,7 @@ class Server:
             "in_flight": len(self.routes),
             "recent_batch_sizes": snap.get("recent_batch_sizes", []),
             "step_ms": snap.get("step_ms", 0.0),
+            "json_mask_ms": snap.get("json_mask_ms", 0.0),
             "server_us_per_reply": round(1e6 * self.forward_s / max(1, self.events_forwarded), 2),
             "tokens_per_s": snap.get("tokens_per_s", 0.0),
             "tokens_generated": snap.get("tokens_generated", 0),
@@ -302,7 +310,7 @@ class Server:
             return  # its peer is gone or it already ended
         if ev.kind == "token":
             if route.stream:
-                self._send(route.peer, P.token(route.client_id, ev.text, ev.token_ids))
+                self._send(route.peer, P.token(route.client_id, ev.text, ev.token_ids, v=route.v))
             else:
                 route.text.append(ev.text)
                 route.token_ids += ev.token_ids
@@ -318,17 +326,19 @@ class Server:
         if not ev.terminal:
             self.engine.cancel(ev.request_id)  # its later events find no route and are dropped
         with contextlib.suppress(Exception):
-            self._end(ev.request_id, P.error(route.client_id, P.INTERNAL, f"{type(e).__name__}: {e}"))
+            reply = P.error(route.client_id, P.INTERNAL, f"{type(e).__name__}: {e}", v=route.v)
+            self._end(ev.request_id, reply)
 
     @staticmethod
     def _terminal(route: Route, ev: Event) -> dict:
+        v = route.v
         if ev.kind == "done":
             extra = {} if route.stream else {"text": "".join(route.text), "token_ids": route.token_ids}
-            return P.done(route.client_id, ev.finish_reason, **ev.stats, **extra)
+            return P.done(route.client_id, ev.finish_reason, **ev.stats, **extra, v=v)
         if ev.kind == "cancelled":
-            return P.cancelled(route.client_id, ev.stats.get("generated_tokens", 0))
+            return P.cancelled(route.client_id, ev.stats.get("generated_tokens", 0), v=v)
         code = ev.error_code if ev.error_code in P.ERROR_CODES else P.INTERNAL
-        return P.error(route.client_id, code, ev.text)
+        return P.error(route.client_id, code, ev.text, v=v)
 
     def _end(self, rid: int, reply: dict | None) -> None:
         route = self.routes.pop(rid)
@@ -386,7 +396,8 @@ class Server:
         if self.engine is not None and self.engine.failed:
             for rid in list(self.routes):
                 route = self.routes[rid]
-                self._end(rid, P.error(route.client_id, P.INTERNAL, "engine failure; see the daemon log"))
+                msg = "engine failure; see the daemon log"
+                self._end(rid, P.error(route.client_id, P.INTERNAL, msg, v=route.v))
         if self.routes and time.monotonic() >= self.drain_deadline:
             for rid in list(self.routes):
                 self.engine.cancel(rid)

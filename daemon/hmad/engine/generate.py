@@ -14,6 +14,7 @@ from typing import Any
 from hmad.engine.request import Event, Request
 from hmad.engine.sampling import SamplingParams
 from hmad.engine.scheduler import Scheduler, SchedulerConfig
+from hmad.engine.structured import compile_schema
 
 
 @dataclass
@@ -33,12 +34,17 @@ def generate(
     params: list[SamplingParams] | SamplingParams,
     cfg: SchedulerConfig | None = None,
     on_event: Callable[[Event], None] | None = None,
+    json_schemas: list[dict[str, Any] | None] | dict[str, Any] | None = None,
 ) -> list[Result]:
     """Generate for every prompt (text, or token ids) concurrently; returns results in prompt order.
 
     Without ``cfg`` the KV cache is sized to what these prompts can use (prompt + max_tokens each).
+    ``json_schemas``: one JSON Schema for every prompt, or one (or None) per prompt, that the answers must
+    satisfy (ValueError names a schema that cannot be compiled); their stats say ``schema_complete``.
     """
     plist = params if isinstance(params, list) else [params] * len(prompts)
+    slist = json_schemas if isinstance(json_schemas, list) else [json_schemas] * len(prompts)
+    grammars = [None if s is None else compile_schema(s) for s in slist]
     encoded = [model.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
     if cfg is None:
         ctx = model.config.context_length
@@ -46,9 +52,9 @@ def generate(
         cfg = SchedulerConfig(max_seqs=max(1, len(prompts)), kv_tokens=max(need, 16))
     sched = Scheduler(model, cfg)
     results = {}
-    for i, (ids, p) in enumerate(zip(encoded, plist, strict=True)):
+    for i, (ids, p, g) in enumerate(zip(encoded, plist, grammars, strict=True)):
         p.validate()
-        sched.submit(Request(i, ids, dataclasses.replace(p)))
+        sched.submit(Request(i, ids, dataclasses.replace(p), grammar=g))
         results[i] = Result(ids)
     while sched.has_work():
         for ev in sched.step():

@@ -14,6 +14,7 @@ from typing import Any
 
 from hmad.engine.sampling import Sampler, SamplingParams
 from hmad.engine.stopping import StopMatcher
+from hmad.engine.structured import JsonConstraint, Vocabulary
 from hmad.model.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -49,12 +50,16 @@ class Event:
 
 @dataclass
 class Request:
-    """One generation: prompt ids in, streamed text and ids out."""
+    """One generation: prompt ids in, streamed text and ids out.
+
+    ``grammar``: an llguidance grammar (from ``structured.compile_schema``) the output must follow, or None.
+    """
 
     id: int
     prompt_ids: list[int]
     params: SamplingParams
     tag: Any = None  # opaque to the engine: the server's routing info
+    grammar: str | None = None
     state: State = State.WAITING
     n_cached: int = 0  # positions already in the KV cache
     n_reused: int = 0  # of the prompt's, those found in the prefix cache at admission
@@ -66,11 +71,15 @@ class Request:
     sampler: Sampler | None = None
     stops: StopMatcher | None = None
     decoder: StreamDecoder | None = None
+    constraint: JsonConstraint | None = None
 
     def start(self, tokenizer: Tokenizer) -> None:
+        """Make the per-request state. Raises ValueError if the grammar cannot run on this tokenizer."""
         self.sampler = Sampler(self.params)
         self.stops = StopMatcher(list(self.params.stop or []))
         self.decoder = StreamDecoder(tokenizer)
+        if self.grammar is not None:
+            self.constraint = JsonConstraint(self.grammar, Vocabulary.of(tokenizer))
 
     @property
     def n_positions(self) -> int:
@@ -95,7 +104,7 @@ class Request:
         first = self.t_first or end
         n = len(self.output_ids)
         decode_s = end - first
-        return {
+        stats = {
             "prompt_tokens": len(self.prompt_ids),
             "cached_tokens": self.n_reused,
             "generated_tokens": n,
@@ -103,3 +112,6 @@ class Request:
             "total_s": round(end - self.t_arrival, 6),
             "tokens_per_s": round((n - 1) / decode_s, 3) if n > 1 and decode_s > 0 else 0.0,
         }
+        if self.constraint is not None:  # the text is the whole JSON value (a stop string cuts it short)
+            stats["schema_complete"] = self.constraint.complete and not (self.stops and self.stops.hit)
+        return stats

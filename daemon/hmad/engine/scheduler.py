@@ -8,7 +8,7 @@ Each ``step()``:
                 step's token budget lasts; each takes the KV blocks its positions need;
   4. forward  - one batched forward pass, logits only for rows that produce a token;
   5. commit   - blocks the step filled are registered in the prefix cache;
-  6. sample   - per request: sampler -> stream decoder -> stop strings -> limits; events out;
+  6. sample   - per request: [json mask] -> sampler -> stream decoder -> stop strings -> limits; events out;
   7. release  - finished requests give their blocks back (full ones stay cached until evicted).
 Requests join and leave between steps; nothing a request does changes another's tokens.
 
@@ -19,6 +19,12 @@ retried (the step may have half-written their KV blocks); requests waiting, or r
 go on. A backend that raises ``BackendUnusable`` can run no further step: that propagates, and the engine
 thread fails everything (engine/worker.py). So does an exception while retiring, admitting or planning
 (bookkeeping), as the scheduler's state can no longer be trusted.
+
+Structured output: a request with a grammar (``Request.constraint``) needs its whole logits row, so a step
+holding one reads the full rows back (``model.forward``) rather than the on-device argmax or top-k. Its
+mask sets every token the grammar forbids to -inf before the sampler runs; end-of-turn is allowed only once
+the JSON is complete, and the answer ends ("stop") as soon as the grammar allows nothing more. Running out
+of max_tokens first ends it with "length" and ``schema_complete: false`` in its stats.
 """
 
 from __future__ import annotations
@@ -44,6 +50,10 @@ class QueueFull(HmadError):
 
 class RequestRejected(HmadError):
     """A request that can never run (prompt too long for the context or the KV cache)."""
+
+
+class RequestInvalid(HmadError):
+    """A request whose own settings cannot run (its json_schema's grammar fails on this vocabulary)."""
 
 
 @dataclass
@@ -77,6 +87,7 @@ class Scheduler:
         self.recent_batches: collections.deque[int] = collections.deque(maxlen=32)
         self.recent_step_s: collections.deque[float] = collections.deque(maxlen=32)
         self.recent_forward_s: collections.deque[float] = collections.deque(maxlen=32)
+        self.recent_mask_s: collections.deque[float] = collections.deque(maxlen=256)  # per masked token
         self.steps = 0
         self.tokens_out = 0
 
@@ -97,7 +108,10 @@ class Scheduler:
             )
         if len(self.waiting) >= self.cfg.max_queue:
             raise QueueFull(f"{len(self.waiting)} requests waiting")
-        req.start(self.model.tokenizer)
+        try:
+            req.start(self.model.tokenizer)
+        except ValueError as e:
+            raise RequestInvalid(str(e)) from None
         self.waiting.append(req)
 
     def cancel(self, request_id: int) -> None:
@@ -152,10 +166,6 @@ class Scheduler:
         msg = f"the forward pass of step {self.steps} failed: {type(e).__name__}: {e}"
         return [ev for r in reqs for ev in self._fail(r, msg)]
 
-    def _fail(self, r: Request, message: str) -> list[Event]:
-        r.state, r.finish_reason, r.t_done = State.FINISHED, "error", time.perf_counter()
-        return [Event("error", r.id, text=message, error_code="internal")]
-
     def _forward(self, fn, batch: StepBatch):
         """``fn(batch)``, timed: the forward pass (device work and its wait) apart from the host work."""
         t0 = time.perf_counter()
@@ -209,6 +219,10 @@ class Scheduler:
         return events
 
     def _sample_one(self, r: Request, row: np.ndarray) -> list[Event]:
+        if r.constraint is not None:  # structured output: the tokens its grammar forbids go to -inf
+            t0 = time.perf_counter()
+            row = r.constraint.mask(row)
+            self.recent_mask_s.append(time.perf_counter() - t0)
         tok = r.sampler.sample(row, r.prompt_ids + r.output_ids)
         r.state = State.DECODE
         return self._accept_token(r, tok)
@@ -237,7 +251,7 @@ class Scheduler:
         """Whether every token of this step can be sampled from the backend's on-device top-k candidates
         (each request's sampler needs at most that many: engine/sampling.py, "Candidates")."""
         m = getattr(self.model.backend, "topk_max", 0)
-        if not (reqs and m):
+        if not (reqs and m) or any(r.constraint for r in reqs):
             return False
         needs = [r.sampler.candidates_needed(r.prompt_ids + r.output_ids) for r in reqs]
         return all(n is not None and n <= m for n in needs)
@@ -247,7 +261,10 @@ class Scheduler:
         return (
             bool(reqs)
             and getattr(self.model.backend, "greedy_on_device", False)
-            and all(r.params.temperature == 0 and r.params.repetition_penalty == 1.0 for r in reqs)
+            and all(
+                r.params.temperature == 0 and r.params.repetition_penalty == 1.0 and r.constraint is None
+                for r in reqs
+            )
         )
 
     def _take_ids(self, reqs: list[Request], ids: np.ndarray) -> list[Event]:
@@ -264,9 +281,13 @@ class Scheduler:
             return self._finish(r, "stop", self._flush(r, [], ""))
         r.output_ids.append(tok)
         self.tokens_out += 1
+        if r.constraint is not None:
+            r.constraint.accept(tok)
         text, hit = r.stops.feed(r.decoder.feed(tok))
         if hit:
             return self._finish(r, "stop", [Event("token", r.id, text, [tok])] if text else [])
+        if r.constraint is not None and r.constraint.stopped:  # the JSON is whole: nothing may follow
+            return self._finish(r, "stop", self._flush(r, [tok], text))
         if len(r.output_ids) >= r.params.max_tokens or len(r.prompt_ids) + len(r.output_ids) >= self.context:
             return self._finish(r, "length", self._flush(r, [tok], text))
         return [Event("token", r.id, text, [tok])]
@@ -281,6 +302,11 @@ class Scheduler:
     def _finish(self, r: Request, reason: str, events: list[Event]) -> list[Event]:
         r.state, r.finish_reason, r.t_done = State.FINISHED, reason, time.perf_counter()
         return [*events, Event("done", r.id, finish_reason=reason, stats=r.stats())]
+
+    def _fail(self, r: Request, message: str) -> list[Event]:
+        """End one request with an ``internal`` error; the others go on."""
+        r.state, r.finish_reason, r.t_done = State.FINISHED, "error", time.perf_counter()
+        return [Event("error", r.id, text=message, error_code="internal")]
 
     def _release_finished(self) -> None:
         for r in self.running:
@@ -299,5 +325,6 @@ class Scheduler:
             # detokenization, stop strings, events
             "forward_ms": round(1e3 * sum(self.recent_forward_s) / max(1, len(self.recent_forward_s)), 3),
             "steps": self.steps,
+            "json_mask_ms": round(1e3 * sum(self.recent_mask_s) / max(1, len(self.recent_mask_s)), 4),
             "kv": self.kv.usage(),
         }

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 
 from hmad.engine.request import Event, Request
-from hmad.engine.scheduler import QueueFull, RequestRejected, Scheduler
+from hmad.engine.scheduler import QueueFull, RequestInvalid, RequestRejected, Scheduler
 
 log = logging.getLogger("hmad.engine")
 
@@ -90,6 +90,8 @@ class EngineThread:
                 return [Event("error", arg.id, error_code="busy", text=str(e))]
             except RequestRejected as e:
                 return [Event("error", arg.id, error_code="prompt_too_long", text=str(e))]
+            except RequestInvalid as e:
+                return [Event("error", arg.id, error_code="bad_request", text=str(e))]
             except Exception as e:  # this request alone: e.g. its sampler or stop strings could not be built
                 log.exception("request %d could not be queued", arg.id)
                 text = f"could not queue the request: {type(e).__name__}: {e}"
