@@ -57,6 +57,7 @@ Requests (client -> daemon)
 
 ``status``    what the daemon is doing              id optional, echoed
 ``ping``      liveness                              id optional, echoed
+``metrics``   cumulative counters and histograms    id optional, echoed. Since version 2.
 
 Replies (daemon -> client)
 ==========================
@@ -78,12 +79,21 @@ Replies (daemon -> client)
                batch_sizes, tokens_per_s, kv_cache, uptime_s. Keys ending in ``_bytes`` are byte counts and
                ``_s`` seconds (``hmactl status`` formats them so).
 ``pong``       {id, time}: the daemon's wall clock, float seconds since the epoch.
+``metrics``    {id, metrics: list of families} (since version 2): what Prometheus calls metric families,
+               counted since the daemon started. A family is
+                   {name: str, type: "counter" | "gauge" | "histogram", help: str, samples: list}
+               name is snake_case, without a prefix or a ``_total`` suffix, its unit last (``_seconds``,
+               ``_bytes``). A sample of a counter or gauge is {labels: map of str -> str, value: number};
+               one of a histogram is {labels, bounds: list of number (ascending upper bounds),
+               buckets: list of int (buckets[i] = observations <= bounds[i], cumulative), count: int (all
+               observations), sum: number}. Which families exist is the daemon's to say (docs/protocol.md
+               lists them); clients show what comes.
 
 Order: a ``generate`` gets either one ``error`` (refused: nothing else follows), or ``accepted`` then any
 number of ``token`` then **exactly one** terminal reply: ``done`` | ``error`` | ``cancelled``. An ``error``
 may follow ``accepted`` (e.g. prompt_too_long is known only once the prompt is tokenized).
-``status`` and ``ping`` get one reply each. A frame the daemon cannot parse gets ``error`` with the
-request's id when it could be read, else ``id: nil``.
+``status``, ``ping`` and ``metrics`` get one reply each. A frame the daemon cannot parse gets ``error``
+with the request's id when it could be read, else ``id: nil``.
 
 Error codes
 ===========
@@ -173,8 +183,9 @@ ERROR_CODES = frozenset(
 
 FINISH_REASONS = frozenset({"stop", "length"})
 ROLES = frozenset({"system", "user", "model", "assistant"})
-REQUEST_TYPES = frozenset({"generate", "cancel", "status", "ping"})
-REPLY_TYPES = frozenset({"accepted", "token", "done", "error", "cancelled", "status", "pong"})
+REQUEST_TYPES = frozenset({"generate", "cancel", "status", "ping", "metrics"})
+REPLY_TYPES = frozenset({"accepted", "token", "done", "error", "cancelled", "status", "pong", "metrics"})
+METRIC_TYPES = frozenset({"counter", "gauge", "histogram"})
 TERMINAL_TYPES = frozenset({"done", "error", "cancelled"})
 
 Id = str | int | None
@@ -373,7 +384,12 @@ class PingRequest:
     id: Id = None
 
 
-Request = GenerateRequest | CancelRequest | StatusRequest | PingRequest
+@dataclass
+class MetricsRequest:
+    id: Id = None
+
+
+Request = GenerateRequest | CancelRequest | StatusRequest | PingRequest | MetricsRequest
 
 
 def _real(lo: float, hi: float, lo_open: bool = False):
@@ -417,6 +433,7 @@ _FIELDS = {
     "cancel": frozenset(_ENVELOPE),
     "status": frozenset(_ENVELOPE),
     "ping": frozenset(_ENVELOPE),
+    "metrics": frozenset(_ENVELOPE),
 }
 
 
@@ -445,7 +462,7 @@ def validate_request(msg: dict[str, Any], mid: Id = None) -> Request:
         if msg.get("id") is None:
             raise ProtocolError(BAD_REQUEST, "cancel needs the 'id' of the generation to cancel")
         return CancelRequest(mid)
-    return StatusRequest(mid) if mtype == "status" else PingRequest(mid)
+    return {"status": StatusRequest, "ping": PingRequest, "metrics": MetricsRequest}[mtype](mid)
 
 
 def _generate(msg: dict[str, Any], mid: Id) -> GenerateRequest:
@@ -568,6 +585,10 @@ def ping_request(id: Id = None) -> dict[str, Any]:
     return _with_id({"v": PROTOCOL_VERSION, "type": "ping"}, id)
 
 
+def metrics_request(id: Id = None) -> dict[str, Any]:
+    return _with_id({"v": PROTOCOL_VERSION, "type": "metrics"}, id)
+
+
 def _with_id(msg: dict[str, Any], id: Id) -> dict[str, Any]:
     if id is not None:
         msg["id"] = id
@@ -636,6 +657,11 @@ def pong(id: Id, time: float) -> dict[str, Any]:
     return {"v": PROTOCOL_VERSION, "type": "pong", "id": id, "time": float(time)}
 
 
+def metrics(id: Id, families: list[dict[str, Any]]) -> dict[str, Any]:
+    """``families`` as the module docstring describes them (hmad.metrics builds them)."""
+    return {"v": PROTOCOL_VERSION, "type": "metrics", "id": id, "metrics": families}
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Replies: parsed (the client's side)
 
@@ -692,7 +718,13 @@ class Pong:
     time: float
 
 
-Reply = Accepted | Token | Done | Error | Cancelled | Status | Pong
+@dataclass
+class Metrics:
+    id: Id
+    families: list[dict[str, Any]]
+
+
+Reply = Accepted | Token | Done | Error | Cancelled | Status | Pong | Metrics
 
 _NUM = (int, float)
 # type -> (class, {field: accepted types}) for the required fields; optional ones are handled below.
@@ -714,6 +746,7 @@ _REPLY_SCHEMA: dict[str, tuple[type, dict[str, tuple[type, ...] | type]]] = {
     "cancelled": (Cancelled, {"generated_tokens": int}),
     "status": (Status, {"status": dict}),
     "pong": (Pong, {"time": _NUM}),
+    "metrics": (Metrics, {"metrics": list}),
 }
 
 
@@ -735,11 +768,24 @@ def parse_reply(frame: bytes, max_size: int = MAX_REPLY_BYTES) -> Reply:
     values = {name: msg[name] for name in required}
     if mtype == "status":
         return Status(mid, msg["status"])
+    if mtype == "metrics":
+        return Metrics(mid, [f for f in msg["metrics"] if _is_family(f)])
     if mtype == "done":
         known = {"v", "type", "id", "text", "token_ids", *required}
         extra = {k: v for k, v in msg.items() if k not in known}
         return Done(mid, **values, text=msg.get("text"), token_ids=msg.get("token_ids"), extra=extra)
     return cls(mid, **values)
+
+
+def _is_family(f: Any) -> bool:
+    """A metric family a client can show (others, e.g. of a type a newer daemon added, are dropped)."""
+    return (
+        isinstance(f, dict)
+        and isinstance(f.get("name"), str)
+        and f.get("type") in METRIC_TYPES
+        and isinstance(f.get("samples"), list)
+        and all(isinstance(s, dict) and isinstance(s.get("labels", {}), dict) for s in f["samples"])
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------

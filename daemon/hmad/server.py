@@ -29,6 +29,7 @@ from hmaclient import protocol as P
 from hmad.engine.request import Event, Request
 from hmad.engine.sampling import SamplingParams
 from hmad.engine.worker import EngineThread
+from hmad.metrics import Metrics
 from hmad.model.chat import render_chat, render_prompt
 
 log = logging.getLogger("hmad.server")
@@ -89,6 +90,7 @@ class Server:
         self.drain_deadline = 0.0
         self.started = time.time()
         self.counters = collections.Counter()
+        self.metrics = Metrics()  # the engine thread writes its step timings here too
         self.forward_s, self.events_forwarded = 0.0, 0  # time the loop spends per reply (pack + send)
 
     # -- engine side -----------------------------------------------------------------------------------
@@ -140,13 +142,14 @@ class Server:
             req = P.parse_request(frame, max_size=self.max_frame_bytes)
         except P.ProtocolError as e:
             self.counters["bad_request"] += 1
-            self._send(peer, P.error(e.id, e.code, e.message))
+            self._refuse(peer, e.id, e.code, e.message)
             return
         handler = {
             P.GenerateRequest: self._generate,
             P.CancelRequest: self._cancel,
             P.StatusRequest: self._status,
             P.PingRequest: self._ping,
+            P.MetricsRequest: self._metrics,
         }[type(req)]
         handler(peer, req)
 
@@ -154,21 +157,19 @@ class Server:
     def _generate(self, peer: bytes, req) -> None:
         key = (peer, req.id)
         if self.draining:
-            return self._send(peer, P.error(req.id, P.SHUTTING_DOWN, "hmad is shutting down"))
+            return self._refuse(peer, req.id, P.SHUTTING_DOWN, "hmad is shutting down")
         if req.id is not None and key in self.by_client:
-            msg = f"request id {req.id!r} is already active"
-            return self._send(peer, P.error(req.id, P.BAD_REQUEST, msg))
+            return self._refuse(peer, req.id, P.BAD_REQUEST, f"request id {req.id!r} is already active")
         if len(self.routes) >= self.max_in_flight:
-            msg = f"{len(self.routes)} requests in flight; retry later"
-            return self._send(peer, P.error(req.id, P.BUSY, msg))
+            return self._refuse(peer, req.id, P.BUSY, f"{len(self.routes)} requests in flight; retry later")
         try:
             ids, params = self._prepare(req)
         except ValueError as e:
-            return self._send(peer, P.error(req.id, P.BAD_REQUEST, str(e)))
+            return self._refuse(peer, req.id, P.BAD_REQUEST, str(e))
         context = self.engine.scheduler.context
         if len(ids) >= context:
             msg = f"the prompt is {len(ids)} tokens; the context holds {context}"
-            return self._send(peer, P.error(req.id, P.PROMPT_TOO_LONG, msg))
+            return self._refuse(peer, req.id, P.PROMPT_TOO_LONG, msg)
         rid = self.next_rid
         self.next_rid += 1
         self.routes[rid] = Route(peer, req.id, req.stream)
@@ -198,6 +199,24 @@ class Server:
 
     def _ping(self, peer: bytes, req) -> None:
         self._send(peer, P.pong(req.id, time.time()))
+
+    def _metrics(self, peer: bytes, req) -> None:
+        server = {
+            "in_flight": len(self.routes),
+            "uptime_s": round(time.time() - self.started, 3),
+            "info": {
+                "model": self.model.config.name or self.model.path,
+                "backend": self.model.backend.name,
+                "device": str(self.model.backend.device),
+            },
+        }
+        memory = self.model.backend.describe().get("memory", {})
+        self._send(peer, P.metrics(req.id, self.metrics.families(dict(self.engine.snapshot), server, memory)))
+
+    def _refuse(self, peer: bytes, id: P.Id, code: str, message: str) -> None:
+        """Answer a request with ``error`` before accepting it (and count it)."""
+        self.metrics.request_refused(code)
+        self._send(peer, P.error(id, code, message))
 
     def status(self) -> dict:
         snap = dict(self.engine.snapshot)
@@ -246,6 +265,8 @@ class Server:
                 route.text.append(ev.text)
                 route.token_ids += ev.token_ids
             return
+        reason = {"done": ev.finish_reason, "cancelled": "cancel"}.get(ev.kind, ev.error_code or P.INTERNAL)
+        self.metrics.request_ended(ev.kind, reason, ev.stats)
         self._end(ev.request_id, self._terminal(route, ev))
 
     @staticmethod
@@ -300,6 +321,7 @@ class Server:
             route = self.routes.pop(rid)
             self.by_client.pop((peer, route.client_id), None)
             self.counters["peer_gone"] += 1
+            self.metrics.request_ended("cancelled", "disconnect")
 
     # -- draining ----------------------------------------------------------------------------------------
     def begin_drain(self, grace_s: float) -> None:
@@ -312,6 +334,7 @@ class Server:
         if self.engine.failed:  # nothing will answer what the engine had not taken yet: answer it here
             for rid in list(self.routes):
                 route = self.routes[rid]
+                self.metrics.request_ended("error", P.INTERNAL)
                 self._end(rid, P.error(route.client_id, P.INTERNAL, "engine failure; see the daemon log"))
         if self.routes and time.monotonic() >= self.drain_deadline:
             for rid in list(self.routes):

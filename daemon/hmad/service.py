@@ -137,7 +137,7 @@ class Service:
             max_frame_bytes=cfg.limits.max_frame_bytes,
             status_extra=lambda: {"npu": npu_status(model.backend)},
         )
-        engine = server.engine = EngineThread(scheduler, server.wake)
+        engine = server.engine = EngineThread(scheduler, server.wake, server.metrics)
         self._socket_permissions()
         engine.start()
         self._install_signals()

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from hmad.engine.request import Event, Request
 from hmad.engine.scheduler import QueueFull, RequestRejected, Scheduler
+from hmad.metrics import Metrics
 
 log = logging.getLogger("hmad.engine")
 
@@ -25,9 +26,10 @@ IDLE_WAIT_S = 0.25
 class EngineThread:
     """Runs ``Scheduler.step()`` whenever there is work; thread-safe ``submit``/``cancel``/``snapshot``."""
 
-    def __init__(self, scheduler: Scheduler, wake: Callable[[], None]):
+    def __init__(self, scheduler: Scheduler, wake: Callable[[], None], metrics: Metrics | None = None):
         self.scheduler = scheduler
         self.wake = wake
+        self.metrics = metrics or Metrics()  # step timings and batch sizes go here
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.events: queue.SimpleQueue[list[Event]] = queue.SimpleQueue()
         self.last_progress = time.monotonic()
@@ -58,12 +60,20 @@ class EngineThread:
             while not self._stop.is_set():
                 self._drain_commands(block=not self.scheduler.has_work())
                 if self.scheduler.has_work():
-                    self._publish(self.scheduler.step())
+                    self._publish(self._step())
                 self._update_snapshot()
         except Exception:  # the engine must never die silently: fail every request, then stop
             log.exception("engine step failed")
             self.failed = True
             self._fail_all("internal", "engine failure; see the daemon log")
+
+    def _step(self) -> list[Event]:
+        """One scheduler step, timed into the metrics when it ran a forward pass."""
+        steps, t0 = self.scheduler.steps, time.perf_counter()
+        events = self.scheduler.step()
+        if self.scheduler.steps > steps:
+            self.metrics.step_done(self.scheduler.recent_batches[-1], time.perf_counter() - t0)
+        return events
 
     def _drain_commands(self, block: bool) -> None:
         events: list[Event] = []
