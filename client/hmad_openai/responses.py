@@ -23,12 +23,17 @@ def sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+def usage(r: Result) -> dict[str, Any]:
+    """OpenAI's usage from hmad's counts; ``prompt_tokens_details.cached_tokens`` where hmad's ``done``
+    reports prefix-cache hits (``cached_tokens``)."""
+    out: dict[str, Any] = {
+        "prompt_tokens": r.prompt_tokens,
+        "completion_tokens": r.generated_tokens,
+        "total_tokens": r.prompt_tokens + r.generated_tokens,
     }
+    if isinstance(r.extra.get("cached_tokens"), int):
+        out["prompt_tokens_details"] = {"cached_tokens": r.extra["cached_tokens"]}
+    return out
 
 
 def model_object(name: str, created: int) -> dict[str, Any]:
@@ -55,7 +60,7 @@ class Reply:
         else:
             choice = {"index": 0, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}
         body = self._head("chat.completion" if self.chat else "text_completion")
-        return {**body, "choices": [choice], "usage": usage(r.prompt_tokens, r.generated_tokens)}
+        return {**body, "choices": [choice], "usage": usage(r)}
 
     def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict[str, Any]:
         """A stream chunk: a piece of text, the role announcement (chat's first chunk) or the finish."""
@@ -70,7 +75,7 @@ class Reply:
 
     def usage_chunk(self, r: Result) -> dict[str, Any]:
         """The last chunk when stream_options.include_usage is set: no choices, the usage."""
-        return {**self._chunk_head(), "choices": [], "usage": usage(r.prompt_tokens, r.generated_tokens)}
+        return {**self._chunk_head(), "choices": [], "usage": usage(r)}
 
     def _chunk_head(self) -> dict[str, Any]:
         return self._head("chat.completion.chunk" if self.chat else "text_completion")
