@@ -482,3 +482,20 @@ def test_embedded_model_chat(embedded_model_path, tmp_path):
     finally:
         assert g.stop() in CLEAN_EXIT, g.log_path.read_text()
         assert d.stop() == 0, d.log_text()
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--port", "99999"], "a TCP port is 0..65535"),
+        (["--port", "x"], "invalid tcp_port value"),
+        (["--api-key-file", "/nonexistent/key"], "No such file"),
+        (["--api-key", "a", "--api-key-file", "b"], "not allowed with"),
+        (["--host", "no.such.host.invalid"], "hmad-openai:"),
+    ],
+)
+def test_usage_errors_exit_2(argv, says):
+    p = subprocess.run(
+        [sys.executable, "-m", "hmad_openai", *argv], capture_output=True, text=True, timeout=60
+    )
+    assert p.returncode == 2 and says in p.stderr, p.stderr

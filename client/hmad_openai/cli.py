@@ -32,13 +32,20 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hmad-openai", description="OpenAI-compatible HTTP gateway to hmad.")
     ap.add_argument("--socket", metavar="PATH", help=f"hmad's socket (default: {default_socket_path()})")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    ap.add_argument("--port", type=int, default=8080, help="TCP port (default: 8080; 0: any free port)")
+    ap.add_argument("--port", type=tcp_port, default=8080, help="TCP port (default: 8080; 0: any free port)")
     key = ap.add_mutually_exclusive_group()
     key.add_argument("--api-key", metavar="KEY", help=f"bearer token clients must send (or ${API_KEY_ENV})")
     key.add_argument("--api-key-file", metavar="PATH", help="read the bearer token from this file")
     ap.add_argument("--model-name", metavar="NAME", help="model id to report (default: hmad's model name)")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return ap
+
+
+def tcp_port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0..65535, got {port}")
+    return port
 
 
 def api_key(args: argparse.Namespace) -> str | None:
