@@ -32,6 +32,7 @@ from hmaclient import Client, RequestCancelled
 from hmaclient import protocol as P
 
 KEY = "sk-test-0123456789"
+WEB_ORIGIN = "http://localhost:3000"
 TINY_NAME = "tiny-gemma3-seed5"
 CLEAN_EXIT = (0, -signal.SIGTERM)
 HAS_JSON_SCHEMA = "json_schema" in {f.name for f in dataclasses.fields(P.GenerateRequest)}
@@ -91,7 +92,7 @@ def daemon(tiny_path, tmp_path_factory):
 def gateway(daemon, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gateway")
     (tmp / "key").write_text(KEY + "\n")
-    g = Gateway(daemon.socket, tmp, "--api-key-file", str(tmp / "key"))
+    g = Gateway(daemon.socket, tmp, "--api-key-file", str(tmp / "key"), "--cors-origin", WEB_ORIGIN)
     yield g
     assert g.stop() in CLEAN_EXIT, g.log_path.read_text()
 
@@ -272,6 +273,20 @@ def test_bearer_token(gateway, hmad):
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
     assert r.json()["error"]["type"] == "invalid_request_error"
     assert httpx.get(gateway.url + "/health").json() == {"status": "ok"}  # open: for health checks
+
+
+def test_cors_for_the_given_origin_only(gateway, http, hmad):
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    ok = httpx.options(gateway.url + "/v1/chat/completions", headers={"Origin": WEB_ORIGIN, **preflight})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == WEB_ORIGIN  # no key needed
+    assert "authorization" in ok.headers["access-control-allow-headers"].lower()
+    other = httpx.options(
+        gateway.url + "/v1/chat/completions", headers={"Origin": "http://evil.test", **preflight}
+    )
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    r = http.get("/v1/models", headers={"Origin": WEB_ORIGIN})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == WEB_ORIGIN
+    assert httpx.get(gateway.url + "/v1/models", headers={"Origin": WEB_ORIGIN}).status_code == 401  # still
 
 
 CHAT = {"model": "any", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

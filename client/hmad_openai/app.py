@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from prometheus_client.registry import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -52,11 +53,13 @@ ENDPOINTS = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/metrics"
 @dataclass
 class Settings:
     """What ``hmad-openai`` is told: hmad's socket (None: hmaclient's default), the bearer token (None: no
-    authentication), the model name to report (None: hmad's)."""
+    authentication), the model name to report (None: hmad's), the web origins whose pages may call the API
+    (CORS; none by default, "*" for any)."""
 
     socket: str | None = None
     api_key: str | None = None
     model_name: str | None = None
+    cors_origins: tuple[str, ...] = ()
 
 
 class ClientGone(Exception):
@@ -317,5 +320,12 @@ def build_app(settings: Settings) -> Starlette:
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=dict.fromkeys(handled, _on_error))
     app.state.gateway = gw
     app.add_middleware(BearerAuth, key=settings.api_key)
+    if settings.cors_origins:  # outside the key check: a browser's preflight carries no Authorization
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
     app.add_middleware(CountRequests, counter=gw.requests)
     return app

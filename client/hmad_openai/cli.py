@@ -1,7 +1,7 @@
 """``hmad-openai``: serve OpenAI's HTTP API for the hmad at ``--socket``, on 127.0.0.1:8080 by default.
 
     hmad-openai [--socket PATH] [--host ADDR] [--port N] [--api-key KEY | --api-key-file PATH]
-                [--model-name NAME] [--log-level LEVEL]
+                [--model-name NAME] [--cors-origin ORIGIN]... [--log-level LEVEL]
 
 The API key (bearer token) comes from ``--api-key-file`` (its first line), else ``--api-key``, else
 ``$HMAD_OPENAI_API_KEY``; without one, the API is open to whoever can reach the address (the default
@@ -37,6 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     key.add_argument("--api-key", metavar="KEY", help=f"bearer token clients must send (or ${API_KEY_ENV})")
     key.add_argument("--api-key-file", metavar="PATH", help="read the bearer token from this file")
     ap.add_argument("--model-name", metavar="NAME", help="model id to report (default: hmad's model name)")
+    ap.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let web pages from ORIGIN (e.g. http://localhost:3000; * for any) call the API (repeatable)",
+    )
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return ap
 
@@ -68,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
-        settings = Settings(socket=args.socket, api_key=api_key(args), model_name=args.model_name)
+        settings = Settings(args.socket, api_key(args), args.model_name, tuple(args.cors_origin))
         sock = listen(args.host, args.port)
     except (OSError, ValueError) as e:
         print(f"hmad-openai: {e}", file=sys.stderr)
