@@ -475,6 +475,26 @@ def test_unreachable_hmad_is_503(tmp_path):
         assert g.stop() in CLEAN_EXIT, g.log_path.read_text()
 
 
+def test_hmad_restart_is_503_then_served_again(tiny_path, tmp_path):
+    """hmad stops (systemd restarting it, say): requests get 503 while it is away, and the same gateway
+    serves again once hmad is back on the same socket."""
+    d = Daemon(tiny_path, tmp_path).wait_ready()
+    g = Gateway(d.socket, tmp_path)
+    try:
+        client = openai.OpenAI(base_url=g.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        kw = {"model": "any", "prompt": "x b", "max_tokens": 2, "temperature": 0}
+        assert client.completions.create(**kw).choices[0].text == " b b"
+        assert d.stop() == 0
+        with pytest.raises(openai.InternalServerError) as info:
+            client.completions.create(**kw)
+        assert info.value.status_code == 503
+        d = Daemon(tiny_path, tmp_path).wait_ready()
+        assert client.completions.create(**kw).choices[0].text == " b b"
+    finally:
+        assert g.stop() in CLEAN_EXIT, g.log_path.read_text()
+        d.stop()
+
+
 @pytest.mark.slow
 def test_embedded_model_chat(embedded_model_path, tmp_path):
     """Gemma 3 270M's own chat template and tokenizer through the gateway: the answer, streamed or whole,
