@@ -526,7 +526,7 @@ def test_embedded_model_chat(embedded_model_path, tmp_path):
         (["--port", "x"], "invalid tcp_port value"),
         (["--api-key-file", "/nonexistent/key"], "No such file"),
         (["--api-key", "a", "--api-key-file", "b"], "not allowed with"),
-        (["--host", "no.such.host.invalid"], "hmad-openai:"),
+        (["--host", "192.0.2.1"], "hmad-openai:"),  # TEST-NET-1: no address of this machine
     ],
 )
 def test_usage_errors_exit_2(argv, says):
