@@ -63,3 +63,11 @@ def test_families_count_outcomes_and_read_the_snapshot():
     assert 'hmad_requests_total{outcome="done",reason="stop"} 2.0' in text
     assert 'hmad_time_to_first_token_seconds_bucket{le="+Inf"} 2.0' in text
     assert 'hmad_info{backend="cpu",model="m"} 1.0' in text
+
+
+def test_families_before_the_engine_is_attached():
+    """Nothing from the engine or the backend yet (the model still loading): zeros, and still valid."""
+    fams = {f["name"]: f for f in Metrics().families({}, {"in_flight": 0, "uptime_s": 0.5}, {})}
+    assert fams["running"]["samples"][0]["value"] == 0 and fams["memory_bytes"]["samples"] == []
+    assert {s["value"] for s in fams["kv_blocks"]["samples"]} == {0}
+    assert "hmad_uptime_seconds 0.5" in exposition(list(fams.values()))

@@ -201,17 +201,19 @@ class Server:
         self._send(peer, P.pong(req.id, time.time()))
 
     def _metrics(self, peer: bytes, req) -> None:
-        server = {
-            "in_flight": len(self.routes),
-            "uptime_s": round(time.time() - self.started, 3),
-            "info": {
+        """The counters, and what the engine and the backend report once they are there (the engine is
+        attached after the server is made)."""
+        server = {"in_flight": len(self.routes), "uptime_s": round(time.time() - self.started, 3)}
+        snapshot, memory = {}, {}
+        if self.engine is not None and self.model is not None:
+            backend = self.model.backend
+            server["info"] = {
                 "model": self.model.config.name or self.model.path,
-                "backend": self.model.backend.name,
-                "device": str(self.model.backend.device),
-            },
-        }
-        memory = self.model.backend.describe().get("memory", {})
-        self._send(peer, P.metrics(req.id, self.metrics.families(dict(self.engine.snapshot), server, memory)))
+                "backend": backend.name,
+                "device": str(backend.device),
+            }
+            snapshot, memory = dict(self.engine.snapshot), backend.describe().get("memory", {})
+        self._send(peer, P.metrics(req.id, self.metrics.families(snapshot, server, memory)))
 
     def _refuse(self, peer: bytes, id: P.Id, code: str, message: str) -> None:
         """Answer a request with ``error`` before accepting it (and count it)."""
