@@ -5,7 +5,7 @@ refused before it was sent) onto them:
 
     bad_request, too_large, prompt_too_long, ProtocolError   400 invalid_request_error
     busy                                                     429 rate_limit_error (clients retry)
-    shutting_down, hmad unreachable                          503 service_unavailable
+    shutting_down, loading, hmad unreachable                 503 service_unavailable
     lost the connection while the request ran               502 server_error
     unsupported_version, unknown_type                        502 server_error (gateway and hmad disagree)
     internal and anything else                               500 server_error
@@ -29,6 +29,7 @@ _BY_CODE: dict[str, tuple[int, str]] = {
     P.PROMPT_TOO_LONG: (400, INVALID),
     P.BUSY: (429, "rate_limit_error"),
     P.SHUTTING_DOWN: (503, "service_unavailable"),
+    "loading": (503, "service_unavailable"),  # a daemon that answers while its model loads (main's LOADING)
     P.UNSUPPORTED_VERSION: (502, SERVER),
     P.UNKNOWN_TYPE: (502, SERVER),
 }
