@@ -165,6 +165,74 @@ def test_status(hmad, tiny_path, capsys):
     assert capsys.readouterr().out == f"hmad is running at {hmad.socket}\n"
 
 
+def _requests_done(families) -> int:
+    [fam] = [f for f in families if f["name"] == "requests"]
+    return sum(s["value"] for s in fam["samples"] if s["labels"]["outcome"] == "done")
+
+
+def test_metrics(hmad, capsys):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    argv = ["--socket", hmad.socket, "metrics"]
+    with Client(hmad.socket) as c:
+        before = c.metrics()
+        c.generate("x b", raw=True, max_tokens=3, temperature=0)
+    assert cli.main([*argv, "--json"]) == 0
+    families = json.loads(capsys.readouterr().out)
+    names = {f["name"] for f in families}
+    assert {
+        "requests",
+        "prompt_tokens",
+        "generated_tokens",
+        "time_to_first_token_seconds",
+        "batch_size",
+    } <= names
+    assert {
+        "step_duration_seconds",
+        "running",
+        "queued",
+        "kv_blocks",
+        "memory_bytes",
+        "tokens_per_second",
+    } <= names
+    assert _requests_done(families) == _requests_done(before) + 1  # the counters move
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"hmad at {hmad.socket}" in out
+    for expected in ["outcome=done reason=length", "time to first token seconds", "observed, mean", "MiB"]:
+        assert expected in out, out
+    assert cli.main([*argv, "--prometheus"]) == 0
+    parsed = {f.name: f for f in text_string_to_metric_families(capsys.readouterr().out)}
+    assert parsed["hmad_requests"].type == "counter" and parsed["hmad_batch_size"].type == "histogram"
+    done = [s.value for s in parsed["hmad_requests"].samples if s.labels.get("outcome") == "done"]
+    assert sum(done) == _requests_done(families)
+    with pytest.raises(SystemExit):
+        cli.main([*argv, "--json", "--prometheus"])  # one format at a time
+
+
+def test_format_metrics_histogram_quantiles():
+    families = [
+        {"name": "running", "type": "gauge", "help": "", "samples": [{"labels": {}, "value": 2}]},
+        {
+            "name": "ttft_seconds",
+            "type": "histogram",
+            "help": "",
+            "samples": [
+                {"labels": {}, "bounds": [0.01, 0.1, 1.0], "buckets": [1, 9, 9], "count": 10, "sum": 3.5}
+            ],
+        },
+        {
+            "name": "memory_bytes",
+            "type": "gauge",
+            "help": "",
+            "samples": [{"labels": {"use": "kv"}, "value": 2048}],
+        },
+    ]
+    text = "\n".join(cli.format_metrics(families))
+    assert "10 observed, mean 350 ms, p50 <= 100 ms, p90 <= 100 ms, p99 > 1 s" in text
+    assert "use=kv" in text and "2.0 KiB" in text and "running" in text
+
+
 def test_format_status_shows_every_key():
     info = {
         "model": "gemma-3-4b",

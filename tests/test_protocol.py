@@ -120,6 +120,8 @@ def test_generate_defaults_and_messages():
         (P.status_request(), P.StatusRequest(None)),
         (P.ping_request("p"), P.PingRequest("p")),
         (P.ping_request(), P.PingRequest(None)),
+        (P.metrics_request(7), P.MetricsRequest(7)),
+        (P.metrics_request(), P.MetricsRequest(None)),
     ],
 )
 def test_small_requests_roundtrip(msg, cls):
@@ -153,6 +155,33 @@ def test_replies_roundtrip(msg, expected):
         expected = P.Status(1, msg["status"])
     assert reply == expected
     assert msg["v"] == P.PROTOCOL_VERSION
+
+
+def test_metrics_reply_roundtrip_keeps_families_clients_can_show():
+    families = [
+        {"name": "requests", "type": "counter", "help": "h", "samples": [{"labels": {"a": "b"}, "value": 3}]},
+        {
+            "name": "ttft_seconds",
+            "type": "histogram",
+            "help": "h",
+            "samples": [{"labels": {}, "bounds": [0.1, 1.0], "buckets": [1, 2], "count": 3, "sum": 2.5}],
+        },
+    ]
+    odd = [{"name": "x", "type": "summary", "samples": []}, {"type": "gauge", "samples": []}, "text"]
+    reply = P.parse_reply(P.pack(P.metrics("m", families + odd)))
+    assert reply == P.Metrics("m", families)  # a type or shape this client does not know is dropped
+    assert "metrics" in P.REQUEST_TYPES and "metrics" in P.REPLY_TYPES
+
+
+@pytest.mark.skipif(
+    not hasattr(P, "ADDED_IN"), reason="the protocol's version table (ADDED_IN) is not here yet"
+)
+def test_metrics_is_version_2():
+    assert P.ADDED_IN[("metrics", None)] == 2
+    assert P.parse_request(P.pack(P.metrics_request(1))) == P.MetricsRequest(1)
+    with pytest.raises(P.ProtocolError) as info:
+        P.parse_request(raw({"v": 1, "type": "metrics", "id": 1}))
+    assert info.value.code == P.BAD_REQUEST and "2" in info.value.message
 
 
 def test_replies_ignore_unknown_fields():

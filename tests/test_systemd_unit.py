@@ -201,3 +201,60 @@ def test_tmpfiles_creates_config_and_cache_dirs(tmp_path):
     etc, cache = (tmp_path / "etc/hmad").stat(), (tmp_path / "var/cache/hmad").stat()
     assert etc.st_uid == 0 and etc.st_mode & 0o777 == 0o750
     assert cache.st_uid == cache.st_gid == etc.st_gid != 0 and cache.st_mode & 0o777 == 0o750
+
+
+# ---- hmad-openai.service: the HTTP gateway beside hmad ------------------------------------------------
+
+GATEWAY_UNIT = SYSTEMD_DIR / "hmad-openai.service"
+
+
+@pytest.fixture(scope="module")
+def gateway_unit() -> dict[str, dict[str, list[str]]]:
+    return parse_unit(GATEWAY_UNIT.read_text())
+
+
+def test_gateway_follows_hmad_on_loopback(gateway_unit):
+    unit, service = gateway_unit["Unit"], gateway_unit["Service"]
+    assert "hmad.service" in unit["Requires"] and "hmad.service" in unit["After"]
+    argv = one(service, "ExecStart").split()
+    assert argv[0] == "/usr/local/bin/hmad-openai"
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    assert argv[argv.index("--socket") + 1] == "/run/hmad/hmad.sock"
+    assert one(service, "EnvironmentFile") == "-/etc/hmad/openai.env"  # HMAD_OPENAI_API_KEY, optional
+    assert one(service, "Restart") == "on-failure"
+    assert "multi-user.target" in gateway_unit["Install"]["WantedBy"]
+
+
+def test_gateway_hardening(gateway_unit):
+    service = gateway_unit["Service"]
+    assert one(service, "DynamicUser") == "yes" and words(service, "SupplementaryGroups") == {"hmad"}
+    for key in [k for k in YES_HARDENING if k != "PrivateNetwork"] + [
+        "PrivateDevices",
+        "MemoryDenyWriteExecute",
+    ]:
+        assert one(service, key) == "yes", key
+    assert one(service, "ProtectSystem") == "strict"
+    assert one(service, "CapabilityBoundingSet") == ""
+    assert words(service, "RestrictAddressFamilies") == {"AF_UNIX", "AF_INET", "AF_INET6"}
+    assert one(service, "IPAddressAllow") == "localhost" and one(service, "IPAddressDeny") == "any"
+    assert service["SystemCallFilter"][0] == "@system-service"
+
+
+def test_gateway_security_exposure_at_most_2():
+    analyze = _tool("systemd-analyze")
+    res = _run(analyze, "security", "--offline=yes", str(GATEWAY_UNIT))
+    m = re.search(r"Overall exposure level for \S+: (\d+(?:\.\d+)?)", res.stdout)
+    assert m, f"no exposure line (rc={res.returncode}):\n{res.stdout}\n{res.stderr}"
+    assert float(m.group(1)) <= MAX_EXPOSURE, res.stdout
+
+
+def test_gateway_verify(tmp_path):
+    """Both units side by side (Requires=hmad.service must resolve), ExecStart pointing at a stand-in."""
+    analyze = _tool("systemd-analyze")
+    true = shutil.which("true")
+    for unit, exe in ((UNIT, "/usr/local/bin/hmad "), (GATEWAY_UNIT, "/usr/local/bin/hmad-openai ")):
+        (tmp_path / unit.name).write_text(unit.read_text().replace(f"ExecStart={exe}", f"ExecStart={true} "))
+    gateway = tmp_path / GATEWAY_UNIT.name
+    res = _run(analyze, "verify", "--man=no", "--generators=no", str(gateway))
+    complaints = [ln for ln in res.stderr.splitlines() if str(tmp_path) in ln]
+    assert res.returncode == 0 and not complaints, f"rc={res.returncode}\n{res.stderr}"

@@ -2,6 +2,7 @@
 
     hmactl [--socket PATH] [--timeout S] status [--json]
     hmactl [--socket PATH] [--timeout S] ping [--wait S]
+    hmactl [--socket PATH] [--timeout S] metrics [--json | --prometheus]
     hmactl [--socket PATH] [--timeout S] query [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
            [--min-p P] [--repetition-penalty R] [--seed S] [--stop STR]... [--raw]
            [--json-schema FILE_OR_JSON] [--json] PROMPT|-
@@ -10,6 +11,9 @@
 chat template); with ``--json`` it prints one JSON object at the end instead. ``--json-schema`` makes the
 answer one JSON value satisfying that JSON Schema (a file holding it, or its JSON text; ``'{"type":
 "object"}'`` is any JSON object). Ctrl-C cancels the request.
+``metrics`` prints the daemon's counters and histograms (requests by outcome, tokens, time to first token,
+batch sizes, KV blocks, memory); ``--prometheus`` as Prometheus text (needs prometheus_client: the
+``openai`` extra), ``--json`` as the families the daemon sent.
 
 Exit codes: 0 ok, 1 the request failed (error reply, timeout), 2 usage, 3 hmad unreachable, 130 interrupted.
 """
@@ -44,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="keep trying for up to S seconds (e.g. while hmad loads its model)",
     )
+    m = sub.add_parser("metrics", help="counters and histograms: requests, tokens, latency, batches, KV")
+    shown = m.add_mutually_exclusive_group()
+    shown.add_argument("--json", action="store_true", help="print the metric families as JSON")
+    shown.add_argument("--prometheus", action="store_true", help="print them in Prometheus' text format")
     q = sub.add_parser("query", help="generate an answer, streamed to stdout")
     q.add_argument("--max-tokens", type=int)
     q.add_argument("--temperature", type=float, help="0 = greedy")
@@ -74,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "status":
             return _status(client, args.json, sys.stdout)
+        if args.command == "metrics":
+            return _metrics(client, args, sys.stdout)
         if args.command == "ping":
             client, ready = _ping(client, args)
             if not ready:
@@ -186,6 +196,79 @@ def _query(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         out.write("\n")
     out.flush()
     return EXIT_OK
+
+
+# -- metrics ----------------------------------------------------------------------------------------------
+
+
+def _metrics(client: Client, args: argparse.Namespace, out: TextIO) -> int:
+    if args.prometheus:
+        try:
+            from hmaclient.prometheus import exposition
+        except ImportError:
+            return _fail(
+                "error: --prometheus needs prometheus_client (pip install 'hmad[openai]')", EXIT_USAGE
+            )
+        out.write(exposition(client.metrics()))
+        return EXIT_OK
+    families = client.metrics()
+    if args.json:
+        print(json.dumps(families, indent=2, ensure_ascii=False), file=out)
+    else:
+        print(f"hmad at {client.path}", file=out)
+        print("\n".join(format_metrics(families)), file=out)
+    return EXIT_OK
+
+
+def format_metrics(families: list[dict[str, Any]]) -> list[str]:
+    """The families as aligned lines: one per unlabelled metric, labelled samples indented below their name,
+    histograms as count, mean and bucket quantiles; values formatted by the unit their name ends in."""
+    lines: list[str] = []
+    width = max((len(f["name"]) for f in families), default=0) + 2
+    for fam in families:
+        name, samples = fam["name"], fam["samples"]
+        label = name.replace("_", " ")
+        if len(samples) == 1 and not samples[0].get("labels"):
+            lines.append(f"  {label:<{width}}{_metric_value(name, fam['type'], samples[0])}")
+            continue
+        lines.append(f"  {label}")
+        tags = [" ".join(f"{k}={v}" for k, v in s.get("labels", {}).items()) for s in samples]
+        inner = max([width - 2, *(len(t) + 2 for t in tags)])
+        lines += [
+            f"    {t:<{inner}}{_metric_value(name, fam['type'], s)}"
+            for t, s in zip(tags, samples, strict=True)
+        ]
+    return lines
+
+
+def _metric_value(name: str, kind: str, sample: dict[str, Any]) -> str:
+    if kind != "histogram":
+        return _unit_value(name, sample["value"])
+    n = sample["count"]
+    if not n:
+        return "none yet"
+    parts = [f"{n} observed", f"mean {_unit_value(name, sample['sum'] / n)}"]
+    for q in (0.5, 0.9, 0.99):
+        parts.append(f"p{round(q * 100)} {_quantile_bound(name, sample, q)}")
+    return ", ".join(parts)
+
+
+def _quantile_bound(name: str, sample: dict[str, Any], q: float) -> str:
+    """The smallest bucket bound that holds at least a fraction q of the observations."""
+    for bound, cumulative in zip(sample["bounds"], sample["buckets"], strict=True):
+        if cumulative >= q * sample["count"]:
+            return "<= " + _unit_value(name, bound)
+    return "> " + _unit_value(name, sample["bounds"][-1]) if sample["bounds"] else "-"
+
+
+def _unit_value(name: str, value: Any) -> str:
+    if name.endswith("_seconds") and isinstance(value, int | float):
+        return f"{value * 1e3:.3g} ms" if value < 1 else human_seconds(value)
+    if name.endswith("_bytes") and isinstance(value, int | float):
+        return human_bytes(value)
+    if name.endswith("_per_second"):
+        return format_value("tokens_per_s", value)
+    return format_value("", value)
 
 
 # -- status -----------------------------------------------------------------------------------------------

@@ -232,6 +232,13 @@ class AsyncClient:
         reply = await self._call(P.ping_request, P.Pong, timeout)
         return reply.state == "ready"
 
+    async def metrics(self, timeout: float | None = _DEFAULT) -> list[dict[str, Any]]:
+        """The daemon's metric families (counters, gauges, histograms; ``hmaclient.protocol``, "metrics").
+
+        A daemon older than protocol version 2 answers ``unknown_type`` (a RequestError)."""
+        reply = await self._call(P.metrics_request, P.Metrics, timeout)
+        return reply.families
+
     async def connect(self) -> None:
         """Open the socket and check the daemon answers (once; again after a lost connection)."""
         if self._closed:
@@ -423,6 +430,7 @@ class AsyncStream:
         self._finished = False
         self._text: list[str] = []
         self._ids: list[int] = []
+        self._held: list[Piece] = []  # pieces read by start() before the iteration asked for them
 
     def __aiter__(self) -> AsyncStream:
         return self
@@ -434,6 +442,8 @@ class AsyncStream:
         await self.aclose()
 
     async def __anext__(self) -> Piece:
+        if self._held:
+            return self._held.pop(0)
         if self._finished:
             raise StopAsyncIteration
         try:
@@ -449,6 +459,24 @@ class AsyncStream:
         except BaseException:
             self._abandon()
             raise
+
+    async def start(self) -> int | None:
+        """Send the request and wait until the daemon accepts it; returns its ``rid``.
+
+        Raises RequestError when the daemon refuses it (busy, prompt_too_long, bad_request, ...), so a caller
+        can answer a refusal before it starts passing pieces on. Iterating afterwards gives every piece.
+        """
+        try:
+            if self._pending is None:
+                await self._start()
+            while self.rid is None and not self._finished:
+                piece = self._take(await self._client._next_reply(self._pending, self._wait_time()))
+                if piece is not None:
+                    self._held.append(piece)
+        except BaseException:
+            self._abandon()
+            raise
+        return self.rid
 
     async def aclose(self) -> None:
         """Stop: cancel the request if it is still running (the daemon then answers ``cancelled``)."""
@@ -565,6 +593,9 @@ class Client:
 
     def ready(self, timeout: float | None = _DEFAULT) -> bool:
         return self._run(self._async.ready(timeout))
+
+    def metrics(self, timeout: float | None = _DEFAULT) -> list[dict[str, Any]]:
+        return self._run(self._async.metrics(timeout))
 
     def connect(self) -> None:
         self._run(self._async.connect())

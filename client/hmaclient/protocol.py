@@ -74,6 +74,7 @@ Requests (client -> daemon)
 
 ``status``    what the daemon is doing              id optional, echoed
 ``ping``      liveness                              id optional, echoed
+``metrics``   cumulative counters and histograms    id optional, echoed. Since version 2.
 
 Replies (daemon -> client)
 ==========================
@@ -104,12 +105,21 @@ Replies (daemon -> client)
                (generations are served) or "loading" (the socket answers while the model loads: status
                shows the progress, a ``generate`` gets ``error`` code ``loading``). A reply without state
                comes from a daemon that answers only once ready.
+``metrics``    {id, metrics: list of families} (since version 2): what Prometheus calls metric families,
+               counted since the daemon started. A family is
+                   {name: str, type: "counter" | "gauge" | "histogram", help: str, samples: list}
+               name is snake_case, without a prefix or a ``_total`` suffix, its unit last (``_seconds``,
+               ``_bytes``). A sample of a counter or gauge is {labels: map of str -> str, value: number};
+               one of a histogram is {labels, bounds: list of number (ascending upper bounds),
+               buckets: list of int (buckets[i] = observations <= bounds[i], cumulative), count: int (all
+               observations), sum: number}. Which families exist is the daemon's to say (docs/protocol.md
+               lists them); clients show what comes.
 
 Order: a ``generate`` gets either one ``error`` (refused: nothing else follows), or ``accepted`` then any
 number of ``token`` then **exactly one** terminal reply: ``done`` | ``error`` | ``cancelled``. An ``error``
 may follow ``accepted`` (e.g. prompt_too_long is known only once the prompt is tokenized).
-``status`` and ``ping`` get one reply each. A frame the daemon cannot parse gets ``error`` with the
-request's id when it could be read, else ``id: nil``.
+``status``, ``ping`` and ``metrics`` get one reply each. A frame the daemon cannot parse gets ``error``
+with the request's id when it could be read, else ``id: nil``.
 
 Error codes
 ===========
@@ -205,14 +215,16 @@ ERROR_CODES = frozenset(
 
 FINISH_REASONS = frozenset({"stop", "length"})
 ROLES = frozenset({"system", "user", "model", "assistant"})
-REQUEST_TYPES = frozenset({"generate", "cancel", "status", "ping"})
+REQUEST_TYPES = frozenset({"generate", "cancel", "status", "ping", "metrics"})
 
 # What each version added: (request type, field) -> version, with field None for a whole request type.
 # A message whose v is older than an entry it uses is refused, naming the field and the version.
 ADDED_IN: dict[tuple[str, str | None], int] = {
     ("generate", "json_schema"): 2,
+    ("metrics", None): 2,
 }
-REPLY_TYPES = frozenset({"accepted", "token", "done", "error", "cancelled", "status", "pong"})
+REPLY_TYPES = frozenset({"accepted", "token", "done", "error", "cancelled", "status", "pong", "metrics"})
+METRIC_TYPES = frozenset({"counter", "gauge", "histogram"})
 TERMINAL_TYPES = frozenset({"done", "error", "cancelled"})
 
 Id = str | int | None
@@ -443,7 +455,13 @@ class PingRequest:
     v: int = field(default=1, compare=False)
 
 
-Request = GenerateRequest | CancelRequest | StatusRequest | PingRequest
+@dataclass
+class MetricsRequest:
+    id: Id = None
+    v: int = field(default=2, compare=False)
+
+
+Request = GenerateRequest | CancelRequest | StatusRequest | PingRequest | MetricsRequest
 
 
 def _real(lo: float, hi: float, lo_open: bool = False):
@@ -489,6 +507,7 @@ _FIELDS = {
     "cancel": frozenset(_ENVELOPE),
     "status": frozenset(_ENVELOPE),
     "ping": frozenset(_ENVELOPE),
+    "metrics": frozenset(_ENVELOPE),
 }
 
 
@@ -524,7 +543,7 @@ def validate_request(msg: dict[str, Any], mid: Id = None) -> Request:
         if msg.get("id") is None:
             raise ProtocolError(BAD_REQUEST, "cancel needs the 'id' of the generation to cancel")
         return CancelRequest(mid, v)
-    return StatusRequest(mid, v) if mtype == "status" else PingRequest(mid, v)
+    return {"status": StatusRequest, "ping": PingRequest, "metrics": MetricsRequest}[mtype](mid, v)
 
 
 def _generate(msg: dict[str, Any], mid: Id) -> GenerateRequest:
@@ -646,6 +665,10 @@ def ping_request(id: Id = None) -> dict[str, Any]:
     return _stamped({"type": "ping"}, id)
 
 
+def metrics_request(id: Id = None) -> dict[str, Any]:
+    return _stamped({"type": "metrics"}, id)
+
+
 def _stamped(msg: dict[str, Any], id: Id) -> dict[str, Any]:
     """With ``id`` (when given) and ``v``: the lowest version the message needs."""
     if id is not None:
@@ -721,6 +744,11 @@ def pong(id: Id, time: float, state: str = "ready", *, v: int = PROTOCOL_VERSION
     return {"v": v, "type": "pong", "id": id, "time": float(time), "state": state}
 
 
+def metrics(id: Id, families: list[dict[str, Any]], *, v: int = PROTOCOL_VERSION) -> dict[str, Any]:
+    """``families`` as the module docstring describes them (hmad.metrics builds them)."""
+    return {"v": v, "type": "metrics", "id": id, "metrics": families}
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Replies: parsed (the client's side)
 
@@ -778,7 +806,13 @@ class Pong:
     state: str = "ready"  # "loading" while the daemon loads its model
 
 
-Reply = Accepted | Token | Done | Error | Cancelled | Status | Pong
+@dataclass
+class Metrics:
+    id: Id
+    families: list[dict[str, Any]]
+
+
+Reply = Accepted | Token | Done | Error | Cancelled | Status | Pong | Metrics
 
 _NUM = (int, float)
 # type -> (class, {field: accepted types}) for the required fields; optional ones are handled below.
@@ -800,6 +834,7 @@ _REPLY_SCHEMA: dict[str, tuple[type, dict[str, tuple[type, ...] | type]]] = {
     "cancelled": (Cancelled, {"generated_tokens": int}),
     "status": (Status, {"status": dict}),
     "pong": (Pong, {"time": _NUM}),
+    "metrics": (Metrics, {"metrics": list}),
 }
 
 
@@ -824,11 +859,24 @@ def parse_reply(frame: bytes, max_size: int = MAX_REPLY_BYTES) -> Reply:
     if mtype == "pong":
         state = msg.get("state")
         return Pong(mid, values["time"], state if isinstance(state, str) else "ready")
+    if mtype == "metrics":
+        return Metrics(mid, [f for f in msg["metrics"] if _is_family(f)])
     if mtype == "done":
         known = {"v", "type", "id", "text", "token_ids", *required}
         extra = {k: v for k, v in msg.items() if k not in known}
         return Done(mid, **values, text=msg.get("text"), token_ids=msg.get("token_ids"), extra=extra)
     return cls(mid, **values)
+
+
+def _is_family(f: Any) -> bool:
+    """A metric family a client can show (others, e.g. of a type a newer daemon added, are dropped)."""
+    return (
+        isinstance(f, dict)
+        and isinstance(f.get("name"), str)
+        and f.get("type") in METRIC_TYPES
+        and isinstance(f.get("samples"), list)
+        and all(isinstance(s, dict) and isinstance(s.get("labels", {}), dict) for s in f["samples"])
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------

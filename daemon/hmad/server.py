@@ -38,6 +38,7 @@ from hmad.engine.sampling import SamplingParams
 from hmad.engine.structured import compile_schema
 from hmad.engine.worker import EngineThread
 from hmad.errors import UnencodableText
+from hmad.metrics import Metrics
 from hmad.model.chat import render_chat, render_prompt
 
 log = logging.getLogger("hmad.server")
@@ -105,6 +106,7 @@ class Server:
         self.drain_deadline = 0.0
         self.started = time.time()
         self.counters = collections.Counter()
+        self.metrics = Metrics()  # the engine thread writes its step timings here too
         self.forward_s, self.events_forwarded = 0.0, 0  # time the loop spends per reply (pack + send)
 
     # -- engine side -----------------------------------------------------------------------------------
@@ -160,6 +162,7 @@ class Server:
             req = P.parse_request(frame, max_size=self.max_frame_bytes)
         except P.ProtocolError as e:
             self.counters["bad_request"] += 1
+            self.metrics.request_refused(e.code)
             self._send(peer, e.reply())
             return
         handler = {
@@ -167,6 +170,7 @@ class Server:
             P.CancelRequest: self._cancel,
             P.StatusRequest: self._status,
             P.PingRequest: self._ping,
+            P.MetricsRequest: self._metrics,
         }[type(req)]
         first_rid = self.next_rid
         try:
@@ -185,8 +189,11 @@ class Server:
         try:
             for rid in started:
                 self.engine.cancel(rid)
+                self.metrics.request_ended("error", P.INTERNAL)
                 self._end(rid, reply)
             if not started:
+                if isinstance(req, P.GenerateRequest):
+                    self.metrics.request_refused(P.INTERNAL)
                 self._send(peer, reply)
         except Exception:  # the reply itself cannot be sent (e.g. the socket is closing)
             log.exception("could not answer %s %r with an error", type(req).__name__, req.id)
@@ -242,6 +249,9 @@ class Server:
         return ids, params, grammar
 
     def _refuse(self, peer: bytes, req, code: str, message: str) -> None:
+        """Answer a request with ``error`` before accepting it (a refused generate is counted)."""
+        if isinstance(req, P.GenerateRequest):
+            self.metrics.request_refused(code)
         self._send(peer, P.error(req.id, code, message, v=req.v))
 
     def _cancel(self, peer: bytes, req) -> None:
@@ -255,6 +265,21 @@ class Server:
 
     def _ping(self, peer: bytes, req) -> None:
         self._send(peer, P.pong(req.id, time.time(), "loading" if self.engine is None else "ready", v=req.v))
+
+    def _metrics(self, peer: bytes, req) -> None:
+        """The counters, and what the engine and the backend report once they are there (the engine is
+        attached after the server is made)."""
+        server = {"in_flight": len(self.routes), "uptime_s": round(time.time() - self.started, 3)}
+        snapshot, memory = {}, {}
+        if self.engine is not None and self.model is not None:
+            backend = self.model.backend
+            server["info"] = {
+                "model": self.model.config.name or self.model.path,
+                "backend": backend.name,
+                "device": str(backend.device),
+            }
+            snapshot, memory = dict(self.engine.snapshot), backend.describe().get("memory", {})
+        self._send(peer, P.metrics(req.id, self.metrics.families(snapshot, server, memory), v=req.v))
 
     def status(self) -> dict:
         if self.engine is None:
@@ -315,6 +340,8 @@ class Server:
                 route.text.append(ev.text)
                 route.token_ids += ev.token_ids
             return
+        reason = {"done": ev.finish_reason, "cancelled": "cancel"}.get(ev.kind, ev.error_code or P.INTERNAL)
+        self.metrics.request_ended(ev.kind, reason, ev.stats)
         self._end(ev.request_id, self._terminal(route, ev))
 
     def _event_failed(self, ev: Event, e: Exception) -> None:
@@ -323,8 +350,9 @@ class Server:
         route = self.routes.get(ev.request_id)
         if route is None:
             return
-        if not ev.terminal:
+        if not ev.terminal:  # (a terminal one was counted before its reply failed)
             self.engine.cancel(ev.request_id)  # its later events find no route and are dropped
+            self.metrics.request_ended("error", P.INTERNAL)
         with contextlib.suppress(Exception):
             reply = P.error(route.client_id, P.INTERNAL, f"{type(e).__name__}: {e}", v=route.v)
             self._end(ev.request_id, reply)
@@ -383,6 +411,7 @@ class Server:
             route = self.routes.pop(rid)
             self.by_client.pop((peer, route.client_id), None)
             self.counters["peer_gone"] += 1
+            self.metrics.request_ended("cancelled", "disconnect")
 
     # -- draining ----------------------------------------------------------------------------------------
     def begin_drain(self, grace_s: float) -> None:
@@ -397,6 +426,7 @@ class Server:
             for rid in list(self.routes):
                 route = self.routes[rid]
                 msg = "engine failure; see the daemon log"
+                self.metrics.request_ended("error", P.INTERNAL)
                 self._end(rid, P.error(route.client_id, P.INTERNAL, msg, v=route.v))
         if self.routes and time.monotonic() >= self.drain_deadline:
             for rid in list(self.routes):

@@ -205,7 +205,7 @@ class Service:
         """Called once by the serving thread when the load is done: the engine starts, READY=1."""
         model = scheduler.model
         server.status_extra = lambda: self._status_extra(model)
-        engine = EngineThread(scheduler, server.wake)
+        engine = EngineThread(scheduler, server.wake, server.metrics)
         server.attach(engine, model)
         engine.start()
         threading.Thread(target=self._watchdog, args=(engine,), daemon=True).start()

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from hmad.engine.request import Event, Request
 from hmad.engine.scheduler import QueueFull, RequestInvalid, RequestRejected, Scheduler
+from hmad.metrics import Metrics
 
 log = logging.getLogger("hmad.engine")
 
@@ -30,9 +31,10 @@ IDLE_WAIT_S = 0.25
 class EngineThread:
     """Runs ``Scheduler.step()`` whenever there is work; thread-safe ``submit``/``cancel``/``snapshot``."""
 
-    def __init__(self, scheduler: Scheduler, wake: Callable[[], None]):
+    def __init__(self, scheduler: Scheduler, wake: Callable[[], None], metrics: Metrics | None = None):
         self.scheduler = scheduler
         self.wake = wake
+        self.metrics = metrics or Metrics()  # step timings and batch sizes go here
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.events: queue.SimpleQueue[list[Event]] = queue.SimpleQueue()
         self.last_progress = time.monotonic()
@@ -62,13 +64,21 @@ class EngineThread:
         try:
             while not self._stop.is_set():
                 self._drain_commands(block=not self.scheduler.has_work())
-                events = self.scheduler.step() if self.scheduler.has_work() else []
+                events = self._step() if self.scheduler.has_work() else []
                 self._update_snapshot()  # before the events go out: a status after a reply includes its step
                 self._publish(events)
         except Exception as e:  # the engine must never die silently: fail every request, then stop
             log.exception("engine failure: no further steps")
             self.failed = True
             self._fail_all("internal", f"engine failure ({type(e).__name__}: {e}); see the daemon log")
+
+    def _step(self) -> list[Event]:
+        """One scheduler step, timed into the metrics when it ran a forward pass."""
+        steps, t0 = self.scheduler.steps, time.perf_counter()
+        events = self.scheduler.step()
+        if self.scheduler.steps > steps:
+            self.metrics.step_done(self.scheduler.recent_batches[-1], time.perf_counter() - t0)
+        return events
 
     def _drain_commands(self, block: bool) -> None:
         events: list[Event] = []

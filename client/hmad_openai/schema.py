@@ -1,0 +1,207 @@
+"""OpenAI request bodies (pydantic, strict JSON types) and their translation into hmad's ``generate``.
+
+What maps where:
+
+    messages (system/developer/user/assistant; content a str or a list of text parts)
+                                        -> messages (leading system/developer messages joined into one)
+    prompt (a str, or a list of one str) -> prompt with raw=true (completions send the text as it is)
+    max_tokens | max_completion_tokens  -> max_tokens (absent: the daemon's default, sampling.max_tokens)
+    temperature, top_p, seed            -> the same (absent: the daemon's defaults)
+    stop (a str or a list of str)       -> stop
+    response_format json_object         -> json_schema {"type": "object"}
+    response_format json_schema         -> json_schema <its schema>
+    top_k, min_p, repetition_penalty, repeat_last_n (hmad's, as llama-server takes them) -> the same
+
+Refused with a 400 that says why (rather than silently ignored, since they change the answer): n other than
+1, non-zero presence_penalty / frequency_penalty (hmad has the multiplicative repetition_penalty instead),
+logprobs / top_logprobs, a non-empty logit_bias, tools and function calls, echo, best_of > 1, suffix, token
+id prompts, non-text content parts. Fields this module does not name (user, metadata, store, ...) are ignored.
+Ranges are checked by hmaclient as hmad checks them (temperature 0..100, top_p (0, 1], seed 0..2^64-1, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from hmad_openai.errors import OpenAIError, bad_request
+
+_SAMPLING = ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "repeat_last_n")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class JsonSchemaSpec(_Body):
+    name: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+class _Common(_Body):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    # hmad's own sampling knobs (llama-server accepts the same names)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    repeat_last_n: int | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def params(self) -> dict[str, Any]:
+        """hmaclient ``generate`` keyword arguments (None values left out), after refusing what hmad cannot
+        do."""
+        self._refuse_unsupported()
+        out = {k: getattr(self, k) for k in _SAMPLING if getattr(self, k) is not None}
+        if self.max_tokens is not None:
+            out["max_tokens"] = self.max_tokens
+        if self.stop is not None:
+            out["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        schema = self._json_schema()
+        if schema is not None:
+            out["json_schema"] = schema
+        return out
+
+    def _refuse_unsupported(self) -> None:
+        if self.n not in (None, 1):
+            raise bad_request(f"n must be 1 (hmad answers one choice per request), got {self.n}", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                msg = f"{name} is not supported; hmad's repetition_penalty (multiplicative, 1 = off) is"
+                raise bad_request(msg, name)
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+
+    def _json_schema(self) -> dict[str, Any] | None:
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return {"type": "object"}
+        if fmt.json_schema is None or not fmt.json_schema.schema_:
+            raise bad_request("response_format json_schema needs json_schema.schema", "response_format")
+        return fmt.json_schema.schema_
+
+
+class Message(_Body):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+
+    def params(self) -> dict[str, Any]:
+        if self.max_tokens is None and self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        if self.logprobs or self.top_logprobs:
+            raise bad_request("logprobs are not supported", "logprobs")
+        if self.tools or self.functions or self.tool_choice not in (None, "none") or self.function_call:
+            raise bad_request("tools and function calls are not supported", "tools")
+        return super().params()
+
+    def hmad_messages(self) -> list[dict[str, str]]:
+        """hmad's messages: roles system/user/assistant, content as text; leading system turns joined."""
+        out: list[dict[str, str]] = []
+        for i, m in enumerate(self.messages):
+            role = "system" if m.role == "developer" else m.role
+            if role not in ("system", "user", "assistant"):
+                msg = f"messages[{i}].role {m.role!r} is not supported (system, developer, user, assistant)"
+                raise bad_request(msg, f"messages[{i}].role")
+            text = _content_text(m.content, i)
+            if role == "system" and out and all(o["role"] == "system" for o in out):
+                out[0]["content"] += "\n\n" + text
+            else:
+                out.append({"role": role, "content": text})
+        return out
+
+
+class CompletionRequest(_Common):
+    prompt: Any = None
+    echo: bool | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def params(self) -> dict[str, Any]:
+        if self.logprobs is not None:
+            raise bad_request("logprobs are not supported", "logprobs")
+        if self.echo:
+            raise bad_request("echo is not supported", "echo")
+        if self.best_of not in (None, 1):
+            raise bad_request(f"best_of must be 1, got {self.best_of}", "best_of")
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        return super().params()
+
+    def text(self) -> str:
+        """The prompt: a str, or a list holding one str."""
+        p = self.prompt
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+            return p[0]
+        if isinstance(p, str):
+            return p
+        if isinstance(p, list) and p and all(isinstance(x, int | list) for x in p):
+            raise bad_request("token id prompts are not supported; send the prompt as text", "prompt")
+        raise bad_request("prompt must be a string or a list of one string", "prompt")
+
+
+def _content_text(content: str | list[dict[str, Any]] | None, i: int) -> str:
+    if content is None:
+        raise bad_request(f"messages[{i}].content is required", f"messages[{i}].content")
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type")
+            msg = f"messages[{i}].content[{j}]: only text parts are supported, got type {kind!r}"
+            raise bad_request(msg, f"messages[{i}].content")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def parse(model: type[_Body], body: bytes) -> Any:
+    """A request body -> the model, or an OpenAIError (400) naming the first bad field."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"] if not str(x).startswith(("list[", "str", "dict[", "int")))
+        if err["type"] == "json_invalid":
+            raise bad_request(f"the body is not valid JSON: {err['msg']}") from None
+        if err["type"] == "model_type":
+            raise bad_request("the body must be a JSON object") from None
+        raise OpenAIError(400, f"{loc}: {err['msg']}", param=loc or None) from None
