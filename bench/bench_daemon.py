@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
@@ -42,8 +43,10 @@ from hmaclient import protocol as P  # noqa: E402
 WORDS = ("the", "of", "and", "to", "in", "is", "was", "there", "time")
 
 
-def prompt(i: int, words: int) -> str:
-    return " ".join(WORDS[(i * 7 + j * (j + i)) % len(WORDS)] for j in range(words))
+def prompt(i: int, words: int, salt: int = 0) -> str:
+    """Client ``i``'s prompt of burst ``salt``: it starts with both numbers, so no two prompts of a run share
+    a prefix-cache block and every burst computes its prefill (the engine's runs share nothing either)."""
+    return f"{salt} {i} " + " ".join(WORDS[(i * 7 + j * (j + i)) % len(WORDS)] for j in range(words - 2))
 
 
 def start(a, tmp: str) -> tuple[subprocess.Popen, str, float]:
@@ -65,12 +68,16 @@ def start(a, tmp: str) -> tuple[subprocess.Popen, str, float]:
             time.sleep(0.05)
 
 
+BURSTS = itertools.count(1)
+
+
 async def burst(sock: str, n: int, a) -> dict:
+    salt = next(BURSTS)
     async with AsyncClient(sock, timeout=1800) as c:
         t0 = time.perf_counter()
         res = await asyncio.gather(
             *(
-                c.generate(prompt(i, a.prompt_words), raw=True, max_tokens=a.gen, temperature=0)
+                c.generate(prompt(i, a.prompt_words, salt), raw=True, max_tokens=a.gen, temperature=0)
                 for i in range(n)
             )
         )
@@ -148,10 +155,10 @@ def run_engine(a, levels: list[int]) -> dict:
     model = load_model(a.model, a.backend)
     cfg = SchedulerConfig(max_seqs=a.max_seqs, kv_tokens=32768)
     greedy = SamplingParams(temperature=0.0, max_tokens=a.gen, stop=[])
-    generate(model, [prompt(i, a.prompt_words) for i in range(max(levels))], greedy, cfg)  # warm-up
+    generate(model, [prompt(i, a.prompt_words, 0) for i in range(max(levels))], greedy, cfg)  # warm-up
     out = {}
     for n in levels:
-        prompts = [prompt(i, a.prompt_words) for i in range(n)]
+        prompts = [prompt(i, a.prompt_words, n) for i in range(n)]
         t0 = time.perf_counter()
         res = generate(model, prompts, greedy, cfg)
         wall = time.perf_counter() - t0

@@ -41,10 +41,11 @@ def start(model: str, backend: str, sock: str) -> subprocess.Popen:
     while time.monotonic() < deadline and proc.poll() is None:
         try:
             with Client(sock, timeout=5) as c:
-                c.ping()
-            return proc
+                if c.ready():  # the model loaded (the socket answers while it loads)
+                    return proc
         except HmaError:
-            time.sleep(0.5)
+            pass
+        time.sleep(0.5)
     proc.kill()
     raise SystemExit(f"hmad did not come up (exit status {proc.poll()})")
 

@@ -1,7 +1,8 @@
 #!/bin/bash
 # One `device` run (carry .gl .whl .peer) for the serving path: load time beside llama-server on the same
 # file, hmad's load profile, and the daemon's throughput beside its engine, per model shape. Results in $OUT.
-#   bash bench/device_serving.sh [write] [peer_load] [load_profile] [daemon_270m] [daemon_27b] [peer_270m] [peer_27b]
+#   bash bench/device_serving.sh [write] [tests] [ready] [peer_load] [load_profile] [daemon_270m] [daemon_27b]
+#       [peer_270m] [peer_27b] [prefix]
 set -uo pipefail
 . bench/device_env.sh
 OUT=${OUT:-/tmp/out}
@@ -31,6 +32,16 @@ for n in ('270m', '27b'):
             timeout 120 python3 bench/bench_daemon.py --model /tmp/syn-27b.gguf --backend vulkan --ready-only 1 \
                 --json "$OUT/hmad_ready_$i.json" 2>&1 | grep "ready in" | cut -c1-400
         done
+        ;;
+    tests)  # every GPU-marked test on the GPU (the Vulkan kernels and backend, prefix cache, determinism)
+        timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu $(ls tests/test_vulkan_*.py tests/test_prefix_cache.py \
+            tests/test_determinism*.py 2>/dev/null) >"$OUT/tests.log" 2>&1
+        tail -8 "$OUT/tests.log" | cut -c1-200
+        ;;
+    prefix)  # time to first token with a ~2,000-token prefix computed, then cached (the 270M-shaped file)
+        timeout 300 python3 bench/bench_prefix_cache.py --model /tmp/syn-270m.gguf --backend vulkan --runs 3 \
+            --json "$OUT/prefix_cache.json" >"$OUT/prefix_cache.log" 2>&1
+        tail -6 "$OUT/prefix_cache.log" | cut -c1-200
         ;;
     load_profile)  # hmad's load of the 27B file in-process under cProfile, and its buckets' recording
         timeout 200 python3 bench/bench_load.py --gguf /tmp/syn-27b.gguf --top 25 --json "$OUT/load_profile.json" \

@@ -303,6 +303,7 @@ class Server:
             "in_flight": len(self.routes),
             "recent_batch_sizes": snap.get("recent_batch_sizes", []),
             "step_ms": snap.get("step_ms", 0.0),
+            "forward_ms": snap.get("forward_ms", 0.0),  # of step_ms: the forward pass; the rest is host work
             "json_mask_ms": snap.get("json_mask_ms", 0.0),
             "server_us_per_reply": round(1e6 * self.forward_s / max(1, self.events_forwarded), 2),
             "tokens_per_s": snap.get("tokens_per_s", 0.0),
