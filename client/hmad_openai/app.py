@@ -5,7 +5,7 @@
     POST /v1/completions               a raw prompt (no template)
     GET  /metrics                      Prometheus text: hmad's metrics (``hmad_*``), the gateway's requests
                                        (``hmad_openai_requests_total``) and ``hmad_up``
-    GET  /health                       200 when hmad answers a ping, else 503 (no key needed)
+    GET  /health                       200 when hmad is ready, else 503 (loading, unreachable; no key needed)
 
 With an API key set, every path but /health needs ``Authorization: Bearer <key>`` (else 401). A client that
 disconnects has its generation cancelled in hmad: a stream when the server sees the disconnect, a
@@ -160,7 +160,8 @@ async def metrics(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
-    await gw.client.ping(timeout=METRICS_TIMEOUT_S)
+    if not await gw.client.ready(timeout=METRICS_TIMEOUT_S):  # as llama-server's 503 while it loads
+        raise OpenAIError(503, "hmad is loading its model", "service_unavailable", P.LOADING)
     return JSONResponse({"status": "ok"})
 
 

@@ -29,7 +29,7 @@ _BY_CODE: dict[str, tuple[int, str]] = {
     P.PROMPT_TOO_LONG: (400, INVALID),
     P.BUSY: (429, "rate_limit_error"),
     P.SHUTTING_DOWN: (503, "service_unavailable"),
-    "loading": (503, "service_unavailable"),  # a daemon that answers while its model loads (main's LOADING)
+    P.LOADING: (503, "service_unavailable"),  # a daemon that answers while its model loads
     P.UNSUPPORTED_VERSION: (502, SERVER),
     P.UNKNOWN_TYPE: (502, SERVER),
 }
