@@ -284,6 +284,9 @@ class VulkanBackend(Backend):
 
     name = "vulkan"
     greedy_on_device = True
+    #: engine.deterministic auto: off until its price on a GPU is measured (bench/bench_determinism.py;
+    #: docs/determinism.md): on if it costs at most 10 % at decode 1/8/32 and prefill 512 on both shapes
+    deterministic_auto = False
     topk_max = TOPK_CANDIDATES
 
     def __init__(
