@@ -61,8 +61,8 @@ class CpuBackend(Backend):
     """Eager numpy ops; KV pools are float32 (or float16 with ``kv_dtype``) numpy arrays."""
 
     name = "cpu"
-    #: engine.deterministic auto: off, by its cost (one mat-vec per row: ~2x at 32 streams, ~3x for a long
-    #: prefill on the 270M; free at one stream: docs/determinism.md)
+    #: engine.deterministic auto: off, by its cost (one mat-vec per row, 270M: +18 % at 32 streams, 2x for a
+    #: 512-token prefill, ~free at 1-8 streams: docs/determinism.md)
     deterministic_auto = False
 
     def __init__(
