@@ -87,13 +87,28 @@ def test_sections_mirror_the_classes_they_configure():
     def names(cls):
         return [f.name for f in dataclasses.fields(cls)]
 
-    assert names(config_mod.EngineConfig) == names(SchedulerConfig)
+    # engine.deterministic goes to the backend (backend_options), every other engine key to the scheduler
+    assert names(config_mod.EngineConfig) == [*names(SchedulerConfig), "deterministic"]
     assert names(config_mod.SamplingConfig) == names(SamplingParams)
-    assert set(names(config_mod.CpuConfig)) == set(inspect.signature(CpuBackend).parameters)
+    cpu_keys = {*names(config_mod.CpuConfig), "deterministic"}
+    assert cpu_keys == set(inspect.signature(CpuBackend).parameters)
     from hmad.backends.npu.backend import NpuBackend  # the CPU backend with NPU offload: both sections
 
-    both = names(config_mod.NpuConfig) + names(config_mod.CpuConfig)
-    assert set(both) == set(inspect.signature(NpuBackend).parameters)
+    assert {*names(config_mod.NpuConfig), *cpu_keys} == set(inspect.signature(NpuBackend).parameters)
+
+
+def test_engine_deterministic_reaches_the_backend():
+    from hmad.backends.cpu import CpuBackend
+    from hmad.backends.npu.backend import NpuBackend
+
+    assert load_config().backend_options("cpu")["deterministic"] == "auto"
+    assert CpuBackend(**load_config().backend_options("cpu")).deterministic is CpuBackend.deterministic_auto
+    on = load_config(overrides={"engine.deterministic": "true"})
+    assert CpuBackend(**on.backend_options("cpu")).deterministic is True
+    with pytest.raises(ValueError, match="npu backend is not batch-invariant"):
+        NpuBackend(**on.backend_options("npu"))
+    with pytest.raises(ConfigError, match="engine.deterministic: must be one of auto, true, false"):
+        load_config(overrides={"engine.deterministic": "sometimes"})
 
 
 def test_builds_scheduler_config_sampling_params_and_backend_options():

@@ -98,7 +98,8 @@ Replies (daemon -> client)
 ``error``      {id, code, message}: code is one of ERROR_CODES (stable strings), message is for people.
 ``cancelled``  {id, generated_tokens}
 ``status``     {id, status: map}: what the daemon reports, free-form but nested at most MAX_DEPTH - 2 deep,
-               with keys such as model, backend, device, memory (per heap), context, running, queued,
+               with keys such as model, backend, device, deterministic (bool: batch-invariant numerics,
+               engine.deterministic), memory (per heap), context, running, queued,
                batch_sizes, tokens_per_s, kv_cache, uptime_s. Keys ending in ``_bytes`` are byte counts and
                ``_s`` seconds (``hmactl status`` formats them so).
 ``pong``       {id, time, state}: the daemon's wall clock, float seconds since the epoch; state "ready"

@@ -369,7 +369,8 @@ class SocketConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Mirrors hmad.engine.scheduler.SchedulerConfig field for field."""
+    """Mirrors hmad.engine.scheduler.SchedulerConfig field for field, plus ``deterministic`` (a backend
+    option: batch-invariant numerics, "auto" = the backend's default, see docs/determinism.md)."""
 
     max_seqs: int = _key(16, _Int(1, 1024))
     step_tokens: int = _key(512, _Int(1, 65536))
@@ -379,6 +380,7 @@ class EngineConfig:
     max_queue: int = _key(256, _Int(1, 65536))
     context_length: int = _key(0, _Int(0, 1 << 24))
     prefix_cache: bool = _key(True, _Bool())
+    deterministic: str | bool = _key("auto", _Tristate())
 
 
 @dataclass(frozen=True)
@@ -477,7 +479,9 @@ class Config:
     def scheduler_config(self) -> SchedulerConfig:
         from hmad.engine.scheduler import SchedulerConfig
 
-        return SchedulerConfig(**dataclasses.asdict(self.engine))
+        values = dataclasses.asdict(self.engine)
+        del values["deterministic"]  # the backend's (backend_options), not the scheduler's
+        return SchedulerConfig(**values)
 
     def sampling_defaults(self) -> SamplingParams:
         """A fresh SamplingParams (the scheduler edits its copy) holding the configured defaults."""
@@ -487,12 +491,14 @@ class Config:
         return SamplingParams(**{**values, "stop": list(values["stop"])})
 
     def backend_options(self, name: str) -> dict[str, Any]:
-        """Keyword options of backend ``name`` (cpu, vulkan, npu): its section as a dict."""
+        """Keyword options of backend ``name`` (cpu, vulkan, npu): its section as a dict, plus
+        ``deterministic`` (engine.deterministic)."""
         if name not in ("cpu", "vulkan", "npu"):
             raise ValueError(f"no options section for backend {name!r} (allowed: cpu, vulkan, npu)")
+        det = {"deterministic": self.engine.deterministic}
         if name == "npu":  # the CPU backend with NPU offload: both sections
-            return {**dataclasses.asdict(self.cpu), **dataclasses.asdict(self.npu)}
-        return dataclasses.asdict(getattr(self, name))
+            return {**dataclasses.asdict(self.cpu), **dataclasses.asdict(self.npu), **det}
+        return {**dataclasses.asdict(getattr(self, name)), **det}
 
 
 def _schema(cls: type) -> list[tuple[dataclasses.Field, _Check | None, type | None]]:

@@ -296,6 +296,7 @@ class Server:
             "model_name": self.model.config.name,
             "backend": self.model.backend.name,
             "device": self.model.backend.device,
+            "deterministic": bool(getattr(self.model.backend, "deterministic", False)),
             "memory": self.model.backend.describe().get("memory", {}),
             "context_length": self.engine.scheduler.context,
             "running": snap.get("running", 0),

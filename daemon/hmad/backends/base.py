@@ -39,6 +39,19 @@ class Backend(ABC):
     #: ``topk(logits, k)`` selects on the device and reads back k candidates per row (the scheduler uses it
     #: when every sampling request of a step can be served from its best ``topk_max`` logits); 0: never.
     topk_max: int = 0
+    #: batch-invariant numerics: a sequence's logits do not depend on what else the step holds (the rows
+    #: of other sequences, its place in the batch, how its prompt was chunked); engine.deterministic
+    #: "auto" means ``deterministic_auto``, each backend's choice by its measured cost (docs/determinism.md)
+    deterministic: bool = False
+    deterministic_auto: bool = False
+
+    def resolve_deterministic(self, value: bool | str) -> bool:
+        """engine.deterministic (True, False or "auto") for this backend."""
+        if value == "auto":
+            return self.deterministic_auto
+        if not isinstance(value, bool):
+            raise ValueError(f"deterministic must be true, false or 'auto', got {value!r}")
+        return value
 
     # -- residency -------------------------------------------------------------------------------------
     @abstractmethod

@@ -8,6 +8,9 @@ follows llama.cpp; ``numerics="f32"`` computes everything in plain float32 (used
 Quantized weights are dequantized to float32 once and kept while they fit ``weight_cache_bytes``; a
 weight beyond that budget is dequantized in row chunks on every use (slow, but a 27B file still runs
 without holding 108 GB of float32). Every other backend is tested against this one.
+
+``deterministic=True`` computes every row independently of the batch (matmuls in fixed-shape row tiles,
+attention row by row: backends/invariant.py), so a sequence's logits are bit-identical alone or in any mix.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import numpy as np
 
 from hmad.backends import ggml_numerics as ggml
+from hmad.backends import invariant
 from hmad.backends.base import Backend
 from hmad.engine.batch import StepBatch
 from hmad.engine.kvcache import KVLayout
@@ -57,11 +61,21 @@ class CpuBackend(Backend):
     """Eager numpy ops; KV pools are float32 (or float16 with ``kv_dtype``) numpy arrays."""
 
     name = "cpu"
+    #: engine.deterministic auto: off, by its cost (one mat-vec per row, 270M: +18 % at 32 streams, 2x for a
+    #: 512-token prefill, ~free at 1-8 streams: docs/determinism.md)
+    deterministic_auto = False
 
-    def __init__(self, weight_cache_bytes: int = 16 << 30, kv_dtype: str = "float32", numerics: str = "ggml"):
+    def __init__(
+        self,
+        weight_cache_bytes: int = 16 << 30,
+        kv_dtype: str = "float32",
+        numerics: str = "ggml",
+        deterministic: bool | str = "auto",
+    ):
         if numerics not in ("ggml", "f32"):
             raise ValueError(f"numerics must be 'ggml' or 'f32', got {numerics!r}")
         self.ggml = numerics == "ggml"
+        self.deterministic = self.resolve_deterministic(deterministic)
         self.weight_cache_bytes = weight_cache_bytes
         self.kv_dtype = np.dtype(kv_dtype)
         self.device = f"numpy on {os.cpu_count()} CPU cores"
@@ -119,11 +133,12 @@ class CpuBackend(Backend):
     def matmul(self, x, w: CpuWeight):
         if self.ggml:
             x = ggml.round_activations(x, w.tensor.qtype)
+        mm = invariant.matmul if self.deterministic else _plain_matmul
         if w.f32 is not None:
-            return x @ w.f32.T
+            return mm(x, w.f32)
         out = np.empty((x.shape[0], w.shape[0]), np.float32)
         for s, rows in w.row_chunks():
-            out[:, s : s + rows.shape[0]] = x @ rows.T
+            out[:, s : s + rows.shape[0]] = mm(x, rows)
         return out
 
     def rope(self, x, positions, base: float, scale: float):
@@ -154,6 +169,8 @@ class CpuBackend(Backend):
 
     def attend(self, q, keys, vals, pos0: int, kpos, window: int | None, scale: float):
         """One sequence's attention over its cached keys (see _attend); the npu backend offloads prefill."""
+        if self.deterministic:
+            return invariant.attend_rows(q, keys, vals, pos0, kpos, window, scale, self.ggml)
         return _attend(q, keys, vals, pos0, kpos, window, scale, self.ggml)
 
     def geglu(self, gate, up):
@@ -174,6 +191,11 @@ class CpuBackend(Backend):
 
     def to_numpy(self, x):
         return np.asarray(x)
+
+
+def _plain_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x (M, K) @ w (N, K)ᵀ in one BLAS call (its summation order depends on M: see invariant.py)."""
+    return x @ w.T
 
 
 def _slots(table: np.ndarray, pos: np.ndarray, block_size: int) -> np.ndarray:

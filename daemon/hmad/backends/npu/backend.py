@@ -123,7 +123,13 @@ class NpuBackend(CpuBackend):
         numerics: str = "ggml",
         weight_cache_bytes: int = 16 << 30,
         kv_dtype: str = "float32",
+        deterministic: bool | str = "auto",
     ):
+        if deterministic is True:  # its offloaded GEMMs take steps of min_rows rows and more, not the rest
+            raise ValueError(
+                "engine.deterministic: the npu backend is not batch-invariant (steps of npu.min_rows rows "
+                "and more run on the NPU); use the cpu backend for it, or leave it auto or false"
+            )
         super().__init__(weight_cache_bytes=weight_cache_bytes, kv_dtype=kv_dtype, numerics=numerics)
         self.offload = NpuOffload(enabled, tuple(ops), xclbin_dir, timeout_s, idle_s)
         self.npu_weight_bytes = 0

@@ -42,6 +42,12 @@ geglu_matmul (gate and up projections + GeGLU in one mat-vec dispatch); attentio
 its output as int8 planes. Activations are quantized once per input (Act.q8), the GEMM's float16 copy made
 once per input (Act.scale), and independent dispatches (q, k, v; the 8-token chunks) carry no barrier
 between them (CommandRecorder).
+Deterministic (``deterministic``, engine.deterministic; docs/determinism.md): one kernel and one reduction
+order per row whatever the step's row count, so a sequence's logits are bit-identical alone or in any mix:
+every matmul on the mat-vec (the int8 one in one fixed layout, else the float one), 8 tokens a dispatch,
+never the cooperative-matrix or tiled mat-mat; the int8 planes of x always made by the op before (the
+residual norm, attention's reduce pass); attention in DETERMINISTIC_SPLITS splits for every bucket (a
+split's keys then depend on the row's position only) and never the prefill tiles.
 """
 
 from __future__ import annotations
@@ -128,6 +134,9 @@ MIB = 1 << 20
 # attention_split.comp: splits per (token, KV head) = clamp(TARGET_GROUPS / (tokens * KV heads), 1, MAX)
 ATTENTION_TARGET_GROUPS = 1024
 ATTENTION_MAX_SPLITS = 64
+# deterministic mode: the split count of every bucket (the partials are T x H x splits x (Dh + 2) floats: at
+# 512 tokens of the 27B, 136 MB)
+DETERMINISTIC_SPLITS = 16
 # attention_prefill.comp (tiles of a step's prefill rows, K/V chunks shared by a tile) in buckets of at least
 # this many rows, for sequences with at least this many rows in the step; the others keep the per-row kernels.
 # Not in decode-batch buckets (<= 32): its dispatch costs even when no row is in a tile (H200, 270M at 32
@@ -284,6 +293,9 @@ class VulkanBackend(Backend):
 
     name = "vulkan"
     greedy_on_device = True
+    #: engine.deterministic auto: off until its price on a GPU is measured (bench/bench_determinism.py;
+    #: docs/determinism.md): on if it costs at most 10 % at decode 1/8/32 and prefill 512 on both shapes
+    deterministic_auto = False
     topk_max = TOPK_CANDIDATES
 
     def __init__(
@@ -297,6 +309,7 @@ class VulkanBackend(Backend):
         coopmat: str = "auto",
         coopmat_min_tokens: int = 9,
         step_timeout_s: float = 600.0,
+        deterministic: bool | str = "auto",
     ):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
@@ -311,6 +324,7 @@ class VulkanBackend(Backend):
         # the cooperative-matrix mat-mat where the device has it: see _coopmat_for
         self.coopmat = coopmat == "auto" and coopmat_usable(self.dev.info)
         self.coopmat_min_t = max(2, coopmat_min_tokens)
+        self.deterministic = self.resolve_deterministic(deterministic)  # read when recording
         self.device = self.dev.name
         self.caps_bytes = (device_local_bytes, host_visible_bytes)
         self.kv_dtype, self.timestamps = kv_dtype, timestamps
@@ -459,7 +473,7 @@ class VulkanBackend(Backend):
     def _meta_layout(self, t_b: int) -> StepMetaLayout:
         """The metadata layout of bucket ``t_b``: with prefill-attention tiles from ATTENTION_TILE_MIN_BUCKET
         rows (sequences of at least ATTENTION_TILE_MIN_ROWS rows go in tiles)."""
-        tiles = ATTENTION_TILE_MIN_ROWS if t_b >= ATTENTION_TILE_MIN_BUCKET else 0
+        tiles = ATTENTION_TILE_MIN_ROWS if t_b >= ATTENTION_TILE_MIN_BUCKET and not self.deterministic else 0
         return StepMetaLayout(t_b, t_b, self._max_table(t_b), tile_min_rows=tiles)
 
     def _ensure_meta(self, t_b: int) -> None:
@@ -503,6 +517,7 @@ class VulkanBackend(Backend):
                 if self.coopmat
                 else "off (device lacks it or config)",
             },
+            "deterministic": self.deterministic,
             "recordings": self.recordings,
             "buckets": sorted(self.graphs),
         }
@@ -755,8 +770,27 @@ class VulkanBackend(Backend):
         if self._coopmat_for(t, w):
             self._coopmat(x, w, y)
             return y
+        if self.deterministic:
+            self._matvec_chunks(x, w, y)
+            return y
         record_matmul(self._rec, self._kernel(self._matvec_name(t, w)), w.view, x.view, y.view, k, n, t)
         return y
+
+    def _matvec_chunks(self, x: Act, w: VkWeight, y: Act) -> None:
+        """Deterministic mode's float path: the mat-vec of MATVEC_MAX_T tokens (never ``_t1``) for every
+        row count, MATVEC_MAX_T rows a dispatch."""
+        (t, k), n = x.shape, w.shape[0]
+        kern = self._kernel(self._matvec_name(MATVEC_MAX_T, w))
+        align = self.dev.limits["minStorageBufferOffsetAlignment"]
+        if t > MATVEC_MAX_T and any(b % align for b in (MATVEC_MAX_T * 4 * k, MATVEC_MAX_T * 4 * n)):
+            raise ValueError(
+                f"{w.name}: deterministic mode needs {MATVEC_MAX_T}-row chunks of x ({k} columns) and y "
+                f"({n}) at offsets aligned to {align} bytes"
+            )
+        for t0 in range(0, t, MATVEC_MAX_T):
+            tc = min(MATVEC_MAX_T, t - t0)
+            xv, yv = _rows(x.view, t0, tc, 4 * k), _rows(y.view, t0, tc, 4 * n)
+            record_matmul(self._rec, kern, w.view, xv, yv, k, n, tc)
 
     def _matvec_name(self, t: int, w: VkWeight, geglu: bool = False) -> str:
         """The float kernel of a step of ``t`` tokens that no int8/coopmat path takes: the unit mat-vec
@@ -783,7 +817,7 @@ class VulkanBackend(Backend):
             y = self._new((t, n))
             self._coopmat(x, [gate, up], y)
             return y
-        if t > MATVEC_MAX_T or gate.qtype not in UNIT_TYPES.values():
+        if self.deterministic or t > MATVEC_MAX_T or gate.qtype not in UNIT_TYPES.values():
             return super().geglu_matmul(x, gate, up)
         y = self._new((t, n))
         kern = self._kernel(self._matvec_name(t, gate, geglu=True))
@@ -801,9 +835,11 @@ class VulkanBackend(Backend):
         base = f"mul_mat_vec_{x_name}_{_type_name(ws[0].qtype, UNIT_TYPES)}" + (
             "_geglu" if len(ws) > 1 else ""
         )
+        fixed = self.deterministic  # one layout, never _t1: the same reduction order for every row count
         for t0 in range(0, t, MATVEC_MAX_T):
             tc = min(MATVEC_MAX_T, t - t0)
-            kern = self._kernel(base + q8_matvec_layout(tc, n, k, geglu=len(ws) > 1) + _t1(tc))
+            lay = q8_matvec_layout(MATVEC_MAX_T if fixed else tc, n, k, geglu=len(ws) > 1)
+            kern = self._kernel(base + lay + ("" if fixed else _t1(tc)))
             xq_rows = _rows(xq.view, t0, tc, planes * k)
             rows = [xq_rows, _rows(xd.view, t0, tc, k // 4), _rows(y.view, t0, tc, 4 * n)]
             up = ws[1].view if len(ws) > 1 else None
@@ -840,7 +876,9 @@ class VulkanBackend(Backend):
         ``coopmat_min_tokens`` or more on big weights (there it reads W once where the 8-token int8
         mat-vec reads it per 8 tokens; on small weights its extra dispatches cost more: measured, see
         docs/performance.md)."""
-        if not (self.coopmat and t >= self.coopmat_min_t and w.qtype in COOPMAT_TYPES.values()):
+        if self.deterministic or not (
+            self.coopmat and t >= self.coopmat_min_t and w.qtype in COOPMAT_TYPES.values()
+        ):
             return False
         return t > Q8_MAX_T or math.prod(w.shape) >= COOPMAT_DECODE_MIN_WEIGHTS
 
@@ -851,11 +889,13 @@ class VulkanBackend(Backend):
         n, k = w.shape
         if self._coopmat_for(t, w):
             return False
-        if not (self.planes and t <= Q8_MAX_T and w.qtype in UNIT_TYPES.values() and k % 64 == 0):
+        det = self.deterministic  # every row count, or none: whether it is taken must not depend on t
+        if not (self.planes and (det or t <= Q8_MAX_T) and w.qtype in UNIT_TYPES.values() and k % 64 == 0):
             return False
         align = self.dev.limits["minStorageBufferOffsetAlignment"]
         step = MATVEC_MAX_T
-        return t <= step or all(b % align == 0 for b in (step * k * self.planes, step * k // 4, step * 4 * n))
+        aligned = all(b % align == 0 for b in (step * k * self.planes, step * k // 4, step * 4 * n))
+        return aligned if det else t <= step or aligned
 
     def _q8(self, x: Act) -> tuple[Act, Act]:
         """x's q8 form, one or three planes (quantized here on first use, then kept on the Act)."""
@@ -882,7 +922,7 @@ class VulkanBackend(Backend):
             return xo, None
         h = self._new(x.shape)
         binds = [x.view, a.view, w_a.view, xo.view, w_next.view, h.view]
-        if self.planes and t <= Q8_MAX_T and d % 64 == 0:
+        if self.planes and (t <= Q8_MAX_T or self.deterministic) and d % 64 == 0:
             # int8 mat-vecs follow (K % 64 == 0: XQ's order): quantize h here too (one plane or three)
             h.q8 = self._new_q8(t, d, self.planes)
             name = "residual_norm_next_x3" if self.planes == 3 else "residual_norm_next_q8"
@@ -930,6 +970,8 @@ class VulkanBackend(Backend):
         tiles = self._prefill_kernel(pool_t, dh, g) if meta.max_tiles else None
         groups = max(t * hkv, t * h // ATTENTION_PREFILL_TILE if tiles else 0)
         splits = max(1, min(ATTENTION_MAX_SPLITS, -(-ATTENTION_TARGET_GROUPS // groups)))
+        if self.deterministic:  # a row's split boundaries then depend on its position only
+            splits = DETERMINISTIC_SPLITS
         part = self._new((t, h, splits, dh + 2))
         binds = [q.view, kp, vp, self.meta_gpu, part.view]
         push = AttentionSplitPush(
@@ -946,7 +988,7 @@ class VulkanBackend(Backend):
         o = self._new((t, h * dh))
         reduce = AttentionReducePush(t, h, dh, splits, h * dh)
         # the output projection's int8 input too (a head is whole q8 blocks; K % 64 == 0: XQ's order)
-        if self.planes and t <= Q8_MAX_T and dh % 32 == 0 and h * dh % 64 == 0:
+        if self.planes and (t <= Q8_MAX_T or self.deterministic) and dh % 32 == 0 and h * dh % 64 == 0:
             o.q8 = self._new_q8(t, h * dh, self.planes)
             binds = [part.view, o.view, o.q8[0].view, o.q8[1].view]
             name = "attention_reduce_f32_x3" if self.planes == 3 else "attention_reduce_f32_q8"
