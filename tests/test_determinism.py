@@ -92,17 +92,23 @@ def test_matmul_row_independent_of_batch(k, n):
 ALL = list(range(len(CASES)))
 
 
+def prompt_ids(model, i: int) -> list[int]:
+    """Fidelity prompt ``i`` as the daemon tokenizes it (raw): for the embedded model, llama.cpp's ids in the
+    fixture (test_tokenizer checks they agree); any other model (a GPU run's stand-in) gets its own."""
+    return model.tokenizer.encode(CASES[i]["prompt"])
+
+
 def greedy_solo(model, idx: list[int], n_new: int) -> list[list[int]]:
     """Greedy continuations of the fidelity prompts ``idx``, each generated alone."""
     greedy = SamplingParams(temperature=0.0, max_tokens=n_new, stop=[])
-    return [generate(model, [CASES[i]["prompt_ids"]], greedy)[0].token_ids for i in idx]
+    return [generate(model, [prompt_ids(model, i)], greedy)[0].token_ids for i in idx]
 
 
 def greedy_together(model, idx: list[int], n_new: int) -> list[list[int]]:
     """The same prompts in one scheduler: 64-token prefill chunks beside decode rows, 256 tokens a step."""
     greedy = SamplingParams(temperature=0.0, max_tokens=n_new, stop=[])
     cfg = SchedulerConfig(max_seqs=len(idx), step_tokens=256, max_chunk=64, kv_tokens=4096)
-    return [r.token_ids for r in generate(model, [CASES[i]["prompt_ids"] for i in idx], greedy, cfg)]
+    return [r.token_ids for r in generate(model, [prompt_ids(model, i) for i in idx], greedy, cfg)]
 
 
 @pytest.fixture(scope="module")

@@ -691,9 +691,9 @@ class CommandRecorder:
 
     def _after(self, label: str) -> None:
         self.labels.append(label)
-        if len(self.labels) >= self.max_queries:
-            raise ValueError(f"more than {self.max_queries - 1} commands: raise max_commands")
-        if self.query_pool is not None:
+        if self.query_pool is not None:  # a timestamp after every command: the pool bounds their count
+            if len(self.labels) >= self.max_queries:
+                raise ValueError(f"more than {self.max_queries - 1} timestamped commands: raise max_commands")
             stage = vk.VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT
             lib.vkCmdWriteTimestamp(self.cmd, stage, self.query_pool, len(self.labels))
 
