@@ -119,7 +119,7 @@ from hmad.backends.vulkan.pipelines import (
     residual_block,
 )
 from hmad.backends.vulkan.stepmeta import StepMetaLayout
-from hmad.engine.batch import StepBatch
+from hmad.engine.batch import SeqSlice, StepBatch
 from hmad.engine.kvcache import KVLayout
 from hmad.model.tensors import QType, WeightTensor
 
@@ -565,6 +565,17 @@ class VulkanBackend(Backend):
             o_b = min(t_b, self.logit_rows_b)
             graph = self.graphs.get((t_b, o_b)) or self._record(net, t_b, o_b)
             self._topk_tail(graph)
+        for t_b in buckets_upto(top):  # each replayed once: no request pays a recording's first submit
+            self.greedy(self.run(net, self._warm_up_batch(t_b)))
+
+    def _warm_up_batch(self, n: int) -> StepBatch:
+        """One sequence of ``n`` prompt tokens in the first blocks of the pools: a step that replays a bucket
+        before any request runs (nothing is cached yet: the blocks it writes belong to no sequence)."""
+        lay = self.kv_layout
+        glob = np.arange(min(-(-n // lay.block_size), lay.n_global_blocks), dtype=np.int32)
+        loc = np.arange(min(lay.ring_blocks, lay.n_local_blocks), dtype=np.int32)
+        s = SeqSlice(0, 0, n, 0, glob, loc)
+        return StepBatch.build([(s, [0] * n, True)], lay.block_size)
 
     def run(self, net, batch: StepBatch) -> StepOutput:
         assert self.kv_layout is not None, "alloc_kv() before the first step"
