@@ -8,9 +8,9 @@ row's logits per sequence, so a sequence's logits in a mix can be compared with 
 from __future__ import annotations
 
 import numpy as np
+from test_model_cpu import fresh_cache
 
 from hmad.engine.batch import SeqSlice, StepBatch
-from hmad.engine.kvcache import KVCacheManager, KVLayout
 
 Step = list[tuple[int, int]]
 
@@ -51,13 +51,7 @@ def mixed_schedule(rng: np.random.Generator, lens: list[int], max_chunk: int) ->
 
 def run_schedule(model, seqs: list[list[int]], steps: list[Step], max_chunk: int) -> list[np.ndarray]:
     """Run ``steps`` over ``seqs`` on a fresh KV cache; every row's logits, (len(seq), V) per sequence."""
-    layout = KVLayout.plan(
-        model.config, max_tokens=sum(map(len, seqs)), max_seqs=len(seqs), max_chunk=max_chunk, block_size=4
-    )
-    model.backend.alloc_kv(layout)
-    kv = KVCacheManager(layout)
-    for sid, ids in enumerate(seqs):
-        kv.reserve(sid, len(ids))
+    layout, kv = fresh_cache(model, seqs, max_chunk)
     done = [0] * len(seqs)
     out: list[list[np.ndarray]] = [[] for _ in seqs]
     for step in steps:

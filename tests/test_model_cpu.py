@@ -89,15 +89,21 @@ def dense_reference(model, ids):
     return norm(x, w["output_norm.weight"]) @ w["token_embd.weight"].T
 
 
-def run_chunks(model, seqs: list[list[int]], chunk: int) -> list[np.ndarray]:
-    """Feed several sequences together, ``chunk`` tokens of each per step; all rows' logits per sequence."""
+def fresh_cache(model, seqs: list[list[int]], max_chunk: int) -> tuple[KVLayout, KVCacheManager]:
+    """A KV cache (4-token blocks) for ``seqs`` on ``model``'s backend, each sequence's blocks reserved."""
     layout = KVLayout.plan(
-        model.config, max_tokens=sum(map(len, seqs)), max_seqs=len(seqs), max_chunk=chunk, block_size=4
+        model.config, max_tokens=sum(map(len, seqs)), max_seqs=len(seqs), max_chunk=max_chunk, block_size=4
     )
     model.backend.alloc_kv(layout)
     kv = KVCacheManager(layout)
     for sid, ids in enumerate(seqs):
         kv.reserve(sid, len(ids))
+    return layout, kv
+
+
+def run_chunks(model, seqs: list[list[int]], chunk: int) -> list[np.ndarray]:
+    """Feed several sequences together, ``chunk`` tokens of each per step; all rows' logits per sequence."""
+    layout, kv = fresh_cache(model, seqs, chunk)
     out = [[] for _ in seqs]
     for p0 in range(0, max(map(len, seqs)), chunk):
         parts = []
