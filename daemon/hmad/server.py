@@ -256,7 +256,7 @@ class Server:
 
     def _cancel(self, peer: bytes, req) -> None:
         rid = self.by_client.get((peer, req.id))
-        if rid is None or self.engine is None:
+        if rid is None:  # (while loading there are no routes: every cancel lands here)
             return self._refuse(peer, req, P.NOT_FOUND, f"no active request with id {req.id!r}")
         self.engine.cancel(rid)
 
