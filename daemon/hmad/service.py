@@ -34,6 +34,7 @@ from hmad.engine.worker import EngineThread
 from hmad.errors import HmadError
 from hmad.faults import fault_from_env
 from hmad.faults import install as install_fault
+from hmad.heap import map_large_buffers
 from hmad.model.loader import load_model, resolve_backend_name
 from hmad.server import Server
 
@@ -81,6 +82,7 @@ class Service:
 
     def run(self) -> int:
         fault = fault_from_env()  # TEST-ONLY (hmad/faults.py); a malformed value refuses to start
+        map_large_buffers()  # request-sized buffers go back to the system (hmad/heap.py)
         lock = self._lock()
         try:
             return self._run_locked(fault)

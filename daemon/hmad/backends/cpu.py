@@ -31,6 +31,15 @@ from hmad.model.tensors import WeightTensor
 _ROW_CHUNK = 8192  # rows dequantized at a time for weights outside the cache
 
 
+def _resident(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """A zeroed array with every page written now (np.zeros maps pages lazily): the KV cache is resident
+    from load on, so the daemon's memory does not creep up as blocks are first used under load, and a
+    machine short of memory fails at load rather than in the middle of a request."""
+    a = np.empty(shape, dtype)
+    a.fill(0)
+    return a
+
+
 class CpuWeight:
     """A weight as stored in the file, plus its float32 form when the cache budget allows."""
 
@@ -105,7 +114,7 @@ class CpuBackend(Backend):
             ("local", layout.local_layers, layout.n_local_blocks),
         ):
             shape = (len(layers), blocks * per[0], per[1], per[2])  # (L, slots, Hkv, Dh)
-            self.pools[pool] = (np.zeros(shape, self.kv_dtype), np.zeros(shape, self.kv_dtype))
+            self.pools[pool] = (_resident(shape, self.kv_dtype), _resident(shape, self.kv_dtype))
 
     def describe(self) -> dict:
         kv = sum(a.nbytes + b.nbytes for a, b in self.pools.values())
