@@ -9,6 +9,9 @@ It starts hmad itself (socket in a temp dir) and measures, through hmaclient's A
 - ``first_burst``: the largest level, sent the moment hmad is ready;
 - ``levels``: each level twice in a row, the second one reported (steady state): aggregate generated
   tokens / wall time, prefill of the ~``--prompt-words``-token prompts included;
+- ``prefill``: one request at a time of a fresh ~``--prefill``-token prompt and 1 new token, three times:
+  prompt tokens / the daemon's ``ttft_s`` (arrival to first token), the median (the peer's figure is
+  llama-server's own ``prompt_per_second``: bench_peer.py);
 - ``step_profile_ms``: hmad's mean step and, of it, the forward pass (status ``step_ms`` and ``forward_ms``;
   the rest is host work: batch, sampling, detokenization, stop strings, events), over the last level's last
   steps; then ``server_us_per_reply`` (the socket loop's pack + send) and ``ipc_rtt_us``.
@@ -92,6 +95,18 @@ async def burst(sock: str, n: int, a) -> dict:
     }
 
 
+async def prefill(sock: str, words: int, runs: int = 3) -> dict:
+    """Prompt tokens per second of the time to first token, one fresh prompt at a time (median of runs)."""
+    rates, tokens = [], 0
+    async with AsyncClient(sock, timeout=1800) as c:
+        for _ in range(runs):
+            r = await c.generate(prompt(0, words, next(BURSTS)), raw=True, max_tokens=1, temperature=0)
+            rates.append(r.prompt_tokens / r.ttft_s)
+            tokens = r.prompt_tokens
+    median = round(statistics.median(rates), 1)
+    return {"tokens": tokens, "tok_s": median, "runs_tok_s": [round(x) for x in rates]}
+
+
 def ipc_rtt_us(sock: str, n: int = 500) -> float:
     """Median ping round trip on a bare DEALER (no client-library overhead): ZeroMQ + the socket loop."""
     with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as s:
@@ -136,6 +151,9 @@ def run_daemon(a, levels: list[int]) -> dict:
                 st = c.status()
                 out["step_profile_ms"] = {"step": st["step_ms"], "forward": st["forward_ms"]}
                 print(f"per step: {st['step_ms']} ms, of which forward {st['forward_ms']} ms", flush=True)
+            if a.prefill:
+                out["prefill"] = asyncio.run(prefill(sock, a.prefill - 1))
+                print(f"prefill {out['prefill']['tokens']}: {out['prefill']['tok_s']} tok/s", flush=True)
             out["ipc_rtt_us"] = round(ipc_rtt_us(sock), 1)
             with Client(sock) as c:
                 out["status"] = c.status()
@@ -177,6 +195,7 @@ def main() -> None:
     ap.add_argument("--prompt-words", type=int, default=127)
     ap.add_argument("--levels", default="8,32")
     ap.add_argument("--max-seqs", type=int, default=32)
+    ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill figure (0: none)")
     ap.add_argument("--set", action="append", default=[], help="a config override for hmad (KEY=VALUE)")
     ap.add_argument("--engine", action="store_true", help="also the engine in-process, for the ratio")
     ap.add_argument("--ready-only", type=int, default=0, help="N: only start hmad N times, time READY")

@@ -2,7 +2,7 @@
 # One `device` run (carry .gl .whl .peer) for the serving path: load time beside llama-server on the same
 # file, hmad's load profile, and the daemon's throughput beside its engine, per model shape. Results in $OUT.
 #   bash bench/device_serving.sh [write] [tests] [ready] [peer_load] [load_profile] [daemon_270m] [daemon_27b]
-#       [peer_270m] [peer_27b] [prefix] [determinism]
+#       [peer_270m] [peer_27b] [prefix] [determinism] [copy] [compare_270m] [compare_27b]
 set -uo pipefail
 . bench/device_env.sh
 OUT=${OUT:-/tmp/out}
@@ -60,6 +60,19 @@ for n in ('270m', '27b'):
         m=${step#daemon_}
         timeout 400 python3 bench/bench_daemon.py --model /tmp/syn-$m.gguf --backend vulkan --engine \
             --json "$OUT/daemon_$m.json" 2>&1 | tail -12 | cut -c1-300
+        ;;
+    copy)  # the copy ceiling of this GPU (bandwidth figures are given against it)
+        timeout 120 python3 bench/bench_vulkan_copy.py --mib 1024 --iters 20 --out "$OUT/copy.json" | tail -1
+        ;;
+    compare_270m | compare_27b)  # hmad through the daemon beside llama-server on the same file: prefill 512,
+        # 1, 8 and 32 streams (issue 17's table; bench/compare_peer.py prints the ratios)
+        m=${step#compare_}
+        timeout 300 python3 bench/bench_peer.py --server-dir /tmp/peer/bin --gguf /tmp/syn-$m.gguf \
+            --json "$OUT/peer_$m.json" 2>&1 | grep -E "ready|prefill|streams" | head -6
+        timeout 400 python3 bench/bench_daemon.py --model /tmp/syn-$m.gguf --backend vulkan --levels 1,8,32 \
+            --json "$OUT/hmad_$m.json" 2>&1 | grep -E "ready|steady|prefill|per step" | cut -c1-200
+        python3 bench/compare_peer.py --hmad "$OUT/hmad_$m.json" --peer "$OUT/peer_$m.json" \
+            --copy "$OUT/copy.json" --weights-bytes "$(stat -c %s /tmp/syn-$m.gguf)"
         ;;
     peer_270m | peer_27b)  # llama-server's prefill, 1, 8 and 32 streams on the same file
         m=${step#peer_}
