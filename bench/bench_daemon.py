@@ -9,7 +9,7 @@ It starts hmad itself (socket in a temp dir) and measures, through hmaclient's A
 - ``first_burst``: the largest level, sent the moment hmad is ready;
 - ``levels``: each level twice in a row, the second one reported (steady state): aggregate generated
   tokens / wall time, prefill of the ~``--prompt-words``-token prompts included;
-- ``prefill``: one request at a time of a fresh ~``--prefill``-token prompt and 1 new token, three times:
+- ``prefill``: one request at a time of a fresh ``--prefill``-token prompt and 1 new token, three times:
   prompt tokens / the daemon's ``ttft_s`` (arrival to first token), the median (the peer's figure is
   llama-server's own ``prompt_per_second``: bench_peer.py);
 - ``step_profile_ms``: hmad's mean step and, of it, the forward pass (status ``step_ms`` and ``forward_ms``;
@@ -95,12 +95,21 @@ async def burst(sock: str, n: int, a) -> dict:
     }
 
 
-async def prefill(sock: str, words: int, runs: int = 3) -> dict:
-    """Prompt tokens per second of the time to first token, one fresh prompt at a time (median of runs)."""
+def prompts_of_tokens(model: str, n: int, count: int) -> list[str]:
+    """``count`` fresh raw prompts of ``n`` tokens (BOS included, give or take a merge at the cut) in the
+    model's own tokenizer."""
+    from hmad.model.loader import read_model_files, resolve_model_path
+
+    tok = read_model_files(resolve_model_path(model)).tokenizer
+    return [tok.decode(tok.encode(prompt(0, n, next(BURSTS)))[1:n]) for _ in range(count)]
+
+
+async def prefill(sock: str, prompts: list[str]) -> dict:
+    """Prompt tokens per second of the time to first token, one prompt at a time (the median)."""
     rates, tokens = [], 0
     async with AsyncClient(sock, timeout=1800) as c:
-        for _ in range(runs):
-            r = await c.generate(prompt(0, words, next(BURSTS)), raw=True, max_tokens=1, temperature=0)
+        for text in prompts:
+            r = await c.generate(text, raw=True, max_tokens=1, temperature=0)
             rates.append(r.prompt_tokens / r.ttft_s)
             tokens = r.prompt_tokens
     median = round(statistics.median(rates), 1)
@@ -152,7 +161,7 @@ def run_daemon(a, levels: list[int]) -> dict:
                 out["step_profile_ms"] = {"step": st["step_ms"], "forward": st["forward_ms"]}
                 print(f"per step: {st['step_ms']} ms, of which forward {st['forward_ms']} ms", flush=True)
             if a.prefill:
-                out["prefill"] = asyncio.run(prefill(sock, a.prefill - 1))
+                out["prefill"] = asyncio.run(prefill(sock, prompts_of_tokens(a.model, a.prefill, 3)))
                 print(f"prefill {out['prefill']['tokens']}: {out['prefill']['tok_s']} tok/s", flush=True)
             out["ipc_rtt_us"] = round(ipc_rtt_us(sock), 1)
             with Client(sock) as c:

@@ -6,6 +6,8 @@ For each copy variant (shaders/copy.comp: vec4 loads, UNROLL in flight) and work
 (once to warm up, once measured) and reports GB/s = 2 x bytes / median GPU time per copy (read + write).
 Also: the empty submit + fence round trip, and host writes into mapped memory through a numpy view.
 ``--memory host`` puts the source in the host-visible pool (dGPU system heap / APU GTT) to measure that path.
+``--fill zero`` copies zeros instead of random bytes: GPUs that compress memory traffic (NVIDIA since
+Ampere) move zeros faster than data, so the ceiling for weights is the random one (the default).
 
     python3 bench/bench_vulkan_copy.py --mib 1024 --iters 20 --out result.json
 """
@@ -83,14 +85,18 @@ def main() -> int:
     ap.add_argument(
         "--memory", choices=["device", "host"], default="device", help="pool of the source buffer"
     )
+    ap.add_argument("--fill", choices=["random", "zero"], default="random", help="what the source holds")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = Device(args.device)
     nbytes = args.mib << 20
     src = create_buffer(dev, nbytes, args.memory, "src")
     dst = create_buffer(dev, nbytes, "device", "dst")
-    res = {"device": dev.describe(), "mib": args.mib, "memory": args.memory, "runs": []}
-    host_arr = np.random.default_rng(0).integers(0, 255, nbytes, np.uint8)
+    res = {"device": dev.describe(), "mib": args.mib, "memory": args.memory, "fill": args.fill, "runs": []}
+    if args.fill == "zero":
+        host_arr = np.zeros(nbytes, np.uint8)
+    else:
+        host_arr = np.random.default_rng(0).integers(0, 255, nbytes, np.uint8)
     staging = create_buffer(dev, nbytes, "upload", "staging")
     t0 = time.perf_counter()
     staging.host[:] = host_arr

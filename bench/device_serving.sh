@@ -63,6 +63,7 @@ for n in ('270m', '27b'):
         ;;
     copy)  # the copy ceiling of this GPU (bandwidth figures are given against it)
         timeout 120 python3 bench/bench_vulkan_copy.py --mib 1024 --iters 20 --out "$OUT/copy.json" | tail -1
+        timeout 120 python3 bench/bench_vulkan_copy.py --mib 1024 --iters 20 --fill zero | tail -1
         ;;
     compare_270m | compare_27b)  # hmad through the daemon beside llama-server on the same file: prefill 512,
         # 1, 8 and 32 streams (issue 17's table; bench/compare_peer.py prints the ratios)
