@@ -284,6 +284,32 @@ def test_copy_kernel_correct_and_bandwidth(dev, kernels, gpu):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["read_vec4", "read_vec4_x4", "read_vec4_x8"])
+def test_read_kernel_loads_every_element_and_writes_only_on_its_constant(dev, kernels, gpu, name):
+    """read.comp (the read-only bandwidth ceiling) XORs what each invocation loads and stores that word only
+    where it equals 0x9E3779B9: random data leaves the poisoned output as it was; planting the constant
+    in the one element an invocation reads (one element each, 128 groups of 256) makes exactly that word
+    appear, so the loads cannot be optimised away."""
+    from hmad.backends.vulkan.pipelines import CommandRecorder, CopyPush
+
+    n = 128 * 256  # uvec4 elements: one per invocation, so invocation i reads element i alone
+    data = np.random.default_rng(2).integers(0, 2**32 - 1, (n, 4), dtype=np.uint32)
+    data[:, 0] ^= data[:, 1] ^ data[:, 2] ^ data[:, 3] ^ np.uint32(0x12345678)  # XOR of each row: not it
+    data[77] = (0x9E3779B9, 0, 0, 0)
+    src, dst = gpu.put(data), gpu.alloc(n * 4)
+    before = gpu.get(gpu.poison(dst)).view(np.uint32).copy()
+    rec = CommandRecorder(dev).begin()
+    rec.dispatch(kernels[name], [src, dst], CopyPush(n), 128)
+    rec.end()
+    rec.submit()
+    rec.close()
+    after = gpu.get(dst).view(np.uint32)
+    expect = before.copy()
+    expect[77] = 0x9E3779B9
+    assert np.array_equal(after, expect)
+
+
+@pytest.mark.gpu
 def test_copy_over_ranges_of_a_tensor(dev, kernels, gpu):
     """A tensor bound as several ranges (how one bigger than maxStorageBufferRange is handled)."""
     from hmad.backends.vulkan.pipelines import CommandRecorder, CopyPush
