@@ -67,6 +67,39 @@ def bench_variant(dev, name, block, src, dst, iters) -> dict:
     }
 
 
+VARIANTS = tuple(f"{kind}_vec4{u}" for kind in ("copy", "read") for u in ("", "_x4", "_x8"))
+
+
+def source_bytes(nbytes: int, fill: str) -> np.ndarray:
+    """What the source holds: random bytes (incompressible, like weights) or zeros."""
+    if fill == "zero":
+        return np.zeros(nbytes, np.uint8)
+    return np.random.default_rng(0).integers(0, 255, nbytes, np.uint8)
+
+
+def fill_buffer(dev, buf, data: np.ndarray) -> float:
+    """Upload ``data`` into ``buf`` through a staging buffer; returns the host's mapped-write GB/s."""
+    staging = create_buffer(dev, buf.nbytes, "upload", "staging")
+    t0 = time.perf_counter()
+    staging.host[:] = data
+    gbps = buf.nbytes / (time.perf_counter() - t0) / 1e9
+    rec = CommandRecorder(dev).begin()
+    rec.copy(staging, buf)
+    rec.end()
+    rec.submit()
+    rec.close()
+    staging.arena.close()
+    return gbps
+
+
+def ceilings(runs: list[dict]) -> dict:
+    """The best copy (read + write) and read-only GB/s of bench_variant results."""
+    best = {
+        k: max((r["GBps"] for r in runs if r["variant"].startswith(k)), default=0.0) for k in ("copy", "read")
+    }
+    return {"ceiling_GBps": best["copy"], "read_ceiling_GBps": best["read"]}
+
+
 def submit_round_trip(dev, n=200) -> float:
     rec = CommandRecorder(dev).begin().end()
     rec.submit()
@@ -82,9 +115,7 @@ def main() -> int:
     ap.add_argument("--device", default=None, help="index or name substring (default: best GPU)")
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument(
-        "--variants", default=",".join(f"{k}_vec4{u}" for k in ("copy", "read") for u in ("", "_x4", "_x8"))
-    )
+    ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--blocks", default="256")
     ap.add_argument(
         "--memory", choices=["device", "host"], default="device", help="pool of the source buffer"
@@ -97,19 +128,8 @@ def main() -> int:
     src = create_buffer(dev, nbytes, args.memory, "src")
     dst = create_buffer(dev, nbytes, "device", "dst")
     res = {"device": dev.describe(), "mib": args.mib, "memory": args.memory, "fill": args.fill, "runs": []}
-    if args.fill == "zero":
-        host_arr = np.zeros(nbytes, np.uint8)
-    else:
-        host_arr = np.random.default_rng(0).integers(0, 255, nbytes, np.uint8)
-    staging = create_buffer(dev, nbytes, "upload", "staging")
-    t0 = time.perf_counter()
-    staging.host[:] = host_arr
-    res["host_write_mapped_GBps"] = nbytes / (time.perf_counter() - t0) / 1e9
-    rec = CommandRecorder(dev).begin()
-    rec.copy(staging, src)
-    rec.end()
-    rec.submit()
-    rec.close()
+    host_arr = source_bytes(nbytes, args.fill)
+    res["host_write_mapped_GBps"] = fill_buffer(dev, src, host_arr)
     res["submit_round_trip_us"] = submit_round_trip(dev)
     for name in args.variants.split(","):
         for block in map(int, args.blocks.split(",")):
@@ -125,10 +145,7 @@ def main() -> int:
     rec.submit()
     rec.close()
     res["last_copy_correct"] = bool(np.array_equal(check.host, host_arr))
-    res["ceiling_GBps"] = max(r["GBps"] for r in res["runs"] if r["variant"].startswith("copy"))
-    res["read_ceiling_GBps"] = max(
-        (r["GBps"] for r in res["runs"] if r["variant"].startswith("read")), default=0
-    )
+    res.update(ceilings(res["runs"]))
     print(
         f"{res['device']['name']}, {args.fill} bytes: copy ceiling {res['ceiling_GBps']:.1f} GB/s (read + "
         f"write), read-only {res['read_ceiling_GBps']:.1f} GB/s; submit round trip "
@@ -137,7 +154,7 @@ def main() -> int:
     )
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1, default=str))
-    for b in (src, dst, staging, check):
+    for b in (src, dst, check):
         b.arena.close()
     dev.close()
     return 0 if res["last_copy_correct"] else 1

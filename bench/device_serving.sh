@@ -2,7 +2,7 @@
 # One `device` run (carry .gl .whl .peer) for the serving path: load time beside llama-server on the same
 # file, hmad's load profile, and the daemon's throughput beside its engine, per model shape. Results in $OUT.
 #   bash bench/device_serving.sh [write] [tests] [ready] [peer_load] [load_profile] [daemon_270m] [daemon_27b]
-#       [peer_270m] [peer_27b] [prefix] [determinism] [copy] [compare_270m] [compare_27b]
+#       [peer_270m] [peer_27b] [prefix] [determinism] [copy] [compare_270m] [compare_27b] [steps]
 set -uo pipefail
 . bench/device_env.sh
 OUT=${OUT:-/tmp/out}
@@ -64,6 +64,12 @@ for n in ('270m', '27b'):
     copy)  # the copy ceiling of this GPU (bandwidth figures are given against it)
         timeout 120 python3 bench/bench_vulkan_copy.py --mib 1024 --iters 20 --out "$OUT/copy.json" | tail -1
         timeout 120 python3 bench/bench_vulkan_copy.py --mib 1024 --iters 20 --fill zero | tail -1
+        ;;
+    steps)  # the engine's steps alone on both written files: prefill 512, decode at 1, 8, 32, the weights'
+        # read rate against the read-only ceiling of random bytes, per-kernel GPU time
+        timeout 400 python3 bench/bench_vulkan_model.py --models 270m,27b --gguf 270m=/tmp/syn-270m.gguf \
+            --gguf 27b=/tmp/syn-27b.gguf --engine none --reps 10 --out "$OUT/steps.json" 2>&1 \
+            | grep -E "ceiling|tok/s|GiB" | cut -c1-200
         ;;
     compare_270m | compare_27b)  # hmad through the daemon beside llama-server on the same file: prefill 512,
         # 1, 8 and 32 streams (issue 17's table; bench/compare_peer.py prints the ratios)
