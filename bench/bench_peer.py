@@ -89,7 +89,7 @@ PROMPTS = iter(range(1, 1 << 30))
 def fresh_prompt(n: int, i: int = 0) -> list[int]:
     """BOS and ``n - 1`` token ids that no earlier prompt of this run starts with."""
     salt = next(PROMPTS)
-    return [2, 1000 + salt % 50000, 300 + i % 90] + [300 + (17 * i + j) % 90 for j in range(n - 3)]
+    return [2, 1000 + salt % 20000, 300 + i % 90] + [300 + (17 * i + j) % 90 for j in range(n - 3)]
 
 
 def prefill(port: int, n: int) -> dict:
