@@ -5,9 +5,11 @@
 
 ``hmad.json`` is bench_daemon.py's (through the daemon and hmaclient, ``--levels 1,8,32``), ``peer.json``
 bench_peer.py's (llama-server's HTTP API, ``--streams 1,8,32``); both count generated tokens over the
-wall time of N concurrent 128-token-prompt requests, prefill included. With ``--copy`` (bench_vulkan_copy.py)
-and the weights' bytes, the one-stream figure is also given as weight bytes read per second over the
-read-only and the copy ceilings (a lower bound: the prompt's prefill is inside the wall time).
+wall time of N concurrent requests, prefill included (the peer's prompts are 128 token ids, hmad's
+``--prompt-words`` words of text: ~290 tokens on bench_vulkan_model's synthetic vocabulary).
+With ``--copy`` (bench_vulkan_copy.py) and the weights' bytes, the one-stream figure is also given as
+weight bytes read per second over the read-only and the copy ceilings (a lower bound: the prompt's
+prefill is inside the wall time).
 """
 
 from __future__ import annotations
