@@ -9,8 +9,19 @@ ceiling is ``copy_vec4_x4`` (bench_vulkan_copy.py) over a buffer the size of W i
 (read + write) bytes / time as that bench does. ``--prefill T`` also times mul_mat_<type> (TFLOP/s).
 A few rows of the T = 1 result are checked against the numpy dequantization.
 
+``--coopmat-variants 512,32`` times only the Q4_K cooperative-matrix GEMMs instead: every layout built
+(:data:`COOPMAT_TILES` and :data:`COOPMAT_Q4K_VARIANTS`, or those of ``--coopmat-kernels``) on each Gemma 3
+27B matmul shape (:data:`SHAPES_27B`) at each T, K split as the backend would. Per shape and T the 64×128
+kernel's output is checked on 64 rows against numpy (float64 products of the dequantized weights, within
+:data:`NUMPY_TOL` of the output scale: float16 x and W), then every variant's whole output against it
+(within :data:`VARIANT_TOL`: float32 sums in another order), its y poisoned first; a variant off by more is
+reported as wrong and not timed, one whose shared memory the device lacks as skipped. Prints µs per call
+and TFLOP/s, and per variant the sum over one layer's matmuls (:data:`LAYER_27B`), as a share of the
+measured cooperative-matrix peak where ``--peak-json`` gives bench_vulkan_coopmat_peak.py's result.
+
     python3 bench/bench_vulkan_matmul.py --iters 20 --out result.json       # device machine
     python3 bench/bench_vulkan_matmul.py --n 2048 --iters 2 --prefill 64     # lavapipe smoke run
+    python3 bench/bench_vulkan_matmul.py --coopmat-variants 512,32 --peak-json peak.json --out v.json
 """
 
 from __future__ import annotations
@@ -30,12 +41,15 @@ from bench_vulkan_copy import bench_variant  # noqa: E402
 from hmad.backends.vulkan import kernels_matmul as km  # noqa: E402
 from hmad.backends.vulkan.device import Device  # noqa: E402
 from hmad.backends.vulkan.kernels_matmul import (  # noqa: E402
+    COOPMAT_Q4K_VARIANTS,
     COOPMAT_TILES,
     COOPMAT_TYPES,
     MATMUL_TYPES,
     UNIT_TYPES,
+    coopmat_fits,
     coopmat_splits,
     coopmat_usable,
+    coopmat_variant,
     record_coopmat,
     record_matmul,
     record_matvec_q8,
@@ -45,6 +59,15 @@ from hmad.backends.vulkan.kernels_matmul import (  # noqa: E402
 from hmad.backends.vulkan.memory import Uploader, create_buffer  # noqa: E402
 from hmad.backends.vulkan.pipelines import CommandRecorder, Kernel, QuantizeQ8Push  # noqa: E402
 from hmad.model.quants import dequantize, random_blocks  # noqa: E402
+from hmad.model.tensors import QType  # noqa: E402
+
+#: Gemma 3 27B's matmuls (N rows, K) and how many of each a layer has
+SHAPES_27B = {"gate/up": (21504, 5376), "down": (5376, 21504), "q": (4096, 5376), "k/v": (2048, 5376)}
+SHAPES_27B["o"] = (5376, 4096)
+LAYER_27B = {"gate/up": 2, "down": 1, "q": 1, "k/v": 2, "o": 1}
+COOPMAT_REFERENCE = "mul_mm_coopmat_q4_k_64x128"  # the prefill's kernel: every variant is checked against it
+NUMPY_TOL = 4e-3  # the reference against numpy, of the output scale (float16 x and W: 2^-11 each, K terms)
+VARIANT_TOL = 1e-4  # a variant against the reference, of the output scale (float32 sums in another order)
 
 
 def median_gpu_ns(dev, iters: int, record_one, warm_s: float = 0.0) -> float:
@@ -159,6 +182,163 @@ def bench_coopmat(dev, args, w, x, y, k, n, ts, copy_gbps) -> list[dict]:
     return out
 
 
+def q4k_coopmat_kernels() -> list[str]:
+    """Every Q4_K cooperative-matrix GEMM built: the first layout's tiles, then the Q4_K-only layouts."""
+    names = [f"mul_mm_coopmat_q4_k_{bt}x{bn}" for bt, bn in COOPMAT_TILES]
+    return names + [f"mul_mm_coopmat_q4_k_{v.suffix}" for v in COOPMAT_Q4K_VARIANTS]
+
+
+class ShapeBuffers:
+    """One weight shape's buffers for the variant runs: ``rotate`` copies of a random Q4_K W (n, k), x
+    (t_max, k) with its row scales and float16 copy made once (row_scale), y for the reference and y for the
+    variant under test, the partial-sum scratch."""
+
+    def __init__(self, dev, up, n: int, k: int, t_max: int, rotate: int, rng):
+        rb = weight_row_bytes(QType.Q4_K, k)
+        self.n, self.k = n, k
+        w = np.ascontiguousarray(random_blocks(QType.Q4_K, (n, k), rng))
+        self.w_host = w.view(np.uint8).reshape(n, rb)
+        self.x_host = rng.standard_normal((t_max, k)).astype(np.float32)
+        self.ws = [create_buffer(dev, self.w_host.nbytes, "device", "W") for _ in range(rotate)]
+        for w in self.ws:
+            w.row_bytes = rb
+            up.upload(w, self.w_host)
+        self.x = create_buffer(dev, self.x_host.nbytes, "device", "x")
+        up.upload(self.x, self.x_host)
+        up.flush()
+        self.scale = create_buffer(dev, 4 * t_max, "device", "row scales")
+        self.xh = create_buffer(dev, 2 * k * t_max, "device", "x float16")
+        self.y_ref, self.y = (create_buffer(dev, 4 * t_max * n, "device", "y") for _ in range(2))
+        self.part = create_buffer(dev, 256 << 20, "device", "partial sums")
+        rs = Kernel(dev, "row_scale")
+        rec = CommandRecorder(dev).begin()
+        record_row_scale(rec, rs, self.x, self.scale, self.xh, k, t_max)
+        rec.end()
+        rec.submit()
+        rec.close()
+        rs.close()
+
+    def run(self, dev, kern, red, y, t: int) -> None:
+        """y[:t] = x[:t] · Wᵀ once on ``kern``."""
+        rec = CommandRecorder(dev).begin()
+        record_coopmat(rec, kern, red, self.ws[0], self.xh, y, self.scale, self.k, self.n, t, self.part)
+        rec.end()
+        rec.submit()
+        rec.close()
+
+    def close(self) -> None:
+        for b in (*self.ws, self.x, self.scale, self.xh, self.y_ref, self.y, self.part):
+            b.arena.close()
+
+
+def numpy_error(sb: ShapeBuffers, y_ref: np.ndarray, t: int) -> float:
+    """Max |y_ref - numpy| over the output scale on the first and last 32 rows of W, all t tokens."""
+    rows = np.r_[0:32, sb.n - 32 : sb.n]
+    w = dequantize(sb.w_host[rows], QType.Q4_K, (len(rows), sb.k)).astype(np.float64)
+    ref = sb.x_host[:t].astype(np.float64) @ w.T
+    got = y_ref.reshape(t, sb.n)[:, rows]
+    return float(np.abs(got - ref).max() / np.abs(ref).max())
+
+
+def variant_error(up, sb: ShapeBuffers, y_ref: np.ndarray, t: int) -> float:
+    """Max |y - y_ref| over the output scale (inf where y holds a NaN: an element not written)."""
+    got = up.download(sb.y).view(np.float32)[: t * sb.n]
+    if not np.isfinite(got).all():
+        return float("inf")
+    return float(np.abs(got - y_ref).max() / np.abs(y_ref).max())
+
+
+def time_variant(dev, args, sb: ShapeBuffers, kern, red, t: int) -> dict:
+    """Median GPU time of one call of ``kern`` (W copies used in turn), as µs and TFLOP/s."""
+
+    def one(rec, i):
+        w = sb.ws[i % len(sb.ws)]
+        return record_coopmat(rec, kern, red, w, sb.xh, sb.y, sb.scale, sb.k, sb.n, t, sb.part)
+
+    ns = median_gpu_ns(dev, args.iters, one)
+    tile = coopmat_variant(kern.name)[1]
+    splits = coopmat_splits(sb.k, sb.n, t, (tile.bt, tile.bn))[0]
+    return {"splits": splits, "us": ns / 1e3, "TFLOPs": 2 * sb.k * sb.n * t / ns / 1e3}
+
+
+def bench_coopmat_variants(dev, args) -> dict:
+    """Every Q4_K coopmat layout on the 27B shapes at each T of ``args.coopmat_variants``: checked against the
+    64×128 kernel (itself against numpy), then timed; per variant and T the sum over one layer's matmuls."""
+    ts = [int(v) for v in args.coopmat_variants.split(",")]
+    names = [v for v in args.coopmat_kernels.split(",") if v] or q4k_coopmat_kernels()
+    res: dict = {"T": ts, "kernels": names, "rows": [], "skipped": {}, "wrong": []}
+    for name in names:
+        if not coopmat_fits(name, dev.limits):
+            res["skipped"][name] = f"{coopmat_variant(name)[1].shared_bytes()} B of shared memory"
+            print(f"{name}: skipped, {res['skipped'][name]} > {dev.limits['maxComputeSharedMemorySize']}")
+    kerns = {}
+    for name in dict.fromkeys([COOPMAT_REFERENCE, *names]):
+        try:
+            kerns[name] = Kernel(dev, name) if name not in res["skipped"] else None
+        except Exception as e:  # e.g. a pipeline the driver refuses (its shared memory at the limit)
+            res["skipped"][name] = f"pipeline not created: {e}"
+            print(f"{name}: skipped, {res['skipped'][name]}")
+    kerns = {n: k for n, k in kerns.items() if k is not None}
+    red, up, rng = Kernel(dev, "split_reduce"), Uploader(dev), np.random.default_rng(0)
+    for label, (n, k) in SHAPES_27B.items():
+        sb = ShapeBuffers(dev, up, n, k, max(ts), args.rotate, rng)
+        for t in ts:
+            sb.run(dev, kerns[COOPMAT_REFERENCE], red, sb.y_ref, t)
+            y_ref = up.download(sb.y_ref).view(np.float32)[: t * n]
+            err = numpy_error(sb, y_ref, t)
+            print(f"{label} N={n} K={k} T={t}: {COOPMAT_REFERENCE} against numpy {err:.1e}", flush=True)
+            if not err <= NUMPY_TOL:
+                raise SystemExit(f"{COOPMAT_REFERENCE} is off numpy by {err:.1e} of the output scale")
+            for name in (v for v in names if v in kerns):
+                r = check_and_time(dev, args, up, sb, y_ref, kerns[name], red, t) | {"shape": label}
+                res["rows" if "us" in r else "wrong"].append(r)
+        sb.close()
+    peak = json.loads(Path(args.peak_json).read_text())["peak_tflops"] if args.peak_json else None
+    res["layer"], res["peak_tflops"] = layer_totals(res["rows"], peak), peak
+    for kern in (*kerns.values(), red):
+        kern.close()
+    up.close()
+    return res
+
+
+def check_and_time(dev, args, up, sb: ShapeBuffers, y_ref: np.ndarray, kern, red, t: int) -> dict:
+    """One variant at one shape and T: its output (y poisoned first) against the reference's ``y_ref``,
+    then, unless it is off by more than VARIANT_TOL, its time."""
+    up.upload(sb.y, np.full(t * sb.n, np.nan, np.float32))
+    up.flush()
+    sb.run(dev, kern, red, sb.y, t)
+    r = {"N": sb.n, "K": sb.k, "T": t, "kernel": kern.name, "error": variant_error(up, sb, y_ref, t)}
+    if not r["error"] <= VARIANT_TOL:
+        print(f"  {kern.name:42s} WRONG: {r['error']:.1e} of the output scale off the reference", flush=True)
+        return r
+    r |= time_variant(dev, args, sb, kern, red, t)
+    print(
+        f"  {kern.name:42s} T={t:4d} splits {r['splits']:2d}: {r['us']:8.1f} us {r['TFLOPs']:6.1f} TFLOP/s "
+        f"(error {r['error']:.1e})",
+        flush=True,
+    )
+    return r
+
+
+def layer_totals(rows: list[dict], peak: float | None = None) -> list[dict]:
+    """Per kernel and T with every shape measured: µs of one 27B layer's matmuls (LAYER_27B), TFLOP/s and
+    their share of ``peak`` TFLOP/s (the measured cooperative-matrix peak) when given."""
+    out = []
+    for name, t in dict.fromkeys((r["kernel"], r["T"]) for r in rows):
+        mine = {r["shape"]: r for r in rows if r["kernel"] == name and r["T"] == t}
+        if set(mine) != set(LAYER_27B):
+            continue
+        us = sum(LAYER_27B[s] * r["us"] for s, r in mine.items())
+        flop = sum(LAYER_27B[s] * 2 * r["N"] * r["K"] * t for s, r in mine.items())
+        out.append({"kernel": name, "T": t, "us": us, "TFLOPs": flop / us / 1e6})
+        if peak:
+            out[-1]["of_peak"] = out[-1]["TFLOPs"] / peak
+    for r in sorted(out, key=lambda r: (r["T"], r["us"])):
+        share = f" ({100 * r['of_peak']:.1f} % of the {peak:.0f} TFLOP/s peak)" if peak else ""
+        print(f"layer T={r['T']:4d} {r['kernel']:42s} {r['us']:9.1f} us {r['TFLOPs']:6.1f} TFLOP/s{share}")
+    return out
+
+
 def matvec_variants(t_name: str, tokens: list[int]) -> list[tuple[str, list[int]]]:
     """(float mat-vec variant, its token counts) of a weight type: the unit kernel (``_t1`` at T = 1) for
     quantized types, the shared / subgroup reductions for float ones."""
@@ -195,9 +375,25 @@ def main() -> int:
         help="comma list of kernels_matmul.COOPMAT_TARGET_GROUPS values to time the coopmat GEMM with (how "
         "far K is split; default: the backend's)",
     )
+    ap.add_argument(
+        "--coopmat-variants",
+        default="",
+        help="T list: time only the Q4_K coopmat GEMM layouts on the 27B shapes (module docstring)",
+    )
+    ap.add_argument("--coopmat-kernels", default="", help="with --coopmat-variants: these kernels only")
+    ap.add_argument("--peak-json", default="", help="bench_vulkan_coopmat_peak.py's --out (coopmat variants)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = Device(args.device)
+    if args.coopmat_variants:
+        if not coopmat_usable(dev.info):
+            dev.close()
+            raise SystemExit(f"{dev.info.name}: no float16 cooperative matrix with 32-wide subgroups")
+        res = {"device": dev.describe()["name"]} | bench_coopmat_variants(dev, args)
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=1))
+        dev.close()
+        return 1 if res["wrong"] else 0
     qtype, k, n = MATMUL_TYPES[args.type], args.k, args.n
     rb = weight_row_bytes(qtype, k)
     w_host = np.ascontiguousarray(random_blocks(qtype, (n, k), np.random.default_rng(0))).view(np.uint8)

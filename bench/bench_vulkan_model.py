@@ -185,22 +185,37 @@ def measure_steps(model, kv, layout, context: int, reps: int, ceiling: float, we
     return out
 
 
-def sweep(model, kv, layout, context: int, reps: int, attr: str, values) -> dict:
-    """Decode steps at 1, 8, 32 sequences with the backend attribute ``attr`` (an int: attention_kl, a
-    setting under test, ...) at each of ``values`` in turn, every bucket recorded again per value; side by
-    side in one process. The attribute is restored after."""
+def sweep(model, kv, layout, args, attr: str, values, ceiling: float, weight_bytes: int) -> dict:
+    """The steps (prefill 512, decode at 1, 8, 32 sequences) with the backend attribute ``attr`` (fuse,
+    attention_kl, coopmat_layout, a setting under test) at each of ``values`` in turn, every bucket recorded
+    again per value; side by side in one process. The attribute is restored after."""
     be, out, keep = model.backend, {}, getattr(model.backend, attr)
     for i, v in enumerate(values):
         setattr(be, attr, v)
         be._drop_graphs()
-        out[f"{v}#{i}"] = r = {}
-        for b in (1, 8, 32):
-            st = time_steps(model, make_batch(kv, layout, b, 1, context // 2), reps)
-            r[f"decode_{b}"] = st | {"tok_s": b / (st["wall_ms"] / 1e3)}
+        try:
+            r = measure_steps(model, kv, layout, args.context, args.reps, ceiling, weight_bytes)
+        except Exception as e:  # noqa: BLE001 - a value the device refuses (a kernel over its limits)
+            out[f"{v}#{i}"] = {"error": repr(e)}
+            print(f"  {attr} {v}: {e!r}", flush=True)
+            continue
+        out[f"{v}#{i}"] = r
         print(f"  {attr} {v}: " + ", ".join(f"{k} {x['tok_s']:.0f}" for k, x in r.items()), flush=True)
+        print(
+            f"  {attr} {v}: decode_1 {r['decode_1']['wall_ms']:.3f} ms, weights at "
+            f"{r['decode_1']['of_ceiling']:.1%} of the read ceiling",
+            flush=True,
+        )
     setattr(be, attr, keep)
     be._drop_graphs()
     return out
+
+
+def sweep_value(text: str):
+    """A --sweep value: an int (1, 0 for flags), "none" for None, else the text (a kernel layout)."""
+    if text == "none":
+        return None
+    return int(text) if text.lstrip("-").isdigit() else text
 
 
 def measure_engine(model, gen: int, streams) -> dict:
@@ -260,8 +275,8 @@ def bench_model(name: str, args, ceiling: float) -> dict:
         print(f"  {name} {k}: {r['tok_s']:.0f} tok/s ({r['wall_ms']:.3f} ms/step{extra})", flush=True)
     for spec in args.sweep:  # attr=v1,v2,...: twice over, so that each value is timed early and late
         attr, values = spec.split("=")
-        vals = [int(v) for v in values.split(",")] * 2
-        res.setdefault("sweeps", {})[attr] = sweep(model, kv, layout, args.context, args.reps, attr, vals)
+        vals = [sweep_value(v) for v in values.split(",")] * 2
+        res.setdefault("sweeps", {})[attr] = sweep(model, kv, layout, args, attr, vals, ceiling, weight_bytes)
     res["engine"] = measure_engine(model, args.gen, args.engine_streams if name in args.engine else (1,))
     be.set_timestamps(True)
     be.alloc_kv(layout)  # generate() re-planned the KV pools for its prompts; kv's tables are this layout's
@@ -305,7 +320,8 @@ def main() -> int:
         "--sweep",
         action="append",
         default=[],
-        help="attr=v1,v2,...: decode steps with a backend attribute at each value (attention_kl=1,0)",
+        help="attr=v1,v2,...: the steps with a backend attribute at each value (fuse=1,0; "
+        "coopmat_layout=none,64x128; attention_kl=1,0)",
     )
     ap.add_argument("--copy-mib", type=int, default=1024)
     ap.add_argument("--out", default=None)

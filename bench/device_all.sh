@@ -1,7 +1,7 @@
 #!/bin/bash
 # One `device` tool run (carry .gl and .whl): the Vulkan tests on the GPU, the matmul kernels, the models;
 # logs and JSON under $OUT, short tails printed.
-#   bash bench/device_all.sh [tests] [stats] [matmul] [layouts] [types] [model] [real fidelity daemon prefix model_real] [model_cm2] [stress] [stress_old] [splits] [model_kv16] [kl]
+#   bash bench/device_all.sh [tests] [stats] [matmul] [layouts] [types] [model] [real fidelity daemon prefix model_real] [model_cm2] [stress] [stress_old] [splits] [model_kv16] [kl] [peak variants] [fused_tests] [sweeps]
 set -uo pipefail
 . bench/device_env.sh
 OUT=${OUT:-/tmp/out}
@@ -66,6 +66,30 @@ for step in ${*:-tests matmul model}; do
         timeout 150 python3 bench/bench_vulkan_matmul.py --iters 20 --prefill 0 --tokens 1 --blocks 128 \
             --coopmat 8,16,32 --coopmat-groups 512,1024,2048,4096 --out "$OUT/splits.json" >"$OUT/splits.log" 2>&1
         grep -E "K split|T=  (8|32)" "$OUT/splits.log" | cut -c1-125
+        ;;
+    fused_tests)  # the GPU tests of decode's fused kernels and of the coopmat layouts (a subset of tests)
+        timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_vulkan_fused.py \
+            tests/test_vulkan_coopmat_peak.py tests/test_vulkan_matmul.py \
+            "tests/test_vulkan_ops.py::test_kv_write_and_paged_attention_match_reference" \
+            "tests/test_vulkan_backend.py::test_fused_decode_kernels_at_one_token" >"$OUT/fused_tests.log" 2>&1
+        grep -E "passed|failed|^FAILED|^ERROR" "$OUT/fused_tests.log" | head -20 | cut -c1-200
+        ;;
+    sweeps)  # both shapes' steps with the fused decode kernels on and off, and the Q4_K prefill GEMM layouts,
+        # side by side in one process each (bench_vulkan_model --sweep), plus the per-kernel profile
+        timeout 560 python3 bench/bench_vulkan_model.py --models 270m,27b --engine none --reps 20 \
+            --sweep prefetch_bytes=0,8388608,16777216,33554432 \
+            --out "$OUT/sweeps.json" >"$OUT/sweeps.log" 2>&1
+        echo "rc=$?"; grep -E "ceiling|tok/s|fuse|coopmat_layout|ops_decode_1|Error" "$OUT/sweeps.log" | cut -c1-330
+        ;;
+    peak)  # the measured cooperative-matrix peak (float16 16x16x16 -> float32 products only)
+        timeout 180 python3 bench/bench_vulkan_coopmat_peak.py --out "$OUT/coopmat_peak.json" >"$OUT/peak.log" 2>&1
+        echo "rc=$?"; tail -28 "$OUT/peak.log" | cut -c1-140
+        ;;
+    variants)  # every Q4_K coopmat GEMM layout on the 27B shapes at 512 and 32 tokens (after peak: % of it)
+        peak=$([ -f "$OUT/coopmat_peak.json" ] && echo "--peak-json $OUT/coopmat_peak.json")
+        timeout 500 python3 bench/bench_vulkan_matmul.py --coopmat-variants 512,32 --iters 10 $peak \
+            --out "$OUT/coopmat_variants.json" >"$OUT/variants.log" 2>&1
+        echo "rc=$?"; grep -E "WRONG|skipped|numpy|^layer|Error|error:" "$OUT/variants.log" | cut -c1-140
         ;;
     types)  # the coopmat GEMM on the other weight types
         for t in q6_k q5_0 q8_0; do

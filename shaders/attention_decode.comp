@@ -157,7 +157,7 @@ void main() {
     }
     for (uint e = tid; e < G * Dh; e += BLOCK_SIZE) {
         const uint g = e / Dh, d = e % Dh;
-        part[part_base(t, h0 + g, c) + 2 + d] = s_acc[e];
+        part[part_base(t, h0 + g, c) + PART_ACC + d] = s_acc[e];
     }
     if (tid < G) {
         float lsum = 0.0;

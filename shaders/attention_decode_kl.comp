@@ -168,7 +168,7 @@ void main() {
     }
     for (uint e = tid; e < G * DV; e += BLOCK_SIZE) {
         const uint g = e / DV, v = e % DV;
-        const uint pb = part_base(t, h0 + g, c) + 2 + 4u * v;
+        const uint pb = part_base(t, h0 + g, c) + PART_ACC + 4u * v;
         [[unroll]] for (uint k = 0; k < 4u; ++k) part[pb + k] = s_acc[e][k];
     }
     if (tid < G) {

@@ -6,9 +6,12 @@
 const uint NONE = 0xFFFFFFFFu;
 #define NEG_INF uintBitsToFloat(0xFF800000u)
 
+// A partial is (m, l, two words of padding, acc[Dh]): acc starts 16-byte aligned, so pass 2 reads it as vec4.
+#define PART_ACC 4u
+
 // Word offset in part[] of the partial of token t, query head h, split c.
 uint part_base(uint t, uint h, uint c) {
-    return ((t * p.n_heads + h) * p.n_splits + c) * (p.head_dim + 2u);
+    return ((t * p.n_heads + h) * p.n_splits + c) * (p.head_dim + PART_ACC);
 }
 
 // Keys [c0, c1) of split c for token t (per = max(ceil(len / n_splits), min_per) keys a split, from the window's

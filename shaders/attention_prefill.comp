@@ -85,7 +85,7 @@ void main() {
     const uint r_lo = u * BR, r_hi = min(r_lo + BR, n_rows);
     if (r_lo >= r_hi) return;  // an unused tile entry (0 rows) or a sub-tile past the tile's rows
 
-    const uint Dh = p.head_dim, DV = Dh / 4, pstride = Dh + 2;
+    const uint Dh = p.head_dim, DV = Dh / 4, pstride = Dh + 4;  // (m, l, pad, pad, acc): attention_part.glsl
     const uint lin = gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID;
     const uint qv = lin / LANES, lane = lin % LANES;
     const uint k_lo = window_lo(meta[p.pos_off + row0 + r_lo], p.window);
@@ -163,7 +163,7 @@ void main() {
     [[unroll]] for (uint m = 0; m < MV; ++m) {
         const uint d = 4 * (lane + m * LANES);
         if (d < Dh) {
-            [[unroll]] for (uint e = 0; e < 4; ++e) part[pb + 2 + d + e] = acc[m][e];
+            [[unroll]] for (uint e = 0; e < 4; ++e) part[pb + 4 + d + e] = acc[m][e];
         }
     }
 }

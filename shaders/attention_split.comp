@@ -17,7 +17,7 @@
 // groups, each taking whole keys (lanes over dims: coalesced loads of one key's row), partial dots reduced in
 // shared memory; then the online-softmax update (running max m and sum l per query head) and the output,
 // each invocation owning (head, dim) elements e = tid + i * BLOCK_SIZE of the G * Dh outputs.
-// Writes per (token, head, split) the partial (m, l, acc[Dh]) to part[((t * H + h) * n_splits + c) * (Dh + 2)];
+// Writes per (token, head, split) the partial (m, l, pad, pad, acc[Dh]) to part[part_base(t, h, c)];
 // an empty split (or a padding row) writes m = -inf, l = 0 and leaves acc unwritten.
 // Host asserts: Dh <= MAX_HEAD_DIM, G <= MAX_GROUP, G * Dh <= MAX_ELEMS_PER_INVOCATION * BLOCK_SIZE,
 // BLOCK_SIZE a multiple of LANES.
@@ -162,7 +162,7 @@ void main() {
         const uint e = tid + i * BLOCK_SIZE;
         if (e < G * Dh) {
             const uint g = e / Dh, d = e % Dh;
-            part[part_base(t, h0 + g, c) + 2 + d] = acc[i];
+            part[part_base(t, h0 + g, c) + PART_ACC + d] = acc[i];
         }
     }
     if (tid < G) {

@@ -34,9 +34,25 @@ HERE = Path(__file__).resolve().parent
 OUT = HERE / "spv"
 FLAGS = ["-fshader-stage=compute", "--target-env=vulkan1.2", "-O"]
 GLSLANG_FLAGS = ["-V", "-S", "comp", "--target-env", "vulkan1.3"]
-GLSLANG_SOURCES = {"mul_mm_coopmat.comp"}  # KHR cooperative matrix: SPIR-V 1.6, Vulkan 1.3 devices
+GLSLANG_SOURCES = {"mul_mm_coopmat.comp", "coopmat_peak.comp"}  # KHR cooperative matrix: SPIR-V 1.6, Vk 1.3
 COOPMAT_TYPES = ("f16", "q8_0", "q4_0", "q5_0", "q4_k", "q6_k")  # kernels_matmul.COOPMAT_TYPES
 COOPMAT_TILES = ((32, 64), (32, 128), (64, 64), (64, 128), (128, 128))  # kernels_matmul.COOPMAT_TILES
+# Q4_K-only layouts of mul_mm_coopmat (kernels_matmul.COOPMAT_Q4K_VARIANTS): (BT, BN, subgroups along tokens,
+# along rows, BK, two tile sets)
+COOPMAT_Q4K_VARIANTS = ((128, 128, 2, 2, 64, False), (128, 128, 2, 2, 32, True), (64, 128, 2, 2, 64, False))
+COOPMAT_Q4K_VARIANTS += ((128, 128, 2, 4, 32, True),)
+COOPMAT_Q4K_VARIANTS += ((256, 128, 4, 2, 32, False), (128, 256, 2, 4, 32, False))
+COOPMAT_Q4K_VARIANTS += ((128, 128, 2, 2, 32, False),)
+COOPMAT_PEAK = ((2, 2), (2, 4), (4, 4))  # coopmat_peak.comp: A x B fragments (pipelines.COOPMAT_PEAK)
+
+
+def coopmat_variant(bt: int, bn: int, sgt: int, sgn: int, bk: int, dbuf: bool) -> tuple[str, dict[str, str]]:
+    """(name suffix after the type, defines) of a mul_mm_coopmat layout: ``<BT>x<BN>_s<SG_T>x<SG_N>``, then
+    ``_bk32`` and ``_db`` (two tile sets) where they apply."""
+    d = {"BT": f"{bt}u", "BN": f"{bn}u", "SG_T": f"{sgt}u", "SG_N": f"{sgn}u"}
+    d |= ({"BK32": "1"} if bk == 32 else {}) | ({"DBUF": "1"} if dbuf else {})
+    return f"{bt}x{bn}_s{sgt}x{sgn}" + ("_bk32" if bk == 32 else "") + ("_db" if dbuf else ""), d
+
 
 # float mat-vec variants (mul_mat_vec_unit.comp): up to 8 tokens or one, plain or fused GeGLU
 MATVEC_VARIANTS = (
@@ -51,6 +67,22 @@ MATVEC_VARIANTS = (
 # and 8 tokens its reduction would take 32.1 KiB of shared memory, over the 32 KiB some devices allow.
 Q8_LAYOUTS = {"": (2, 1), "_k2": (2, 2), "_r4": (4, 1), "_r4k2": (4, 2)}
 Q8_T1_LAYOUTS = ("", "_k2")
+
+
+# the fused tail of the one-token int8 mat-vec (mul_mat_vec_q8.comp): the down projection's q8 input from the
+# GeGLU (_qo); in the T1 layouts
+Q8_TAILS = (("_t1_qo", "_geglu", {"GEGLU": "1", "QOUT": "1"}),)
+
+
+def q8_tail_variants() -> list[tuple[str, dict[str, str]]]:
+    """(name suffix after the type, defines) of the int8 mat-vec variants with a fused tail."""
+    out = []
+    for lay in Q8_T1_LAYOUTS:
+        nr, ks = Q8_LAYOUTS[lay]
+        d = {"NR": f"{nr}u", "KS": f"{ks}u"} if lay else {}
+        for suffix, geglu, extra in Q8_TAILS:
+            out.append((f"{geglu}{lay}{suffix}", {**d, **extra, "MAX_T": "1u"}))
+    return out
 
 
 def q8_matvec_variants() -> list[tuple[str, dict[str, str]]]:
@@ -73,6 +105,7 @@ BUILD: list[tuple[str, str, dict[str, str]]] = [
     ("read_vec4", "read.comp", {}),
     ("read_vec4_x4", "read.comp", {"UNROLL": "4"}),
     ("read_vec4_x8", "read.comp", {"UNROLL": "8"}),
+    ("prefetch_vec4", "read.comp", {"UNROLL": "4", "PREFETCH": "1"}),
     ("add_f32", "add.comp", {}),
     ("rms_norm_f32", "rms_norm.comp", {}),
     ("rms_norm_f32_subgroup", "rms_norm.comp", {"SUBGROUP": "1"}),
@@ -116,6 +149,8 @@ BUILD: list[tuple[str, str, dict[str, str]]] = [
     ("argmax_f32", "argmax.comp", {}),
     ("topk_f32", "topk.comp", {}),
     ("norm_rope_f32", "norm_rope.comp", {}),
+    ("norm_rope_kv_f32", "norm_rope_kv.comp", {}),
+    ("norm_rope_kv_f16", "norm_rope_kv.comp", {"POOL_TYPE": "float16_t"}),
     ("quantize_q8", "quantize_q8.comp", {}),
     ("quantize_x3", "quantize_q8.comp", {"PLANES": "3"}),
     ("residual_norm", "residual_norm.comp", {}),
@@ -128,7 +163,7 @@ BUILD: list[tuple[str, str, dict[str, str]]] = [
         (f"mul_mat_vec_{x}_{t.lower()}{suffix}", "mul_mat_vec_q8.comp", {f"TYPE_{t}": "1", **planes, **extra})
         for x, planes in (("q8x", {}), ("x3", {"PLANES": "3"}))
         for t in ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K")
-        for suffix, extra in q8_matvec_variants()
+        for suffix, extra in q8_matvec_variants() + q8_tail_variants()
     ],
     # matmul per weight type (kernels_matmul.py): float mat-vec of float weights (shared / subgroup reduce)
     *[
@@ -156,6 +191,16 @@ BUILD: list[tuple[str, str, dict[str, str]]] = [
         )
         for t in COOPMAT_TYPES
         for bt, bn in COOPMAT_TILES
+    ],
+    # ... and the Q4_K-only layouts (subgroup grid, BK, tile sets)
+    *[
+        (f"mul_mm_coopmat_q4_k_{suffix}", "mul_mm_coopmat.comp", {"TYPE_Q4_K": "1", **d})
+        for suffix, d in (coopmat_variant(*v) for v in COOPMAT_Q4K_VARIANTS)
+    ],
+    # the cooperative-matrix peak (bench_vulkan_coopmat_peak.py): products only, NA x NB accumulators
+    *[
+        (f"coopmat_peak_a{na}x{nb}", "coopmat_peak.comp", {"NA": f"{na}u", "NB": f"{nb}u"})
+        for na, nb in COOPMAT_PEAK
     ],
     ("split_reduce", "split_reduce.comp", {}),
     ("split_reduce_geglu", "split_reduce.comp", {"GEGLU": "1"}),

@@ -13,6 +13,10 @@
 // combined with their power-of-two plane scales before the float factors.
 // Bindings: 0 W, 1 XQ (uvec4: 4 words), 2 XD (vec2), 3 Y, [4 W_up]. Push as mul_mat_vec.comp.
 // Requires K % 64 == 0 (XQ's order), BLOCK_SIZE % LANES == 0.
+// QOUT (GEGLU, the T = 1 variants): a fused tail (arrive.glsl): the last of the workgroups writing a q8 block
+// of y (32 rows) quantizes that block for the down projection (matvec_qout.glsl: quantize_q8.comp's
+// arithmetic), one dispatch and one barrier fewer. Bindings 5 y's XQ, 6 y's XD, 7 counters (N / 32, zero),
+// 8 y's range again (read as vec4). Requires row_offset 0, N % 64 == 0, a workgroup's rows dividing 32.
 #include "common.glsl"
 #include "q8act.glsl"
 #include "dq_int8.glsl"
@@ -47,7 +51,11 @@ layout(binding = 4) readonly buffer WU { W_ELEM w_up[]; };
 
 layout(binding = 1) readonly buffer XQ { uvec4 xq4[]; };
 layout(binding = 2) readonly buffer XD { vec2 xd[]; };
+#ifdef QOUT
+layout(binding = 3) coherent writeonly buffer Y { float y[]; };  // read back by the tail (binding 8)
+#else
 layout(binding = 3) writeonly buffer Y { float y[]; };
+#endif
 
 layout(push_constant) uniform Push {
     uint K;
@@ -58,6 +66,10 @@ layout(push_constant) uniform Push {
     uint row_bytes;
     uint row_offset;
 } p;
+
+#ifdef QOUT
+#include "matvec_qout.glsl"
+#endif
 
 #ifdef GEGLU
 #define NSUM 2u
@@ -164,4 +176,8 @@ void main() {
         const uint n = (group_index() * RGROUPS + g) * NR + r;
         if (n < p.N) y[t * p.y_stride + p.row_offset + n] = s;
     }
+#ifdef QOUT
+    const uint rows = RGROUPS * NR, n0 = group_index() * rows;  // this workgroup's rows, inside one block
+    if (n0 < p.N && last_to_arrive(n0 / 32u, 32u / rows)) quantize_block(n0 / 32u);
+#endif
 }

@@ -4,12 +4,12 @@
 //
 // A workgroup owns a BT x BN tile of y (tokens t0.., rows n0..) over one split of K (workgroup z covers
 // weights [z * k_split, (z + 1) * k_split)). Per step of BK along K the BN x BK tile of W is decoded and the
-// BT x BK tile of x copied into shared memory; each of the NSG subgroups then multiplies its (BT / 2) x
-// (BN / 4) part as TF x NF 16 x 16 x 16 products (A = x rows, row-major; B = Wᵀ, i.e. W rows read
-// column-major). With several splits (gl_NumWorkGroups.z > 1) y is a scratch of partial sums, split z at
-// element z * T * y_stride, summed by split_reduce.comp: splitting K keeps enough workgroups in flight when
-// few tokens leave few output tiles (decode batches). The result goes through a per-subgroup 16 x 16
-// float32 staging tile so partial tiles, row_offset and any y_stride need no alignment.
+// BT x BK tile of x copied into shared memory; each of the NSG = SG_T x SG_N subgroups then multiplies its
+// (BT / SG_T) x (BN / SG_N) part as TF x NF 16 x 16 x 16 products (A = x rows, row-major; B = Wᵀ, i.e. W
+// rows read column-major). With several splits (gl_NumWorkGroups.z > 1) y is a scratch of partial sums,
+// split z at element z * T * y_stride, summed by split_reduce.comp: splitting K keeps enough workgroups in
+// flight when few tokens leave few output tiles (decode batches). The result goes through a per-subgroup
+// 16 x 16 float32 staging tile so partial tiles, row_offset and any y_stride need no alignment.
 // Loads are pipelined (2x the first version of this kernel at the 27B prefill shape on an H200):
 // - x comes in as float16 already divided by its row scale (row_scale.comp: a power of two that keeps
 //   Gemma's large activations within float16; the sums are multiplied back): a tile is a plain copy;
@@ -23,11 +23,21 @@
 //   rounded to float16 first), two weights per instruction.
 // Tiles hold k in the order of float16 pairs that decode gives: within every 8, positions 0..7 hold k
 // 0,2,1,3,4,6,5,7 (row_scale.comp writes xh so); the products sum over k, so the order is free.
+// Layouts (defines; the defaults are the first version's, kernels_matmul.CoopmatLayout):
+// - SG_T x SG_N, the grid of subgroups over the tile (default 2 x 4: 8 subgroups of (BT / 2) x (BN / 4));
+// - BK32: steps of 32 along K, not 64. Q4_K: the step at k0 takes half e = (k0 / 32) % 2 of the bytes of
+//   the 64-weight chunk's 32 quant bytes (bytes 16e..16e+15) with both their nibbles, so its tiles hold k
+//   16e..16e+15 and 32+16e..32+16e+15 of the chunk, and x is loaded in that order: each k is in exactly one
+//   step, wherever the splits begin;
+// - DBUF: two tile sets in shared memory; the next step's tiles are stored while this step's products run,
+//   one barrier a step instead of two.
+// Shared memory: NBUF (BN + BT) (BK + 8) 2 bytes of tiles + NSG 1024 of staging (CoopmatLayout.shared_bytes).
 // Bindings: 0 W, 1 xh (float16, rows x_stride halves apart, x_stride % 8 == 0), 2 y, 3 row scales.
-// Requires BLOCK_SIZE == 256 with 32-wide subgroups, K % 32 == 0 (Q4_K: whole superblocks), BN >= 64,
-// k_split % BK == 0. Dispatch (ceil(T / BT), ceil(N / BN), splits): token tiles vary fastest, so the
-// workgroups of all token tiles of one W tile run together and W streams from memory once (a 27B matrix,
-// 65 MB, does not stay in the 50 MB L2 of an H200 across token tiles); x stays in L2.
+// Requires BLOCK_SIZE == NINV = 32 NSG with 32-wide subgroups, K % 32 == 0 (Q4_K: whole superblocks),
+// k_split % BK == 0, whole per-invocation counts (TF, NF, XPT, WPT: CoopmatLayout.problems).
+// Dispatch (ceil(T / BT), ceil(N / BN), splits): token tiles vary fastest, so the workgroups of all token
+// tiles of one W tile run together and W streams from memory once (a 27B matrix, 65 MB, does not stay in
+// the 50 MB L2 of an H200 across token tiles); x stays in L2.
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
 #extension GL_KHR_shader_subgroup_basic : require
@@ -48,18 +58,35 @@ layout(binding = 0) readonly buffer W { uvec4 w4[]; };  // Q4_K: 144-byte blocks
 #ifndef BN
 #define BN 64u
 #endif
+#ifndef SG_T
+#define SG_T 2u  // subgroups along the tokens of the tile
+#endif
+#ifndef SG_N
+#define SG_N 4u  // ... and along its rows
+#endif
+#ifdef BK32
+#define BK 32u
+#else
 #define BK 64u
+#endif
+#ifdef DBUF
+#define NBUF 2u  // tile sets in shared memory
+#else
+#define NBUF 1u
+#endif
 #define SK8 ((BK + 8u) / 8u)  // shared row stride in uvec4 (8 float16; 16 bytes of pad)
-#define NSG 8u
-#define WT (BT / 2u)
-#define WN (BN / 4u)
+#define NSG (SG_T * SG_N)
+#define NINV (NSG * 32u)  // invocations (BLOCK_SIZE)
+#define WT (BT / SG_T)
+#define WN (BN / SG_N)
 #define TF (WT / 16u)
 #define NF (WN / 16u)
-#define XPT (BT * BK / 8u / 256u)  // x: uvec4 (8 halves) per invocation per step
+#define XPT (BT * BK / 8u / NINV)  // x: uvec4 (8 halves) per invocation per step
 #ifdef TYPE_Q4_K
-#define WPT (BN * 4u / 256u)       // W: (row, quarter of the 64-weight chunk) pieces per invocation
+#define PPR (BK / 16u)             // W pieces (8 quant bytes: 16 weights) per row and step
+#define WPT (BN * PPR / NINV)      // W: (row, piece) per invocation
 #else
-#define WPT (BN * BK / 8u / 256u)  // W: 8-weight groups per invocation
+#define WPT (BN * BK / 8u / NINV)  // W: 8-weight groups per invocation
 #endif
 
 layout(binding = 1) readonly buffer X { uvec4 xh[]; };
@@ -77,9 +104,18 @@ layout(push_constant) uniform Push {
     uint k_split;
 } p;
 
-shared uvec4 ws[BN * SK8];  // W tile: float16 (n, k) at ws[n * SK8 + k / 8] lane k % 8
-shared uvec4 xs[BT * SK8];  // x tile likewise
+shared uvec4 ws[NBUF * BN * SK8];  // W tile: float16 (n, k) at ws[n * SK8 + k / 8] lane k % 8 (+ BN SK8: set 1)
+shared uvec4 xs[NBUF * BT * SK8];  // x tile likewise
 shared float stage[NSG * 256u];
+
+// Index into tile set sb (a variable of that name where they are used) of xs / ws.
+#ifdef DBUF
+#define XSI(i) (sb * (BT * SK8) + (i))
+#define WSI(i) (sb * (BN * SK8) + (i))
+#else
+#define XSI(i) (i)
+#define WSI(i) (i)
+#endif
 
 #define CM_A coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA>
 #define CM_B coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB>
@@ -101,24 +137,36 @@ uvec4 pack8(vec4 lo, vec4 hi) {
 
 void fetch(uint n0, uint t0, uint k0, uint k_end, uint tid) {
     [[unroll]] for (uint h = 0; h < XPT; ++h) {
-        const uint idx = tid + 256u * h, t = idx / (BK / 8u), q = idx % (BK / 8u);
+        const uint idx = tid + NINV * h, t = idx / (BK / 8u), q = idx % (BK / 8u);
+#if defined(TYPE_Q4_K) && defined(BK32)
+        // the k that position q's W decodes (see store): k 16e + 8q of the chunk (q < 2), 32 + 16e + 8 (q - 2)
+        // (q >= 2), e = (k0 / 32) % 2; K % 256 == 0, so only the token is checked
+        const uint xk = k0 - 16u * ((k0 / 32u) % 2u) + (q / 2u) * 32u + 8u * (q % 2u);
+        rx[h] = t0 + t < p.T ? xh[((t0 + t) * p.x_stride + xk) / 8u] : uvec4(0u);
+#else
         const bool live = t0 + t < p.T && k0 + 8u * q < k_end;
         rx[h] = live ? xh[((t0 + t) * p.x_stride + k0) / 8u + q] : uvec4(0u);
+#endif
     }
     const uint rstride = p.row_bytes / WSIZE;
 #ifdef TYPE_Q4_K
-    // piece (r, j): row n0 + r, bytes 8j..8j+7 of the 32-byte quant chunk c covering k0..k0+63
+    // piece (r, j): row n0 + r, bytes 8g..8g+7 of the 32-byte quant chunk c covering k0 - k0 % 64 .. + 63,
+    // g = j (BK 64: four pieces a row), or 2e + j (BK32: two, half e = (k0 / 32) % 2 of the chunk)
     const uint c = (k0 % 256u) / 64u;
     [[unroll]] for (uint h = 0; h < WPT; ++h) {
-        const uint idx = tid + 256u * h, r = idx / 4u, j = idx % 4u;
+        const uint idx = tid + NINV * h, r = idx / PPR, j = idx % PPR;
         const uint b = min(n0 + r, p.N - 1u) * rstride + (k0 / 256u) * 9u;
         rh[h] = w4[b];
+#ifdef BK32
+        const uvec4 q = w4[b + 1u + 2u * c + (k0 / 32u) % 2u];
+#else
         const uvec4 q = w4[b + 1u + 2u * c + j / 2u];
+#endif
         rq[h] = (j % 2u) == 0u ? q.xy : q.zw;
     }
 #else
     [[unroll]] for (uint h = 0; h < WPT; ++h) {
-        const uint idx = tid + 256u * h, r = idx / (BK / 8u), q = idx % (BK / 8u);
+        const uint idx = tid + NINV * h, r = idx / (BK / 8u), q = idx % (BK / 8u);
         vec4 lo = vec4(0.0), hi = vec4(0.0);
         if (k0 + 8u * q < k_end) dq8(min(n0 + r, p.N - 1u) * rstride, k0 + 8u * q, lo, hi);
         rw[h] = pack8(lo, hi);
@@ -136,30 +184,36 @@ uint nib2(uint w, uint s, f16vec2 dl, f16vec2 ml) {
 }
 #endif
 
+// The registers into the tiles (tile set sb with DBUF).
+#ifdef DBUF
+void store(uint k0, uint tid, uint sb) {
+#else
 void store(uint k0, uint tid) {
+#endif
     [[unroll]] for (uint h = 0; h < XPT; ++h) {
-        const uint idx = tid + 256u * h;
-        xs[(idx / (BK / 8u)) * SK8 + idx % (BK / 8u)] = rx[h];
+        const uint idx = tid + NINV * h;
+        xs[XSI((idx / (BK / 8u)) * SK8 + idx % (BK / 8u))] = rx[h];
     }
 #ifdef TYPE_Q4_K
     const uint c = (k0 % 256u) / 64u;
     [[unroll]] for (uint h = 0; h < WPT; ++h) {
-        const uint idx = tid + 256u * h, r = idx / 4u, j = idx % 4u;
+        const uint idx = tid + NINV * h, r = idx / PPR, j = idx % PPR;
         const vec2 dm = unpackHalf2x16(rh[h].x);
         const uvec2 s0 = q4k_scale_min(rh[h].yzw, 2u * c), s1 = q4k_scale_min(rh[h].yzw, 2u * c + 1u);
         const f16vec2 dl0 = f16vec2(dm.x * float(s0.x)), ml0 = f16vec2(dm.y * float(s0.y));
         const f16vec2 dl1 = f16vec2(dm.x * float(s1.x)), ml1 = f16vec2(dm.y * float(s1.y));
-        // low nibbles: sub-block 2c, k 8j..8j+7 of the chunk; high nibbles: 2c + 1, k 32 + 8j..; words
-        // .x = k 8j..8j+3 (bytes 0-3), .y = k 8j+4..; pairs (k0, k2), (k1, k3) as the tiles' order wants
+        // low nibbles: sub-block 2c, k 8g..8g+7 of the chunk (g the piece's quarter, fetch) at position j;
+        // high nibbles: 2c + 1, k 32 + 8g.. at position PPR + j; words .x = k 8g..8g+3 (bytes 0-3), .y =
+        // k 8g+4..; pairs (k0, k2), (k1, k3) as the tiles' order wants
         const uint a = rq[h].x, b = rq[h].y;
-        ws[r * SK8 + j] = uvec4(nib2(a, 0u, dl0, ml0), nib2(a, 8u, dl0, ml0), nib2(b, 0u, dl0, ml0), nib2(b, 8u, dl0, ml0));
-        ws[r * SK8 + 4u + j] =
+        ws[WSI(r * SK8 + j)] = uvec4(nib2(a, 0u, dl0, ml0), nib2(a, 8u, dl0, ml0), nib2(b, 0u, dl0, ml0), nib2(b, 8u, dl0, ml0));
+        ws[WSI(r * SK8 + PPR + j)] =
             uvec4(nib2(a, 4u, dl1, ml1), nib2(a, 12u, dl1, ml1), nib2(b, 4u, dl1, ml1), nib2(b, 12u, dl1, ml1));
     }
 #else
     [[unroll]] for (uint h = 0; h < WPT; ++h) {
-        const uint idx = tid + 256u * h;
-        ws[(idx / (BK / 8u)) * SK8 + idx % (BK / 8u)] = rw[h];
+        const uint idx = tid + NINV * h;
+        ws[WSI((idx / (BK / 8u)) * SK8 + idx % (BK / 8u))] = rw[h];
     }
 #endif
 }
@@ -168,28 +222,47 @@ void main() {
     const uint tid = gl_LocalInvocationID.x;
     const uint t0 = gl_WorkGroupID.x * BT, n0 = gl_WorkGroupID.y * BN;
     const uint sg = gl_SubgroupID, lane = gl_SubgroupInvocationID;
-    const uint st = (sg % 2u) * WT, sn = (sg / 2u) * WN;  // this subgroup's corner inside the tile
+    const uint st = (sg % SG_T) * WT, sn = (sg / SG_T) * WN;  // this subgroup's corner inside the tile
 
     CM_C acc[TF][NF];
     [[unroll]] for (uint i = 0; i < TF; ++i) [[unroll]] for (uint j = 0; j < NF; ++j) acc[i][j] = CM_C(0.0);
 
     const uint k_begin = gl_WorkGroupID.z * p.k_split, k_end = min(p.K, k_begin + p.k_split);
     fetch(n0, t0, k_begin, k_end, tid);
+#ifdef DBUF
+    store(k_begin, tid, 0u);
+    barrier();
+    uint sb = 0u;  // the tile set this step multiplies
+    for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
+        const bool more = k0 + BK < k_end;
+        if (more) fetch(n0, t0, k0 + BK, k_end, tid);  // in flight during the products
+#else
     for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
         store(k0, tid);
         barrier();
         if (k0 + BK < k_end) fetch(n0, t0, k0 + BK, k_end, tid);  // in flight during the products
+#endif
         [[unroll]] for (uint kk = 0; kk < BK; kk += 16u) {
             CM_A a[TF];
             CM_B b[NF];
             [[unroll]] for (uint i = 0; i < TF; ++i)
-                coopMatLoad(a[i], xs, (st + 16u * i) * SK8 + kk / 8u, SK8, gl_CooperativeMatrixLayoutRowMajor);
+                coopMatLoad(a[i], xs, XSI((st + 16u * i) * SK8 + kk / 8u), SK8,
+                            gl_CooperativeMatrixLayoutRowMajor);
             [[unroll]] for (uint j = 0; j < NF; ++j)
-                coopMatLoad(b[j], ws, (sn + 16u * j) * SK8 + kk / 8u, SK8, gl_CooperativeMatrixLayoutColumnMajor);
+                coopMatLoad(b[j], ws, WSI((sn + 16u * j) * SK8 + kk / 8u), SK8,
+                            gl_CooperativeMatrixLayoutColumnMajor);
             [[unroll]] for (uint i = 0; i < TF; ++i)
                 [[unroll]] for (uint j = 0; j < NF; ++j) acc[i][j] = coopMatMulAdd(a[i], b[j], acc[i][j]);
         }
+#ifdef DBUF
+        if (more) {  // into the other set: its last readers passed the previous step's barrier
+            store(k0 + BK, tid, sb ^ 1u);
+            barrier();
+        }
+        sb ^= 1u;
+#else
         barrier();
+#endif
     }
 
     // write out through the staging tile: lane writes 8 of the 256 values

@@ -1,7 +1,7 @@
 #version 450
 // Gemma's per-head q/k normalisation then RoPE, fused (two dispatches -> one), one workgroup per (token, head):
 //   v = x[t, h, :] / sqrt(mean(x[t, h, :]^2) + eps) * w;   y = rope(v) as rope.comp (NeoX pairs (i, i+Dh/2),
-//   angle pos / scale * base^(-2i/Dh), reduced to [-pi, pi] before sin/cos).
+//   angle pos / scale * base^(-2i/Dh), reduced to [-pi, pi] before sin/cos): norm_rope.glsl.
 // Bindings: 0 x (T, H, Dh) rows x_stride apart, 1 w (Dh), 2 step metadata (positions at pos_off), 3 y.
 #include "common.glsl"
 #extension GL_KHR_shader_subgroup_arithmetic : require
@@ -23,10 +23,7 @@ layout(push_constant) uniform Push {
     float eps;
 } p;
 
-const float TWO_PI_HI = 6.28318548202514648;  // float(2 pi)
-const float TWO_PI_LO = -1.7484556e-7;        // 2 pi - TWO_PI_HI
-
-shared float partial[BLOCK_SIZE];
+#include "norm_rope.glsl"
 
 void main() {
     const uint g = group_index();
@@ -36,22 +33,12 @@ void main() {
     const uint xo = t * p.x_stride + hd * p.head_dim, yo = t * p.y_stride + hd * p.head_dim;
     float ss = 0.0;
     for (uint c = tid; c < p.head_dim; c += BLOCK_SIZE) ss += x[xo + c] * x[xo + c];
-    ss = subgroupAdd(ss);
-    if (subgroupElect()) partial[gl_SubgroupID] = ss;
-    barrier();
-    ss = 0.0;
-    for (uint i = 0; i < gl_NumSubgroups; ++i) ss += partial[i];
-    const float sc = inversesqrt(ss / float(p.head_dim) + p.eps);
-    const float log2_base = log2(p.base);
+    const float sc = head_inv_rms(ss);
     const float pos = float(meta[p.pos_off + t]);
     for (uint i = tid; i < half_dim; i += BLOCK_SIZE) {
-        const float inv_freq = exp2(-float(2u * i) / float(p.head_dim) * log2_base);
-        const float ang = pos / p.scale * inv_freq;
-        const float k = round(ang * 0.15915494309189535);
-        const float r = fma(-k, TWO_PI_LO, fma(-k, TWO_PI_HI, ang));
-        const float c = cos(r), s = sin(r);
         const float x0 = x[xo + i] * sc * w[i], x1 = x[xo + i + half_dim] * sc * w[i + half_dim];
-        y[yo + i] = x0 * c - x1 * s;
-        y[yo + i + half_dim] = x1 * c + x0 * s;
+        const vec2 r = rope_pair(x0, x1, rope_cos_sin(i, pos));
+        y[yo + i] = r.x;
+        y[yo + i + half_dim] = r.y;
     }
 }

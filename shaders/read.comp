@@ -2,7 +2,9 @@
 // Reads src once, 16 bytes (uvec4) per load, grid-stride, and writes nothing (in practice): the read-only
 // bandwidth ceiling, the one a decode step's weight reads compare with (copy.comp also writes what it reads).
 // Each invocation XORs what it loaded and stores its word only if that equals a constant, which keeps the
-// loads alive. Variants: UNROLL = independent loads in flight per invocation per iteration.
+// loads alive. Variants: UNROLL = independent loads in flight per invocation per iteration; PREFETCH: the
+// backend's weight prefetch (VulkanBackend.prefetch: a weight read ahead into the GPU's last-level cache
+// while latency-bound kernels run), whose rare store goes to dst[0] (dst is a few bytes of its own).
 #include "common.glsl"
 
 #ifndef UNROLL
@@ -27,5 +29,9 @@ void main() {
     }
     for (; i < p.n; i += stride) acc ^= src[i];
     const uint x = acc.x ^ acc.y ^ acc.z ^ acc.w;
+#ifdef PREFETCH
+    if (x == 0x9E3779B9u) dst[0] = x;
+#else
     if (x == 0x9E3779B9u) dst[global_index()] = x;
+#endif
 }

@@ -142,6 +142,64 @@ def test_sampling_from_device_candidates_equals_whole_rows(pair):
         assert got == want, kw
 
 
+def test_fused_decode_kernels_at_one_token(pair):
+    """Decode at batch 1 runs the fused kernels (``fuse``, the default): norm_rope_kv (q/k norms, RoPE and
+    the cache write in one dispatch) and, on the int8 path where gate and up share a type (one mat-vec for
+    both), the down projection's int8 input from the GeGLU's last workgroups. One sequence fed a token a
+    step: every step's logits equal the CPU's, and those of the separate kernels (fuse=False) bit for bit
+    (the same arithmetic), and the fused recording has fewer barriers."""
+    cpu, vk = pair
+    be = vk.backend
+    seq = [rand_ids(np.random.default_rng(9), 12, cpu.config.vocab_size)]
+    fused = run_chunks(vk, seq, 1)[0]
+    rec = be.graphs[(1, 1)].rec
+    labels, barriers = list(rec.labels), rec.barriers
+    be.fuse = False
+    be._drop_graphs()
+    try:
+        plain = run_chunks(vk, seq, 1)[0]
+        plain_barriers = be.graphs[(1, 1)].rec.barriers
+    finally:
+        be.fuse = True
+        be._drop_graphs()
+    close(fused, run_chunks(cpu, seq, 1)[0], rtol_for(vk))
+    np.testing.assert_array_equal(fused, plain)
+    int8 = [lab for lab in labels if lab.startswith(("mul_mat_vec_x3_", "mul_mat_vec_q8x_"))]
+    want = ["norm_rope_kv_f32"] + (["_t1_qo"] if any("_geglu" in lab for lab in int8) else [])
+    assert all(any(w in lab for lab in labels) for w in want), (want, sorted(set(labels)))
+    gone = ("kv_write", "norm_rope_f32") + (("quantize",) if "_t1_qo" in want else ())
+    assert not any(lab.startswith(gone) for lab in labels), sorted(set(labels))
+    assert barriers < plain_barriers
+
+
+def test_weight_prefetch_adds_no_barrier(pair):
+    """``prefetch_bytes`` (auto: on discrete GPUs; forced here on lavapipe): at decode sizes each matmul's
+    weights are read ahead beside the op before it (prefetch_vec4), in the same barrier interval, so a step
+    has exactly the barriers it had without them, and the same logits bit for bit; none in prefill
+    buckets."""
+    cpu, vk = pair
+    be = vk.backend
+    seq = [rand_ids(np.random.default_rng(10), 9, cpu.config.vocab_size)]
+    keep = be.prefetch_bytes
+    runs = {}
+    try:
+        for nbytes in (0, 64 << 10):
+            be.prefetch_bytes = nbytes
+            be._drop_graphs()
+            decode = run_chunks(vk, seq, 1)[0]  # (a new KV layout per chunk size: its recordings dropped)
+            one = be.graphs[(1, 1)].rec
+            runs[nbytes] = (decode, list(one.labels), one.barriers, run_chunks(vk, seq, 9)[0])
+            runs[nbytes] += (list(be.graphs[(16, 16)].rec.labels),)
+    finally:
+        be.prefetch_bytes = keep
+        be._drop_graphs()
+    (d0, labels0, barriers0, p0, _), (d1, labels1, barriers1, p1, nine) = runs[0], runs[64 << 10]
+    np.testing.assert_array_equal(d0, d1)
+    np.testing.assert_array_equal(p0, p1)
+    assert labels1.count("prefetch_vec4") >= 3 * vk.config.n_layers - 1 and barriers1 == barriers0
+    assert "prefetch_vec4" not in labels0 + nine
+
+
 def test_one_recording_per_bucket_replayed(pair):
     """A 6-token prompt then 11 decode steps: buckets (8, 1) and (1, 1), each recorded once, replayed."""
     _, vk = pair

@@ -29,7 +29,7 @@ import pytest
 from gguf.quants import dequantize as gguf_dequantize
 from vk_harness import assert_x3_planes
 
-from hmad.backends.vulkan.kernels_matmul import q8_matvec_suffixes
+from hmad.backends.vulkan.kernels_matmul import q8_matvec_suffixes, q8_tail_suffixes
 from hmad.model.quants import random_blocks
 from hmad.model.tensors import QType, block_layout
 
@@ -374,3 +374,91 @@ def test_norm_rope_matches_cpu_reference(dev, kernels, gpu):
     got = gpu.get(by, shape=(t, h, dh))
     atol = 4e-5 * (1 + pos.astype(np.float32) / 64)[:, None, None] * np.abs(ref).max()
     assert np.all(np.abs(got - ref) <= atol + 1e-5 * np.abs(ref)), np.abs(got - ref).max()
+
+
+@pytest.mark.parametrize("pool", ["f32", "f16"])
+def test_norm_rope_kv_matches_reference(dev, kernels, gpu, pool):
+    """norm_rope_kv.comp: q's heads normed and rotated as norm_rope.comp (the same tolerance against the
+    CPU reference), k's likewise and written to each row's cache slot in the pool's type, v's copied there;
+    a padding row (slot 0xFFFFFFFF) writes nothing, and no other slot changes (the pools poisoned first).
+    Bit for bit what norm_rope.comp (+ kv_write's cast) gives: the same code through norm_rope.glsl."""
+    from hmad.backends.cpu import CpuBackend
+    from hmad.backends.vulkan.pipelines import CommandRecorder, NormRopeKvPush, NormRopePush
+
+    rng = np.random.default_rng()
+    t, h, hkv, dh, eps, n_slots = 4, 4, 2, 128, 1e-6, 16
+    q, k, v = (rng.standard_normal((t, n, dh)).astype(np.float32) * 4 for n in (h, hkv, hkv))
+    wq, wk = (rng.uniform(0.5, 2, dh).astype(np.float32) for _ in range(2))
+    pos = np.array([0, 17, 1000, rng.integers(0, 30000)], np.uint32)
+    slots = np.array([5, 0xFFFFFFFF, 11, 2], np.uint32)
+    meta = np.concatenate([np.zeros(3, np.uint32), pos, slots])
+    dtype = np.float16 if pool == "f16" else np.float32
+    b_qo = gpu.poison(gpu.alloc(q.nbytes))
+    b_kp, b_vp = (gpu.poison(gpu.alloc(n_slots * hkv * dh * np.dtype(dtype).itemsize)) for _ in range(2))
+    poison = gpu.get(b_kp, np.uint8).reshape(n_slots, -1)
+    binds = [gpu.put(a) for a in (q, k, v, wq, wk, meta)] + [b_qo, b_kp, b_vp]
+    b_sep = [gpu.poison(gpu.alloc(x.nbytes)) for x in (q, k)]  # norm_rope.comp's q and k
+    rec = CommandRecorder(dev).begin()
+    push = NormRopeKvPush(t, h, hkv, dh, 3, 3 + t, 1e6, 8.0, eps)
+    rec.dispatch(kernels(f"norm_rope_kv_{pool}"), binds, push, t * (h + 2 * hkv))
+    for i, n in ((0, h), (1, hkv)):
+        push = NormRopePush(t, n, dh, n * dh, n * dh, 3, 1e6, 8.0, eps)
+        rec.dispatch(kernels("norm_rope_f32"), [binds[i], binds[3 + i], binds[5], b_sep[i]], push, t * n)
+    rec.end()
+    rec.submit()
+    rec.close()
+    live = slots != 0xFFFFFFFF
+    got_q, got_k = gpu.get(b_qo, shape=q.shape), gpu.get(b_kp, dtype, (n_slots, hkv, dh))[slots[live]]
+    cpu = CpuBackend(numerics="f32")
+    atol = 4e-5 * (1 + pos.astype(np.float32) / 64)[:, None, None]
+    rtol = 1e-3 if pool == "f16" else 1e-5  # k as float16: one rounding of 2^-11
+    for got, x, w, rows, rt in ((got_q, q, wq, slice(None), 1e-5), (got_k, k, wk, live, rtol)):
+        ref = cpu.rope(_rms(x, w, eps).astype(np.float32), pos.astype(np.int64), 1e6, 8.0)[rows]
+        lim = atol[rows] * np.abs(ref).max() + rt * np.abs(ref)
+        assert np.all(np.abs(got.astype(np.float32) - ref) <= lim), np.abs(got - ref).max()
+    np.testing.assert_array_equal(got_q, gpu.get(b_sep[0], shape=q.shape))
+    np.testing.assert_array_equal(got_k, gpu.get(b_sep[1], shape=k.shape)[live].astype(dtype))
+    np.testing.assert_array_equal(
+        gpu.get(b_vp, dtype, (n_slots, hkv, dh))[slots[live]], v[live].astype(dtype)
+    )
+    untouched = np.setdiff1d(np.arange(n_slots), slots[live])
+    for b in (b_kp, b_vp):
+        np.testing.assert_array_equal(gpu.get(b, np.uint8).reshape(n_slots, -1)[untouched], poison[untouched])
+
+
+@pytest.mark.parametrize("t", Q8_TYPES)
+@pytest.mark.parametrize("tail", q8_tail_suffixes())
+@pytest.mark.parametrize("x", ["q8x", "x3"])
+def test_mul_mat_vec_q8_fused_tail(dev, kernels, gpu, t, tail, x):
+    """The one-token GeGLU int8 mat-vec with the q8 tail (``_t1_qo``, matvec_qout.glsl: the last workgroup
+    writing a block of y quantizes it): y is what the variant without the tail writes, bit for bit (the same
+    code up to there), and y's q8 planes and block scales are bit for bit what quantize_q8.comp makes of y;
+    the counters are back at 0 after. N's of 64 (the 27B's ffn, 21504 = 336 blocks; the 270M's, 2048) over
+    partial workgroups of lanes."""
+    from hmad.backends.vulkan.kernels_matmul import record_matvec_q8
+    from hmad.backends.vulkan.pipelines import CommandRecorder
+
+    rng = np.random.default_rng()
+    planes = 3 if x == "x3" else 1
+    fused, plain = kernels(f"mul_mat_vec_{x}_{t}{tail}"), kernels(f"mul_mat_vec_{x}_{t}{tail[:-3]}")
+    for k, n in ((256, 64), (768, 2048), (256, 21504)):
+        raw, _ = _weights(t, n, k, rng)
+        up = gpu.put(_weights(t, n, k, rng)[0])
+        x_in = (rng.standard_normal((1, k)) * 3).astype(np.float32)
+        bq, bd = _quantize(dev, kernels, gpu, x_in, planes)
+        bw = gpu.put(raw)
+        by_plain, by = (gpu.poison(gpu.alloc(4 * n)) for _ in range(2))
+        yq, yd = gpu.poison(gpu.alloc(planes * n)), gpu.poison(gpu.alloc(n // 32 * 8))
+        cnt = gpu.put(np.zeros(n // 32 + 4, np.uint32))
+        rec = CommandRecorder(dev).begin()
+        record_matvec_q8(rec, plain, bw, bq, bd, by_plain, k, n, 1, w_up=up)
+        record_matvec_q8(rec, fused, bw, bq, bd, by, k, n, 1, w_up=up, tail=[yq, yd, cnt, by])
+        rec.end()
+        rec.submit()
+        rec.close()
+        y = gpu.get(by, shape=(1, n))
+        np.testing.assert_array_equal(y, gpu.get(by_plain, shape=(1, n)), err_msg=f"{fused.name} N={n}")
+        assert not gpu.get(cnt, np.uint32).any(), f"{fused.name}: counters not back at 0"
+        bq2, bd2 = _quantize(dev, kernels, gpu, y, planes)
+        for got, want in ((yq, bq2), (yd, bd2)):
+            np.testing.assert_array_equal(gpu.get(got, np.uint8), gpu.get(want, np.uint8), err_msg=fused.name)

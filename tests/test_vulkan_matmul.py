@@ -20,6 +20,7 @@ import gguf
 import numpy as np
 import pytest
 from gguf.quants import dequantize as gguf_dequantize
+from vk_harness import shader_build
 
 from hmad.model.quants import random_blocks
 from hmad.model.tensors import QType
@@ -108,25 +109,13 @@ def test_weight_bound_as_several_ranges(dev, kernels, gpu, name):
     assert dispatches == 3
 
 
-def _shader_build():
-    """shaders/build.py as a module."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "shaders" / "build.py"
-    spec = importlib.util.spec_from_file_location("shader_build", path)
-    build = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(build)
-    return build
-
-
 def test_registries_agree():
     """The build list makes exactly the variants kernels_matmul registers (names, sources, defines)."""
     from hmad.backends.vulkan.kernels_matmul import build_entries
     from hmad.backends.vulkan.pipelines import KERNELS
 
     mine = {e[0]: e for e in build_entries()}
-    assert {e[0]: e for e in _shader_build().BUILD if e[0] in mine} == mine
+    assert {e[0]: e for e in shader_build().BUILD if e[0] in mine} == mine
     assert all(KERNELS[name].source == src for name, src, _ in mine.values())
 
 
@@ -140,17 +129,19 @@ def test_q8_matvec_layouts():
         q8_matvec_layout,
         q8_matvec_suffixes,
         q8_matvec_variant,
+        q8_tail_suffixes,
     )
     from hmad.backends.vulkan.pipelines import KERNELS
 
-    built = {name: d for name, src, d in _shader_build().BUILD if src == "mul_mat_vec_q8.comp"}
-    suffixes = q8_matvec_suffixes()
+    built = {name: d for name, src, d in shader_build().BUILD if src == "mul_mat_vec_q8.comp"}
+    suffixes = q8_matvec_suffixes() + q8_tail_suffixes()
     names = {f"mul_mat_vec_{x}_{t}{s}" for x in ("q8x", "x3") for t in UNIT_TYPES for s in suffixes}
     assert set(built) == names and all(KERNELS[n].source == "mul_mat_vec_q8.comp" for n in names)
     for name, d in built.items():
         qtype, (nr, ks) = q8_matvec_variant(name)
         assert (d.get("NR", "2u"), d.get("KS", "1u")) == (f"{nr}u", f"{ks}u"), name
-        assert f"_{qtype.name.lower()}" in name and ("MAX_T" in d) == name.endswith("_t1")
+        assert f"_{qtype.name.lower()}" in name and ("MAX_T" in d) == ("_t1" in name)
+        assert ("QOUT" in d) == name.endswith("_qo"), name
         # the lanes' partial sums in shared memory (red[LANES][GROUPS * NACC + 1] floats) fit the 32 KiB
         # that lavapipe and some GPUs allow
         nacc = (2 if "GEGLU" in d else 1) * nr * (1 if "MAX_T" in d else 8)
@@ -276,6 +267,141 @@ def test_mul_mm_coopmat_several_ranges(dev, kernels, gpu):
         n = 2 * (max_range // rb) + 5
         _, d = _run_coopmat(dev, kernels, gpu, f"mul_mm_coopmat_{t}_{tile}", t, 256, n, 40, rng, max_range)
         assert d >= 3
+
+
+COOPMAT_VARIANTS = [
+    "mul_mm_coopmat_q4_k_128x128_s2x2",
+    "mul_mm_coopmat_q4_k_128x128_s2x2_bk32_db",
+    "mul_mm_coopmat_q4_k_64x128_s2x2",
+    "mul_mm_coopmat_q4_k_128x128_s2x4_bk32_db",
+    "mul_mm_coopmat_q4_k_256x128_s4x2_bk32",
+    "mul_mm_coopmat_q4_k_128x256_s2x4_bk32",
+    "mul_mm_coopmat_q4_k_128x128_s2x2_bk32",
+]
+
+
+@pytest.mark.parametrize("name", COOPMAT_VARIANTS)
+def test_mul_mm_coopmat_variants(dev, kernels, gpu, name):
+    """The Q4_K-only layouts (subgroup grids, BK 32, two tile sets) as test_mul_mm_coopmat checks the others:
+    against float64 products of the float16 roundings (1e-5 of the output scale), partial tiles of tokens
+    and rows, K split and not, rows of x past float16's range, W in three bind ranges; where the device has
+    the float16 cooperative matrix and the layout's shared memory (not lavapipe: skipped in CI)."""
+    from hmad.backends.vulkan.kernels_matmul import coopmat_fits, coopmat_usable, weight_row_bytes
+
+    if not coopmat_usable(dev.info):
+        pytest.skip(f"{dev.info.name}: no float16 16x16x16 cooperative matrix with 32-wide subgroups")
+    if not coopmat_fits(name, dev.limits):
+        pytest.skip(f"{dev.info.name}: {name} needs more shared memory than the device's")
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    for kk, n, ntok in [c for c in COOPMAT_CASES if c[0] % 256 == 0] + [(2304, 250, 300)]:
+        big = (0, ntok - 1) if ntok > 9 else ()
+        err, d = _run_coopmat(dev, kernels, gpu, name, "q4_k", kk, n, ntok, rng, big_rows=big)
+        print(f"{name} K={kk} N={n} T={ntok}: {err:.1e} ({d} dispatches)")
+    max_range = int(np.lcm(weight_row_bytes(QType.Q4_K, 256), 256)) * 8
+    n = 2 * (max_range // weight_row_bytes(QType.Q4_K, 256)) + 5
+    _, d = _run_coopmat(dev, kernels, gpu, name, "q4_k", 256, n, 40, rng, max_range)
+    assert d >= 3
+
+
+def test_mul_mm_coopmat_bk32_splits(dev, kernels, gpu, monkeypatch):
+    """The BK 32 layouts with K split at odd multiples of 32 (a split starting in the second half of a
+    64-weight chunk, which the backend's 64-weight split granularity never makes): each k still counted once
+    (coopmat_splits made to split K = 768 into 8 splits of 96)."""
+    from hmad.backends.vulkan import kernels_matmul as km
+
+    if not km.coopmat_usable(dev.info):
+        pytest.skip(f"{dev.info.name}: no float16 16x16x16 cooperative matrix with 32-wide subgroups")
+    monkeypatch.setattr(km, "COOPMAT_BK", 32)
+    monkeypatch.setattr(km, "COOPMAT_MIN_STEPS", 3)
+    rng = np.random.default_rng(32)
+    for name in (v for v in COOPMAT_VARIANTS if "_bk32" in v and km.coopmat_fits(v, dev.limits)):
+        lay = km.coopmat_variant(name)[1]
+        assert km.coopmat_splits(768, 300, 40, (lay.bt, lay.bn)) == (8, 96)
+        err, d = _run_coopmat(dev, kernels, gpu, name, "q4_k", 768, 300, 40, rng, big_rows=(0,))
+        print(f"{name} K=768 in splits of 96: {err:.1e} ({d} dispatches)")
+
+
+def _shared_bytes(code: bytes) -> int:
+    """Bytes of the Workgroup (shared) variables of a SPIR-V module: arrays of scalars and vectors."""
+    import struct
+
+    words = struct.unpack(f"<{len(code) // 4}I", code)
+    size, consts, ptrs, total, i = {}, {}, {}, 0, 5
+    while i < len(words):
+        op, n = words[i] & 0xFFFF, words[i] >> 16
+        a = words[i + 1 : i + n]
+        if op in (21, 22):  # OpTypeInt, OpTypeFloat
+            size[a[0]] = a[1] // 8
+        elif op == 23:  # OpTypeVector
+            size[a[0]] = size[a[1]] * a[2]
+        elif op == 43:  # OpConstant
+            consts[a[1]] = a[2]
+        elif op == 28 and a[1] in size:  # OpTypeArray (of a scalar or vector: not cooperative matrices)
+            size[a[0]] = size[a[1]] * consts[a[2]]
+        elif op == 32:  # OpTypePointer
+            ptrs[a[0]] = (a[1], a[2])
+        elif op == 59 and a[2] == 4:  # OpVariable, Workgroup
+            total += size[ptrs[a[0]][1]]
+        i += max(n, 1)
+    return total
+
+
+def test_coopmat_layouts():
+    """Every mul_mm_coopmat kernel (no device needed): its name parses back to the layout it was built with
+    (defines), KERNELS gives it the layout's workgroup size, the SPIR-V's bindings and push block are
+    CoopMatPush's and its shared memory is CoopmatLayout.shared_bytes, within the 48 KiB of NVIDIA's
+    driver; the first layout's names are all still there."""
+    from hmad.backends.vulkan.kernels_matmul import (
+        COOPMAT_TILES,
+        COOPMAT_TYPES,
+        CoopMatPush,
+        build_entries,
+        coopmat_variant,
+    )
+    from hmad.backends.vulkan.pipelines import KERNELS
+    from hmad.backends.vulkan.program import load_spirv, reflect
+
+    built = {n: d for n, src, d in build_entries() if src == "mul_mm_coopmat.comp"}
+    assert {f"mul_mm_coopmat_{t}_{bt}x{bn}" for t in COOPMAT_TYPES for bt, bn in COOPMAT_TILES} <= set(built)
+    assert set(COOPMAT_VARIANTS) == {n for n in built if not coopmat_variant(n)[1].plain}
+    offsets = tuple(getattr(CoopMatPush, f).offset for f, _ in CoopMatPush._fields_)
+    for name, d in built.items():
+        qtype, lay = coopmat_variant(name)
+        assert d == {f"TYPE_{qtype.name}": "1", **lay.defines()} and name.endswith("_" + lay.suffix)
+        assert not lay.problems(qtype), (name, lay.problems(qtype))
+        assert KERNELS[name].block_size == lay.block and KERNELS[name].push is CoopMatPush
+        code = load_spirv(name)
+        iface = reflect(code)
+        assert iface.bindings == (0, 1, 2, 3) and iface.written == (2,) and iface.push_offsets == offsets
+        assert _shared_bytes(code) == lay.shared_bytes() <= 49152, name
+    with pytest.raises(ValueError):
+        coopmat_variant("mul_mm_coopmat_q4_k_64x128_s2")
+
+
+def test_coopmat_kernel_name():
+    """coopmat_kernel_name names coopmat_tile's pick (the backend's) unless a layout is given."""
+    from hmad.backends.vulkan import kernels_matmul as km
+
+    for qtype in km.COOPMAT_TYPES.values():
+        for t in (8, 32, 33, 128, 129, 512):
+            bt, bn = km.coopmat_tile(t, qtype)
+            assert km.coopmat_kernel_name(t, qtype) == f"mul_mm_coopmat_{qtype.name.lower()}_{bt}x{bn}"
+    assert km.coopmat_kernel_name(512, QType.Q4_K, "128x128_s2x2") == "mul_mm_coopmat_q4_k_128x128_s2x2"
+    name = km.coopmat_kernel_name(32, QType.Q4_K, "64x128_s2x2")
+    assert name == "mul_mm_coopmat_q4_k_64x128_s2x2"
+
+
+def test_coopmat_prefill_layout():
+    """The measured pick: 128x128_s2x2 for the Q4_K prefill (over 128 tokens) of the big weights (the 27B's
+    gate, up and down projections), the tile of coopmat_tile for every other step and weight."""
+    from hmad.backends.vulkan.kernels_matmul import coopmat_prefill_layout
+
+    big, small = [(21504, 5376), (5376, 21504)], [(4096, 5376), (2048, 5376), (5376, 4096), (640, 2048)]
+    for t in (129, 512):
+        assert all(coopmat_prefill_layout(t, QType.Q4_K, n, k) == "128x128_s2x2" for n, k in big)
+        assert all(coopmat_prefill_layout(t, QType.Q4_K, n, k) is None for n, k in small)
+        assert all(coopmat_prefill_layout(t, QType.Q6_K, n, k) is None for n, k in big)
+    assert all(coopmat_prefill_layout(t, QType.Q4_K, *big[0]) is None for t in (8, 32, 128))
 
 
 def test_row_scale(dev, kernels, gpu):

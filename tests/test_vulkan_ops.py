@@ -326,7 +326,7 @@ def test_kv_write_and_paged_attention_match_reference(dev, kernels, gpu, pool, h
             scale=scale,
         )
         reduce = AttentionReducePush(t + 1, h, head_dim, splits, h * head_dim)
-        b_part = gpu.poison(gpu.alloc((t + 1) * h * splits * (head_dim + 2) * 4))
+        b_part = gpu.poison(gpu.alloc((t + 1) * h * splits * (head_dim + 4) * 4))
         run(
             dev,
             (kw, [b_k, b_v, b_meta, b_kp, b_vp], write, 4),
@@ -440,7 +440,7 @@ def test_prefill_tiles_and_per_row_kernels_match_reference(
         want = cpu.attention(q, k, v, layer, batch, win, scale)
         b_kp, b_vp = gpu.put(init[name][0][slot]), gpu.put(init[name][1][slot])
         b_o = gpu.poison(gpu.alloc((t + 1) * h * head_dim * 4))
-        b_part = gpu.poison(gpu.alloc((t + 1) * h * splits * (head_dim + 2) * 4))
+        b_part = gpu.poison(gpu.alloc((t + 1) * h * splits * (head_dim + 4) * 4))
         slot_off = lay.slot_global if name == "global" else lay.slot_local
         info_off = lay.info_global if name == "global" else lay.info_local
         row = hkv * head_dim

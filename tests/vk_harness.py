@@ -103,3 +103,15 @@ def assert_x3_planes(q: np.ndarray, ds: np.ndarray, x: np.ndarray) -> None:
     np.testing.assert_allclose(ds[..., 0], np.abs(x.reshape(t, -1, 32)).max(-1) / np.float32(127), rtol=1e-6)
     sums = x.astype(np.float64).reshape(t, -1, 32).sum(-1)
     assert np.abs(ds[..., 1] - sums).max() <= 1e-6 * max(np.abs(x).max(), 1e-30)
+
+
+def shader_build():
+    """shaders/build.py as a module (its build list, to check the registries against)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "shaders" / "build.py"
+    spec = importlib.util.spec_from_file_location("shader_build", path)
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    return build

@@ -137,6 +137,32 @@ class Backend(ABC):
         """Per-head RMS norm, then RoPE: x (T, H, Dh), w (Dh,) -> (T, H, Dh)."""
         return self.rope(self.rms_norm(x, w, eps), positions, base, scale)
 
+    def prefetch(self, ws: list[Weight]) -> None:  # noqa: B027 - optional hook
+        """A hint: the next op reads the weights ``ws`` (together); a backend whose device has a cache that
+        holds part of them may start loading them now, beside the last op (which, at decode sizes, waits on
+        latency rather than on memory bandwidth). Default: nothing."""
+
+    def normed_attention(
+        self,
+        q: Act,
+        k: Act,
+        v: Act,
+        wq: Weight,
+        wk: Weight,
+        eps: float,
+        batch: StepBatch,
+        rope: tuple[float, float],
+        layer: int,
+        window: int | None,
+        scale: float,
+    ) -> Act:
+        """Attention with its inputs' per-head norm and RoPE: ``norm_rope`` of q (T, H, Dh) and of k (T, Hkv,
+        Dh) with ``rope`` = (base, scale) at the batch's positions, then ``attention`` -> (T, H * Dh)."""
+        base, rscale = rope
+        q = self.norm_rope(q, wq, eps, batch.positions, base, rscale)
+        k = self.norm_rope(k, wk, eps, batch.positions, base, rscale)
+        return self.attention(q, k, v, layer, batch, window, scale)
+
     def geglu_matmul(self, x: Act, gate: Weight, up: Weight) -> Act:
         """gelu_tanh(x · gateᵀ) * (x · upᵀ): x (T, D) -> (T, F)."""
         return self.geglu(self.matmul(x, gate), self.matmul(x, up))

@@ -4,7 +4,8 @@ Per layer (MODELS.md): pre-norm -> q/k/v -> per-head q/k RMS norm -> RoPE (local
 layers the file's base and linear scaling) -> paged attention (sliding window on local layers) -> output
 projection -> post-norm -> residual; then pre-norm -> gelu_tanh(gate) * up -> down -> post-norm -> residual.
 Written with the fused ops of backends/base.py (residual_norm: post-norm + residual + the next pre-norm;
-norm_rope; geglu_matmul; matmuls), whose defaults are the plain sequence above.
+normed_attention: q/k norm + RoPE + attention; geglu_matmul; matmuls), whose defaults are the plain sequence
+above.
 Embeddings are scaled by sqrt(D); the output projection is tied to the embedding unless the file has one.
 Norm weights follow GGUF's convention (they already include Gemma's ``1 +``).
 """
@@ -79,31 +80,39 @@ class Gemma3:
         x = ops.embed(self.embed_table, batch.tokens, cfg.embed_scale)  # (T, D)
         h = ops.rms_norm(x, self.layers[0].attn_norm, eps)
         for i, layer in enumerate(self.layers):
-            nxt = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else None
+            nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
             x, h = self.block(i, layer, x, h, nxt, batch)
         x = ops.rows(x, batch.logit_rows)  # (S_out, D)
         x = ops.rms_norm(x, self.output_norm, eps)
         return ops.matmul(x, self.output)  # (S_out, V)
 
-    def block(self, i: int, layer: Layer, x: Act, h: Act, next_norm, batch: StepBatch) -> tuple[Act, Act]:
-        """One decoder block on the residual stream x, given h = attn_norm(x); returns (x, next_norm(x))."""
+    def block(
+        self, i: int, layer: Layer, x: Act, h: Act, nxt: Layer | None, batch: StepBatch
+    ) -> tuple[Act, Act]:
+        """One decoder block on the residual stream x, given h = attn_norm(x); returns (x, h) with h the next
+        block's attn_norm(x) (None after the last). Each matmul's weights are announced (``prefetch``)
+        after the small op before it."""
         ops, eps = self.ops, self.cfg.rms_eps
-        a = self.attention(i, layer, h, batch)  # (T, D)
+        a = self.attention(i, layer, h, batch)  # (T, H*Dh)
+        ops.prefetch([layer.attn_output])
+        a = ops.matmul(a, layer.attn_output)  # (T, D)
         x, h = ops.residual_norm(x, a, layer.post_attention_norm, layer.ffn_norm, eps)
+        ops.prefetch([layer.ffn_gate, layer.ffn_up])
         f = ops.geglu_matmul(h, layer.ffn_gate, layer.ffn_up)  # (T, F)
         f = ops.matmul(f, layer.ffn_down)  # (T, D)
-        return ops.residual_norm(x, f, layer.post_ffw_norm, next_norm, eps)
+        x, h = ops.residual_norm(x, f, layer.post_ffw_norm, nxt.attn_norm if nxt else None, eps)
+        if nxt is not None:
+            ops.prefetch([nxt.attn_q, nxt.attn_k, nxt.attn_v])
+        return x, h
 
     def attention(self, i: int, layer: Layer, h: Act, batch: StepBatch) -> Act:
+        """The attention sub-layer up to its output projection: (T, D) -> (T, H*Dh)."""
         ops, cfg = self.ops, self.cfg
         t, dh = batch.n_tokens, cfg.head_dim
         q, k, v = ops.matmuls(h, [layer.attn_q, layer.attn_k, layer.attn_v])
         q = ops.reshape(q, (t, cfg.n_heads, dh))  # (T, H, Dh)
         k = ops.reshape(k, (t, cfg.n_kv_heads, dh))  # (T, Hkv, Dh)
         v = ops.reshape(v, (t, cfg.n_kv_heads, dh))
-        base, scale = cfg.rope_for_layer(i)
-        q = ops.norm_rope(q, layer.attn_q_norm, cfg.rms_eps, batch.positions, base, scale)
-        k = ops.norm_rope(k, layer.attn_k_norm, cfg.rms_eps, batch.positions, base, scale)
         window = None if cfg.layer_is_global[i] else cfg.sliding_window
-        a = ops.attention(q, k, v, i, batch, window, cfg.attn_scale)  # (T, H*Dh)
-        return ops.matmul(a, layer.attn_output)
+        norms, rope = (layer.attn_q_norm, layer.attn_k_norm), cfg.rope_for_layer(i)
+        return ops.normed_attention(q, k, v, *norms, cfg.rms_eps, batch, rope, i, window, cfg.attn_scale)

@@ -37,11 +37,14 @@ cooperative-matrix mat-mat where the device offers float16 cooperative matrices 
 the tiled float32 mat-mat. Weights beyond maxStorageBufferRange are bound in ranges (record_matmul, and
 embed's row_begin/n_rows).
 Fused (the ops of backends/base.py that Gemma3 calls): residual_norm (post-norm + residual + next pre-norm,
-one dispatch that also writes h as the mat-vec's int8 planes), norm_rope (per-head q/k norm + RoPE),
-geglu_matmul (gate and up projections + GeGLU in one mat-vec dispatch); attention's reduce pass also writes
-its output as int8 planes. Activations are quantized once per input (Act.q8), the GEMM's float16 copy made
-once per input (Act.scale), and independent dispatches (q, k, v; the 8-token chunks) carry no barrier
-between them (CommandRecorder).
+one dispatch that also writes h as the mat-vec's int8 planes), normed_attention (per-head q/k norm + RoPE +
+the KV-cache write in one dispatch, norm_rope_kv.comp), geglu_matmul (gate and up projections + GeGLU in one
+mat-vec dispatch; at one token its last workgroups also quantize the output for the down projection,
+matvec_qout.glsl); attention's reduce pass also writes its output as int8 planes. ``fuse`` (FUSIONS) turns
+the norm_rope_kv and q8-tail fusions off (to measure them, or on a driver where cross-workgroup reads
+misbehave). Activations are quantized once per input (Act.q8), the GEMM's float16 copy made once per input
+(Act.scale), and independent dispatches (q, k, v; the 8-token chunks) carry no barrier between them
+(CommandRecorder).
 Deterministic (``deterministic``, engine.deterministic; docs/determinism.md): one kernel and one reduction
 order per row whatever the step's row count, so a sequence's logits are bit-identical alone or in any mix:
 every matmul on the mat-vec (the int8 one in one fixed layout, else the float one), 8 tokens a dispatch,
@@ -71,7 +74,8 @@ from hmad.backends.vulkan.kernels_matmul import (
     MATMUL_TYPES,
     MATVEC_MAX_T,
     UNIT_TYPES,
-    coopmat_tile,
+    coopmat_kernel_name,
+    coopmat_prefill_layout,
     coopmat_usable,
     q8_matvec_layout,
     record_coopmat,
@@ -103,12 +107,14 @@ from hmad.backends.vulkan.pipelines import (
     AttentionReducePush,
     AttentionSplitPush,
     CommandRecorder,
+    CopyPush,
     DescriptorAllocator,
     EmbedDqPush,
     EmbedPush,
     GegluPush,
     Kernel,
     KvWritePush,
+    NormRopeKvPush,
     NormRopePush,
     QuantizeQ8Push,
     ResidualNormPush,
@@ -134,7 +140,7 @@ MIB = 1 << 20
 # attention_split.comp: splits per (token, KV head) = clamp(TARGET_GROUPS / (tokens * KV heads), 1, MAX)
 ATTENTION_TARGET_GROUPS = 1024
 ATTENTION_MAX_SPLITS = 64
-# deterministic mode: the split count of every bucket (the partials are T x H x splits x (Dh + 2) floats: at
+# deterministic mode: the split count of every bucket (the partials are T x H x splits x (Dh + 4) floats: at
 # 512 tokens of the 27B, 136 MB)
 DETERMINISTIC_SPLITS = 16
 # attention_prefill.comp (tiles of a step's prefill rows, K/V chunks shared by a tile) in buckets of at least
@@ -152,6 +158,17 @@ COOPMAT_DECODE_MIN_WEIGHTS = 4 << 20
 Q8_MAX_T = (
     32  # steps of up to 32 tokens (decode batches) run the int8 mat-vec, MATVEC_MAX_T tokens a dispatch
 )
+# the arrival counters of the fused kernels' tails (shaders/arrive.glsl): a ring of ranges, one a dispatch
+COUNTER_BYTES = 256 << 10
+# vulkan.prefetch_bytes "auto" (None): weights read ahead at each announced matmul on a discrete GPU (whose
+# last-level cache holds them: 50 MB on an H100/H200), nothing on an integrated one (an APU's GPU cache is a
+# few MB: read ahead, they would be evicted before use). H200, 27B batch-1 step, two passes each
+# (bench/results/2026-11-26-h200-prefetch-sweep.json): 0 12.01 / 12.10 ms, 8 MiB 11.68 / 11.65, 16 MiB
+# 11.82 / 11.81, 32 MiB 11.92 / 11.92; the 270M's step within its noise.
+PREFETCH_AUTO_BYTES = 8 << 20
+#: decode's fused kernels (``fuse``): q/k norms + RoPE + the cache write (norm_rope_kv.comp); the down
+#: projection's int8 input from the GeGLU mat-vec (one token: matvec_qout.glsl)
+FUSIONS = ("norm_rope_kv", "qout")
 
 
 def across_bus(dev: Device, view: BufferView) -> bool:
@@ -213,6 +230,35 @@ class Act:
     @property
     def size(self) -> int:
         return math.prod(self.shape)
+
+
+class Ring:
+    """Small aligned ranges of one device buffer, handed out in turn and wrapping: per-dispatch scratch whose
+    reuse the recorder's barriers order (a range is reused only after its last dispatch is done with it)."""
+
+    def __init__(self, device: Device, nbytes: int, align: int, name: str):
+        self.device, self.nbytes, self.align, self.name = device, nbytes, align, name
+        self.buffer: BufferView | None = None  # made on first use
+        self.at = 0
+
+    def whole(self) -> BufferView:
+        if self.buffer is None:
+            self.buffer = create_buffer(self.device, self.nbytes, "device", self.name)
+        return self.buffer
+
+    def take(self, nbytes: int) -> BufferView:
+        ring, nbytes = self.whole(), -(-nbytes // self.align) * self.align
+        assert nbytes <= ring.nbytes, f"{nbytes} bytes: more than {self.name}'s {ring.nbytes}"
+        if self.at + nbytes > ring.nbytes:
+            self.at = 0
+        view = BufferView(ring.arena, ring.offset + self.at, nbytes, name=self.name)
+        self.at += nbytes
+        return view
+
+    def close(self) -> None:
+        if self.buffer is not None:
+            self.buffer.arena.close()
+        self.buffer = None
 
 
 class ScratchPool:
@@ -310,6 +356,8 @@ class VulkanBackend(Backend):
         coopmat_min_tokens: int = 9,
         step_timeout_s: float = 600.0,
         deterministic: bool | str = "auto",
+        fuse: bool = True,
+        prefetch_bytes: int | None = None,
     ):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
@@ -332,7 +380,8 @@ class VulkanBackend(Backend):
         self.align = max(256, self.dev.limits["minStorageBufferOffsetAlignment"])
         self.kernels: dict[str, Kernel] = {}
         # One allocator for every kernel, large pools: a model's recordings make thousands of sets.
-        self.descriptors = DescriptorAllocator(self.dev, sets_per_pool=4096, max_bindings=8)
+        bindings = max(spec.n_buffers for spec in KERNELS.values())
+        self.descriptors = DescriptorAllocator(self.dev, sets_per_pool=4096, max_bindings=bindings)
         self.scratch = ScratchPool(self.dev)
         self.graphs: dict[tuple[int, int], Graph] = {}
         self.recordings = 0  # forward passes recorded (a replay test counts them)
@@ -355,11 +404,24 @@ class VulkanBackend(Backend):
         self.fence = self.dev.create_fence()
         self._fences = ffi.new("VkFence[]", [self.fence])
         self.attention_kl = True  # attention_decode_kl where it fits (bench_vulkan_model --no-attention-kl)
+        # the Q4_K prefill GEMM's layout for every weight (a mul_mm_coopmat name suffix; None: the measured
+        # pick, coopmat_prefill_layout), read when recording (bench_vulkan_model --sweep coopmat_layout=...)
+        self.coopmat_layout: str | None = None
+        # decode's fused kernels (FUSIONS), read when recording: True, False, or (to measure them one by one,
+        # bench_vulkan_model --sweep) a "+"-joined subset of FUSIONS
+        self.fuse: bool | str = fuse
+        # the fused tails' arrival counters (zero between uses), and the prefetches' few bytes of output
+        self.counters = Ring(self.dev, COUNTER_BYTES, self.align, "arrival counters")
+        self.sinks = Ring(self.dev, 64 << 10, self.align, "prefetch sinks")
+        if prefetch_bytes is None:  # auto
+            prefetch_bytes = PREFETCH_AUTO_BYTES if self.dev.info.type == "discrete" else 0
+        self.prefetch_bytes = prefetch_bytes  # read when recording (bench_vulkan_model --sweep)
         self.step_timeout_s = step_timeout_s  # a step's fence not signalled by then: Timeout (a GPU hang)
         self.vocab = 0
         self.last_gpu_ns: float | None = None
         self._rec: CommandRecorder | None = None
         self._layout: StepMetaLayout | None = None
+        self._t_b = 0  # the token bucket being recorded
         sub = self.dev.caps["subgroup_arithmetic"]
         self._vec_suffix = "_subgroup" if sub else ""
         self._norm = "rms_norm_f32_subgroup" if sub else "rms_norm_f32"
@@ -516,6 +578,10 @@ class VulkanBackend(Backend):
                 "coopmat": f">= {self.coopmat_min_t} tokens"
                 if self.coopmat
                 else "off (device lacks it or config)",
+                "fused": [f for f in FUSIONS if self._fused(f)],
+                "prefetch": f"{self.prefetch_bytes} bytes a matmul at decode"
+                if self.prefetch_bytes
+                else "off",
             },
             "deterministic": self.deterministic,
             "recordings": self.recordings,
@@ -545,6 +611,8 @@ class VulkanBackend(Backend):
         for b in (self.ids, self.readback, self.topk_buf):
             if b is not None:
                 b.arena.close()
+        self.counters.close()
+        self.sinks.close()
         self.weights_mem = self.kv_mem = self.meta = self.ids = self.readback = self.topk_buf = None
         if self.fence is not None:
             lib.vkDestroyFence(self.dev.handle, self.fence, ffi.NULL)
@@ -596,6 +664,8 @@ class VulkanBackend(Backend):
         rec = CommandRecorder(self.dev, timestamps=self.timestamps, max_commands=8192).begin()
         if self.meta_gpu is not self.meta:
             rec.copy(self.meta, self.meta_gpu, layout.nbytes, label="step metadata to VRAM")
+        if self._fused("qout"):  # the counters are zero already, unless a step was cut off mid-dispatch
+            rec.fill(self.counters.whole(), 0, label="arrival counters")
         shape_batch = StepBatch(
             tokens=np.zeros(t_b, np.int32),
             positions=np.zeros(t_b, np.int32),
@@ -604,7 +674,7 @@ class VulkanBackend(Backend):
             block_size=self.kv_layout.block_size,
         )
         self.scratch.begin()
-        self._rec, self._layout = rec, layout
+        self._rec, self._layout, self._t_b = rec, layout, t_b
         try:
             logits = net.forward(shape_batch)
             rec.end()
@@ -824,7 +894,12 @@ class VulkanBackend(Backend):
             return super().geglu_matmul(x, gate, up)
         if self._q8_path(t, gate):
             y = self._new((t, n))
-            self._matvec_q8(x, [gate, up], y)
+            if self._fused("qout") and self._fused_tail(t, gate) and n % 64 == 0:  # y's q8 form, too
+                y.q8 = self._new_q8(t, n, self.planes)
+                tail = [y.q8[0].view, y.q8[1].view, self.counters.take(4 * n // 32), y.view]  # y again: vec4
+                self._matvec_q8(x, [gate, up], y, tail, suffix="_qo")
+            else:
+                self._matvec_q8(x, [gate, up], y)
             return y
         if self._coopmat_for(t, gate):
             y = self._new((t, n))
@@ -837,10 +912,11 @@ class VulkanBackend(Backend):
         record_matmul(self._rec, kern, gate.view, x.view, y.view, k, n, t, w_up=up.view)
         return y
 
-    def _matvec_q8(self, x: Act, ws: list[VkWeight], y: Act) -> None:
+    def _matvec_q8(self, x: Act, ws: list[VkWeight], y: Act, tail=(), suffix: str = "") -> None:
         """y = x · Wᵀ (or the GeGLU of two weights) on the int8 mat-vec (three planes of x for ``exact``,
         one for ``int8``) in the layout of its shape (q8_matvec_layout), MATVEC_MAX_T tokens a dispatch
-        (the chunks read the same weights back to back; no barrier between them)."""
+        (the chunks read the same weights back to back; no barrier between them). ``suffix`` "_qo": the
+        one-token variant with that fused tail (``tail`` its bindings)."""
         (t, k), n = x.shape, ws[0].shape[0]
         xq, xd = self._q8(x)
         planes = self.planes
@@ -852,11 +928,11 @@ class VulkanBackend(Backend):
         for t0 in range(0, t, MATVEC_MAX_T):
             tc = min(MATVEC_MAX_T, t - t0)
             lay = q8_matvec_layout(MATVEC_MAX_T if fixed else tc, n, k, geglu=len(ws) > 1)
-            kern = self._kernel(base + lay + ("" if fixed else _t1(tc)))
+            kern = self._kernel(base + lay + ("" if fixed else _t1(tc)) + suffix)
             xq_rows = _rows(xq.view, t0, tc, planes * k)
             rows = [xq_rows, _rows(xd.view, t0, tc, k // 4), _rows(y.view, t0, tc, 4 * n)]
             up = ws[1].view if len(ws) > 1 else None
-            record_matvec_q8(self._rec, kern, ws[0].view, *rows, k, n, tc, w_up=up)
+            record_matvec_q8(self._rec, kern, ws[0].view, *rows, k, n, tc, w_up=up, tail=tail)
 
     def _coopmat(self, x: Act, ws: VkWeight | list[VkWeight], y: Act) -> None:
         """y = x · Wᵀ on the cooperative-matrix mat-mat, or the GeGLU of two weights ([gate, up]: their
@@ -864,8 +940,11 @@ class VulkanBackend(Backend):
         use."""
         ws = ws if isinstance(ws, list) else [ws]
         (t, k), n = x.shape, ws[0].shape[0]
-        bt, bn = coopmat_tile(t, ws[0].qtype)
-        kern = self._kernel(f"mul_mm_coopmat_{_type_name(ws[0].qtype, COOPMAT_TYPES)}_{bt}x{bn}")
+        qtype = ws[0].qtype
+        layout = coopmat_prefill_layout(t, qtype, n, k)
+        if self.coopmat_layout is not None and qtype == QType.Q4_K and t > 128:
+            layout = self.coopmat_layout  # a benchmark's choice
+        kern = self._kernel(coopmat_kernel_name(t, qtype, layout))
         held: list[Act] = []  # the partial-sum scratch, alive until its dispatches are recorded
 
         def part(nbytes: int) -> BufferView:
@@ -909,6 +988,20 @@ class VulkanBackend(Backend):
         step = MATVEC_MAX_T
         aligned = all(b % align == 0 for b in (step * k * self.planes, step * k // 4, step * 4 * n))
         return aligned if det else t <= step or aligned
+
+    def _fused(self, *parts: str) -> bool:
+        """Whether ``fuse`` takes any of these FUSIONS."""
+        if isinstance(self.fuse, str):
+            return any(p in self.fuse.split("+") for p in parts)
+        return bool(self.fuse)
+
+    def _fused_tail(self, t: int, w: VkWeight) -> bool:
+        """Whether a matmul of ``t`` tokens on ``w`` can run the one-token int8 mat-vec with a fused tail
+        (not in batch-invariant mode, which runs one layout for every row count, never the one-token ones): W
+        in one bind range, its output a whole number of 64-value groups."""
+        if not (t == 1 and not self.deterministic and self._q8_path(t, w)):
+            return False
+        return w.view.nbytes <= self.max_range and w.shape[0] % 64 == 0
 
     def _q8(self, x: Act) -> tuple[Act, Act]:
         """x's q8 form, one or three planes (quantized here on first use, then kept on the Act)."""
@@ -960,23 +1053,49 @@ class VulkanBackend(Backend):
         return y
 
     def attention(self, q: Act, k: Act, v: Act, layer: int, batch, window: int | None, scale: float) -> Act:
-        lay, meta = self.kv_layout, self._layout
-        t, h, dh = q.shape
-        hkv = k.shape[1]
-        g = h // hkv
-        assert dh <= 256 and g <= 8, (
-            f"head_dim {dh} > 256 or {g} > 8 query heads per KV head: attention_split"
-        )
-        pool, slot = lay.pool_of(layer)
-        kp, vp = self.kv_views[(pool, slot)]
-        slot_off = meta.slot_global if pool == "global" else meta.slot_local
-        info_off = meta.info_global if pool == "global" else meta.info_local
-        pool_t, _ = KV_DTYPES[self.kv_dtype]
-        row = hkv * dh
+        t, hkv = k.shape[0], k.shape[1]
+        pool, kp, vp, slot_off = self._kv_pool(layer)
+        row = hkv * k.shape[2]
         write = KvWritePush(t, row, row, row, slot_off)
+        pool_t, _ = KV_DTYPES[self.kv_dtype]
         self._dispatch(
             f"kv_write_{pool_t}", [k.view, v.view, self.meta_gpu, kp, vp], write, self._grid(t * row)
         )
+        return self._attend(q, hkv, layer, window, scale)
+
+    def normed_attention(self, q, k, v, wq, wk, eps: float, batch, rope, layer: int, window, scale: float):
+        """The q and k norms, RoPE and the cache write in one dispatch (norm_rope_kv.comp: three dispatches
+        and a barrier fewer), then the attention passes."""
+        if not self._fused("norm_rope_kv"):
+            return super().normed_attention(q, k, v, wq, wk, eps, batch, rope, layer, window, scale)
+        (t, h, dh), hkv = q.shape, k.shape[1]
+        assert wq.shape == wk.shape == (dh,), f"{wq.name}, {wk.name}: heads of {dh}"
+        pool, kp, vp, slot_off = self._kv_pool(layer)
+        qn = self._new(q.shape)
+        push = NormRopeKvPush(t, h, hkv, dh, self._layout.positions, slot_off, *rope, eps)
+        binds = [q.view, k.view, v.view, wq.view, wk.view, self.meta_gpu, qn.view, kp, vp]
+        self._dispatch(f"norm_rope_kv_{KV_DTYPES[self.kv_dtype][0]}", binds, push, t * (h + 2 * hkv))
+        return self._attend(qn, hkv, layer, window, scale)
+
+    def _kv_pool(self, layer: int) -> tuple[str, BufferView, BufferView, int]:
+        """(pool, K view, V view, the metadata offset of the step's slots in it) of ``layer``'s cache."""
+        pool, slot = self.kv_layout.pool_of(layer)
+        kp, vp = self.kv_views[(pool, slot)]
+        return pool, kp, vp, self._layout.slot_global if pool == "global" else self._layout.slot_local
+
+    def _attend(self, q: Act, hkv: int, layer: int, window: int | None, scale: float) -> Act:
+        """Split-K attention of q (T, H, Dh) over ``layer``'s cache (this step's k, v written): pass 1 (with
+        the prefill tiles in big buckets), then pass 2. -> (T, H * Dh), with its int8 planes for the output
+        projection when the int8 mat-vec takes it."""
+        lay, meta = self.kv_layout, self._layout
+        t, h, dh = q.shape
+        g = h // hkv
+        assert dh <= 256 and dh % 4 == 0 and g <= 8, (
+            f"head_dim {dh} > 256 or not a multiple of 4, or {g} > 8 query heads per KV head: attention_split"
+        )
+        pool, kp, vp, _ = self._kv_pool(layer)
+        info_off = meta.info_global if pool == "global" else meta.info_local
+        pool_t, _ = KV_DTYPES[self.kv_dtype]
         # split-K: enough workgroups to fill the GPU at small batches (a split takes at least 16 keys, so
         # splits past the sequence's length / 16 exit at once); the partials stay ~1024 * G * Dh floats.
         # With tiles, also enough for the tiles (one workgroup per 32 query vectors at least)
@@ -985,7 +1104,7 @@ class VulkanBackend(Backend):
         splits = max(1, min(ATTENTION_MAX_SPLITS, -(-ATTENTION_TARGET_GROUPS // groups)))
         if self.deterministic:  # a row's split boundaries then depend on its position only
             splits = DETERMINISTIC_SPLITS
-        part = self._new((t, h, splits, dh + 2))
+        part = self._new((t, h, splits, dh + 4))  # (m, l, padding, acc): shaders/attention_part.glsl
         binds = [q.view, kp, vp, self.meta_gpu, part.view]
         push = AttentionSplitPush(
             *(t, h, hkv, dh, h * dh, splits, lay.block_size, window or 0),
@@ -1052,6 +1171,21 @@ class VulkanBackend(Backend):
         y = self._new(a.shape)
         self._dispatch("add_f32", [a.view, b.view, y.view], AddPush(a.size), self._grid(a.size))
         return y
+
+    def prefetch(self, ws: list[VkWeight]) -> None:
+        """At decode sizes (buckets of up to MATVEC_MAX_T tokens), read the first ``prefetch_bytes`` of
+        ``ws`` (shared in proportion to their sizes) beside the last op recorded (prefetch_vec4: loads kept
+        only in the cache), so that the next matmul finds them in the GPU's last-level cache."""
+        if not self.prefetch_bytes or self._t_b > MATVEC_MAX_T:
+            return
+        ws = [w for w in ws if not across_bus(self.dev, w.view)]  # a dGPU's host heap: no L2 to fill
+        total = sum(w.view.nbytes for w in ws)
+        for w in ws:
+            nbytes = min(w.view.nbytes, self.prefetch_bytes * w.view.nbytes // total) // 16 * 16
+            if nbytes:
+                groups = min(1024, -(-nbytes // (16 * 256 * 4)))  # 4 loads an invocation a round
+                binds = [(w.view, 0, nbytes), self.sinks.take(4)]
+                self._dispatch("prefetch_vec4", binds, CopyPush(nbytes // 16), groups)
 
     def rows(self, x: Act, idx) -> Act:
         """Gather the step's logit rows (indices from the metadata) with the float32 embed kernel."""

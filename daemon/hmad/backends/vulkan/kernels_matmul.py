@@ -15,7 +15,9 @@ Variants (one per weight type ``<t>`` in :data:`MATMUL_TYPES`):
   on VK_KHR_cooperative_matrix (float16 16×16×16 products, float32 accumulators; x as the float16 copy
   that row_scale.comp makes with its row scales), BT tokens × BN rows a workgroup, loads pipelined, K split
   over workgroups when the tiles alone are too few (partial sums in a scratch, added by ``split_reduce``);
-  only on devices offering that shape with 32-wide subgroups (:func:`coopmat_usable`).
+  only on devices offering that shape with 32-wide subgroups (:func:`coopmat_usable`). For Q4_K also the
+  layouts of :data:`COOPMAT_Q4K_VARIANTS`, ``mul_mm_coopmat_q4_k_<BT>x<BN>_s<SG_T>x<SG_N>[_bk32][_db]``
+  (:class:`CoopmatLayout`: subgroup grid, K step, one or two tile sets), to be measured against the first.
 - ``mul_mat_vec_{q8x,x3}_<t>[_geglu][<layout>][_t1]`` (shaders/mul_mat_vec_q8.comp): T ≤ 8 on int8
   activations, one plane or three (the exact path), :func:`record_matvec_q8`; the layouts
   (:data:`Q8_LAYOUTS`: rows per lane group, lane groups per row) picked per shape by :func:`q8_matvec_layout`.
@@ -30,6 +32,8 @@ This module imports nothing from pipelines.py (pipelines.py imports it to regist
 from __future__ import annotations
 
 import ctypes
+import re
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -82,6 +86,9 @@ Q8_MATVEC_ROWS = 2  # rows per lane group (NR) of the default layout: 8 rows per
 #: reduction would need 32.1 KiB of shared memory, over the 32 KiB lavapipe and some GPUs allow)
 Q8_LAYOUTS = {"": (2, 1), "_k2": (2, 2), "_r4": (4, 1), "_r4k2": (4, 2)}
 Q8_T1_LAYOUTS = ("", "_k2")
+#: fused tails of the one-token int8 mat-vec (mul_mat_vec_q8.comp, in the Q8_T1_LAYOUTS): suffix -> bindings.
+#: "_t1_qo" (GeGLU): its output's q8 form for the down projection (XQ, XD, N / 32 counters, y again)
+Q8_TAILS = {"_t1_qo": 9}
 UNIT_ROWS = 2  # rows per lane group of mul_mat_vec_unit.comp (NR)
 UNIT_BLOCK = 128  # its workgroup size: 4 lane groups of 32 (LANES), 8 rows
 MATVEC_ROWS = 2  # rows of W per mat-vec workgroup (NUM_ROWS in mul_mat_vec.comp)
@@ -147,7 +154,108 @@ def build_entries() -> list[tuple[str, str, dict[str, str]]]:
         for bt, bn in COOPMAT_TILES:
             d = {f"TYPE_{t.upper()}": "1", "BT": f"{bt}u", "BN": f"{bn}u"}
             out.append((f"mul_mm_coopmat_{t}_{bt}x{bn}", "mul_mm_coopmat.comp", d))
+    for lay in COOPMAT_Q4K_VARIANTS:
+        d = {"TYPE_Q4_K": "1", **lay.defines()}
+        out.append((f"mul_mm_coopmat_q4_k_{lay.suffix}", "mul_mm_coopmat.comp", d))
     return out
+
+
+@dataclass(frozen=True)
+class CoopmatLayout:
+    """A layout of mul_mm_coopmat.comp: a BT × BN tile of y per workgroup, SG_T × SG_N subgroups of 32
+    invocations each multiplying a (BT / SG_T) × (BN / SG_N) part of it, BK weights of K a step, one tile set
+    in shared memory or two (``dbuf``: the next step stored while this one multiplies, one barrier a step).
+    The defaults are the first layout, the one every type is built with (:data:`COOPMAT_TILES`)."""
+
+    bt: int
+    bn: int
+    sg_t: int = 2
+    sg_n: int = 4
+    bk: int = 64
+    dbuf: bool = False
+
+    @property
+    def plain(self) -> bool:
+        return (self.sg_t, self.sg_n, self.bk, self.dbuf) == (2, 4, 64, False)
+
+    @property
+    def suffix(self) -> str:
+        """The kernel name after its type: ``<BT>x<BN>`` (the first layout), else ``<BT>x<BN>_s<SG_T>x<SG_N>``
+        then ``_bk32``, ``_db`` where they apply (shaders/build.py's ``coopmat_variant``)."""
+        if self.plain:
+            return f"{self.bt}x{self.bn}"
+        tail = ("_bk32" if self.bk == 32 else "") + ("_db" if self.dbuf else "")
+        return f"{self.bt}x{self.bn}_s{self.sg_t}x{self.sg_n}{tail}"
+
+    @property
+    def block(self) -> int:
+        """The workgroup size (BLOCK_SIZE = NINV in the shader)."""
+        return 32 * self.sg_t * self.sg_n
+
+    def defines(self) -> dict[str, str]:
+        """The layout's defines in shaders/build.py (the first layout: BT and BN only)."""
+        d = {"BT": f"{self.bt}u", "BN": f"{self.bn}u"}
+        if not self.plain:
+            d |= {"SG_T": f"{self.sg_t}u", "SG_N": f"{self.sg_n}u"}
+            d |= ({"BK32": "1"} if self.bk == 32 else {}) | ({"DBUF": "1"} if self.dbuf else {})
+        return d
+
+    def shared_bytes(self) -> int:
+        """Shared memory the kernel declares: per tile set (BN + BT) rows of BK + 8 float16, and a 16 × 16
+        float32 staging tile per subgroup."""
+        sets = 2 if self.dbuf else 1
+        return sets * (self.bn + self.bt) * (self.bk + 8) * 2 + self.sg_t * self.sg_n * 1024
+
+    def problems(self, qtype: QType) -> list[str]:
+        """Why mul_mm_coopmat.comp could not run this layout for ``qtype`` (empty: it can): whole 16 × 16
+        fragments per subgroup, whole loads per invocation (its XPT and WPT), BK 32 or 64."""
+        out = []
+        if self.bt % (16 * self.sg_t) or self.bn % (16 * self.sg_n):
+            grid = f"{self.sg_t}x{self.sg_n}"
+            out.append(f"{self.bt}x{self.bn} over {grid} subgroups: not whole 16x16 fragments")
+        if self.bk not in (32, 64):
+            out.append(f"BK {self.bk}: the shader steps 64 or 32 (BK32) weights")
+        per_w = 16 if qtype == QType.Q4_K else 8  # weights a W load covers (Q4_K: 8 bytes of quants)
+        for what, n in (("x", self.bt * self.bk // 8), ("W", self.bn * self.bk // per_w)):
+            if n % self.block:
+                out.append(f"{what}: {n} loads a step over {self.block} invocations")
+        return out
+
+
+#: The Q4_K-only layouts (shaders/build.py builds the same), next to the first (2 × 4 subgroups, BK 64, one
+#: tile set; 64×128 is the prefill's): 4 subgroups each owning 64 × 64 of a 128 × 128 tile (16 products per
+#: 8 fragment loads from shared memory, against 4 per 4 at 64×128), the same with BK 32 and two tile sets,
+#: 4 subgroups of 32 × 64 on 64×128, and the first 128×128 grid (8 subgroups of 64 × 32) with BK 32 and two
+#: tile sets (48 KiB: exactly NVIDIA's limit); then (after the H200 ranked 128x128_s2x2 first at the big
+#: shapes, 2026-11-26) 8 subgroups of 64 × 64 on 256 tokens or 256 rows, and 128x128_s2x2 with BK 32.
+COOPMAT_Q4K_VARIANTS = (
+    CoopmatLayout(128, 128, 2, 2),
+    CoopmatLayout(128, 128, 2, 2, 32, True),
+    CoopmatLayout(64, 128, 2, 2),
+    CoopmatLayout(128, 128, 2, 4, 32, True),
+    CoopmatLayout(256, 128, 4, 2, 32),
+    CoopmatLayout(128, 256, 2, 4, 32),
+    CoopmatLayout(128, 128, 2, 2, 32),
+)
+_COOPMAT_NAME = re.compile(
+    r"mul_mm_coopmat_(?P<t>[a-z0-9_]+?)_(?P<bt>\d+)x(?P<bn>\d+)(?:_s(?P<sgt>\d+)x(?P<sgn>\d+))?(?P<bk32>_bk32)?"
+    r"(?P<db>_db)?"
+)
+
+
+def coopmat_variant(name: str) -> tuple[QType, CoopmatLayout]:
+    """(weight type, layout) of a ``mul_mm_coopmat_<type>_<layout suffix>`` kernel name."""
+    m = _COOPMAT_NAME.fullmatch(name)
+    if m is None or m["t"] not in COOPMAT_TYPES:
+        raise ValueError(f"{name}: not a mul_mm_coopmat_<type>_<BT>x<BN>[_s<T>x<N>][_bk32][_db] name")
+    sg = (int(m["sgt"]), int(m["sgn"])) if m["sgt"] else (2, 4)
+    lay = CoopmatLayout(int(m["bt"]), int(m["bn"]), *sg, 32 if m["bk32"] else 64, bool(m["db"]))
+    return COOPMAT_TYPES[m["t"]], lay
+
+
+def coopmat_fits(name: str, limits: dict) -> bool:
+    """Whether the device's shared memory (``limits``: Device.limits) holds what kernel ``name`` declares."""
+    return coopmat_variant(name)[1].shared_bytes() <= limits["maxComputeSharedMemorySize"]
 
 
 def coopmat_usable(info) -> bool:
@@ -161,6 +269,22 @@ def coopmat_usable(info) -> bool:
     return has and info.subgroup.get("size") == 32 and tuple(info.api_version[:2]) >= (1, 3)
 
 
+#: Q4_K prefill chunks (over 128 tokens) of weights of at least this many elements run
+#: COOPMAT_BIG_LAYOUT: 4 subgroups each owning 64 × 64 of a 128 × 128 tile (H200, 2026-11-26,
+#: bench/results/2026-11-26-h200-coopmat-variants.json, 512 tokens: the 27B's gate/up 785 -> 692 us and down
+#: 802 -> 622 us against 64x128, while q (22M) 164 -> 174 and k/v (11M) 98 -> 126 lose; its whole prefill
+#: 2,492 -> 2,810 tok/s).
+COOPMAT_BIG_WEIGHTS = 64 << 20
+COOPMAT_BIG_LAYOUT = "128x128_s2x2"
+
+
+def coopmat_prefill_layout(t: int, qtype: QType, n: int, k: int) -> str | None:
+    """The mul_mm_coopmat layout (a name suffix) of a step of ``t`` tokens on an (n, k) weight, where it is
+    not :func:`coopmat_tile`'s (None)."""
+    big = qtype == QType.Q4_K and t > 128 and n * k >= COOPMAT_BIG_WEIGHTS
+    return COOPMAT_BIG_LAYOUT if big else None
+
+
 def coopmat_tile(t: int, qtype: QType = QType.Q4_K) -> tuple[int, int]:
     """The (BT, BN) variant of mul_mm_coopmat for a step of ``t`` tokens of a ``qtype`` weight: the fastest
     measured on an H200 at the 27B shapes (bench_vulkan_matmul.py, bench/results/2026-11-23-h200-pipe-*,
@@ -171,6 +295,17 @@ def coopmat_tile(t: int, qtype: QType = QType.Q4_K) -> tuple[int, int]:
     if t <= 32:
         return (32, 128) if qtype == QType.Q4_K else (32, 64)
     return (64, 128) if t > 128 and qtype == QType.Q4_K else (64, 64)
+
+
+def coopmat_kernel_name(t: int, qtype: QType, layout: str | None = None) -> str:
+    """The mul_mm_coopmat kernel for a step of ``t`` tokens of a ``qtype`` weight: ``<BT>x<BN>`` of
+    :func:`coopmat_tile`, unless ``layout`` (a name suffix) is given."""
+    tname = next(n for n, q in COOPMAT_TYPES.items() if q == qtype)
+    if layout is None:
+        layout = "{}x{}".format(*coopmat_tile(t, qtype))
+    name = f"mul_mm_coopmat_{tname}_{layout}"
+    coopmat_variant(name)  # a name that parses
+    return name
 
 
 def coopmat_splits(k: int, n: int, t: int, tile: tuple[int, int]) -> tuple[int, int]:
@@ -298,13 +433,17 @@ def record_coopmat_geglu(
 
 
 def _coopmat_layout(kernel, k: int, x_stride: int) -> tuple[tuple[int, int], int]:
-    """((BT, BN) tile, W's row bytes) of a ``mul_mm_coopmat_<type>_<BT>x<BN>`` kernel."""
-    name = kernel.name.removeprefix("mul_mm_coopmat_")
-    qtype = COOPMAT_TYPES[name.rsplit("_", 1)[0]]
-    bt, bn = map(int, name.rsplit("_", 1)[1].split("x"))
+    """((BT, BN) tile, W's row bytes) of a mul_mm_coopmat kernel (:func:`coopmat_variant`), checked: built
+    at its layout's workgroup size, its shared memory within the device's."""
+    qtype, lay = coopmat_variant(kernel.name)
+    if kernel.block_size != lay.block:
+        raise ValueError(f"{kernel.name}: workgroup size {kernel.block_size}, its layout needs {lay.block}")
+    if not coopmat_fits(kernel.name, kernel.device.limits):
+        have = kernel.device.limits["maxComputeSharedMemorySize"]
+        raise ValueError(f"{kernel.name}: {lay.shared_bytes()} B of shared memory, the device has {have}")
     if x_stride % 8:
         raise ValueError(f"x_stride {x_stride} must be a multiple of 8 (xh is read 8 float16 at a time)")
-    return (bt, bn), weight_row_bytes(qtype, k)
+    return (lay.bt, lay.bn), weight_row_bytes(qtype, k)
 
 
 def _part_scratch(part, pieces, k: int, t: int, tile, split_only: bool):
@@ -335,11 +474,13 @@ def kernel_specs(spec_type) -> dict:
         "mul_mat_vec.comp": (3, MatMulPush, MATVEC_BLOCK),
         "mul_mat_vec_unit.comp": (3, MatMulPush, UNIT_BLOCK),  # W, x, y (+ W_up: _geglu)
         "mul_mat.comp": (3, MatMulPush, MATMUL_BLOCK),
-        "mul_mm_coopmat.comp": (4, CoopMatPush, MATMUL_BLOCK),  # W, x as float16 (row_scale), y, scales
+        "mul_mm_coopmat.comp": (4, CoopMatPush, MATMUL_BLOCK),  # W, x float16, y, scales (block: layout)
     }
     specs = {}
     for name, src, _ in build_entries():  # a _geglu variant also binds W_up, after the others
         n_buffers, push, block = iface[src]
+        if src == "mul_mm_coopmat.comp":
+            block = coopmat_variant(name)[1].block
         specs[name] = spec_type(src, n_buffers + ("_geglu" in name), push, block)
     for t in UNIT_TYPES:  # int8 mat-vecs, x as one plane (q8x) or three (x3): W, XQ, XD, y [, W_up]
         for suffix in q8_matvec_suffixes():
@@ -348,7 +489,17 @@ def kernel_specs(spec_type) -> dict:
                 specs[f"mul_mat_vec_{x}_{t}{suffix}"] = spec_type(
                     "mul_mat_vec_q8.comp", n_buffers, MatMulPush, Q8_MATVEC_BLOCK
                 )
+        for suffix in q8_tail_suffixes():
+            for x in ("q8x", "x3"):
+                specs[f"mul_mat_vec_{x}_{t}{suffix}"] = spec_type(
+                    "mul_mat_vec_q8.comp", Q8_TAILS[suffix[-6:]], MatMulPush, Q8_MATVEC_BLOCK
+                )
     return specs
+
+
+def q8_tail_suffixes() -> list[str]:
+    """The name suffixes (after the weight type) of the int8 mat-vec variants with a fused tail."""
+    return [f"_geglu{lay}{tail}" for lay in Q8_T1_LAYOUTS for tail in Q8_TAILS]  # q8 out: after a GeGLU
 
 
 def q8_matvec_suffixes() -> list[str]:
@@ -465,7 +616,9 @@ def row_ranges(kernel, ws: list, rb: int, n: int, max_range: int | None = None) 
 
 def q8_matvec_variant(name: str) -> tuple[QType, tuple[int, int]]:
     """(weight type, (NR, KS) layout) of an int8 mat-vec kernel name."""
-    base = name.removeprefix("mul_mat_vec_q8x_").removeprefix("mul_mat_vec_x3_").removesuffix("_t1")
+    base = name.removeprefix("mul_mat_vec_q8x_").removeprefix("mul_mat_vec_x3_")
+    for tail in (*Q8_TAILS, "_t1"):
+        base = base.removesuffix(tail)
     base = base.replace("_geglu", "")
     lay = next(s for s in sorted(Q8_LAYOUTS, key=len, reverse=True) if base.endswith(s))
     return UNIT_TYPES[base.removesuffix(lay) if lay else base], Q8_LAYOUTS[lay]
@@ -484,21 +637,34 @@ def record_matvec_q8(
     y_stride: int | None = None,
     w_up=None,
     max_range: int | None = None,
+    tail=(),
 ) -> int:
     """Record y[:t, :n] = x · Wᵀ with x as q8 activations (``xq`` words, ``xd`` block scales: q8act.glsl;
     one plane for ``mul_mat_vec_q8x_*``, three for ``mul_mat_vec_x3_*``) into ``rec``; a ``_geglu`` kernel
     also takes ``w_up`` and writes gelu(x · Wᵀ) * (x · W_upᵀ). One dispatch per bind range of W (and the
-    same range of W_up); returns the dispatch count."""
+    same range of W_up); returns the dispatch count. A fused-tail variant (:data:`Q8_TAILS`) takes its
+    bindings after those as ``tail``; its W must be one range and y whole rows (``y_stride`` N)."""
     qtype, (nr, ks) = q8_matvec_variant(kernel.name)
     rb = weight_row_bytes(qtype, k)
-    max_t = 1 if kernel.name.endswith("_t1") else MATVEC_MAX_T
+    max_t = 1 if "_t1" in kernel.name else MATVEC_MAX_T
     if not 1 <= t <= max_t:
         raise ValueError(f"{kernel.name}: T={t} tokens, this q8 mat-vec takes 1..{max_t}")
     ws = [w] if w_up is None else [w, w_up]
     pieces = row_ranges(kernel, ws, rb, n, max_range)
     rows_per_group = kernel.block_size // (Q8_MATVEC_LANES * ks) * nr
+    if tail:
+        _check_tail(kernel, len(pieces), n, y_stride or n, rows_per_group)
     for binds, rows, row0 in pieces:
         push = MatMulPush(k, rows, t, k, y_stride or n, rb, row0)
         groups = kernel.groups_for(-(-rows // rows_per_group))
-        rec.dispatch(kernel, [binds[0], xq, xd, y, *binds[1:]], push, groups)
+        rec.dispatch(kernel, [binds[0], xq, xd, y, *binds[1:], *tail], push, groups)
     return len(pieces)
+
+
+def _check_tail(kernel, n_pieces: int, n: int, y_stride: int, rows_per_group: int) -> None:
+    """What a fused tail of mul_mat_vec_q8.comp requires (see its header)."""
+    if n_pieces != 1 or y_stride != n or n % 64 or 32 % rows_per_group:
+        raise ValueError(
+            f"{kernel.name}: a fused tail needs W in one bind range, y_stride == N, N % 64 == 0 and a "
+            f"workgroup's {rows_per_group} rows dividing 32 (N={n}, y_stride={y_stride}, {n_pieces} ranges)"
+        )

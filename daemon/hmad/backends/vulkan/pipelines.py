@@ -155,6 +155,15 @@ class NormRopePush(ctypes.Structure):
     ]
 
 
+class NormRopeKvPush(ctypes.Structure):
+    """shaders/norm_rope_kv.comp"""
+
+    _fields_ = [
+        *[(n, u32) for n in ("n_tokens", "n_heads", "n_kv_heads", "head_dim", "pos_off", "slot_off")],
+        *[(n, f32) for n in ("base", "scale", "eps")],
+    ]
+
+
 class ArgmaxPush(ctypes.Structure):
     """shaders/argmax.comp"""
 
@@ -165,6 +174,17 @@ class TopkPush(ctypes.Structure):
     """shaders/topk.comp"""
 
     _fields_ = [(n, u32) for n in ("n_rows", "n_cols", "row_stride", "k")]
+
+
+class CoopMatPeakPush(ctypes.Structure):
+    """shaders/coopmat_peak.comp (bench_vulkan_coopmat_peak.py): built for the (NA, NB) fragment counts of
+    VARIANTS (kernels ``coopmat_peak_a<NA>x<NB>``: NA NB accumulators a subgroup), ROUNDS x NA x NB products
+    a loop iteration (shaders/build.py builds the same)."""
+
+    _fields_ = [("iters", u32), ("store_groups", u32), ("never", u32)]
+    VARIANTS = ((2, 2), (2, 4), (4, 4))
+    ROUNDS = 4
+    NAN = 0x7FC00000  # ``never``: no sum equals a NaN
 
 
 TOPK_MAX = 256  # KMAX of topk.comp
@@ -211,6 +231,7 @@ KERNELS: dict[str, KernelSpec] = {
     "read_vec4": KernelSpec("read.comp", 2, CopyPush, 256),
     "read_vec4_x4": KernelSpec("read.comp", 2, CopyPush, 256),
     "read_vec4_x8": KernelSpec("read.comp", 2, CopyPush, 256),
+    "prefetch_vec4": KernelSpec("read.comp", 2, CopyPush, 256),
     "add_f32": KernelSpec("add.comp", 3, AddPush, 256),
     "rms_norm_f32": KernelSpec("rms_norm.comp", 3, RmsNormPush, 128),
     "rms_norm_f32_subgroup": KernelSpec("rms_norm.comp", 3, RmsNormPush, 128),
@@ -258,7 +279,13 @@ KERNELS: dict[str, KernelSpec] = {
     "split_reduce": KernelSpec("split_reduce.comp", 2, SplitReducePush, 256),
     "split_reduce_geglu": KernelSpec("split_reduce.comp", 3, SplitReducePush, 256),  # gate, y, up
     "row_scale": KernelSpec("row_scale.comp", 3, RowScalePush, 256),
+    **{
+        f"coopmat_peak_a{a}x{b}": KernelSpec("coopmat_peak.comp", 3, CoopMatPeakPush, 128)
+        for a, b in CoopMatPeakPush.VARIANTS
+    },
     "norm_rope_f32": KernelSpec("norm_rope.comp", 4, NormRopePush, 128),
+    "norm_rope_kv_f32": KernelSpec("norm_rope_kv.comp", 9, NormRopeKvPush, 128),
+    "norm_rope_kv_f16": KernelSpec("norm_rope_kv.comp", 9, NormRopeKvPush, 128),
     "quantize_q8": KernelSpec("quantize_q8.comp", 3, QuantizeQ8Push, 128),
     "quantize_x3": KernelSpec("quantize_q8.comp", 3, QuantizeQ8Push, 128),
     "residual_norm": KernelSpec("residual_norm.comp", 4, ResidualNormPush, RESIDUAL_BLOCK),
@@ -267,7 +294,6 @@ KERNELS: dict[str, KernelSpec] = {
     "residual_norm_next_x3": KernelSpec("residual_norm.comp", 8, ResidualNormPush, RESIDUAL_BLOCK),
     **kernel_specs(KernelSpec),  # mul_mat_vec_<type>[_subgroup], mul_mat_<type>: kernels_matmul.py
 }
-
 # A binding: a whole view, or (view, offset inside the view, nbytes) for one range of a big tensor.
 Binding = BufferView | tuple[BufferView, int, int]
 
@@ -715,6 +741,13 @@ class CommandRecorder:
         self._order([_key_of((src, 0, n))], [_key_of((dst, 0, n))])
         region = new("VkBufferCopy", srcOffset=src.offset, dstOffset=dst.offset, size=n)
         lib.vkCmdCopyBuffer(self.cmd, src.buffer, dst.buffer, 1, region)
+        self._after(label)
+
+    def fill(self, dst: BufferView, value: int = 0, label: str = "fill") -> None:
+        """Set every 32-bit word of ``dst`` to ``value`` (vkCmdFillBuffer; ``dst``'s size a multiple of 4)."""
+        assert self._recording, "begin() first"
+        self._order([], [_key_of(dst)])
+        lib.vkCmdFillBuffer(self.cmd, dst.buffer, dst.offset, dst.nbytes, value)
         self._after(label)
 
     def end(self) -> CommandRecorder:
