@@ -90,8 +90,8 @@ class Gemma3:
         self, i: int, layer: Layer, x: Act, h: Act, nxt: Layer | None, batch: StepBatch
     ) -> tuple[Act, Act]:
         """One decoder block on the residual stream x, given h = attn_norm(x); returns (x, h) with h the next
-        block's attn_norm(x) (None after the last). Each matmul's weights are announced (``prefetch``)
-        after the small op before it."""
+        block's attn_norm(x) (None after the last). The weights of the matmuls that follow a small op (the
+        output projection, gate/up, the next block's q/k/v) are announced (``prefetch``) after that op."""
         ops, eps = self.ops, self.cfg.rms_eps
         a = self.attention(i, layer, h, batch)  # (T, H*Dh)
         ops.prefetch([layer.attn_output])
