@@ -894,7 +894,7 @@ class VulkanBackend(Backend):
             return super().geglu_matmul(x, gate, up)
         if self._q8_path(t, gate):
             y = self._new((t, n))
-            if self._fused("qout") and self._fused_tail(t, gate) and n % 64 == 0:  # y's q8 form, too
+            if self._fused("qout") and self._fused_tail(t, gate):  # y's q8 form, too
                 y.q8 = self._new_q8(t, n, self.planes)
                 tail = [y.q8[0].view, y.q8[1].view, self.counters.take(4 * n // 32), y.view]  # y again: vec4
                 self._matvec_q8(x, [gate, up], y, tail, suffix="_qo")

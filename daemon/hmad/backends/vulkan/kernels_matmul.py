@@ -491,8 +491,9 @@ def kernel_specs(spec_type) -> dict:
                 )
         for suffix in q8_tail_suffixes():
             for x in ("q8x", "x3"):
+                n_buffers = next(n for tail, n in Q8_TAILS.items() if suffix.endswith(tail))
                 specs[f"mul_mat_vec_{x}_{t}{suffix}"] = spec_type(
-                    "mul_mat_vec_q8.comp", Q8_TAILS[suffix[-6:]], MatMulPush, Q8_MATVEC_BLOCK
+                    "mul_mat_vec_q8.comp", n_buffers, MatMulPush, Q8_MATVEC_BLOCK
                 )
     return specs
 
