@@ -1,7 +1,7 @@
 #!/bin/bash
 # One `device` tool run (carry .gl and .whl): the Vulkan tests on the GPU, the matmul kernels, the models;
 # logs and JSON under $OUT, short tails printed.
-#   bash bench/device_all.sh [tests] [stats] [matmul] [layouts] [types] [model] [real fidelity daemon prefix model_real] [model_cm2] [stress] [stress_old] [splits] [model_kv16] [kl] [peak variants] [fused_tests] [sweeps]
+#   bash bench/device_all.sh [tests] [stats] [matmul] [layouts] [types] [model] [real fidelity daemon prefix model_real] [model_cm2] [stress] [stress_old] [splits] [model_kv16] [kl] [peak variants] [fused_tests] [sweeps] [mmq mmq_tests mmq_model]
 set -uo pipefail
 . bench/device_env.sh
 OUT=${OUT:-/tmp/out}
@@ -61,6 +61,21 @@ for step in ${*:-tests matmul model}; do
         timeout 300 python3 bench/bench_vulkan_matvec_layouts.py --out "$OUT/matvec_layouts.json" \
             >"$OUT/layouts.log" 2>&1
         grep -E "T=|picked layout" "$OUT/layouts.log" | cut -c1-120
+        ;;
+    mmq)  # the exact int8 cooperative-matrix GEMM beside the x3 mat-vec on the 27B's shapes (checked, timed)
+        timeout 400 python3 bench/bench_vulkan_mmq.py ${MMQ_ARGS:-} --out "$OUT/mmq.json" >"$OUT/mmq.log" 2>&1
+        grep -E "int8|copy_vec4|T=|layer" "$OUT/mmq.log" | cut -c1-170
+        ;;
+    mmq_tests)  # the GPU tests of the int8 GEMM and of the backend's paths that now run it
+        timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_vulkan_mmq.py \
+            tests/test_vulkan_backend.py tests/test_determinism_vulkan.py tests/test_vulkan_fused.py \
+            >"$OUT/mmq_tests.log" 2>&1
+        grep -E "passed|failed|^FAILED|^ERROR|SKIPPED" "$OUT/mmq_tests.log" | head -20 | cut -c1-200
+        ;;
+    mmq_model)  # both shapes' steps with the int8 GEMM off and on (mmq_k none / 32), side by side
+        timeout 500 python3 bench/bench_vulkan_model.py --models 270m,27b --engine none --reps 20 \
+            --sweep mmq_k=none,32 --out "$OUT/mmq_model.json" >"$OUT/mmq_model.log" 2>&1
+        grep -E "mmq_k|copy|ceiling" "$OUT/mmq_model.log" | cut -c1-200
         ;;
     splits)  # the coopmat GEMM at decode-batch sizes with K split for 512 .. 4096 workgroups
         timeout 150 python3 bench/bench_vulkan_matmul.py --iters 20 --prefill 0 --tokens 1 --blocks 128 \

@@ -34,7 +34,11 @@ HERE = Path(__file__).resolve().parent
 OUT = HERE / "spv"
 FLAGS = ["-fshader-stage=compute", "--target-env=vulkan1.2", "-O"]
 GLSLANG_FLAGS = ["-V", "-S", "comp", "--target-env", "vulkan1.3"]
-GLSLANG_SOURCES = {"mul_mm_coopmat.comp", "coopmat_peak.comp"}  # KHR cooperative matrix: SPIR-V 1.6, Vk 1.3
+GLSLANG_SOURCES = {
+    "mul_mm_coopmat.comp",
+    "mul_mmq_coopmat.comp",
+    "coopmat_peak.comp",
+}  # KHR cooperative matrix: SPIR-V 1.6, Vk 1.3
 COOPMAT_TYPES = ("f16", "q8_0", "q4_0", "q5_0", "q4_k", "q6_k")  # kernels_matmul.COOPMAT_TYPES
 COOPMAT_TILES = ((32, 64), (32, 128), (64, 64), (64, 128), (128, 128))  # kernels_matmul.COOPMAT_TILES
 # Q4_K-only layouts of mul_mm_coopmat (kernels_matmul.COOPMAT_Q4K_VARIANTS): (BT, BN, subgroups along tokens,
@@ -44,6 +48,9 @@ COOPMAT_Q4K_VARIANTS += ((128, 128, 2, 4, 32, True),)
 COOPMAT_Q4K_VARIANTS += ((256, 128, 4, 2, 32, False), (128, 256, 2, 4, 32, False))
 COOPMAT_Q4K_VARIANTS += ((128, 128, 2, 2, 32, False),)
 COOPMAT_PEAK = ((2, 2), (2, 4), (4, 4))  # coopmat_peak.comp: A x B fragments (pipelines.COOPMAT_PEAK)
+# the exact int8 cooperative-matrix GEMM of decode batches (mul_mmq_coopmat.comp; kernels_mmq.MMQ_LAYOUTS):
+# (MR 16-row fragments a subgroup, NT 16-token fragments, MK the int8 product's K, JB blocks a store)
+MMQ_LAYOUTS = ((1, 1, 32, 1), (1, 1, 32, 2), (2, 1, 32, 1), (2, 1, 32, 2), (2, 1, 32, 4), (2, 1, 16, 2))
 
 
 def coopmat_variant(bt: int, bn: int, sgt: int, sgn: int, bk: int, dbuf: bool) -> tuple[str, dict[str, str]]:
@@ -201,6 +208,15 @@ BUILD: list[tuple[str, str, dict[str, str]]] = [
     *[
         (f"coopmat_peak_a{na}x{nb}", "coopmat_peak.comp", {"NA": f"{na}u", "NB": f"{nb}u"})
         for na, nb in COOPMAT_PEAK
+    ],
+    # the exact int8 cooperative-matrix GEMM (Q4_K), per layout
+    *[
+        (
+            f"mul_mmq_coopmat_q4_k_m{mr}n{nt}k{mk}j{jb}",
+            "mul_mmq_coopmat.comp",
+            {"MR": f"{mr}u", "NT": f"{nt}u", "MK": f"{mk}u", "JB": f"{jb}u"},
+        )
+        for mr, nt, mk, jb in MMQ_LAYOUTS
     ],
     ("split_reduce", "split_reduce.comp", {}),
     ("split_reduce_geglu", "split_reduce.comp", {"GEGLU": "1"}),

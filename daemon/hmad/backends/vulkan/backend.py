@@ -32,7 +32,10 @@ Norm weights are uploaded as float32; a 2-D weight of a type no matmul shader re
 float16 on the host first (the only case where a second copy of a tensor exists in RAM, briefly).
 Matmul: decode-sized steps (T_b <= 32, 8 tokens a dispatch) on the mat-vec chosen by ``matvec``: "exact"
 (default; activations as three int8 planes, shaders/q8act.glsl: float32-class), "int8" (one plane) or
-"float" (float32); steps of ``coopmat_min_tokens`` or more on big weights, and prefill, on the
+"float" (float32); exact-path steps of ``mmq_min_tokens`` (8) or more on big Q4_K weights on the int8
+cooperative-matrix GEMM where the device has int8 products (``mmq="auto"``, kernels_mmq.py: the same
+arithmetic, the three planes' products on the matrix units); steps of ``coopmat_min_tokens`` or more on big
+weights, and prefill, on the
 cooperative-matrix mat-mat where the device offers float16 cooperative matrices (``coopmat="auto"``), else
 the tiled float32 mat-mat. Weights beyond maxStorageBufferRange are bound in ranges (record_matmul, and
 embed's row_begin/n_rows).
@@ -83,6 +86,13 @@ from hmad.backends.vulkan.kernels_matmul import (
     record_matmul,
     record_matvec_q8,
     record_row_scale,
+)
+from hmad.backends.vulkan.kernels_mmq import (
+    MMQ_TARGET_GROUPS,
+    mmq_pick,
+    mmq_shape_k,
+    record_mmq,
+    record_mmq_geglu,
 )
 from hmad.backends.vulkan.memory import (
     BufferView,
@@ -155,6 +165,7 @@ TOPK_CANDIDATES = 128
 # least this many elements (27B: 11M-115M; 270M: ≤ 1.3M, apart from the 168M output projection): H200,
 # 32 tokens, Q4_K: 163 µs for a 115M weight vs 4 × 144 µs through the 8-token int8 mat-vec
 COOPMAT_DECODE_MIN_WEIGHTS = 4 << 20
+MMQ_MIN_WEIGHTS = 4 << 20  # weights (elements) the int8 GEMM takes at decode sizes (_mmq_for)
 Q8_MAX_T = (
     32  # steps of up to 32 tokens (decode batches) run the int8 mat-vec, MATVEC_MAX_T tokens a dispatch
 )
@@ -354,6 +365,8 @@ class VulkanBackend(Backend):
         matvec: str = "exact",
         coopmat: str = "auto",
         coopmat_min_tokens: int = 9,
+        mmq: str = "auto",
+        mmq_min_tokens: int = 8,
         step_timeout_s: float = 600.0,
         deterministic: bool | str = "auto",
         fuse: bool = True,
@@ -372,6 +385,13 @@ class VulkanBackend(Backend):
         # the cooperative-matrix mat-mat where the device has it: see _coopmat_for
         self.coopmat = coopmat == "auto" and coopmat_usable(self.dev.info)
         self.coopmat_min_t = max(2, coopmat_min_tokens)
+        if mmq not in ("auto", "off"):
+            raise ValueError(f"mmq must be 'auto' or 'off', got {mmq!r}")
+        # the exact path's int8 cooperative-matrix GEMM: the device's int8 product K, or None (_mmq_for)
+        self.mmq_k = mmq_shape_k(self.dev.info) if mmq == "auto" else None
+        self.mmq_min_t = max(2, mmq_min_tokens)
+        self.mmq_min_weights = MMQ_MIN_WEIGHTS  # read when recording (a test of a tiny model lowers it)
+        self.mmq_target = MMQ_TARGET_GROUPS  # K split for about this many workgroups (bench: --sweep)
         self.deterministic = self.resolve_deterministic(deterministic)  # read when recording
         self.device = self.dev.name
         self.caps_bytes = (device_local_bytes, host_visible_bytes)
@@ -924,6 +944,9 @@ class VulkanBackend(Backend):
         base = f"mul_mat_vec_{x_name}_{_type_name(ws[0].qtype, UNIT_TYPES)}" + (
             "_geglu" if len(ws) > 1 else ""
         )
+        if not tail and self._mmq_for(t, ws[0]):
+            self._mmq(x, ws, y)
+            return
         fixed = self.deterministic  # one layout, never _t1: the same reduction order for every row count
         for t0 in range(0, t, MATVEC_MAX_T):
             tc = min(MATVEC_MAX_T, t - t0)
@@ -933,6 +956,40 @@ class VulkanBackend(Backend):
             rows = [xq_rows, _rows(xd.view, t0, tc, k // 4), _rows(y.view, t0, tc, 4 * n)]
             up = ws[1].view if len(ws) > 1 else None
             record_matvec_q8(self._rec, kern, ws[0].view, *rows, k, n, tc, w_up=up, tail=tail)
+
+    def _mmq_for(self, t: int, w: VkWeight) -> bool:
+        """Whether an exact-path step of ``t`` tokens on ``w`` runs the int8 cooperative-matrix GEMM
+        (kernels_mmq.py): Q4_K weights of ``mmq_min_weights`` or more (MMQ_MIN_WEIGHTS; H200: the 270M's
+        0.6M-weight output projection on it took ~5 % more of an 8-token step), ``mmq_min_tokens`` or more
+        (fewer: the mat-vec is faster), a device with int8 products; not in batch-invariant mode (one
+        layout for every row count)."""
+        ok = self.mmq_k and self.planes == 3 and not self.deterministic and t >= self.mmq_min_t
+        big = math.prod(w.shape) >= self.mmq_min_weights
+        return bool(ok) and big and w.qtype == QType.Q4_K and w.shape[1] % 256 == 0
+
+    def _mmq(self, x: Act, ws: list[VkWeight], y: Act) -> None:
+        """y = x · Wᵀ (or the GeGLU of [gate, up]) on the int8 cooperative-matrix GEMM, x as its three
+        int8 planes; K split into partial sums (scratch held until recorded) as kernels_mmq says."""
+        (t, k), n = x.shape, ws[0].shape[0]
+        xq, xd = (a.view for a in self._q8(x))
+        kern = self._kernel(mmq_pick(self.mmq_k))
+        held: list[Act] = []
+
+        def part(nbytes: int) -> BufferView:
+            held.append(self._new((nbytes // 4,)))
+            return held[-1].view
+
+        if len(ws) == 2:
+            reduce = self._kernel("split_reduce_geglu")
+            views = (ws[0].view, ws[1].view)
+            record_mmq_geglu(
+                self._rec, kern, reduce, *views, xq, xd, y.view, k, n, t, part, target=self.mmq_target
+            )
+        else:
+            reduce = self._kernel("split_reduce")
+            record_mmq(
+                self._rec, kern, reduce, ws[0].view, xq, xd, y.view, k, n, t, part, target=self.mmq_target
+            )
 
     def _coopmat(self, x: Act, ws: VkWeight | list[VkWeight], y: Act) -> None:
         """y = x · Wᵀ on the cooperative-matrix mat-mat, or the GeGLU of two weights ([gate, up]: their

@@ -40,6 +40,7 @@ from hmad.backends.vulkan.kernels_matmul import (  # noqa: F401 (re-export)
     SplitReducePush,
     kernel_specs,
 )
+from hmad.backends.vulkan.kernels_mmq import mmq_kernel_specs
 from hmad.backends.vulkan.memory import BufferView
 from hmad.backends.vulkan.program import load_spirv, reflect
 from hmad.backends.vulkan.stepmeta import TILE_ROWS
@@ -293,6 +294,7 @@ KERNELS: dict[str, KernelSpec] = {
     "residual_norm_next_q8": KernelSpec("residual_norm.comp", 8, ResidualNormPush, RESIDUAL_BLOCK),
     "residual_norm_next_x3": KernelSpec("residual_norm.comp", 8, ResidualNormPush, RESIDUAL_BLOCK),
     **kernel_specs(KernelSpec),  # mul_mat_vec_<type>[_subgroup], mul_mat_<type>: kernels_matmul.py
+    **mmq_kernel_specs(KernelSpec),  # mul_mmq_coopmat_q4_k_*: kernels_mmq.py
 }
 # A binding: a whole view, or (view, offset inside the view, nbytes) for one range of a big tensor.
 Binding = BufferView | tuple[BufferView, int, int]

@@ -1,0 +1,184 @@
+"""The exact int8 cooperative-matrix GEMM of decode batches (shaders/mul_mmq_coopmat.comp): its layouts, when
+a device can run it, how a dispatch splits K, and recording it.
+
+The kernel multiplies Q4_K weights by activations in the exact path's three int8 planes (q8act.glsl: XQ and
+XD, the same inputs as the x3 mat-vec) on int8 × int8 -> int32 cooperative matrices: each 32-value block's
+three plane products join exactly in int32 before one conversion to float, so its error is the x3
+mat-vec's class (float32 roundings of the block sums), whatever the token count. Kernels are
+``mul_mmq_coopmat_q4_k_m<MR>n<NT>k<MK>j<JB>``: MR 16-row fragments a subgroup (4 subgroups: 64 MR rows a
+workgroup), NT 16-token fragments (16 NT tokens a workgroup), MK the device's int8 product K, JB blocks
+whose sums a subgroup stores and scales together.
+
+The backend runs it for exact-path steps of ``vulkan.mmq_min_tokens`` (default 8) tokens up to those the
+float16 GEMM takes, on Q4_K weights (VulkanBackend._mmq_for). H200, 2026-11-26, 27B shapes at 8 tokens
+(bench/results/2026-11-26-h200-mmq*.json): a layer's matmuls in 375 us (m2n1k32j2) against the x3
+mat-vec's 525; at 2 tokens the mat-vec is faster (gate 73 against 133 us).
+"""
+
+from __future__ import annotations
+
+import re
+
+from hmad.backends.vulkan.kernels_matmul import (
+    CoopMatPush,
+    SplitReducePush,
+    _reduce_groups,
+    row_ranges,
+    weight_row_bytes,
+)
+from hmad.model.tensors import QType
+
+#: (MR, NT, MK, JB) built (shaders/build.py's MMQ_LAYOUTS)
+MMQ_LAYOUTS = ((1, 1, 32, 1), (1, 1, 32, 2), (2, 1, 32, 1), (2, 1, 32, 2), (2, 1, 32, 4), (2, 1, 16, 2))
+#: the layout the backend runs, with the device's MK (H200: the fastest over a 27B layer at 8 and 16 tokens)
+MMQ_PICK = (2, 1, 2)  # (MR, NT, JB)
+MMQ_BLOCK = 128  # 4 subgroups of 32
+MMQ_BK = 128  # K per step
+MMQ_TARGET_GROUPS = 1024  # split K until a dispatch has about this many workgroups
+MMQ_MIN_STEPS = 4  # ... keeping at least this many steps a split
+_NAME = re.compile(r"mul_mmq_coopmat_q4_k_m(?P<mr>\d+)n(?P<nt>\d+)k(?P<mk>\d+)j(?P<jb>\d+)")
+
+
+def mmq_kernel_name(mr: int, nt: int, mk: int, jb: int) -> str:
+    return f"mul_mmq_coopmat_q4_k_m{mr}n{nt}k{mk}j{jb}"
+
+
+def mmq_layout(name: str) -> tuple[int, int, int, int]:
+    """(MR, NT, MK, JB) of a ``mul_mmq_coopmat_q4_k_m<MR>n<NT>k<MK>j<JB>`` kernel name."""
+    m = _NAME.fullmatch(name)
+    if not m:
+        raise ValueError(f"{name}: not a mul_mmq_coopmat_q4_k_m<MR>n<NT>k<MK>j<JB> name")
+    return int(m["mr"]), int(m["nt"]), int(m["mk"]), int(m["jb"])
+
+
+def mmq_tile(name: str) -> tuple[int, int]:
+    """(tokens, rows) of a workgroup's tile."""
+    mr, nt, *_ = mmq_layout(name)
+    return 16 * nt, 64 * mr
+
+
+def mmq_shape_k(info) -> int | None:
+    """The K of the device's int8 16 × 16 × K -> int32 subgroup product (32 or 16) where it has one, 32-wide
+    subgroups and Vulkan 1.3; else None (the kernel does not run there)."""
+    if info.subgroup.get("size") != 32 or tuple(info.api_version[:2]) < (1, 3):
+        return None
+    ks = [
+        s["K"]
+        for s in info.coopmat_shapes
+        if s.get("subgroup_scope")
+        and (s["M"], s["N"]) == (16, 16)
+        and s["K"] in (16, 32)
+        and (s["A"], s["B"], s["C"], s["result"]) == ("s8", "s8", "s32", "s32")
+    ]
+    return max(ks) if ks else None
+
+
+def mmq_pick(mk: int) -> str:
+    """The kernel the backend runs on a device whose int8 product has K = ``mk``."""
+    mr, nt, jb = MMQ_PICK
+    return mmq_kernel_name(mr, nt, mk, jb)
+
+
+def mmq_kernel_specs(spec_type) -> dict:
+    """name -> ``spec_type(source, n_buffers, push struct, block)``: W, XQ, XD, y."""
+    return {
+        mmq_kernel_name(*lay): spec_type("mul_mmq_coopmat.comp", 4, CoopMatPush, MMQ_BLOCK)
+        for lay in MMQ_LAYOUTS
+    }
+
+
+def mmq_splits(
+    k: int, n: int, t: int, tile: tuple[int, int], target: int = MMQ_TARGET_GROUPS
+) -> tuple[int, int]:
+    """(splits, k_split): how a dispatch of an (n, k) weight and t tokens divides K (k_split % 128 == 0)."""
+    bt, bn = tile
+    tiles = -(-n // bn) * -(-t // bt)
+    steps = -(-k // MMQ_BK)
+    splits = max(1, min(-(-target // tiles), steps // MMQ_MIN_STEPS))
+    k_split = -(-steps // splits) * MMQ_BK
+    return -(-k // k_split), k_split
+
+
+def record_mmq(
+    rec,
+    kernel,
+    reduce_kernel,
+    w,
+    xq,
+    xd,
+    y,
+    k: int,
+    n: int,
+    t: int,
+    part=None,
+    y_stride: int | None = None,
+    max_range: int | None = None,
+    target: int = MMQ_TARGET_GROUPS,
+) -> int:
+    """Record y[:t, :n] = x[:t, :k] · Wᵀ for a Q4_K weight on ``kernel`` (``mul_mmq_coopmat_q4_k_...``), x
+    as its three int8 planes (``xq``, ``xd``: quantize_x3 or the op before): per bind range of W one
+    dispatch, K split as :func:`mmq_splits` says; with several splits the partial sums go to ``part`` (a
+    BufferView, or a callable ``nbytes -> BufferView`` asked once for the largest range's need) and
+    ``reduce_kernel`` (split_reduce) adds them into y. Returns the dispatch count."""
+    if k % 256:
+        raise ValueError(f"{kernel.name}: K={k} is not whole Q4_K superblocks")
+    tile, rb = mmq_tile(kernel.name), weight_row_bytes(QType.Q4_K, k)
+    y_stride = y_stride or n
+    count = 0
+    pieces = row_ranges(kernel, [w], rb, n, max_range)
+    if callable(part):
+        needs = [
+            s * t * rows * 4 for _, rows, _ in pieces if (s := mmq_splits(k, rows, t, tile, target)[0]) > 1
+        ]
+        part = part(max(needs)) if needs else None
+    for (wb,), rows, row0 in pieces:
+        splits, k_split = mmq_splits(k, rows, t, tile, target)
+        groups = (-(-t // tile[0]), -(-rows // tile[1]), splits)
+        if splits == 1:
+            rec.dispatch(kernel, [wb, xq, xd, y], CoopMatPush(k, rows, t, k, y_stride, rb, row0, k), groups)
+            count += 1
+            continue
+        if part is None or part.nbytes < splits * t * rows * 4:
+            raise ValueError(
+                f"{kernel.name}: its K splits need a partial-sum scratch of {splits * t * rows * 4} B"
+            )
+        rec.dispatch(kernel, [wb, xq, xd, part], CoopMatPush(k, rows, t, k, rows, rb, 0, k_split), groups)
+        push = SplitReducePush(rows, t, splits, y_stride, row0)
+        rec.dispatch(reduce_kernel, [part, y], push, _reduce_groups(reduce_kernel, t, rows))
+        count += 2
+    return count
+
+
+def record_mmq_geglu(
+    rec,
+    kernel,
+    reduce_kernel,
+    w_gate,
+    w_up,
+    xq,
+    xd,
+    y,
+    k: int,
+    n: int,
+    t: int,
+    part,
+    max_range: int | None = None,
+    target: int = MMQ_TARGET_GROUPS,
+) -> int:
+    """Record y[:t, :n] = gelu_tanh(x · W_gateᵀ) * (x · W_upᵀ) (Q4_K, same shape) on ``kernel``: per bind
+    range, each weight's partial sums (one "split" when K is not split) into its scratch, then
+    ``reduce_kernel`` (split_reduce_geglu) adds both and applies the GeGLU. ``part`` a callable ``nbytes ->
+    BufferView``, asked twice (gate, up) for the largest range's need. Returns the dispatch count."""
+    tile, rb = mmq_tile(kernel.name), weight_row_bytes(QType.Q4_K, k)
+    pieces = row_ranges(kernel, [w_gate, w_up], rb, n, max_range)
+    need = max(mmq_splits(k, rows, t, tile, target)[0] * t * rows * 4 for _, rows, _ in pieces)
+    parts = [part(need), part(need)]
+    for (wg, wu), rows, row0 in pieces:
+        splits, k_split = mmq_splits(k, rows, t, tile, target)
+        push = CoopMatPush(k, rows, t, k, rows, rb, 0, k_split)
+        groups = (-(-t // tile[0]), -(-rows // tile[1]), splits)
+        for wb, pb in zip((wg, wu), parts, strict=True):
+            rec.dispatch(kernel, [wb, xq, xd, pb], push, groups)
+        push = SplitReducePush(rows, t, splits, n, row0)
+        rec.dispatch(reduce_kernel, [parts[0], y, parts[1]], push, _reduce_groups(reduce_kernel, t, rows))
+    return 3 * len(pieces)
