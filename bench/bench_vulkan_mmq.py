@@ -195,7 +195,8 @@ def main() -> int:
     if mk is None:
         print("no int8 16x16 cooperative matrix on this device: nothing to run")
         return 0
-    names = [kq.mmq_kernel_name(*lay) for lay in kq.MMQ_LAYOUTS if lay[2] == mk]
+    n8 = kq.mmq_has_n8(dev.info, mk)
+    names = [kq.mmq_kernel_name(*lay) for lay in kq.MMQ_LAYOUTS if lay[2] == mk and (lay[4] == 16 or n8)]
     if args.kernels:
         names = args.kernels.split(",")
     up = Uploader(dev)

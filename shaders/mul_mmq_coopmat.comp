@@ -10,12 +10,13 @@
 // in float32 (dq_int8.glsl's f and q8act.glsl's (d, s)): mul_mat_vec_q8.comp's block_term with the three
 // plane dots joined before the conversion.
 //
-// A workgroup of NSG subgroups owns BN = NSG MR 16 rows and TT = 16 NT tokens over one split of K (workgroup
+// A workgroup of NSG subgroups owns BN = NSG MR 16 rows and TT = NB NT tokens over one split of K (workgroup
 // z covers [z k_split, (z + 1) k_split), as mul_mm_coopmat.comp: partial sums at z T y_stride for
 // split_reduce.comp). Steps of BK = 128 values (half a Q4_K superblock, 4 blocks): the workgroup copies the
 // step's x planes (16 bytes a load, from XQ's order) into shared memory; each subgroup decodes its own rows'
 // nibbles into int8 rows there and their factors (only its own lanes read them); after a barrier each
-// subgroup runs, per fragment of 16 rows and block, 3 NT products (token fragments past T skipped); it stores
+// subgroup runs, per fragment of 16 rows and block, 3 NT products of 16 x NB (token fragments past T
+// skipped: a step of 8 tokens runs half the products and sums of NB 16 where the device has NB 8); it stores
 // the int32 tiles of JB blocks at a time and its lanes apply the factors to the (row, token) sums each keeps
 // in registers. The next step's global loads are issued before the products (in flight meanwhile).
 // H200, 27B shapes at 8 tokens (bench_vulkan_mmq.py): a layer's matmuls in 375 us against the x3 mat-vec's
@@ -45,10 +46,16 @@
 #define NSG 4u
 #define NINV (NSG * 32u)
 #define BN (NSG * MR * 16u)
-#define TT (NT * 16u)
+#ifndef NB
+#define NB 16u  // tokens of one product (16, or 8 where the device has 16 x 8 int8 products: half the work at T <= 8)
+#endif
+#define TT (NT * NB)
+#define TILE (16u * NB)  // int32 sums of one product
+#define EL (TILE / 32u)  // ... a lane's share (post)
 #define BK 128u
 #define SB (BK / 16u + 1u)                  // shared row stride in uvec4 (16 bytes of pad)
-#define XPT (3u * TT * (BK / 16u) / NINV)   // x: uvec4 per invocation per step
+#define XN (3u * TT * (BK / 16u))          // x: uvec4 per step
+#define XPT ((XN + NINV - 1u) / NINV)       // ... per invocation
 #define QPL (MR * 16u * 4u / 32u)           // W quants: uvec4 per lane per step
 #define HPL ((MR * 16u + 31u) / 32u)        // W headers: per lane per step
 
@@ -72,11 +79,11 @@ shared uvec4 xs[3u * TT * SB];    // plane p, token t: row p TT + t, byte k % 16
 shared uvec4 ws[NSG * MR * 16u * SB];  // fragment g = sg MR + f, row r: row 16 g + r, int8 lanes
 shared vec2 wf[NSG * MR * 16u * 4u];   // (d sc, -dmin m) of (row 16 g + r, block j) at 4 (16 g + r) + j
 shared vec2 xf[TT * 4u];               // (d_x / 2^14, s_x) of (token t, block j) at 4 t + j
-shared int cs[NSG * JB * 256u];        // a subgroup's JB int32 tiles, (row, token) at 16 row + token
+shared int cs[NSG * JB * TILE];        // a subgroup's JB int32 tiles, (row, token) at NB row + token
 
 #define CM_A coopmat<int8_t, gl_ScopeSubgroup, 16, MK, gl_MatrixUseA>
-#define CM_B coopmat<int8_t, gl_ScopeSubgroup, MK, 16, gl_MatrixUseB>
-#define CM_C coopmat<int, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>
+#define CM_B coopmat<int8_t, gl_ScopeSubgroup, MK, NB, gl_MatrixUseB>
+#define CM_C coopmat<int, gl_ScopeSubgroup, 16, NB, gl_MatrixUseAccumulator>
 
 uvec4 rx[XPT];
 vec2 rxd;
@@ -86,7 +93,7 @@ uvec4 rh[HPL];
 void fetch(uint n0, uint t0, uint k0, uint tid, uint sg, uint lane) {
     const uint groups = p.K / 64u;
     [[unroll]] for (uint h = 0; h < XPT; ++h) {
-        const uint idx = tid + NINV * h, q = idx % (BK / 16u), row = idx / (BK / 16u);
+        const uint idx = min(tid + NINV * h, XN - 1u), q = idx % (BK / 16u), row = idx / (BK / 16u);
         const uint pl = row / TT, t = min(t0 + row % TT, p.T - 1u), v = k0 + 16u * q;
         rx[h] = xq4[(t * 3u + pl) * (p.K / 16u) + ((v % 64u) / 16u) * groups + v / 64u];
     }
@@ -106,7 +113,7 @@ void fetch(uint n0, uint t0, uint k0, uint tid, uint sg, uint lane) {
 void store(uint k0, uint tid, uint sg, uint lane) {
     [[unroll]] for (uint h = 0; h < XPT; ++h) {
         const uint idx = tid + NINV * h;
-        xs[(idx / (BK / 16u)) * SB + idx % (BK / 16u)] = rx[h];
+        if (XN % NINV == 0u || idx < XN) xs[(idx / (BK / 16u)) * SB + idx % (BK / 16u)] = rx[h];
     }
     if (tid < TT * 4u) xf[tid] = vec2(rxd.x * (1.0 / 16384.0), rxd.y);
     const uint rbase = sg * MR * 16u;
@@ -130,14 +137,14 @@ void store(uint k0, uint tid, uint sg, uint lane) {
     }
 }
 
-// The factors applied to JB tiles' sums (post): a lane owns one token (lr) and every other row (lt + 2 e).
+// The factors applied to JB tiles' sums (post): a lane owns one token (lr) and the rows lt + (32 / NB) e.
 // (Lanes owning a row and every other token, skipping the tokens past T, measured slower on an H200.)
-void post(inout float a[8], uint sg, uint g, uint j, uint jj, uint i, uint lr, uint lt) {
-    const vec2 x = xf[4u * (16u * i + lr) + j];
-    [[unroll]] for (uint e = 0; e < 8u; ++e) {
-        const uint r = lt + 2u * e;
+void post(inout float a[EL], uint sg, uint g, uint j, uint jj, uint i, uint lr, uint lt) {
+    const vec2 x = xf[4u * (NB * i + lr) + j];
+    [[unroll]] for (uint e = 0; e < EL; ++e) {
+        const uint r = lt + (32u / NB) * e;
         const vec2 w = wf[4u * (16u * g + r) + j];
-        a[e] += w.x * x.x * float(cs[(sg * JB + jj) * 256u + 16u * r + lr]) + w.y * x.y;
+        a[e] += w.x * x.x * float(cs[(sg * JB + jj) * TILE + NB * r + lr]) + w.y * x.y;
     }
 }
 
@@ -145,12 +152,12 @@ void main() {
     const uint tid = gl_LocalInvocationID.x;
     const uint t0 = gl_WorkGroupID.x * TT, n0 = gl_WorkGroupID.y * BN;
     const uint sg = gl_SubgroupID, lane = gl_SubgroupInvocationID;
-    const uint lr = lane % 16u, lt = lane / 16u;  // the lane's place in a fragment (post)
+    const uint lr = lane % NB, lt = lane / NB;  // the lane's place in a fragment (post)
     const int live = int(p.T) - int(t0);          // tokens of the workgroup's tile up to T
 
-    float acc[MR][NT][8];
+    float acc[MR][NT][EL];
     [[unroll]] for (uint f = 0; f < MR; ++f)
-        [[unroll]] for (uint i = 0; i < NT; ++i) [[unroll]] for (uint e = 0; e < 8u; ++e) acc[f][i][e] = 0.0;
+        [[unroll]] for (uint i = 0; i < NT; ++i) [[unroll]] for (uint e = 0; e < EL; ++e) acc[f][i][e] = 0.0;
 
     const uint k_begin = gl_WorkGroupID.z * p.k_split, k_end = min(p.K, k_begin + p.k_split);
     fetch(n0, t0, k_begin, tid, sg, lane);
@@ -170,12 +177,12 @@ void main() {
                                     gl_CooperativeMatrixLayoutRowMajor);
                     [[unroll]] for (uint i = 0; i < NT; ++i) {
                         s[jj * NT + i] = CM_C(0);
-                        if (NT == 1u || int(16u * i) < live) {  // (uniform)
+                        if (NT == 1u || int(NB * i) < live) {  // (uniform)
                             [[unroll]] for (uint pl = 0; pl < 3u; ++pl) {
                                 if (pl > 0u) s[jj * NT + i] = s[jj * NT + i] * 128;
                                 [[unroll]] for (uint kk = 0; kk < 32u / MK; ++kk) {
                                     CM_B b;
-                                    coopMatLoad(b, xs, (pl * TT + 16u * i) * SB + 2u * j + kk * (MK / 16u), SB,
+                                    coopMatLoad(b, xs, (pl * TT + NB * i) * SB + 2u * j + kk * (MK / 16u), SB,
                                                 gl_CooperativeMatrixLayoutColumnMajor);
                                     s[jj * NT + i] = coopMatMulAdd(a[kk], b, s[jj * NT + i]);
                                 }
@@ -184,9 +191,9 @@ void main() {
                     }
                 }
                 [[unroll]] for (uint i = 0; i < NT; ++i) {
-                    if (NT == 1u || int(16u * i) < live) {
+                    if (NT == 1u || int(NB * i) < live) {
                         [[unroll]] for (uint jj = 0; jj < JB; ++jj)
-                            coopMatStore(s[jj * NT + i], cs, (sg * JB + jj) * 256u, 16u, gl_CooperativeMatrixLayoutRowMajor);
+                            coopMatStore(s[jj * NT + i], cs, (sg * JB + jj) * TILE, NB, gl_CooperativeMatrixLayoutRowMajor);
                         subgroupMemoryBarrierShared();
                         subgroupBarrier();
                         [[unroll]] for (uint jj = 0; jj < JB; ++jj) post(acc[f][i], sg, g, jb + jj, jj, i, lr, lt);
@@ -201,8 +208,8 @@ void main() {
     const uint ybase = gl_WorkGroupID.z * p.T * p.y_stride + p.row_offset;
     [[unroll]] for (uint f = 0; f < MR; ++f) {
         [[unroll]] for (uint i = 0; i < NT; ++i) {
-            [[unroll]] for (uint e = 0; e < 8u; ++e) {
-                const uint n = n0 + 16u * (sg * MR + f) + lt + 2u * e, t = t0 + 16u * i + lr;
+            [[unroll]] for (uint e = 0; e < EL; ++e) {
+                const uint n = n0 + 16u * (sg * MR + f) + lt + (32u / NB) * e, t = t0 + NB * i + lr;
                 if (t < p.T && n < p.N) y[ybase + t * p.y_stride + n] = acc[f][i][e];
             }
         }

@@ -34,10 +34,12 @@ def test_mmq_registered():
 
     built = {n: d for n, src, d in shader_build().BUILD if src == "mul_mmq_coopmat.comp"}
     names = {mmq_kernel_name(*lay): lay for lay in MMQ_LAYOUTS}
-    assert set(built) == set(names) and {mmq_pick(32), mmq_pick(16)} <= set(names)
-    for name, (mr, nt, mk, jb) in names.items():
-        assert mmq_layout(name) == (mr, nt, mk, jb)
-        assert built[name] == {"MR": f"{mr}u", "NT": f"{nt}u", "MK": f"{mk}u", "JB": f"{jb}u"}
+    assert set(built) == set(names)
+    assert {mmq_pick(32), mmq_pick(16), mmq_pick(32, 8, n8=True), mmq_pick(16, 8, n8=True)} <= set(names)
+    assert mmq_pick(32, 8, n8=True).endswith("_n8") and not mmq_pick(32, 9, n8=True).endswith("_n8")
+    for name, (mr, nt, mk, jb, nb) in names.items():
+        assert mmq_layout(name) == (mr, nt, mk, jb, nb)
+        assert built[name] == {"MR": f"{mr}u", "NT": f"{nt}u", "MK": f"{mk}u", "JB": f"{jb}u", "NB": f"{nb}u"}
         spec = KERNELS[name]
         assert (spec.n_buffers, spec.push, spec.block_size) == (4, CoopMatPush, MMQ_BLOCK)
         iface = reflect(load_spirv(name))
@@ -52,7 +54,7 @@ def _info(shapes, subgroup=32, api=(1, 3)):
 
 
 def test_mmq_shape_k():
-    from hmad.backends.vulkan.kernels_mmq import mmq_shape_k
+    from hmad.backends.vulkan.kernels_mmq import mmq_has_n8, mmq_shape_k
 
     def s8(m, n, k, scope=True):
         return {
@@ -76,8 +78,9 @@ def test_mmq_shape_k():
         "result": "f32",
         "subgroup_scope": True,
     }
-    assert mmq_shape_k(_info([f16, s8(16, 8, 32), s8(16, 16, 32)])) == 32  # NVIDIA
-    assert mmq_shape_k(_info([f16, s8(16, 16, 16)])) == 16  # RDNA3 (wave32)
+    nvidia, rdna3 = _info([f16, s8(16, 8, 32), s8(16, 16, 32)]), _info([f16, s8(16, 16, 16)])
+    assert mmq_shape_k(nvidia) == 32 and mmq_has_n8(nvidia, 32)
+    assert mmq_shape_k(rdna3) == 16 and not mmq_has_n8(rdna3, 16)  # wave32
     assert mmq_shape_k(_info([f16, s8(16, 16, 16)], subgroup=64)) is None
     assert mmq_shape_k(_info([f16, s8(16, 16, 32)], api=(1, 2))) is None
     assert mmq_shape_k(_info([f16, s8(16, 8, 32), s8(16, 16, 32, scope=False)])) is None
@@ -107,10 +110,12 @@ def _mmq_k(dev) -> int:
     return mk
 
 
-def _layouts(mk: int) -> list[str]:
-    from hmad.backends.vulkan.kernels_mmq import MMQ_LAYOUTS, mmq_kernel_name
+def _layouts(dev, mk: int) -> list[str]:
+    """The built layouts the device runs: its K, and 16 × 8 products where it has them."""
+    from hmad.backends.vulkan.kernels_mmq import MMQ_LAYOUTS, mmq_has_n8, mmq_kernel_name
 
-    return [mmq_kernel_name(*lay) for lay in MMQ_LAYOUTS if lay[2] == mk]
+    n8 = mmq_has_n8(dev.info, mk)
+    return [mmq_kernel_name(*lay) for lay in MMQ_LAYOUTS if lay[2] == mk and (lay[4] == 16 or n8)]
 
 
 class Case:
@@ -171,7 +176,7 @@ def test_mmq_matches_float64(dev, gpu, kernels, split):
     c = Case(dev, gpu, kernels, n, k, 19, seed=5)
     reduce = kernels("split_reduce")
     target = 4096 if split else 1
-    for name in _layouts(mk):
+    for name in _layouts(dev, mk):
         kern = kernels(name)
         for t in (1, 5, 8, 16, 19):
             want = c.x[:t] @ c.wref[0].T
@@ -196,7 +201,9 @@ def test_mmq_geglu_matches_float64(dev, gpu, kernels):
         made.append(gpu.alloc(nbytes))
         return made[-1]
 
-    kern, reduce = kernels(mmq_pick(mk)), kernels("split_reduce_geglu")
+    from hmad.backends.vulkan.kernels_mmq import mmq_has_n8
+
+    kern, reduce = kernels(mmq_pick(mk, t, mmq_has_n8(dev.info, mk))), kernels("split_reduce_geglu")
     got = c.run(
         dev, lambda rec: record_mmq_geglu(rec, kern, reduce, *c.ws, c.xq, c.xd, c.y, k, n, t, part), t
     )

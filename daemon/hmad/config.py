@@ -434,7 +434,7 @@ class VulkanConfig:
     coopmat: str = _key("auto", _OneOf(("auto", "off")))
     coopmat_min_tokens: int = _key(9, _Int(2))
     mmq: str = _key("auto", _OneOf(("auto", "off")))
-    mmq_min_tokens: int = _key(8, _Int(2))
+    mmq_min_tokens: int = _key(3, _Int(2))
     fuse: bool = _key(True, _Bool())
     prefetch_bytes: int | None = _key(None, _OrNull(_Bytes(), "auto: 8 MiB on a discrete GPU, else 0"))
     step_timeout_s: float = _key(600.0, _Real(1.0))

@@ -32,7 +32,7 @@ Norm weights are uploaded as float32; a 2-D weight of a type no matmul shader re
 float16 on the host first (the only case where a second copy of a tensor exists in RAM, briefly).
 Matmul: decode-sized steps (T_b <= 32, 8 tokens a dispatch) on the mat-vec chosen by ``matvec``: "exact"
 (default; activations as three int8 planes, shaders/q8act.glsl: float32-class), "int8" (one plane) or
-"float" (float32); exact-path steps of ``mmq_min_tokens`` (8) or more on big Q4_K weights on the int8
+"float" (float32); exact-path steps of ``mmq_min_tokens`` (3) or more on big Q4_K weights on the int8
 cooperative-matrix GEMM where the device has int8 products (``mmq="auto"``, kernels_mmq.py: the same
 arithmetic, the three planes' products on the matrix units); steps of ``coopmat_min_tokens`` or more on big
 weights, and prefill, on the
@@ -89,6 +89,7 @@ from hmad.backends.vulkan.kernels_matmul import (
 )
 from hmad.backends.vulkan.kernels_mmq import (
     MMQ_TARGET_GROUPS,
+    mmq_has_n8,
     mmq_pick,
     mmq_shape_k,
     record_mmq,
@@ -366,7 +367,7 @@ class VulkanBackend(Backend):
         coopmat: str = "auto",
         coopmat_min_tokens: int = 9,
         mmq: str = "auto",
-        mmq_min_tokens: int = 8,
+        mmq_min_tokens: int = 3,
         step_timeout_s: float = 600.0,
         deterministic: bool | str = "auto",
         fuse: bool = True,
@@ -389,6 +390,7 @@ class VulkanBackend(Backend):
             raise ValueError(f"mmq must be 'auto' or 'off', got {mmq!r}")
         # the exact path's int8 cooperative-matrix GEMM: the device's int8 product K, or None (_mmq_for)
         self.mmq_k = mmq_shape_k(self.dev.info) if mmq == "auto" else None
+        self.mmq_n8 = bool(self.mmq_k) and mmq_has_n8(self.dev.info, self.mmq_k)  # 16 x 8 products too
         self.mmq_min_t = max(2, mmq_min_tokens)
         self.mmq_min_weights = MMQ_MIN_WEIGHTS  # read when recording (a test of a tiny model lowers it)
         self.mmq_target = MMQ_TARGET_GROUPS  # K split for about this many workgroups (bench: --sweep)
@@ -972,7 +974,7 @@ class VulkanBackend(Backend):
         int8 planes; K split into partial sums (scratch held until recorded) as kernels_mmq says."""
         (t, k), n = x.shape, ws[0].shape[0]
         xq, xd = (a.view for a in self._q8(x))
-        kern = self._kernel(mmq_pick(self.mmq_k))
+        kern = self._kernel(mmq_pick(self.mmq_k, t, self.mmq_n8))
         held: list[Act] = []
 
         def part(nbytes: int) -> BufferView:

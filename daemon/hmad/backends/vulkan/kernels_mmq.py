@@ -9,10 +9,12 @@ mat-vec's class (float32 roundings of the block sums), whatever the token count.
 workgroup), NT 16-token fragments (16 NT tokens a workgroup), MK the device's int8 product K, JB blocks
 whose sums a subgroup stores and scales together.
 
-The backend runs it for exact-path steps of ``vulkan.mmq_min_tokens`` (default 8) tokens up to those the
-float16 GEMM takes, on Q4_K weights (VulkanBackend._mmq_for). H200, 2026-11-26, 27B shapes at 8 tokens
-(bench/results/2026-11-26-h200-mmq*.json): a layer's matmuls in 375 us (m2n1k32j2) against the x3
-mat-vec's 525; at 2 tokens the mat-vec is faster (gate 73 against 133 us).
+Kernels with NB 8 (``_n8``) run 16 × 8 products where the device has them (NVIDIA does): at up to 8 tokens
+half the products and half the sums to scale. The backend runs it for exact-path steps of
+``vulkan.mmq_min_tokens`` (default 3) tokens up to those the float16 GEMM takes, on big Q4_K weights
+(VulkanBackend._mmq_for). H200, 2026-11-26, 27B shapes at 8 tokens (bench/results/2026-11-26-h200-mmq*.json):
+a layer's matmuls in 275 us (m2n1k32j4_n8) against the x3 mat-vec's 525; at 3 tokens 270 against 302, at
+2 even (269 against 264).
 """
 
 from __future__ import annotations
@@ -28,33 +30,36 @@ from hmad.backends.vulkan.kernels_matmul import (
 )
 from hmad.model.tensors import QType
 
-#: (MR, NT, MK, JB) built (shaders/build.py's MMQ_LAYOUTS)
-MMQ_LAYOUTS = ((1, 1, 32, 1), (1, 1, 32, 2), (2, 1, 32, 1), (2, 1, 32, 2), (2, 1, 32, 4), (2, 1, 16, 2))
-#: the layout the backend runs, with the device's MK (H200: the fastest over a 27B layer at 8 and 16 tokens)
-MMQ_PICK = (2, 1, 2)  # (MR, NT, JB)
+#: (MR, NT, MK, JB, NB) built (shaders/build.py's MMQ_LAYOUTS)
+MMQ_LAYOUTS = ((1, 1, 32, 1, 16), (1, 1, 32, 2, 16), (2, 1, 32, 1, 16), (2, 1, 32, 2, 16), (2, 1, 32, 4, 16))
+MMQ_LAYOUTS += ((2, 1, 16, 2, 16), (1, 1, 32, 2, 8), (2, 1, 32, 2, 8), (2, 1, 32, 4, 8))
+#: the layout the backend runs, per NB (tokens of a product), with the device's MK: (MR, NT, JB). H200, 27B
+#: layers at 8 tokens (bench/results/2026-11-26-h200-mmq-n8.json): m2n1k32j4_n8 275 us, m1n1k32j2_n8 280,
+#: m2n1k32j2_n8 301, m2n1k32j2 (16 x 16 products) 379, the x3 mat-vec 525
+MMQ_PICK = {16: (2, 1, 2), 8: (2, 1, 4)}
 MMQ_BLOCK = 128  # 4 subgroups of 32
 MMQ_BK = 128  # K per step
 MMQ_TARGET_GROUPS = 1024  # split K until a dispatch has about this many workgroups
 MMQ_MIN_STEPS = 4  # ... keeping at least this many steps a split
-_NAME = re.compile(r"mul_mmq_coopmat_q4_k_m(?P<mr>\d+)n(?P<nt>\d+)k(?P<mk>\d+)j(?P<jb>\d+)")
+_NAME = re.compile(r"mul_mmq_coopmat_q4_k_m(?P<mr>\d+)n(?P<nt>\d+)k(?P<mk>\d+)j(?P<jb>\d+)(?:_n(?P<nb>8))?")
 
 
-def mmq_kernel_name(mr: int, nt: int, mk: int, jb: int) -> str:
-    return f"mul_mmq_coopmat_q4_k_m{mr}n{nt}k{mk}j{jb}"
+def mmq_kernel_name(mr: int, nt: int, mk: int, jb: int, nb: int = 16) -> str:
+    return f"mul_mmq_coopmat_q4_k_m{mr}n{nt}k{mk}j{jb}" + ("" if nb == 16 else f"_n{nb}")
 
 
-def mmq_layout(name: str) -> tuple[int, int, int, int]:
-    """(MR, NT, MK, JB) of a ``mul_mmq_coopmat_q4_k_m<MR>n<NT>k<MK>j<JB>`` kernel name."""
+def mmq_layout(name: str) -> tuple[int, int, int, int, int]:
+    """(MR, NT, MK, JB, NB) of a ``mul_mmq_coopmat_q4_k_m<MR>n<NT>k<MK>j<JB>[_n8]`` kernel name."""
     m = _NAME.fullmatch(name)
     if not m:
-        raise ValueError(f"{name}: not a mul_mmq_coopmat_q4_k_m<MR>n<NT>k<MK>j<JB> name")
-    return int(m["mr"]), int(m["nt"]), int(m["mk"]), int(m["jb"])
+        raise ValueError(f"{name}: not a mul_mmq_coopmat_q4_k_m<MR>n<NT>k<MK>j<JB>[_n8] name")
+    return int(m["mr"]), int(m["nt"]), int(m["mk"]), int(m["jb"]), int(m["nb"] or 16)
 
 
 def mmq_tile(name: str) -> tuple[int, int]:
     """(tokens, rows) of a workgroup's tile."""
-    mr, nt, *_ = mmq_layout(name)
-    return 16 * nt, 64 * mr
+    mr, nt, _, _, nb = mmq_layout(name)
+    return nb * nt, 64 * mr
 
 
 def mmq_shape_k(info) -> int | None:
@@ -73,9 +78,22 @@ def mmq_shape_k(info) -> int | None:
     return max(ks) if ks else None
 
 
-def mmq_pick(mk: int) -> str:
-    """The kernel the backend runs on a device whose int8 product has K = ``mk``."""
-    mr, nt, jb = MMQ_PICK
+def mmq_has_n8(info, mk: int) -> bool:
+    """Whether the device also has the int8 16 × 8 × ``mk`` product (NVIDIA: yes; RDNA3: no)."""
+    want = (16, 8, mk, "s8", "s8", "s32", "s32")
+    return any(
+        s.get("subgroup_scope") and (s["M"], s["N"], s["K"], s["A"], s["B"], s["C"], s["result"]) == want
+        for s in info.coopmat_shapes
+    )
+
+
+def mmq_pick(mk: int, t: int = 16, n8: bool = False) -> str:
+    """The kernel the backend runs for ``t`` tokens on a device whose int8 product has K = ``mk`` (and
+    16 × 8 products: ``n8``, taken at up to 8 tokens where built)."""
+    mr, nt, jb = MMQ_PICK[8]
+    if n8 and t <= 8 and (mr, nt, mk, jb, 8) in MMQ_LAYOUTS:
+        return mmq_kernel_name(mr, nt, mk, jb, 8)
+    mr, nt, jb = MMQ_PICK[16]
     return mmq_kernel_name(mr, nt, mk, jb)
 
 
