@@ -161,6 +161,11 @@ class Case:
         return self.gpu.get(self.y)[: t * self.n].reshape(t, self.n)
 
 
+def _recorder(fn, *args, **kw):
+    """``rec -> fn(rec, *args, **kw)``: one recording of a test's dispatches."""
+    return lambda rec: fn(rec, *args, **kw)
+
+
 def _err(got, want) -> float:
     assert np.isfinite(got).all(), f"{int((~np.isfinite(got)).sum())} unwritten or non-finite outputs"
     return float(np.abs(got - want).max() / np.abs(want).max())
@@ -172,7 +177,7 @@ def test_mmq_matches_float64(dev, gpu, kernels, split):
     from hmad.backends.vulkan.kernels_mmq import record_mmq
 
     mk = _mmq_k(dev)
-    n, k = 200, 2048  # N not a multiple of any tile; K 16 steps (split in up to 4)
+    n, k = 200, 2048  # N not a multiple of any tile; K 16 steps (split in up to 4); rows of 1152 bytes
     c = Case(dev, gpu, kernels, n, k, 19, seed=5)
     reduce = kernels("split_reduce")
     target = 4096 if split else 1
@@ -181,12 +186,16 @@ def test_mmq_matches_float64(dev, gpu, kernels, split):
         for t in (1, 5, 8, 16, 19):
             want = c.x[:t] @ c.wref[0].T
             args = (c.ws[0], c.xq, c.xd, c.y, k, n, t)
-            got = c.run(dev, lambda rec: record_mmq(rec, kern, reduce, *args, c.part, target=target), t)  # noqa: B023
+            got = c.run(dev, _recorder(record_mmq, kern, reduce, *args, c.part, target=target), t)
             assert _err(got, want) <= TOL, (name, t)
             if t <= 8:
                 mv = kernels("mul_mat_vec_x3_q4_k" + ("_t1" if t == 1 else ""))
-                ref = c.run(dev, lambda rec: record_matvec_q8(rec, mv, *args), t)  # noqa: B023
+                ref = c.run(dev, _recorder(record_matvec_q8, mv, *args), t)
                 assert _err(got, ref) <= TOL, (name, t, "against the x3 mat-vec")
+        # W bound in ranges of 64 rows (as a weight over maxStorageBufferRange would be)
+        args = (c.ws[0], c.xq, c.xd, c.y, k, n, 8, c.part)
+        ranges = _recorder(record_mmq, kern, reduce, *args, max_range=64 * 1152, target=target)
+        assert _err(c.run(dev, ranges, 8), c.x[:8] @ c.wref[0].T) <= TOL, (name, "ranges")
 
 
 def test_mmq_geglu_matches_float64(dev, gpu, kernels):
@@ -213,8 +222,8 @@ def test_mmq_geglu_matches_float64(dev, gpu, kernels):
 
 
 def test_backend_runs_mmq_at_eight_tokens(tmp_path):
-    """A Q4_K model (every matmul but the embedding's): 8 sequences decoded together run the int8 GEMM (its
-    kernel in the recordings; none with mmq="off") and give the logits of mmq="off" within TOL_STEP."""
+    """A Q4_K model (every matmul but the embedding's): 8 and 5 sequences decoded together run the int8 GEMM
+    (its kernel in the recordings; none with mmq="off") and give the logits of mmq="off" within TOL_STEP."""
     from test_model_cpu import rand_ids, run_chunks
     from tiny_gguf import MIXED, make_tiny_gguf
 
@@ -230,18 +239,18 @@ def test_backend_runs_mmq_at_eight_tokens(tmp_path):
             )
     types = {kind: QType.Q4_K for kind in MIXED if kind != "token_embd"}
     path = make_tiny_gguf(tmp_path / "q4k.gguf", seed=4, types=types)
-    seqs = [rand_ids(np.random.default_rng(20 + i), 5, 300) for i in range(8)]
-    out = {}
-    for mmq in ("auto", "off"):
-        vk = load_model(path, "vulkan", mmq=mmq)
-        vk.backend.mmq_min_weights = 0  # a tiny model's weights (the default takes big ones only)
-        try:
-            out[mmq] = run_chunks(vk, seqs, 1)
-            labels = {lab for g in vk.backend.graphs.values() for lab in g.rec.labels}
-            out[mmq + "_labels"] = labels
-        finally:
-            vk.backend.close()
-    assert any(lab.startswith("mul_mmq_coopmat") for lab in out["auto_labels"])
-    assert not any(lab.startswith("mul_mmq_coopmat") for lab in out["off_labels"])
-    for a, b in zip(out["auto"], out["off"], strict=True):
-        assert _err(a, b) <= TOL_STEP
+    for n_seqs in (8, 5):  # 8-token steps, and 5 (tokens past T in the products' tiles)
+        seqs = [rand_ids(np.random.default_rng(20 + i), 5, 300) for i in range(n_seqs)]
+        out = {}
+        for mmq in ("auto", "off"):
+            vk = load_model(path, "vulkan", mmq=mmq)
+            vk.backend.mmq_min_weights = 0  # a tiny model's weights (the default takes big ones only)
+            try:
+                out[mmq] = run_chunks(vk, seqs, 1)
+                out[mmq + "_labels"] = {lab for g in vk.backend.graphs.values() for lab in g.rec.labels}
+            finally:
+                vk.backend.close()
+        assert any(lab.startswith("mul_mmq_coopmat") for lab in out["auto_labels"]), n_seqs
+        assert not any(lab.startswith("mul_mmq_coopmat") for lab in out["off_labels"])
+        for a, b in zip(out["auto"], out["off"], strict=True):
+            assert _err(a, b) <= TOL_STEP, n_seqs
