@@ -284,12 +284,13 @@ def bench_model(name: str, args, ceiling: float) -> dict:
         model, kv, layout, args.context, max(3, args.reps // 3), ceiling, weight_bytes
     )
     res["ops_decode_1_us"] = op_breakdown(model, (1, 1))
+    res["ops_decode_8_us"] = op_breakdown(model, (8, 8), top=16)
     res["ops_decode_32_us"] = op_breakdown(model, (32, 32))
     res["ops_prefill_512_us"] = op_breakdown(model, (512, 1))
-    for k in ("prefill_512", "decode_1", "decode_32"):
+    for k in ("prefill_512", "decode_1", "decode_8", "decode_32"):
         r = res["profile"][k]
         print(f"  {name} profile {k}: gpu {r['gpu_ms']:.3f} ms, wall {r['wall_ms']:.3f} ms per step")
-    for k in ("ops_decode_1_us", "ops_decode_32_us", "ops_prefill_512_us"):
+    for k in ("ops_decode_1_us", "ops_decode_8_us", "ops_decode_32_us", "ops_prefill_512_us"):
         print(f"  {name} {k}: {res[k]}")
     be.close()
     if not real:

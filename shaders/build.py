@@ -49,10 +49,15 @@ COOPMAT_Q4K_VARIANTS += ((256, 128, 4, 2, 32, False), (128, 256, 2, 4, 32, False
 COOPMAT_Q4K_VARIANTS += ((128, 128, 2, 2, 32, False),)
 COOPMAT_PEAK = ((2, 2), (2, 4), (4, 4))  # coopmat_peak.comp: A x B fragments (pipelines.COOPMAT_PEAK)
 # the exact int8 cooperative-matrix GEMM of decode batches (mul_mmq_coopmat.comp; kernels_mmq.MMQ_LAYOUTS):
-# (MR 16-row fragments a subgroup, NT token fragments, MK the int8 product's K, JB blocks a store, NB tokens of
-# a product: 16 or 8)
-MMQ_LAYOUTS = ((1, 1, 32, 1, 16), (1, 1, 32, 2, 16), (2, 1, 32, 1, 16), (2, 1, 32, 2, 16), (2, 1, 32, 4, 16))
-MMQ_LAYOUTS += ((2, 1, 16, 2, 16), (1, 1, 32, 2, 8), (2, 1, 32, 2, 8), (2, 1, 32, 4, 8))
+# (MR 16-row fragments a subgroup, NT token fragments, MK the int8 product's K, JB blocks a store, NB tokens
+# of a product: 16 or 8, FB: all MR fragments' tiles stored together)
+MMQ_LAYOUTS = ((2, 1, 32, 2, 16, True), (2, 1, 32, 2, 8, True), (2, 1, 16, 2, 16, True))
+MMQ_LAYOUTS += (
+    (2, 1, 32, 2, 16, False),
+    (1, 1, 32, 2, 8, False),
+    (2, 1, 32, 4, 8, False),
+    (2, 1, 32, 4, 8, True),
+)
 
 
 def coopmat_variant(bt: int, bn: int, sgt: int, sgn: int, bk: int, dbuf: bool) -> tuple[str, dict[str, str]]:
@@ -214,11 +219,14 @@ BUILD: list[tuple[str, str, dict[str, str]]] = [
     # the exact int8 cooperative-matrix GEMM (Q4_K), per layout
     *[
         (
-            f"mul_mmq_coopmat_q4_k_m{mr}n{nt}k{mk}j{jb}" + ("" if nb == 16 else f"_n{nb}"),
+            f"mul_mmq_coopmat_q4_k_m{mr}n{nt}k{mk}j{jb}"
+            + ("" if nb == 16 else f"_n{nb}")
+            + ("_fb" if fb else ""),
             "mul_mmq_coopmat.comp",
-            {"MR": f"{mr}u", "NT": f"{nt}u", "MK": f"{mk}u", "JB": f"{jb}u", "NB": f"{nb}u"},
+            {"MR": f"{mr}u", "NT": f"{nt}u", "MK": f"{mk}u", "JB": f"{jb}u", "NB": f"{nb}u"}
+            | ({"FB": "1"} if fb else {}),
         )
-        for mr, nt, mk, jb, nb in MMQ_LAYOUTS
+        for mr, nt, mk, jb, nb, fb in MMQ_LAYOUTS
     ],
     ("split_reduce", "split_reduce.comp", {}),
     ("split_reduce_geglu", "split_reduce.comp", {"GEGLU": "1"}),

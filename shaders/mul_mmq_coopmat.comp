@@ -43,6 +43,11 @@
 #ifndef JB
 #define JB 2u  // blocks whose int32 tiles are stored together (one subgroup barrier pair for JB blocks)
 #endif
+#ifdef FB
+#define FG MR  // fragments whose tiles are stored together (all of a subgroup's: one barrier pair for them)
+#else
+#define FG 1u
+#endif
 #define NSG 4u
 #define NINV (NSG * 32u)
 #define BN (NSG * MR * 16u)
@@ -79,7 +84,7 @@ shared uvec4 xs[3u * TT * SB];    // plane p, token t: row p TT + t, byte k % 16
 shared uvec4 ws[NSG * MR * 16u * SB];  // fragment g = sg MR + f, row r: row 16 g + r, int8 lanes
 shared vec2 wf[NSG * MR * 16u * 4u];   // (d sc, -dmin m) of (row 16 g + r, block j) at 4 (16 g + r) + j
 shared vec2 xf[TT * 4u];               // (d_x / 2^14, s_x) of (token t, block j) at 4 t + j
-shared int cs[NSG * JB * TILE];        // a subgroup's JB int32 tiles, (row, token) at NB row + token
+shared int cs[NSG * FG * JB * TILE];   // a subgroup's FG JB int32 tiles, (row, token) at NB row + token
 
 #define CM_A coopmat<int8_t, gl_ScopeSubgroup, 16, MK, gl_MatrixUseA>
 #define CM_B coopmat<int8_t, gl_ScopeSubgroup, MK, NB, gl_MatrixUseB>
@@ -139,12 +144,12 @@ void store(uint k0, uint tid, uint sg, uint lane) {
 
 // The factors applied to JB tiles' sums (post): a lane owns one token (lr) and the rows lt + (32 / NB) e.
 // (Lanes owning a row and every other token, skipping the tokens past T, measured slower on an H200.)
-void post(inout float a[EL], uint sg, uint g, uint j, uint jj, uint i, uint lr, uint lt) {
+void post(inout float a[EL], uint tile, uint g, uint j, uint i, uint lr, uint lt) {
     const vec2 x = xf[4u * (NB * i + lr) + j];
     [[unroll]] for (uint e = 0; e < EL; ++e) {
         const uint r = lt + (32u / NB) * e;
         const vec2 w = wf[4u * (16u * g + r) + j];
-        a[e] += w.x * x.x * float(cs[(sg * JB + jj) * TILE + NB * r + lr]) + w.y * x.y;
+        a[e] += w.x * x.x * float(cs[tile * TILE + NB * r + lr]) + w.y * x.y;
     }
 }
 
@@ -165,26 +170,28 @@ void main() {
         store(k0, tid, sg, lane);
         barrier();
         if (k0 + BK < k_end) fetch(n0, t0, k0 + BK, tid, sg, lane);  // in flight during the products
-        [[unroll]] for (uint f = 0; f < MR; ++f) {
-            const uint g = sg * MR + f;
+        [[unroll]] for (uint f0 = 0; f0 < MR; f0 += FG) {
             [[unroll]] for (uint jb = 0; jb < 4u; jb += JB) {
-                CM_C s[JB * NT];  // block jb + jj, token fragment i at jj * NT + i
-                [[unroll]] for (uint jj = 0; jj < JB; ++jj) {
-                    const uint j = jb + jj;
-                    CM_A a[32u / MK];
-                    [[unroll]] for (uint kk = 0; kk < 32u / MK; ++kk)
-                        coopMatLoad(a[kk], ws, 16u * g * SB + 2u * j + kk * (MK / 16u), SB,
-                                    gl_CooperativeMatrixLayoutRowMajor);
-                    [[unroll]] for (uint i = 0; i < NT; ++i) {
-                        s[jj * NT + i] = CM_C(0);
-                        if (NT == 1u || int(NB * i) < live) {  // (uniform)
-                            [[unroll]] for (uint pl = 0; pl < 3u; ++pl) {
-                                if (pl > 0u) s[jj * NT + i] = s[jj * NT + i] * 128;
-                                [[unroll]] for (uint kk = 0; kk < 32u / MK; ++kk) {
-                                    CM_B b;
-                                    coopMatLoad(b, xs, (pl * TT + NB * i) * SB + 2u * j + kk * (MK / 16u), SB,
-                                                gl_CooperativeMatrixLayoutColumnMajor);
-                                    s[jj * NT + i] = coopMatMulAdd(a[kk], b, s[jj * NT + i]);
+                CM_C s[FG * JB * NT];  // fragment f0 + ff, block jb + jj, token fragment i at (ff JB + jj) NT + i
+                [[unroll]] for (uint ff = 0; ff < FG; ++ff) {
+                    const uint g = sg * MR + f0 + ff;
+                    [[unroll]] for (uint jj = 0; jj < JB; ++jj) {
+                        const uint j = jb + jj, q = (ff * JB + jj) * NT;
+                        CM_A a[32u / MK];
+                        [[unroll]] for (uint kk = 0; kk < 32u / MK; ++kk)
+                            coopMatLoad(a[kk], ws, 16u * g * SB + 2u * j + kk * (MK / 16u), SB,
+                                        gl_CooperativeMatrixLayoutRowMajor);
+                        [[unroll]] for (uint i = 0; i < NT; ++i) {
+                            s[q + i] = CM_C(0);
+                            if (NT == 1u || int(NB * i) < live) {  // (uniform)
+                                [[unroll]] for (uint pl = 0; pl < 3u; ++pl) {
+                                    if (pl > 0u) s[q + i] = s[q + i] * 128;
+                                    [[unroll]] for (uint kk = 0; kk < 32u / MK; ++kk) {
+                                        CM_B b;
+                                        coopMatLoad(b, xs, (pl * TT + NB * i) * SB + 2u * j + kk * (MK / 16u), SB,
+                                                    gl_CooperativeMatrixLayoutColumnMajor);
+                                        s[q + i] = coopMatMulAdd(a[kk], b, s[q + i]);
+                                    }
                                 }
                             }
                         }
@@ -192,11 +199,13 @@ void main() {
                 }
                 [[unroll]] for (uint i = 0; i < NT; ++i) {
                     if (NT == 1u || int(NB * i) < live) {
-                        [[unroll]] for (uint jj = 0; jj < JB; ++jj)
-                            coopMatStore(s[jj * NT + i], cs, (sg * JB + jj) * TILE, NB, gl_CooperativeMatrixLayoutRowMajor);
+                        [[unroll]] for (uint q = 0; q < FG * JB; ++q)
+                            coopMatStore(s[q * NT + i], cs, (sg * FG * JB + q) * TILE, NB, gl_CooperativeMatrixLayoutRowMajor);
                         subgroupMemoryBarrierShared();
                         subgroupBarrier();
-                        [[unroll]] for (uint jj = 0; jj < JB; ++jj) post(acc[f][i], sg, g, jb + jj, jj, i, lr, lt);
+                        [[unroll]] for (uint ff = 0; ff < FG; ++ff)
+                            [[unroll]] for (uint jj = 0; jj < JB; ++jj)
+                                post(acc[f0 + ff][i], sg * FG * JB + ff * JB + jj, sg * MR + f0 + ff, jb + jj, i, lr, lt);
                         subgroupBarrier();
                     }
                 }

@@ -36,10 +36,11 @@ def test_mmq_registered():
     names = {mmq_kernel_name(*lay): lay for lay in MMQ_LAYOUTS}
     assert set(built) == set(names)
     assert {mmq_pick(32), mmq_pick(16), mmq_pick(32, 8, n8=True), mmq_pick(16, 8, n8=True)} <= set(names)
-    assert mmq_pick(32, 8, n8=True).endswith("_n8") and not mmq_pick(32, 9, n8=True).endswith("_n8")
-    for name, (mr, nt, mk, jb, nb) in names.items():
-        assert mmq_layout(name) == (mr, nt, mk, jb, nb)
-        assert built[name] == {"MR": f"{mr}u", "NT": f"{nt}u", "MK": f"{mk}u", "JB": f"{jb}u", "NB": f"{nb}u"}
+    assert "_n8" in mmq_pick(32, 8, n8=True) and "_n8" not in mmq_pick(32, 9, n8=True) + mmq_pick(32, 8)
+    for name, (mr, nt, mk, jb, nb, fb) in names.items():
+        assert mmq_layout(name) == (mr, nt, mk, jb, nb, fb)
+        want = {"MR": f"{mr}u", "NT": f"{nt}u", "MK": f"{mk}u", "JB": f"{jb}u", "NB": f"{nb}u"}
+        assert built[name] == want | ({"FB": "1"} if fb else {})
         spec = KERNELS[name]
         assert (spec.n_buffers, spec.push, spec.block_size) == (4, CoopMatPush, MMQ_BLOCK)
         iface = reflect(load_spirv(name))

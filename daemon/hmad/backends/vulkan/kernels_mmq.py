@@ -5,16 +5,16 @@ The kernel multiplies Q4_K weights by activations in the exact path's three int8
 XD, the same inputs as the x3 mat-vec) on int8 × int8 -> int32 cooperative matrices: each 32-value block's
 three plane products join exactly in int32 before one conversion to float, so its error is the x3
 mat-vec's class (float32 roundings of the block sums), whatever the token count. Kernels are
-``mul_mmq_coopmat_q4_k_m<MR>n<NT>k<MK>j<JB>``: MR 16-row fragments a subgroup (4 subgroups: 64 MR rows a
-workgroup), NT 16-token fragments (16 NT tokens a workgroup), MK the device's int8 product K, JB blocks
-whose sums a subgroup stores and scales together.
+``mul_mmq_coopmat_q4_k_m<MR>n<NT>k<MK>j<JB>[_n8][_fb]``: MR 16-row fragments a subgroup (4 subgroups: 64 MR
+rows a workgroup), NT token fragments of NB tokens (16, or 8: ``_n8``), MK the device's int8 product K, JB
+blocks whose sums a subgroup stores and scales together, and ``_fb`` for all MR fragments' at once.
 
 Kernels with NB 8 (``_n8``) run 16 × 8 products where the device has them (NVIDIA does): at up to 8 tokens
 half the products and half the sums to scale. The backend runs it for exact-path steps of
 ``vulkan.mmq_min_tokens`` (default 3) tokens up to those the float16 GEMM takes, on big Q4_K weights
-(VulkanBackend._mmq_for). H200, 2026-11-26, 27B shapes at 8 tokens (bench/results/2026-11-26-h200-mmq*.json):
-a layer's matmuls in 275 us (m2n1k32j4_n8) against the x3 mat-vec's 525; at 3 tokens 270 against 302, at
-2 even (269 against 264).
+(VulkanBackend._mmq_for). H200, 2026-11-26, 27B shapes at 8 tokens (bench/results/2026-11-26-h200-mmq*):
+a layer's matmuls in 266 us (m2n1k32j2_n8_fb) against the x3 mat-vec's 521-525; at 3 tokens 270 against
+302, at 2 even (269 against 264; m2n1k32j4_n8).
 """
 
 from __future__ import annotations
@@ -30,35 +30,45 @@ from hmad.backends.vulkan.kernels_matmul import (
 )
 from hmad.model.tensors import QType
 
-#: (MR, NT, MK, JB, NB) built (shaders/build.py's MMQ_LAYOUTS)
-MMQ_LAYOUTS = ((1, 1, 32, 1, 16), (1, 1, 32, 2, 16), (2, 1, 32, 1, 16), (2, 1, 32, 2, 16), (2, 1, 32, 4, 16))
-MMQ_LAYOUTS += ((2, 1, 16, 2, 16), (1, 1, 32, 2, 8), (2, 1, 32, 2, 8), (2, 1, 32, 4, 8))
-#: the layout the backend runs, per NB (tokens of a product), with the device's MK: (MR, NT, JB). H200, 27B
-#: layers at 8 tokens (bench/results/2026-11-26-h200-mmq-n8.json): m2n1k32j4_n8 275 us, m1n1k32j2_n8 280,
-#: m2n1k32j2_n8 301, m2n1k32j2 (16 x 16 products) 379, the x3 mat-vec 525
-MMQ_PICK = {16: (2, 1, 2), 8: (2, 1, 4)}
+#: (MR, NT, MK, JB, NB, FB) built (shaders/build.py's MMQ_LAYOUTS)
+MMQ_LAYOUTS = ((2, 1, 32, 2, 16, True), (2, 1, 32, 2, 8, True), (2, 1, 16, 2, 16, True))
+MMQ_LAYOUTS += (
+    (2, 1, 32, 2, 16, False),
+    (1, 1, 32, 2, 8, False),
+    (2, 1, 32, 4, 8, False),
+    (2, 1, 32, 4, 8, True),
+)
+#: the layout the backend runs, per NB (tokens of a product), with the device's MK: (MR, NT, JB, FB). H200,
+#: 27B layers at 8 tokens (bench/results/2026-11-26-h200-mmq-n8.json, ...-mmq-fb.json): m2n1k32j2_n8_fb
+#: 266 us, m2n1k32j4_n8 275-277, m1n1k32j2_n8 280, m2n1k32j2_n8 301; 16 x 16 products: m2n1k32j2_fb 370,
+#: m2n1k32j2 375-384; the x3 mat-vec 521-525
+MMQ_PICK = {16: (2, 1, 2, True), 8: (2, 1, 2, True)}
 MMQ_BLOCK = 128  # 4 subgroups of 32
 MMQ_BK = 128  # K per step
 MMQ_TARGET_GROUPS = 1024  # split K until a dispatch has about this many workgroups
 MMQ_MIN_STEPS = 4  # ... keeping at least this many steps a split
-_NAME = re.compile(r"mul_mmq_coopmat_q4_k_m(?P<mr>\d+)n(?P<nt>\d+)k(?P<mk>\d+)j(?P<jb>\d+)(?:_n(?P<nb>8))?")
+_NAME = re.compile(
+    r"mul_mmq_coopmat_q4_k_m(?P<mr>\d+)n(?P<nt>\d+)k(?P<mk>\d+)j(?P<jb>\d+)(?:_n(?P<nb>8))?(?P<fb>_fb)?"
+)
 
 
-def mmq_kernel_name(mr: int, nt: int, mk: int, jb: int, nb: int = 16) -> str:
-    return f"mul_mmq_coopmat_q4_k_m{mr}n{nt}k{mk}j{jb}" + ("" if nb == 16 else f"_n{nb}")
+def mmq_kernel_name(mr: int, nt: int, mk: int, jb: int, nb: int = 16, fb: bool = False) -> str:
+    return (
+        f"mul_mmq_coopmat_q4_k_m{mr}n{nt}k{mk}j{jb}" + ("" if nb == 16 else f"_n{nb}") + ("_fb" if fb else "")
+    )
 
 
-def mmq_layout(name: str) -> tuple[int, int, int, int, int]:
-    """(MR, NT, MK, JB, NB) of a ``mul_mmq_coopmat_q4_k_m<MR>n<NT>k<MK>j<JB>[_n8]`` kernel name."""
+def mmq_layout(name: str) -> tuple[int, int, int, int, int, bool]:
+    """(MR, NT, MK, JB, NB, FB) of a ``mul_mmq_coopmat_q4_k_m<MR>n<NT>k<MK>j<JB>[_n8][_fb]`` kernel name."""
     m = _NAME.fullmatch(name)
     if not m:
-        raise ValueError(f"{name}: not a mul_mmq_coopmat_q4_k_m<MR>n<NT>k<MK>j<JB>[_n8] name")
-    return int(m["mr"]), int(m["nt"]), int(m["mk"]), int(m["jb"]), int(m["nb"] or 16)
+        raise ValueError(f"{name}: not a mul_mmq_coopmat_q4_k_m<MR>n<NT>k<MK>j<JB>[_n8][_fb] name")
+    return int(m["mr"]), int(m["nt"]), int(m["mk"]), int(m["jb"]), int(m["nb"] or 16), bool(m["fb"])
 
 
 def mmq_tile(name: str) -> tuple[int, int]:
     """(tokens, rows) of a workgroup's tile."""
-    mr, nt, _, _, nb = mmq_layout(name)
+    mr, nt, _, _, nb, _ = mmq_layout(name)
     return nb * nt, 64 * mr
 
 
@@ -90,11 +100,11 @@ def mmq_has_n8(info, mk: int) -> bool:
 def mmq_pick(mk: int, t: int = 16, n8: bool = False) -> str:
     """The kernel the backend runs for ``t`` tokens on a device whose int8 product has K = ``mk`` (and
     16 × 8 products: ``n8``, taken at up to 8 tokens where built)."""
-    mr, nt, jb = MMQ_PICK[8]
-    if n8 and t <= 8 and (mr, nt, mk, jb, 8) in MMQ_LAYOUTS:
-        return mmq_kernel_name(mr, nt, mk, jb, 8)
-    mr, nt, jb = MMQ_PICK[16]
-    return mmq_kernel_name(mr, nt, mk, jb)
+    mr, nt, jb, fb = MMQ_PICK[8]
+    if n8 and t <= 8 and (mr, nt, mk, jb, 8, fb) in MMQ_LAYOUTS:
+        return mmq_kernel_name(mr, nt, mk, jb, 8, fb)
+    mr, nt, jb, fb = MMQ_PICK[16]
+    return mmq_kernel_name(mr, nt, mk, jb, 16, fb)
 
 
 def mmq_kernel_specs(spec_type) -> dict:
