@@ -600,6 +600,7 @@ class VulkanBackend(Backend):
                 "coopmat": f">= {self.coopmat_min_t} tokens"
                 if self.coopmat
                 else "off (device lacks it or config)",
+                "int8 gemm": self._mmq_status(),
                 "fused": [f for f in FUSIONS if self._fused(f)],
                 "prefetch": f"{self.prefetch_bytes} bytes a matmul at decode"
                 if self.prefetch_bytes
@@ -609,6 +610,15 @@ class VulkanBackend(Backend):
             "recordings": self.recordings,
             "buckets": sorted(self.graphs),
         }
+
+    def _mmq_status(self) -> str:
+        """What ``hmactl status`` says of the int8 GEMM (_mmq_for)."""
+        if not self.mmq_k:
+            return "off (device lacks int8 cooperative matrices, or config)"
+        if self.planes != 3 or self.deterministic:
+            return "off (matvec is not exact, or deterministic mode)"
+        top = self.coopmat_min_t - 1 if self.coopmat else Q8_MAX_T  # the float16 GEMM takes the rest
+        return f"steps of {self.mmq_min_t}..{top} tokens on Q4_K weights of {self.mmq_min_weights}+ elements"
 
     def set_timestamps(self, on: bool) -> None:
         """Record later graphs with (or without) a GPU timestamp after every command (profiling; it costs
