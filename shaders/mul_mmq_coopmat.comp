@@ -17,10 +17,12 @@
 // nibbles into int8 rows there and their factors (only its own lanes read them); after a barrier each
 // subgroup runs, per fragment of 16 rows and block, 3 NT products of 16 x NB (token fragments past T
 // skipped: a step of 8 tokens runs half the products and sums of NB 16 where the device has NB 8); it stores
-// the int32 tiles of JB blocks at a time and its lanes apply the factors to the (row, token) sums each keeps
-// in registers. The next step's global loads are issued before the products (in flight meanwhile).
-// H200, 27B shapes at 8 tokens (bench_vulkan_mmq.py): a layer's matmuls in 375 us against the x3 mat-vec's
-// 525; memory is not the bound (~650 GB/s): each block's chain of products, store, barrier and factors is.
+// the int32 tiles of JB blocks (of all its MR fragments with FB) at a time, and its lanes apply the factors to
+// the (row, token) sums each keeps in registers. The next step's global loads are issued before the products
+// (in flight meanwhile). What bounds it is each batch's chain of products, store, barrier and factors, not
+// memory: H200, 27B shapes at 8 tokens (bench_vulkan_mmq.py), a layer's matmuls in 375 us with 16 x 16
+// products and one fragment's two blocks a store (~650 GB/s), 266 us with 16 x 8 products and FB (the x3
+// mat-vec: 525).
 // Bindings: 0 W (Q4_K), 1 XQ (uvec4), 2 XD (vec2), 3 y. Push: CoopMatPush (x_stride unused).
 // Requires 32-wide subgroups, K % 256 == 0, k_split % BK == 0, T <= TT * gl_NumWorkGroups.x.
 // Dispatch (ceil(T / TT), ceil(N / BN), splits).

@@ -28,7 +28,14 @@ TOL_STEP = 1e-5  # logits, a whole model's steps against the x3 mat-vec's
 
 def test_mmq_registered():
     from hmad.backends.vulkan.kernels_matmul import CoopMatPush
-    from hmad.backends.vulkan.kernels_mmq import MMQ_BLOCK, MMQ_LAYOUTS, mmq_kernel_name, mmq_layout, mmq_pick
+    from hmad.backends.vulkan.kernels_mmq import (
+        MMQ_BLOCK,
+        MMQ_LAYOUTS,
+        mmq_kernel_name,
+        mmq_layout,
+        mmq_pick,
+        mmq_shared_bytes,
+    )
     from hmad.backends.vulkan.pipelines import KERNELS
     from hmad.backends.vulkan.program import load_spirv, reflect
 
@@ -46,6 +53,8 @@ def test_mmq_registered():
         iface = reflect(load_spirv(name))
         assert iface.bindings == (0, 1, 2, 3) and iface.written == (3,)
         assert iface.push_size == ctypes.sizeof(CoopMatPush)
+        assert mmq_shared_bytes(name) <= 48 << 10, name  # NVIDIA's limit (RDNA3: 64 KiB)
+    assert mmq_shared_bytes(mmq_pick(32, 8, n8=True)) <= 36 << 10
     with pytest.raises(ValueError, match="not a mul_mmq"):
         mmq_layout("mul_mmq_coopmat_q4_k_m2n1k32")
 
@@ -55,7 +64,7 @@ def _info(shapes, subgroup=32, api=(1, 3)):
 
 
 def test_mmq_shape_k():
-    from hmad.backends.vulkan.kernels_mmq import mmq_has_n8, mmq_shape_k
+    from hmad.backends.vulkan.kernels_mmq import mmq_has_n8, mmq_shape_k, mmq_usable
 
     def s8(m, n, k, scope=True):
         return {
@@ -86,6 +95,10 @@ def test_mmq_shape_k():
     assert mmq_shape_k(_info([f16, s8(16, 16, 32)], api=(1, 2))) is None
     assert mmq_shape_k(_info([f16, s8(16, 8, 32), s8(16, 16, 32, scope=False)])) is None
     assert mmq_shape_k(_info([])) is None
+    # the picks' shared memory: within NVIDIA's 48 KiB and RDNA3's 64, not within 32
+    assert mmq_usable(nvidia, {"maxComputeSharedMemorySize": 48 << 10}) == 32
+    assert mmq_usable(rdna3, {"maxComputeSharedMemorySize": 64 << 10}) == 16
+    assert mmq_usable(nvidia, {"maxComputeSharedMemorySize": 32 << 10}) is None
 
 
 @pytest.mark.parametrize("k,n,t", [(5376, 21504, 8), (21504, 5376, 8), (4096, 5376, 16), (256, 64, 1)])

@@ -91,7 +91,7 @@ from hmad.backends.vulkan.kernels_mmq import (
     MMQ_TARGET_GROUPS,
     mmq_has_n8,
     mmq_pick,
-    mmq_shape_k,
+    mmq_usable,
     record_mmq,
     record_mmq_geglu,
 )
@@ -389,7 +389,7 @@ class VulkanBackend(Backend):
         if mmq not in ("auto", "off"):
             raise ValueError(f"mmq must be 'auto' or 'off', got {mmq!r}")
         # the exact path's int8 cooperative-matrix GEMM: the device's int8 product K, or None (_mmq_for)
-        self.mmq_k = mmq_shape_k(self.dev.info) if mmq == "auto" else None
+        self.mmq_k = mmq_usable(self.dev.info, self.dev.limits) if mmq == "auto" else None
         self.mmq_n8 = bool(self.mmq_k) and mmq_has_n8(self.dev.info, self.mmq_k)  # 16 x 8 products too
         self.mmq_min_t = max(2, mmq_min_tokens)
         self.mmq_min_weights = MMQ_MIN_WEIGHTS  # read when recording (a test of a tiny model lowers it)
@@ -949,6 +949,9 @@ class VulkanBackend(Backend):
         one for ``int8``) in the layout of its shape (q8_matvec_layout), MATVEC_MAX_T tokens a dispatch
         (the chunks read the same weights back to back; no barrier between them). ``suffix`` "_qo": the
         one-token variant with that fused tail (``tail`` its bindings)."""
+        if not tail and self._mmq_for(x.shape[0], ws[0]):
+            self._mmq(x, ws, y)
+            return
         (t, k), n = x.shape, ws[0].shape[0]
         xq, xd = self._q8(x)
         planes = self.planes
@@ -956,9 +959,6 @@ class VulkanBackend(Backend):
         base = f"mul_mat_vec_{x_name}_{_type_name(ws[0].qtype, UNIT_TYPES)}" + (
             "_geglu" if len(ws) > 1 else ""
         )
-        if not tail and self._mmq_for(t, ws[0]):
-            self._mmq(x, ws, y)
-            return
         fixed = self.deterministic  # one layout, never _t1: the same reduction order for every row count
         for t0 in range(0, t, MATVEC_MAX_T):
             tc = min(MATVEC_MAX_T, t - t0)

@@ -88,6 +88,27 @@ def mmq_shape_k(info) -> int | None:
     return max(ks) if ks else None
 
 
+def mmq_shared_bytes(name: str) -> int:
+    """Shared memory a kernel declares (mul_mmq_coopmat.comp's xs, ws, wf, xf and cs)."""
+    mr, nt, _, jb, nb, fb = mmq_layout(name)
+    nsg, tt, row = MMQ_BLOCK // 32, nt * nb, (MMQ_BK // 16 + 1) * 16  # a shared row: BK bytes + 16 of pad
+    xs, ws = 3 * tt * row, nsg * mr * 16 * row
+    wf, xf = nsg * mr * 16 * 4 * 8, tt * 4 * 8
+    cs = nsg * (mr if fb else 1) * jb * 16 * nb * 4
+    return xs + ws + wf + xf + cs
+
+
+def mmq_usable(info, limits: dict) -> int | None:
+    """The device's int8 product K (:func:`mmq_shape_k`) if it runs the kernels the backend picks (their
+    shared memory within ``limits``: Device.limits); else None."""
+    mk = mmq_shape_k(info)
+    if mk is None:
+        return None
+    names = {mmq_pick(mk, 8, mmq_has_n8(info, mk)), mmq_pick(mk, 16)}
+    fits = all(mmq_shared_bytes(n) <= limits["maxComputeSharedMemorySize"] for n in names)
+    return mk if fits else None
+
+
 def mmq_has_n8(info, mk: int) -> bool:
     """Whether the device also has the int8 16 × 8 × ``mk`` product (NVIDIA: yes; RDNA3: no)."""
     want = (16, 8, mk, "s8", "s8", "s32", "s32")
