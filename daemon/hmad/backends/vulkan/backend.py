@@ -969,6 +969,16 @@ class VulkanBackend(Backend):
             up = ws[1].view if len(ws) > 1 else None
             record_matvec_q8(self._rec, kern, ws[0].view, *rows, k, n, tc, w_up=up, tail=tail)
 
+    def _scratch_maker(self, held: list[Act]) -> Callable[[int], BufferView]:
+        """``nbytes -> BufferView`` of new float32 scratch (a GEMM's K-split partial sums), each kept in
+        ``held`` so that it stays alive until the caller's dispatches are recorded."""
+
+        def part(nbytes: int) -> BufferView:
+            held.append(self._new((nbytes // 4,)))
+            return held[-1].view
+
+        return part
+
     def _mmq_for(self, t: int, w: VkWeight) -> bool:
         """Whether an exact-path step of ``t`` tokens on ``w`` runs the int8 cooperative-matrix GEMM
         (kernels_mmq.py): Q4_K weights of ``mmq_min_weights`` or more (MMQ_MIN_WEIGHTS; H200: the 270M's
@@ -985,12 +995,8 @@ class VulkanBackend(Backend):
         (t, k), n = x.shape, ws[0].shape[0]
         xq, xd = (a.view for a in self._q8(x))
         kern = self._kernel(mmq_pick(self.mmq_k, t, self.mmq_n8))
-        held: list[Act] = []
-
-        def part(nbytes: int) -> BufferView:
-            held.append(self._new((nbytes // 4,)))
-            return held[-1].view
-
+        held: list[Act] = []  # the partial-sum scratch, alive until its dispatches are recorded
+        part = self._scratch_maker(held)
         if len(ws) == 2:
             reduce = self._kernel("split_reduce_geglu")
             views = (ws[0].view, ws[1].view)
@@ -1015,11 +1021,7 @@ class VulkanBackend(Backend):
             layout = self.coopmat_layout  # a benchmark's choice
         kern = self._kernel(coopmat_kernel_name(t, qtype, layout))
         held: list[Act] = []  # the partial-sum scratch, alive until its dispatches are recorded
-
-        def part(nbytes: int) -> BufferView:
-            held.append(self._new((nbytes // 4,)))
-            return held[-1].view
-
+        part = self._scratch_maker(held)
         if x.scale is None:
             x.scale = (self._new((t,)), self._new((t, k // 2)))  # k float16 a row
             record_row_scale(self._rec, self._kernel("row_scale"), x.view, *(a.view for a in x.scale), k, t)
