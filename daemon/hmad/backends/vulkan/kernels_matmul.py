@@ -308,14 +308,24 @@ def coopmat_kernel_name(t: int, qtype: QType, layout: str | None = None) -> str:
     return name
 
 
-def coopmat_splits(k: int, n: int, t: int, tile: tuple[int, int]) -> tuple[int, int]:
-    """(splits, k_split): how a coopmat dispatch of an (n, k) weight and t tokens divides K."""
+def split_k(
+    k: int, n: int, t: int, tile: tuple[int, int], bk: int, target: int, min_steps: int
+) -> tuple[int, int]:
+    """(splits, k_split): how a GEMM dispatch of (bt, bn) ``tile``s over an (n, k) weight and t tokens, BK
+    ``bk`` a step, divides K: until it has about ``target`` workgroups, keeping ``min_steps`` steps a
+    split (k_split % bk == 0)."""
     bt, bn = tile
     tiles = -(-n // bn) * -(-t // bt)
-    steps = -(-k // COOPMAT_BK)
-    splits = max(1, min(-(-COOPMAT_TARGET_GROUPS // tiles), steps // COOPMAT_MIN_STEPS))
-    k_split = -(-steps // splits) * COOPMAT_BK
+    steps = -(-k // bk)
+    splits = max(1, min(-(-target // tiles), steps // min_steps))
+    k_split = -(-steps // splits) * bk
     return -(-k // k_split), k_split
+
+
+def coopmat_splits(k: int, n: int, t: int, tile: tuple[int, int]) -> tuple[int, int]:
+    """(splits, k_split): how a coopmat dispatch of an (n, k) weight and t tokens divides K (the module's
+    COOPMAT_* settings, read at each call)."""
+    return split_k(k, n, t, tile, COOPMAT_BK, COOPMAT_TARGET_GROUPS, COOPMAT_MIN_STEPS)
 
 
 class CoopMatPush(ctypes.Structure):
@@ -371,7 +381,7 @@ def record_coopmat(
     x_stride, y_stride = x_stride or k, y_stride or n
     count = 0
     pieces = row_ranges(kernel, [w], rb, n, max_range)
-    part = _part_scratch(part, pieces, k, t, tile, split_only=True)
+    part = part_scratch(part, pieces, t, lambda rows: coopmat_splits(k, rows, t, tile)[0], split_only=True)
     for (wb,), rows, row0 in pieces:
         splits, k_split = coopmat_splits(k, rows, t, tile)
         groups = (-(-t // tile[0]), -(-rows // tile[1]), splits)  # token tiles fastest
@@ -380,7 +390,7 @@ def record_coopmat(
             rec.dispatch(kernel, [wb, xh, y, scale], push, groups)
             count += 1
             continue
-        _check_part(kernel, part, splits * t * rows * 4)
+        check_part(kernel, part, splits * t * rows * 4)
         push = CoopMatPush(k, rows, t, x_stride, rows, rb, 0, k_split)
         rec.dispatch(kernel, [wb, xh, part, scale], push, groups)
         push = SplitReducePush(rows, t, splits, y_stride, row0)
@@ -419,13 +429,14 @@ def record_coopmat_geglu(
     tile, rb = _coopmat_layout(kernel, k, x_stride or k)
     x_stride, y_stride = x_stride or k, y_stride or n
     pieces = row_ranges(kernel, [w_gate, w_up], rb, n, max_range)
-    parts = [_part_scratch(part, pieces, k, t, tile, split_only=False) for _ in range(2)]
+    splits_of = lambda rows: coopmat_splits(k, rows, t, tile)[0]  # noqa: E731
+    parts = [part_scratch(part, pieces, t, splits_of, split_only=False) for _ in range(2)]
     for (wg, wu), rows, row0 in pieces:
         splits, k_split = coopmat_splits(k, rows, t, tile)
         groups = (-(-t // tile[0]), -(-rows // tile[1]), splits)
         push = CoopMatPush(k, rows, t, x_stride, rows, rb, 0, k_split)
         for wb, pb in zip((wg, wu), parts, strict=True):
-            _check_part(kernel, pb, splits * t * rows * 4)
+            check_part(kernel, pb, splits * t * rows * 4)
             rec.dispatch(kernel, [wb, xh, pb, scale], push, groups)
         push = SplitReducePush(rows, t, splits, y_stride, row0)
         rec.dispatch(reduce_kernel, [parts[0], y, parts[1]], push, _reduce_groups(reduce_kernel, t, rows))
@@ -446,20 +457,22 @@ def _coopmat_layout(kernel, k: int, x_stride: int) -> tuple[tuple[int, int], int
     return (lay.bt, lay.bn), weight_row_bytes(qtype, k)
 
 
-def _part_scratch(part, pieces, k: int, t: int, tile, split_only: bool):
-    """The partial-sum scratch: ``part`` itself, or asked of it (a callable) once for the largest need of
-    the bind ranges ``pieces`` (only ranges whose K is split need one when ``split_only``)."""
+def part_scratch(part, pieces, t: int, splits_of, split_only: bool):
+    """A GEMM's partial-sum scratch: ``part`` itself, or asked of it (a callable) once for the largest need
+    of the bind ranges ``pieces`` at t tokens, ``splits_of(rows)`` splits each (only ranges whose K is
+    split need one when ``split_only``)."""
     if not callable(part):
         return part
     needs = [0]
     for _, rows, _ in pieces:
-        splits = coopmat_splits(k, rows, t, tile)[0]
+        splits = splits_of(rows)
         if splits > 1 or not split_only:
             needs.append(splits * t * rows * 4)
     return part(max(needs)) if max(needs) else None
 
 
-def _check_part(kernel, part, nbytes: int) -> None:
+def check_part(kernel, part, nbytes: int) -> None:
+    """That ``part`` holds a dispatch's ``nbytes`` of partial sums (a clear error if not)."""
     if part is None or part.nbytes < nbytes:
         raise ValueError(f"{kernel.name}: its K splits need a partial-sum scratch of {nbytes} B")
 

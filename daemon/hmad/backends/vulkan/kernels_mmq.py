@@ -25,7 +25,10 @@ from hmad.backends.vulkan.kernels_matmul import (
     CoopMatPush,
     SplitReducePush,
     _reduce_groups,
+    check_part,
+    part_scratch,
     row_ranges,
+    split_k,
     weight_row_bytes,
 )
 from hmad.model.tensors import QType
@@ -140,12 +143,7 @@ def mmq_splits(
     k: int, n: int, t: int, tile: tuple[int, int], target: int = MMQ_TARGET_GROUPS
 ) -> tuple[int, int]:
     """(splits, k_split): how a dispatch of an (n, k) weight and t tokens divides K (k_split % 128 == 0)."""
-    bt, bn = tile
-    tiles = -(-n // bn) * -(-t // bt)
-    steps = -(-k // MMQ_BK)
-    splits = max(1, min(-(-target // tiles), steps // MMQ_MIN_STEPS))
-    k_split = -(-steps // splits) * MMQ_BK
-    return -(-k // k_split), k_split
+    return split_k(k, n, t, tile, MMQ_BK, target, MMQ_MIN_STEPS)
 
 
 def record_mmq(
@@ -175,11 +173,9 @@ def record_mmq(
     y_stride = y_stride or n
     count = 0
     pieces = row_ranges(kernel, [w], rb, n, max_range)
-    if callable(part):
-        needs = [
-            s * t * rows * 4 for _, rows, _ in pieces if (s := mmq_splits(k, rows, t, tile, target)[0]) > 1
-        ]
-        part = part(max(needs)) if needs else None
+    part = part_scratch(
+        part, pieces, t, lambda rows: mmq_splits(k, rows, t, tile, target)[0], split_only=True
+    )
     for (wb,), rows, row0 in pieces:
         splits, k_split = mmq_splits(k, rows, t, tile, target)
         groups = (-(-t // tile[0]), -(-rows // tile[1]), splits)
@@ -187,10 +183,7 @@ def record_mmq(
             rec.dispatch(kernel, [wb, xq, xd, y], CoopMatPush(k, rows, t, k, y_stride, rb, row0, k), groups)
             count += 1
             continue
-        if part is None or part.nbytes < splits * t * rows * 4:
-            raise ValueError(
-                f"{kernel.name}: its K splits need a partial-sum scratch of {splits * t * rows * 4} B"
-            )
+        check_part(kernel, part, splits * t * rows * 4)
         rec.dispatch(kernel, [wb, xq, xd, part], CoopMatPush(k, rows, t, k, rows, rb, 0, k_split), groups)
         push = SplitReducePush(rows, t, splits, y_stride, row0)
         rec.dispatch(reduce_kernel, [part, y], push, _reduce_groups(reduce_kernel, t, rows))
@@ -220,8 +213,8 @@ def record_mmq_geglu(
     BufferView``, asked twice (gate, up) for the largest range's need. Returns the dispatch count."""
     tile, rb = mmq_tile(kernel.name), weight_row_bytes(QType.Q4_K, k)
     pieces = row_ranges(kernel, [w_gate, w_up], rb, n, max_range)
-    need = max(mmq_splits(k, rows, t, tile, target)[0] * t * rows * 4 for _, rows, _ in pieces)
-    parts = [part(need), part(need)]
+    splits_of = lambda rows: mmq_splits(k, rows, t, tile, target)[0]  # noqa: E731
+    parts = [part_scratch(part, pieces, t, splits_of, split_only=False) for _ in range(2)]
     for (wg, wu), rows, row0 in pieces:
         splits, k_split = mmq_splits(k, rows, t, tile, target)
         push = CoopMatPush(k, rows, t, k, rows, rb, 0, k_split)
