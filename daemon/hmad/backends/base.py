@@ -74,6 +74,10 @@ class Backend(ABC):
         """Until the weights a ``load_weights(..., background=True)`` started uploading are resident
         (raises the upload's error). Default: load_weights was synchronous."""
 
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the device's resources (buffers, pipelines); the backend is unusable afterwards.
+        Default: nothing is held outside Python objects."""
+
     def begin_step(self, batch: StepBatch) -> None:  # noqa: B027 - optional hook
         """Called before a step's ops: a recording backend uploads the per-step values here."""
 
