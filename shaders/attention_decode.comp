@@ -3,7 +3,7 @@
 // metadata and partial outputs (m, l, acc[Dh] per token, head and split) as attention_split.comp, which it
 // replaces where the device has subgroup arithmetic (attention_reduce.comp is pass 2 for both).
 //
-// One workgroup per (token, KV head, split); split c covers per = max(ceil(len / n_splits), 32) keys of
+// One workgroup per (token, KV head, split); split c covers per = max(ceil(len / n_splits), min_keys) keys of
 // [lo, pos]. Inside, each subgroup takes every n-th key of the split on its own: lane l holds dims
 // d = l + i * S (S the subgroup size, i < DPL) of the G query heads and of the key/value rows, the dot
 // products are subgroupAdd reductions, and the online softmax (running max m, sum l, acc) lives in registers:
@@ -30,7 +30,6 @@
 #endif
 #define MAX_SG 32u
 #define MAX_HEAD_DIM 256u
-#define MIN_PER 32u
 
 layout(binding = 0) readonly buffer Q { float q[]; };
 layout(binding = 1) readonly buffer KP { POOL_TYPE k_pool[]; };
@@ -52,6 +51,7 @@ layout(push_constant) uniform Push {
     uint info_off;
     float scale;
     uint skip_off;    // 0, or the meta section of per-row flags: rows flagged 1 are attention_prefill's
+    uint min_keys;    // keys a split takes at least (a split past the row's length / min_keys is empty)
 } p;
 
 #include "paged_kv.glsl"
@@ -75,7 +75,7 @@ void main() {
 
     if (tiled_row(t)) return;  // a tile row: attention_prefill writes it
     uint c0, c1, tab, tab_len;
-    split_keys(t, c, MIN_PER, c0, c1, tab, tab_len);
+    split_keys(t, c, max(p.min_keys, 1u), c0, c1, tab, tab_len);
     if (c0 >= c1) {  // empty split or padding row: uniform per workgroup
         write_empty_partial(t, h0, c, G, tid);
         return;

@@ -10,7 +10,7 @@
 // (running max m, sum l, acc) for its keys. After the key loop the clusters of a subgroup merge through
 // shuffles (rescaled to the common max), then the subgroups through shared memory, in subgroup order.
 //
-// One workgroup per (token, KV head, split), split c covering per = max(ceil(len / n_splits), 32) keys of
+// One workgroup per (token, KV head, split), split c covering per = max(ceil(len / n_splits), min_keys) keys of
 // [lo, pos] (as attention_decode). Key j of the split goes to subgroup ((j - c0) / (S / 8)) % n_sg, cluster
 // (j - c0) % (S / 8); the loop is uniform per subgroup (clusters past the split's end score -inf).
 // Variants: POOL_TYPE (float, float16_t) x MAX_GROUP (2, 4: registers for G query heads); LANES 4 for a
@@ -33,7 +33,6 @@
 #define MV (32u / LANES)  // vec4s per lane: Dh <= 4 * MV * LANES = 128
 #define MAX_SG 32u
 #define MAX_DV 32u  // vec4s of a head
-#define MIN_PER 32u
 
 layout(binding = 0) readonly buffer Q { float q[]; };
 layout(binding = 1) readonly buffer KP { POOL_VEC k_pool[]; };
@@ -55,6 +54,7 @@ layout(push_constant) uniform Push {
     uint info_off;
     float scale;
     uint skip_off;    // 0, or the meta section of per-row flags: rows flagged 1 are attention_prefill's
+    uint min_keys;    // keys a split takes at least (a split past the row's length / min_keys is empty)
 } p;
 
 #include "paged_kv.glsl"
@@ -83,7 +83,7 @@ void main() {
 
     if (tiled_row(t)) return;  // a tile row: attention_prefill writes it
     uint c0, c1, tab, tab_len;
-    split_keys(t, c, MIN_PER, c0, c1, tab, tab_len);
+    split_keys(t, c, max(p.min_keys, 1u), c0, c1, tab, tab_len);
     if (c0 >= c1) {  // empty split or padding row: uniform per workgroup
         write_empty_partial(t, h0, c, G, tid);
         return;

@@ -52,6 +52,7 @@ layout(push_constant) uniform Push {
     uint info_off;
     float scale;
     uint skip_off;    // 0, or the meta section of per-row flags: rows flagged 1 are attention_prefill's
+    uint min_keys;    // attention_decode's; here a split takes at least KT keys (one tile)
 } p;
 
 #include "paged_kv.glsl"

@@ -151,6 +151,14 @@ MIB = 1 << 20
 # attention_split.comp: splits per (token, KV head) = clamp(TARGET_GROUPS / (tokens * KV heads), 1, MAX)
 ATTENTION_TARGET_GROUPS = 1024
 ATTENTION_MAX_SPLITS = 64
+# attention_decode(_kl).comp: keys a split takes at least (bench_vulkan_model --sweep attention_min_keys=...)
+ATTENTION_MIN_KEYS = 32
+# attention_prefill.comp (the tiles of a step's prompt rows): splits for about this many workgroups, one per
+# 32 query vectors and split (H200, prefill 512, bench_vulkan_model --sweep, two passes each: 256 -> 27B 2,904
+# / 2,897 tok/s (one split, as before), 270M 80,799 / 79,784 (four splits; two before: ~76,000); 1024 -> 27B
+# 2,894 / 2,894, 270M 74,824 / 72,178; 4096 -> 2,675 / 45,651: more splits cost the reduce more than they
+# spread the long rows of a prompt's last tiles)
+ATTENTION_PREFILL_TARGET_GROUPS = 256
 # deterministic mode: the split count of every bucket (the partials are T x H x splits x (Dh + 4) floats: at
 # 512 tokens of the 27B, 136 MB)
 DETERMINISTIC_SPLITS = 16
@@ -166,6 +174,10 @@ TOPK_CANDIDATES = 128
 # least this many elements (27B: 11M-115M; 270M: ≤ 1.3M, apart from the 168M output projection): H200,
 # 32 tokens, Q4_K: 163 µs for a 115M weight vs 4 × 144 µs through the 8-token int8 mat-vec
 COOPMAT_DECODE_MIN_WEIGHTS = 4 << 20
+# the coopmat GEMM's K split in steps over Q8_MAX_T tokens (prefill chunks): for about this many workgroups
+# (H200, 27B prefill 512, bench_vulkan_model --sweep, two passes: 1024 -> 2,846 / 2,845 tok/s, 512 -> 2,886 /
+# 2,886, 256 -> 2,719, unsplit 2,760; decode batches keep kernels_matmul.COOPMAT_TARGET_GROUPS)
+COOPMAT_PREFILL_TARGET_GROUPS = 512
 MMQ_MIN_WEIGHTS = 4 << 20  # weights (elements) the int8 GEMM takes at decode sizes (_mmq_for)
 Q8_MAX_T = (
     32  # steps of up to 32 tokens (decode batches) run the int8 mat-vec, MATVEC_MAX_T tokens a dispatch
@@ -425,10 +437,14 @@ class VulkanBackend(Backend):
         self.topk_buf: BufferView | None = None  # mapped: ids (rows, k) uint32, then values (rows, k)
         self.fence = self.dev.create_fence()
         self._fences = ffi.new("VkFence[]", [self.fence])
+        self.attention_min_keys = ATTENTION_MIN_KEYS
+        self.attention_prefill_target = ATTENTION_PREFILL_TARGET_GROUPS
         self.attention_kl = True  # attention_decode_kl where it fits (bench_vulkan_model --no-attention-kl)
         # the Q4_K prefill GEMM's layout for every weight (a mul_mm_coopmat name suffix; None: the measured
         # pick, coopmat_prefill_layout), read when recording (bench_vulkan_model --sweep coopmat_layout=...)
         self.coopmat_layout: str | None = None
+        # the prefill GEMM's K split: for about this many workgroups a dispatch (bench: --sweep)
+        self.coopmat_prefill_target = COOPMAT_PREFILL_TARGET_GROUPS
         # decode's fused kernels (FUSIONS), read when recording: True, False, or (to measure them one by one,
         # bench_vulkan_model --sweep) a "+"-joined subset of FUSIONS
         self.fuse: bool | str = fuse
@@ -1026,13 +1042,18 @@ class VulkanBackend(Backend):
             x.scale = (self._new((t,)), self._new((t, k // 2)))  # k float16 a row
             record_row_scale(self._rec, self._kernel("row_scale"), x.view, *(a.view for a in x.scale), k, t)
         scale, xh = (a.view for a in x.scale)
+        target = self.coopmat_prefill_target if t > Q8_MAX_T else None  # None: COOPMAT_TARGET_GROUPS
         if len(ws) == 2:
             reduce = self._kernel("split_reduce_geglu")
             views = (ws[0].view, ws[1].view)
-            record_coopmat_geglu(self._rec, kern, reduce, *views, xh, y.view, scale, k, n, t, part)
+            record_coopmat_geglu(
+                self._rec, kern, reduce, *views, xh, y.view, scale, k, n, t, part, target=target
+            )
         else:
             reduce = self._kernel("split_reduce")
-            record_coopmat(self._rec, kern, reduce, ws[0].view, xh, y.view, scale, k, n, t, part)
+            record_coopmat(
+                self._rec, kern, reduce, ws[0].view, xh, y.view, scale, k, n, t, part, target=target
+            )
 
     def _coopmat_for(self, t: int, w: VkWeight) -> bool:
         """The cooperative-matrix mat-mat for steps over Q8_MAX_T tokens, and for decode batches of
@@ -1169,17 +1190,20 @@ class VulkanBackend(Backend):
         pool_t, _ = KV_DTYPES[self.kv_dtype]
         # split-K: enough workgroups to fill the GPU at small batches (a split takes at least 16 keys, so
         # splits past the sequence's length / 16 exit at once); the partials stay ~1024 * G * Dh floats.
-        # With tiles, also enough for the tiles (one workgroup per 32 query vectors at least)
+        # With tiles, as many as the tiles want (a tile's workgroup per 32 query vectors and split, for about
+        # attention_prefill_target workgroups: the long causal rows of a prompt's last tiles spread)
         tiles = self._prefill_kernel(pool_t, dh, g) if meta.max_tiles else None
-        groups = max(t * hkv, t * h // ATTENTION_PREFILL_TILE if tiles else 0)
-        splits = max(1, min(ATTENTION_MAX_SPLITS, -(-ATTENTION_TARGET_GROUPS // groups)))
+        splits = -(-ATTENTION_TARGET_GROUPS // (t * hkv))
+        if tiles:
+            splits = max(splits, -(-self.attention_prefill_target // max(1, t * h // ATTENTION_PREFILL_TILE)))
+        splits = max(1, min(ATTENTION_MAX_SPLITS, splits))
         if self.deterministic:  # a row's split boundaries then depend on its position only
             splits = DETERMINISTIC_SPLITS
         part = self._new((t, h, splits, dh + 4))  # (m, l, padding, acc): shaders/attention_part.glsl
         binds = [q.view, kp, vp, self.meta_gpu, part.view]
         push = AttentionSplitPush(
             *(t, h, hkv, dh, h * dh, splits, lay.block_size, window or 0),
-            *(meta.positions, meta.seq, info_off, scale, meta.tiled if tiles else 0),
+            *(meta.positions, meta.seq, info_off, scale, meta.tiled if tiles else 0, self.attention_min_keys),
         )
         self._dispatch(self._attention_kernel(pool_t, dh, g), binds, push, t * hkv * splits)
         if tiles:  # the tiles' rows (the kernel above skipped them), into the same partials

@@ -322,10 +322,12 @@ def split_k(
     return -(-k // k_split), k_split
 
 
-def coopmat_splits(k: int, n: int, t: int, tile: tuple[int, int]) -> tuple[int, int]:
-    """(splits, k_split): how a coopmat dispatch of an (n, k) weight and t tokens divides K (the module's
-    COOPMAT_* settings, read at each call)."""
-    return split_k(k, n, t, tile, COOPMAT_BK, COOPMAT_TARGET_GROUPS, COOPMAT_MIN_STEPS)
+def coopmat_splits(
+    k: int, n: int, t: int, tile: tuple[int, int], target: int | None = None
+) -> tuple[int, int]:
+    """(splits, k_split): how a coopmat dispatch of an (n, k) weight and t tokens divides K: for about
+    ``target`` workgroups (default COOPMAT_TARGET_GROUPS; the module's settings are read at each call)."""
+    return split_k(k, n, t, tile, COOPMAT_BK, target or COOPMAT_TARGET_GROUPS, COOPMAT_MIN_STEPS)
 
 
 class CoopMatPush(ctypes.Structure):
@@ -370,20 +372,24 @@ def record_coopmat(
     x_stride: int | None = None,
     y_stride: int | None = None,
     max_range: int | None = None,
+    target: int | None = None,
 ) -> int:
     """Record y[:t, :n] = x[:t, :k] · Wᵀ on the cooperative-matrix kernel ``kernel``
     (``mul_mm_coopmat_<type>_<BT>x<BN>``), ``xh`` the float16 copy of x and ``scale`` its row scales
     (:func:`record_row_scale`, recorded before; ``x_stride`` in halves): per bind range of W one dispatch,
-    K split as :func:`coopmat_splits` says; with several splits the partial sums go to ``part`` (a
-    BufferView, or a callable ``nbytes -> BufferView`` asked once for the largest range's need) and
-    ``reduce_kernel`` (split_reduce) adds them into y. Returns the dispatch count."""
+    K split as :func:`coopmat_splits` says (for about ``target`` workgroups); with several splits the
+    partial sums go to ``part`` (a BufferView, or a callable ``nbytes -> BufferView`` asked once for the
+    largest range's need) and ``reduce_kernel`` (split_reduce) adds them into y. Returns the dispatch
+    count."""
     tile, rb = _coopmat_layout(kernel, k, x_stride or k)
     x_stride, y_stride = x_stride or k, y_stride or n
     count = 0
     pieces = row_ranges(kernel, [w], rb, n, max_range)
-    part = part_scratch(part, pieces, t, lambda rows: coopmat_splits(k, rows, t, tile)[0], split_only=True)
+    part = part_scratch(
+        part, pieces, t, lambda rows: coopmat_splits(k, rows, t, tile, target)[0], split_only=True
+    )
     for (wb,), rows, row0 in pieces:
-        splits, k_split = coopmat_splits(k, rows, t, tile)
+        splits, k_split = coopmat_splits(k, rows, t, tile, target)
         groups = (-(-t // tile[0]), -(-rows // tile[1]), splits)  # token tiles fastest
         if splits == 1:
             push = CoopMatPush(k, rows, t, x_stride, y_stride, rb, row0, k)
@@ -415,6 +421,7 @@ def record_coopmat_geglu(
     x_stride: int | None = None,
     y_stride: int | None = None,
     max_range: int | None = None,
+    target: int | None = None,
 ) -> int:
     """Record y[:t, :n] = gelu_tanh(x · W_gateᵀ) * (x · W_upᵀ) on the cooperative-matrix kernel: per bind
     range of the two weights (same type and shape) one dispatch for each into its partial sums (K split as
@@ -429,10 +436,10 @@ def record_coopmat_geglu(
     tile, rb = _coopmat_layout(kernel, k, x_stride or k)
     x_stride, y_stride = x_stride or k, y_stride or n
     pieces = row_ranges(kernel, [w_gate, w_up], rb, n, max_range)
-    splits_of = lambda rows: coopmat_splits(k, rows, t, tile)[0]  # noqa: E731
+    splits_of = lambda rows: coopmat_splits(k, rows, t, tile, target)[0]  # noqa: E731
     parts = [part_scratch(part, pieces, t, splits_of, split_only=False) for _ in range(2)]
     for (wg, wu), rows, row0 in pieces:
-        splits, k_split = coopmat_splits(k, rows, t, tile)
+        splits, k_split = coopmat_splits(k, rows, t, tile, target)
         groups = (-(-t // tile[0]), -(-rows // tile[1]), splits)
         push = CoopMatPush(k, rows, t, x_stride, rows, rb, 0, k_split)
         for wb, pb in zip((wg, wu), parts, strict=True):

@@ -116,6 +116,7 @@ class AttentionSplitPush(ctypes.Structure):
         *[(n, u32) for n in ("block_size", "window", "pos_off", "seq_off", "info_off")],
         ("scale", f32),
         ("skip_off", u32),
+        ("min_keys", u32),
     ]
 
 
