@@ -7,7 +7,7 @@ import pytest
 
 from hmaclient import protocol as P
 from hmaclient.prometheus import exposition
-from hmad.metrics import Histogram, Metrics
+from hmad.metrics import Histogram, Metrics, RateWindow
 
 
 def test_histogram_buckets_are_cumulative_with_le_bounds():
@@ -17,6 +17,20 @@ def test_histogram_buckets_are_cumulative_with_le_bounds():
     s = h.sample()
     assert s["buckets"] == [2, 3, 4]  # <= 1: 0.5 and 1.0 (the bound is inclusive); <= 2: + 1.5; <= 4: + 4.0
     assert s["count"] == 5 and s["sum"] == pytest.approx(16.0)
+
+
+def test_rate_window_counts_the_last_span_only_and_stays_bounded():
+    w = RateWindow(10.0)
+    assert w.add(100.0, 5) == 0.0  # one sample: no rate yet
+    assert w.add(102.0, 25) == pytest.approx(10.0)  # 20 tokens in 2 s
+    assert w.add(110.0, 45) == pytest.approx(40 / 10)  # the sample at 100 s is exactly 10 s old: kept
+    assert w.add(111.0, 55) == pytest.approx((55 - 25) / 9)  # ... and now dropped
+    assert w.add(200.0, 55) == 0.0  # idle past the span: only this sample left
+    assert len(w) == 1
+    # one sample a step at 500 steps/s for 60 s: the window holds 10 s of them, not the minute
+    for i in range(30_000):
+        rate = w.add(300.0 + i / 500, 1000 + 3 * i)
+    assert rate == pytest.approx(1500.0) and len(w) == 5001
 
 
 def test_families_count_outcomes_and_read_the_snapshot():

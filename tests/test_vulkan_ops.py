@@ -82,6 +82,11 @@ def test_step_meta_layout_and_pack():
             want = kv_slots(table_of(s), np.arange(s.pos0, s.end_pos), 4)
             assert np.array_equal(m[sec + s.start : sec + s.start + s.n], want)
     assert list(m[lay.logit_rows : lay.logit_rows + 2]) == list(b.logit_rows)
+    # into a reused buffer (the mapped one holds an earlier step's words, maybe another bucket's): the same
+    # words as into zeros, up to the end of the tables this step uses (B's decode row: the integer path)
+    dirty = np.full(lay.words, 0xDEADBEEF, np.uint32)
+    used = lay.tables + sum(len(s.global_table) + len(s.local_table) for s in b.seqs)
+    assert np.array_equal(lay.pack(b, out=dirty)[:used], m[:used])
     with pytest.raises(ValueError, match="exceeds the bucket"):
         StepMetaLayout(max_tokens=4, max_seqs=4, max_table=40).pack(b)
     assert lay.max_tiles == 0 and not m[lay.tiled : lay.tiled + tmax].any()
@@ -251,8 +256,13 @@ def test_geglu_on_fused_gate_up_rows_matches_reference(dev, kernels, gpu):
 @pytest.mark.parametrize("pool", ["f32", "f16"])
 @pytest.mark.parametrize("head_dim", [32, 128, 256])
 @pytest.mark.parametrize("splits", [1, 3, 64])
-@pytest.mark.parametrize("variant", ["split", "decode", "decode_kl", "decode_kl4"])
-def test_kv_write_and_paged_attention_match_reference(dev, kernels, gpu, pool, head_dim, splits, variant):
+@pytest.mark.parametrize(
+    "variant,min_keys",
+    [("split", 32), ("decode", 32), ("decode", 1), ("decode_kl", 32), ("decode_kl", 8), ("decode_kl4", 32)],
+)
+def test_kv_write_and_paged_attention_match_reference(
+    dev, kernels, gpu, pool, head_dim, splits, variant, min_keys
+):
     """Two layers (global, sliding window 6) over three sequences of different lengths in one batch.
 
     Blocks of 4 positions, scattered; the local ring of 4 blocks wraps (sequence A is at 37..41); GQA of 4
@@ -262,7 +272,9 @@ def test_kv_write_and_paged_attention_match_reference(dev, kernels, gpu, pool, h
     kernel, the variant the backend would pick for this device) in place of attention_split; "decode_kl":
     attention_decode_kl (8 lanes per key: 4 keys at once on a 32-wide subgroup, one on lavapipe's 8-wide
     ones; head dims up to 128); "decode_kl4": its 4-lane test variant, so that lavapipe's subgroups hold two
-    keys and the merge of a subgroup's key clusters runs there too."""
+    keys and the merge of a subgroup's key clusters runs there too. ``min_keys``: the keys a split of the
+    decode kernels takes at least (the backend's attention_min_keys; 1: a split of a key or two, every split
+    live; attention_split's splits take a tile of 16 keys whatever it says)."""
     from hmad.backends.vulkan.pipelines import AttentionReducePush, AttentionSplitPush, KvWritePush
 
     rng = np.random.default_rng(head_dim)
@@ -324,6 +336,7 @@ def test_kv_write_and_paged_attention_match_reference(dev, kernels, gpu, pool, h
             seq_off=lay.seq,
             info_off=info_off,
             scale=scale,
+            min_keys=min_keys,
         )
         reduce = AttentionReducePush(t + 1, h, head_dim, splits, h * head_dim)
         b_part = gpu.poison(gpu.alloc((t + 1) * h * splits * (head_dim + 4) * 4))

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from hmad.engine.request import Event, Request
 from hmad.engine.scheduler import QueueFull, RequestInvalid, RequestRejected, Scheduler
-from hmad.metrics import Metrics
+from hmad.metrics import Metrics, RateWindow
 
 log = logging.getLogger("hmad.engine")
 
@@ -42,7 +42,7 @@ class EngineThread:
         self.failed = False  # set when a step raised: the service then stops (exit 1) so systemd restarts it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hmad-engine", daemon=True)
-        self._tok_window: list[tuple[float, int]] = []
+        self._tok_rate = RateWindow(10.0)  # tokens_per_s: generated tokens over the last 10 s
 
     # -- called from other threads ---------------------------------------------------------------------
     def start(self) -> None:
@@ -122,10 +122,7 @@ class EngineThread:
     def _update_snapshot(self) -> None:
         now = time.monotonic()
         self.last_progress = now
-        self._tok_window.append((now, self.scheduler.tokens_out))
-        self._tok_window = [(t, n) for t, n in self._tok_window if now - t <= 10.0]
-        t0, n0 = self._tok_window[0]
-        rate = (self.scheduler.tokens_out - n0) / (now - t0) if now > t0 else 0.0
+        rate = self._tok_rate.add(now, self.scheduler.tokens_out)
         self.snapshot = {
             **self.scheduler.status(),
             "tokens_per_s": round(rate, 2),

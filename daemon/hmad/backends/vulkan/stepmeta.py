@@ -26,11 +26,13 @@ S = max_seqs)::
 - A layer's pool picks the section: a global layer's kernels get ``slot_global``/``info_global`` offsets, a
   sliding-window layer's ``slot_local``/``info_local``. Slots are computed on the host (one per row).
 - Rows ``n_tokens..T-1`` are padding: token 0, position 0, sequence and both slots ``NONE`` (0xFFFFFFFF):
-  kv_write skips them, attention writes zeros. Unused sequences and table entries are 0.
+  kv_write skips them, attention writes zeros. Unused sequences are 0.
 - Tiles (prefill attention): a sequence with at least ``tile_min_rows`` rows in the step is cut into tiles of
   up to :data:`TILE_ROWS` consecutive rows; attention_prefill.comp takes those rows (one workgroup shares
   each K/V chunk among a tile's rows) and the per-row kernels skip them (``tiled`` = 1). Unused tile entries
   are zeros (0 rows). ``tile_min_rows`` 0: no tiles, ``max_tiles`` 0.
+- Every section before ``tables`` is rewritten each step (zeros where unused); the tables section only as far
+  as the step's sequences use it (no kernel reads past a sequence's entries).
 """
 
 from __future__ import annotations
@@ -124,32 +126,43 @@ class StepMetaLayout:
                 f"step of {t} tokens, {s} sequences, {n_table} table entries exceeds the bucket {self}"
             )
         m = np.zeros(self.words, np.uint32) if out is None else out
-        m[:] = 0
+        m[: self.tables] = 0  # the tables' unused entries are never read: a step writes what it uses
         m[:HEADER_WORDS] = [t, s, batch.block_size, len(batch.logit_rows), 0, 0, 0, 0]
         m[self.tokens : self.tokens + t] = batch.tokens
         m[self.positions : self.positions + t] = batch.positions
-        pad = slice(t, self.max_tokens)
         for sec in (self.seq, self.slot_global, self.slot_local):
-            m[sec : sec + self.max_tokens][pad] = NONE
+            m[sec + t : sec + self.max_tokens] = NONE
         at = self.tables
         for i, q in enumerate(batch.seqs):
-            rows = slice(q.start, q.start + q.n)
-            m[self.seq : self.seq + t][rows] = i
-            pos = np.arange(q.pos0, q.end_pos)
+            m[self.seq + q.start : self.seq + q.start + q.n] = i
             for table, info, slots in (
                 (q.global_table, self.info_global, self.slot_global),
                 (q.local_table, self.info_local, self.slot_local),
             ):
-                m[info + 2 * i : info + 2 * i + 2] = [at, len(table)]
-                m[at : at + len(table)] = table
-                at += len(table)
-                if len(table):
-                    m[slots : slots + t][rows] = kv_slots(table, pos, batch.block_size)
-                else:
-                    m[slots : slots + t][rows] = NONE
+                at = self._pack_table(m, batch.block_size, q, table, info + 2 * i, slots, at)
         m[self.logit_rows : self.logit_rows + len(batch.logit_rows)] = batch.logit_rows
         self._pack_tiles(batch, m)
         return m
+
+    @staticmethod
+    def _pack_table(
+        m: np.ndarray, block_size: int, q, table: np.ndarray, info: int, slots: int, at: int
+    ) -> int:
+        """Sequence ``q``'s block ``table`` at word ``at`` (its (start, entries) at ``info``) and the KV slots
+        of its rows (section ``slots``); returns the next free table word. A decode row's one slot is
+        computed in plain integers (numpy's per-call cost is most of a small step's metadata)."""
+        n, r0 = len(table), slots + q.start
+        m[info] = at
+        m[info + 1] = n
+        m[at : at + n] = table
+        if not n:
+            m[r0 : r0 + q.n] = NONE
+        elif q.n == 1:
+            p = q.pos0
+            m[r0] = int(table[(p // block_size) % n]) * block_size + p % block_size
+        else:
+            m[r0 : r0 + q.n] = kv_slots(table, np.arange(q.pos0, q.end_pos), block_size)
+        return at + n
 
     def _pack_tiles(self, batch: StepBatch, m: np.ndarray) -> None:
         """The ``tiled`` flags and the ``tiles`` entries of the sequences long enough for tiles."""
