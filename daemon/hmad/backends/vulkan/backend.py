@@ -433,6 +433,7 @@ class VulkanBackend(Backend):
         self.meta: BufferView | None = None  # host-visible: the host packs each step's metadata here
         self.meta_gpu: BufferView | None = None  # what the kernels bind: meta, or its device-local copy
         self.ids: BufferView | None = None
+        self._meta_host = np.zeros(0, np.uint32)  # a step's metadata packed here, then copied into self.meta
         self.readback: BufferView | None = None
         self.topk_buf: BufferView | None = None  # mapped: ids (rows, k) uint32, then values (rows, k)
         self.fence = self.dev.create_fence()
@@ -699,10 +700,18 @@ class VulkanBackend(Backend):
         assert self.kv_layout is not None, "alloc_kv() before the first step"
         t_b = bucket(max(1, batch.n_tokens))
         o_b = min(bucket(max(self.logit_rows_b, len(batch.logit_rows))), t_b)
-        self._ensure_meta(t_b)
-        graph = self.graphs.get((t_b, o_b)) or self._record(net, t_b, o_b)
-        words = graph.layout.words
-        graph.layout.pack(batch, out=self.meta.array(np.uint32)[:words])
+        graph = self.graphs.get((t_b, o_b))
+        if graph is None:  # (a recording's metadata fits: growing the buffer drops every recording)
+            self._ensure_meta(t_b)
+            graph = self._record(net, t_b, o_b)
+        lay = graph.layout
+        if self._meta_host.size < lay.words:
+            self._meta_host = np.zeros(lay.words, np.uint32)
+        lay.pack(batch, out=self._meta_host[: lay.words])
+        # into the mapped buffer in one sequential write, not a store per section (it may be uncached,
+        # write-combined memory across the bus)
+        used = lay.used_words(batch)
+        self.meta.array(np.uint32)[:used] = self._meta_host[:used]
         return StepOutput(graph, len(batch.logit_rows), graph.logits.shape[1])
 
     def _record(self, net, t_b: int, o_b: int) -> Graph:

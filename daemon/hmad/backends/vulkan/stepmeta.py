@@ -38,6 +38,7 @@ S = max_seqs)::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -51,76 +52,81 @@ TILE_ROWS = 32
 
 @dataclass(frozen=True)
 class StepMetaLayout:
-    """Word offsets of the sections for a bucket of capacities (see the module docstring)."""
+    """Word offsets of the sections for a bucket of capacities (see the module docstring); each computed once
+    (a step's pack reads them dozens of times)."""
 
     max_tokens: int
     max_seqs: int
     max_table: int
     tile_min_rows: int = 0  # a sequence of at least this many rows in the step goes in tiles (0: none)
 
-    @property
+    @cached_property
     def max_tiles(self) -> int:
         """Tiles a step can need: sum of ceil(n_i / TILE_ROWS) <= T // TILE_ROWS + T // tile_min_rows."""
         if not self.tile_min_rows:
             return 0
         return self.max_tokens // TILE_ROWS + self.max_tokens // self.tile_min_rows
 
-    @property
+    @cached_property
     def tokens(self) -> int:
         return HEADER_WORDS
 
-    @property
+    @cached_property
     def positions(self) -> int:
         return self.tokens + self.max_tokens
 
-    @property
+    @cached_property
     def seq(self) -> int:
         return self.positions + self.max_tokens
 
-    @property
+    @cached_property
     def slot_global(self) -> int:
         return self.seq + self.max_tokens
 
-    @property
+    @cached_property
     def slot_local(self) -> int:
         return self.slot_global + self.max_tokens
 
-    @property
+    @cached_property
     def info_global(self) -> int:
         return self.slot_local + self.max_tokens
 
-    @property
+    @cached_property
     def info_local(self) -> int:
         return self.info_global + 2 * self.max_seqs
 
-    @property
+    @cached_property
     def logit_rows(self) -> int:
         return self.info_local + 2 * self.max_seqs
 
-    @property
+    @cached_property
     def tiled(self) -> int:
         return self.logit_rows + self.max_seqs
 
-    @property
+    @cached_property
     def tiles(self) -> int:
         return self.tiled + self.max_tokens
 
-    @property
+    @cached_property
     def tables(self) -> int:
         return self.tiles + 3 * self.max_tiles
 
-    @property
+    @cached_property
     def words(self) -> int:
         return self.tables + self.max_table
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return 4 * self.words
+
+    def used_words(self, batch: StepBatch) -> int:
+        """The words :meth:`pack` writes for ``batch``: every section, and the tables its sequences use."""
+        return self.tables + sum(len(q.global_table) + len(q.local_table) for q in batch.seqs)
 
     def pack(self, batch: StepBatch, out: np.ndarray | None = None) -> np.ndarray:
         """The batch as this layout's uint32 words, written into ``out`` (e.g. the mapped buffer) if given."""
         t, s = batch.n_tokens, len(batch.seqs)
-        n_table = sum(len(q.global_table) + len(q.local_table) for q in batch.seqs)
+        n_table = self.used_words(batch) - self.tables
         if t > self.max_tokens or s > self.max_seqs or n_table > self.max_table:
             raise ValueError(
                 f"step of {t} tokens, {s} sequences, {n_table} table entries exceeds the bucket {self}"
