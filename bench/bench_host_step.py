@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """The engine's host work per step, by phase, beside the device's submit + wait: one greedy stream at a time.
 
-    python3 bench/bench_host_step.py --model M.gguf [--backend vulkan] [--prompt 128] [--gen 128] [--reps 2]
+    python3 bench/bench_host_step.py --model M.gguf [--prompt 128] [--gen 128] [--reps 2]
 
-Runs the daemon's engine loop in-process (EngineThread's drain, step, snapshot and publish, the scheduler and
-backend the daemon builds) and times each phase by wrapping the methods that run it: the wrappers only read
-the clock (the work is the real one). ``submit`` is the backend's submit and fence wait (the device's step
-plus the driver's round trip); the rest is the host work the device waits for between steps. Printed per step
-(microseconds, means over the run's steps), per repetition.
+Runs the daemon's engine loop in-process on the Vulkan backend (EngineThread.turn: drain, step, snapshot
+and publish, with the scheduler and backend the daemon builds) and times each phase by wrapping the methods
+that run it: the wrappers only read the clock (the work is the real one). ``submit`` is the backend's
+submit and fence wait (the device's step plus the driver's round trip); the rest is the host work the
+device waits for between steps. Printed per step (microseconds, means over the run's steps), per repetition.
 """
 
 from __future__ import annotations
@@ -60,12 +60,11 @@ def timed(acc: dict, label: str, f):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--backend", default="vulkan")
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--reps", type=int, default=2)
     a = ap.parse_args()
-    model = load_model(a.model, a.backend)
+    model = load_model(a.model, "vulkan")
     sched = Scheduler(model, SchedulerConfig(max_seqs=32, kv_tokens=32768))
     sched.prepare()
     eng = EngineThread(sched, lambda: None)
@@ -81,11 +80,8 @@ def main() -> None:
         prompt = [2] + [300 + (7 * j + rep) % 90 for j in range(a.prompt - 1)]
         sched.submit(Request(rep, prompt, greedy))
         t0, steps = time.perf_counter(), 0
-        while sched.has_work():  # EngineThread._run's loop body, in this thread
-            eng._drain_commands(block=False)
-            events = eng._step()
-            eng._update_snapshot()
-            eng._publish(events)
+        while sched.has_work():  # the engine thread's loop, in this thread
+            eng.turn()
             steps += 1
         wall = time.perf_counter() - t0
         sub = acc["backend._submit (submit + wait)"]

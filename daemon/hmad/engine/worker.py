@@ -63,14 +63,19 @@ class EngineThread:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._drain_commands(block=not self.scheduler.has_work())
-                events = self._step() if self.scheduler.has_work() else []
-                self._update_snapshot()  # before the events go out: a status after a reply includes its step
-                self._publish(events)
+                self.turn()
         except Exception as e:  # the engine must never die silently: fail every request, then stop
             log.exception("engine failure: no further steps")
             self.failed = True
             self._fail_all("internal", f"engine failure ({type(e).__name__}: {e}); see the daemon log")
+
+    def turn(self) -> None:
+        """One turn of the engine loop: take the commands (waiting for one while idle), step if there is
+        work, refresh the snapshot, publish the events (bench/bench_host_step.py times these turns)."""
+        self._drain_commands(block=not self.scheduler.has_work())
+        events = self._step() if self.scheduler.has_work() else []
+        self._update_snapshot()  # before the events go out: a status after a reply includes its step
+        self._publish(events)
 
     def _step(self) -> list[Event]:
         """One scheduler step, timed into the metrics when it ran a forward pass."""
