@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """The engine's host work per step, by phase, beside the device's submit + wait: one greedy stream at a time.
 
-    python3 bench/bench_host_step.py --model M.gguf [--prompt 128] [--gen 128] [--reps 2]
+    python3 bench/bench_host_step.py --model M.gguf [--prompt 128] [--gen 128] [--reps 2] [--pipeline on,off]
 
 Runs the daemon's engine loop in-process on the Vulkan backend (EngineThread.turn: drain, step, snapshot
 and publish, with the scheduler and backend the daemon builds) and times each phase by wrapping the methods
-that run it: the wrappers only read the clock (the work is the real one). ``submit`` is the backend's
-submit and fence wait (the device's step plus the driver's round trip); the rest is the host work the
-device waits for between steps. Printed per step (microseconds, means over the run's steps), per repetition.
+that run it: the wrappers only read the clock (the work is the real one). ``_wait`` is the backend's fence
+wait; everything else is host work. With engine.pipeline off the device waits for that host work between
+steps; on, the next step is on the device while it runs, so the step time is about the larger of the two.
+Printed per step (microseconds, means over the run's steps), per repetition, per pipeline setting.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ PHASES = [
     ("kv", "commit", "kv.commit"),
     ("kv", "usage", "kv.usage"),
     ("backend", "run", "backend.run (metadata pack)"),
-    ("backend", "_submit", "backend._submit (submit + wait)"),
+    ("backend", "_launch", "backend._launch (metadata copy, submit)"),
+    ("backend", "_wait", "backend._wait (fence wait)"),
     ("engine", "_update_snapshot", "engine snapshot"),
     ("engine", "_publish", "engine publish"),
     ("engine", "_drain_commands", "engine drain"),
@@ -63,17 +65,29 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--pipeline", default="on,off", help="engine.pipeline settings to run, in turn")
     a = ap.parse_args()
     model = load_model(a.model, "vulkan")
-    sched = Scheduler(model, SchedulerConfig(max_seqs=32, kv_tokens=32768))
+    acc: dict[str, float] = collections.defaultdict(float)
+    for _, name, label in [p for p in PHASES if p[0] == "backend"]:  # wrapped once, for every run
+        setattr(model.backend, name, timed(acc, label, getattr(model.backend, name)))
+    batchmod.StepBatch.build = timed(acc, "StepBatch.build", batchmod.StepBatch.build)
+    for mode in a.pipeline.split(","):
+        cfg = SchedulerConfig(max_seqs=32, kv_tokens=32768, pipeline=mode == "on")
+        print(f"engine.pipeline {mode}")
+        run(model, Scheduler(model, cfg), acc, a)
+    model.backend.close()
+
+
+def run(model, sched: Scheduler, acc: dict, a) -> None:
+    """``a.reps`` one-stream generations through the engine loop, each phase timed."""
     sched.prepare()
     eng = EngineThread(sched, lambda: None)
-    acc: dict[str, float] = collections.defaultdict(float)
-    owners = {"scheduler": sched, "kv": sched.kv, "backend": model.backend, "engine": eng}
+    owners = {"scheduler": sched, "kv": sched.kv, "engine": eng}
     for owner, name, label in PHASES:
-        obj = owners[owner]
-        setattr(obj, name, timed(acc, label or name, getattr(obj, name)))
-    batchmod.StepBatch.build = timed(acc, "StepBatch.build", batchmod.StepBatch.build)
+        if owner in owners:
+            obj = owners[owner]
+            setattr(obj, name, timed(acc, label or name, getattr(obj, name)))
     greedy = SamplingParams(temperature=0.0, max_tokens=a.gen, stop=[])
     for rep in range(a.reps):
         acc.clear()
@@ -84,12 +98,11 @@ def main() -> None:
             eng.turn()
             steps += 1
         wall = time.perf_counter() - t0
-        sub = acc["backend._submit (submit + wait)"]
+        wait = acc["backend._wait (fence wait)"]
         per = 1e6 / steps
-        print(f"rep {rep}: {steps} steps, {wall * per:.0f} us a step, host work {(wall - sub) * per:.0f}")
+        print(f"rep {rep}: {steps} steps, {wall * per:.0f} us a step, host work {(wall - wait) * per:.0f}")
         for label, s in sorted(acc.items(), key=lambda kv: -kv[1]):
-            print(f"   {label:34s} {s / steps * 1e6:8.1f} us/step")
-    model.backend.close()
+            print(f"   {label:38s} {s / steps * 1e6:8.1f} us/step")
 
 
 if __name__ == "__main__":

@@ -264,8 +264,6 @@ def bench_model(name: str, args, ceiling: float) -> dict:
     print(f"{name}: {weight_bytes / 2**30:.2f} GiB of weights on {be.device} in {model.load_seconds:.1f} s")
     layout = KVLayout.plan(model.config, 32 * args.context, 32, 512)
     be.alloc_kv(layout)
-    res["meta_copied_to_vram"] = be.meta_gpu is not be.meta
-    print(f"  step metadata copied to VRAM each step: {res['meta_copied_to_vram']}")
     kv = KVCacheManager(layout)
     for sid in range(32):
         kv.reserve(sid, args.context)

@@ -3,6 +3,7 @@
 # file, hmad's load profile, and the daemon's throughput beside its engine, per model shape. Results in $OUT.
 #   bash bench/device_serving.sh [write] [tests] [ready] [peer_load] [load_profile] [daemon_270m] [daemon_27b]
 #       [peer_270m] [peer_27b] [prefix] [determinism] [copy] [compare_270m] [compare_27b] [steps]
+#       [nopipe_270m] [nopipe_27b] [host_step]
 set -uo pipefail
 . bench/device_env.sh
 OUT=${OUT:-/tmp/out}
@@ -81,6 +82,19 @@ for n in ('270m', '27b'):
             --prompt-tokens 128 --json "$OUT/hmad_$m.json" 2>&1 | grep -E "ready|steady|prefill|per step" | cut -c1-200
         python3 bench/compare_peer.py --hmad "$OUT/hmad_$m.json" --peer "$OUT/peer_$m.json" \
             --copy "$OUT/copy.json" --weights-bytes "$(stat -c %s /tmp/syn-$m.gguf)"
+        ;;
+    nopipe_270m | nopipe_27b)  # hmad with engine.pipeline off, as compare_* runs it (after compare_*: the
+        # same llama-server figures; the ratios of both settings in one call)
+        m=${step#nopipe_}
+        timeout 400 python3 bench/bench_daemon.py --model /tmp/syn-$m.gguf --backend vulkan --levels 1,8,32 \
+            --prompt-tokens 128 --set engine.pipeline=false --json "$OUT/hmad_nopipe_$m.json" 2>&1 \
+            | grep -E "steady|prefill|per step" | cut -c1-200
+        python3 bench/compare_peer.py --hmad "$OUT/hmad_nopipe_$m.json" --peer "$OUT/peer_$m.json" \
+            --copy "$OUT/copy.json" --weights-bytes "$(stat -c %s /tmp/syn-$m.gguf)"
+        ;;
+    host_step)  # the engine's host work a step beside the device's, engine.pipeline on and off (270M shape)
+        timeout 200 python3 bench/bench_host_step.py --model /tmp/syn-270m.gguf --reps 3 2>&1 | tee "$OUT/host_step.txt" \
+            | grep -E "pipeline|rep "
         ;;
     peer_270m | peer_27b)  # llama-server's prefill, 1, 8 and 32 streams on the same file
         m=${step#peer_}

@@ -259,24 +259,82 @@ def test_kv_pools_made_again_and_again_still_equal_cpu(pair):
     assert cached and not any(a.closed for a in cached)
 
 
-def test_step_metadata_copied_to_vram_when_mapped_memory_is_across_the_bus(tmp_path, monkeypatch):
-    """A dGPU whose host-visible memory is system RAM: each step first copies the metadata into a device-local
-    buffer that the kernels read (forced here: lavapipe's memory is all device-local). Same logits as the CPU
-    for every position of a 9-token prompt step."""
-    from hmad.backends.vulkan import backend as vkb
+def _run_pipelined(vk, prompts, params, cfg, cancel_at=None):
+    """Drive a Scheduler by hand (as the engine thread does); ``cancel_at``: (step, request id) to cancel
+    then. Returns ({id: (token ids, text, terminal kinds, finish reason)}, steps launched fed)."""
+    from hmad.engine.request import Request
 
-    monkeypatch.setattr(vkb, "across_bus", lambda dev, view: True)
-    path = make_tiny_gguf(tmp_path / "m.gguf", seed=7, types=MIXED)
-    cpu = load_model(path, "cpu", numerics="f32")
-    vk = load_model(path, "vulkan")
-    try:
-        ids = rand_ids(np.random.default_rng(8), 9, cpu.config.vocab_size)
-        close(vk.forward_full(ids), cpu.forward_full(ids), rtol_for(vk))
-        be = vk.backend
-        assert be.meta_gpu is not be.meta
-        assert [g.rec.labels[0] for g in be.graphs.values()] == ["step metadata to VRAM"]
-    finally:
-        vk.backend.close()
+    sched, out = Scheduler(vk, cfg), {}
+    for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+        sched.submit(Request(i, list(ids), p))
+        out[i] = ([], "", [], "")
+    n = 0
+    while sched.has_work():
+        n += 1
+        if cancel_at and n == cancel_at[0]:
+            assert sched.flight is not None and cancel_at[1] in {r.id for r in sched.flight.wanting}
+            sched.cancel(cancel_at[1])
+        for ev in sched.step():
+            toks, text, ends, why = out[ev.request_id]
+            if ev.kind == "token":
+                out[ev.request_id] = (toks + ev.token_ids, text + ev.text, ends, why)
+            else:
+                out[ev.request_id] = (toks, text, [*ends, ev.kind], ev.finish_reason or why)
+    return out, sched.pipelined_steps
+
+
+def test_pipelined_steps_give_the_tokens_of_steps_run_one_by_one(pair):
+    """engine.pipeline: each step is launched before the ids of the one before are read, its decode rows'
+    tokens fed on the GPU from that step's argmax (the host writes 0 there). Prompts of several chunks,
+    max_tokens from 1, a stop string that ends one request early (its extra row is dropped): the same
+    tokens, text and finish reasons as the same steps run one by one, one terminal event each."""
+    _, vk = pair
+    be = vk.backend
+    rng = np.random.default_rng(21)
+    prompts = [rand_ids(rng, n, vk.config.vocab_size) for n in (5, 40, 2, 17)]
+    cfg = dict(max_seqs=3, step_tokens=24, max_chunk=16, kv_tokens=512)
+    plain = [SamplingParams(temperature=0.0, max_tokens=m) for m in (14, 9, 1, 20)]
+    want, fed = _run_pipelined(vk, prompts, plain, SchedulerConfig(pipeline=False, **cfg))
+    assert fed == 0
+    steps0 = be.steps
+    got, fed = _run_pipelined(vk, prompts, plain, SchedulerConfig(**cfg))
+    assert got == want and fed > 10 and be.steps > steps0
+    assert all(ends == ["done"] for _, _, ends, _ in got.values())
+    assert any(t != 0 for toks, *_ in got.values() for t in toks[1:])  # a fed token the placeholder is not
+    # a stop string from the middle of request 0's text: it ends there, with one row too many computed
+    text0 = want[0][1]
+    assert len(text0) > 4
+    stop = [SamplingParams(temperature=0.0, max_tokens=14, stop=[text0[len(text0) // 2 :][:3]]), *plain[1:]]
+    want, _ = _run_pipelined(vk, prompts, stop, SchedulerConfig(pipeline=False, **cfg))
+    got, fed = _run_pipelined(vk, prompts, stop, SchedulerConfig(**cfg))
+    assert got == want and fed > 10 and want[0][3] == "stop" and len(want[0][0]) < 14
+
+
+def test_cancel_while_a_pipelined_step_is_in_flight(pair):
+    """A request cancelled while a launched step holds its row: one ``cancelled`` event, its row's token
+    dropped, its blocks freed; the others' tokens as without the cancel."""
+    _, vk = pair
+    rng = np.random.default_rng(22)
+    prompts = [rand_ids(rng, n, vk.config.vocab_size) for n in (6, 11, 3)]
+    params = [SamplingParams(temperature=0.0, max_tokens=12) for _ in prompts]
+    cfg = SchedulerConfig(max_seqs=3, kv_tokens=256, prefix_cache=False)
+    want, _ = _run_pipelined(vk, prompts, params, cfg)
+    got, fed = _run_pipelined(vk, prompts, params, cfg, cancel_at=(5, 1))
+    assert fed > 5 and got[1][2] == ["cancelled"] and 0 < len(got[1][0]) < 12
+    assert got[1][0] == want[1][0][: len(got[1][0])]
+    assert got[0] == want[0] and got[2] == want[2]
+
+
+def test_every_step_copies_its_metadata_into_device_memory(pair):
+    """The kernels read the metadata from one device-local buffer; each step's head copies its parity's
+    mapped buffer there (and runs feed_tokens when the batch has fed rows)."""
+    _, vk = pair
+    be = vk.backend
+    generate(vk, [[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4))
+    assert be.meta_gpu is not None and all(be.meta_gpu is not m for m in be.metas) and len(be.metas) == 2
+    heads = [h for g in be.graphs.values() for h in g.heads.values()]
+    assert heads and all(h.labels[0] == "step metadata to VRAM" for h in heads)
+    assert any(h.labels[-1] == "feed_tokens" for h in heads)
 
 
 def test_weights_forced_into_the_host_heap(tmp_path):

@@ -104,7 +104,25 @@ def test_step_meta_tiles():
     tiles = m[lay.tiles : lay.tiles + 3 * lay.max_tiles].reshape(-1, 3)
     assert tiles[:3].tolist() == [[0, 0, 32], [0, 32, 13], [3, 49, 10]] and not tiles[3:].any()
     assert m[lay.tiled : lay.tiled + 64].tolist() == [1] * 45 + [0] * 4 + [1] * 10 + [0] * 5
-    assert lay.tables == lay.tiles + 3 * lay.max_tiles  # the block tables follow, unmoved otherwise
+    assert lay.feed == lay.tiles + 3 * lay.max_tiles  # then the feed rows, then the block tables
+    assert lay.tables == lay.feed + lay.max_tokens
+
+
+def _fed_batch():
+    """_batch() with B's decode token fed from row 1 of the step before (engine.pipeline)."""
+    b = _batch()
+    parts = [(s, b.tokens[s.start : s.start + s.n], True) for s in b.seqs]
+    return StepBatch.build(parts, 4, feed=[-1, 1, -1])
+
+
+def test_step_meta_feed_rows():
+    """A fed row's feed word is 1 + its source row; every other row's is 0 (into a dirty buffer too)."""
+    b = _fed_batch()
+    assert b.feed.tolist() == [-1] * 5 + [1] + [-1] * 3
+    lay = StepMetaLayout(max_tokens=b.n_tokens + 2, max_seqs=4, max_table=40)
+    m = lay.pack(b, out=np.full(lay.words, 0xDEADBEEF, np.uint32))
+    assert m[lay.feed : lay.feed + lay.max_tokens].tolist() == [0] * 5 + [2] + [0] * 5
+    assert StepBatch.build([(s, [0] * s.n, True) for s in _batch().seqs], 4, feed=[-1] * 3).feed is None
 
 
 # -- embed ---------------------------------------------------------------------------------------------------
@@ -499,6 +517,33 @@ def test_argmax_rows_of_a_full_vocabulary(dev, kernels, gpu):
     k = kernels("argmax_f32")
     run(dev, (k, [b_l, b_ids], ArgmaxPush(s, vocab, vocab), k.groups_for(s)))
     assert gpu.get(b_ids, np.uint32).tolist() == want
+
+
+# -- feed_tokens -------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_feed_tokens_writes_the_fed_rows_from_the_ids(dev, kernels, gpu):
+    """feed_tokens.comp on a packed step: the fed rows' tokens become the ids at their source rows (one of
+    them outside the vocabulary: 0), every other word of the metadata unchanged; fresh random ids."""
+    from hmad.backends.vulkan.pipelines import FeedPush
+
+    rng = np.random.default_rng(23)
+    table, ring = np.arange(4, dtype=np.int32), np.zeros(0, np.int32)
+    parts = [(SeqSlice(i, 0, 0, 10 + i, table, ring), [7 + i], True) for i in range(6)]  # six decode rows
+    feed = [4, -1, 0, 5, -1, 2]
+    b = StepBatch.build(parts, 4, feed=feed)
+    lay = StepMetaLayout(max_tokens=8, max_seqs=8, max_table=64)
+    m = lay.pack(b)
+    ids = rng.integers(0, 300, 8).astype(np.uint32)
+    ids[2] = 0xFFFFFFFF  # a row of only NaN
+    b_m, b_ids = gpu.put(m), gpu.put(ids)
+    k = kernels("feed_tokens")
+    run(dev, (k, [b_m, b_ids], FeedPush(lay.tokens, lay.feed, lay.max_tokens, 300), k.groups_for(1)))
+    want = m.copy()
+    for row, f in enumerate(feed):
+        if f >= 0:
+            want[lay.tokens + row] = ids[f] if ids[f] < 300 else 0
+    got = gpu.get(b_m, np.uint32)[: lay.words]
+    assert np.array_equal(got, want) and got[lay.tokens + 5] == 0 and got[lay.tokens + 1] == 8
 
 
 # -- top-k ---------------------------------------------------------------------------------------------------

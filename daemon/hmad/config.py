@@ -380,6 +380,7 @@ class EngineConfig:
     max_queue: int = _key(256, _Int(1, 65536))
     context_length: int = _key(0, _Int(0, 1 << 24))
     prefix_cache: bool = _key(True, _Bool())
+    pipeline: bool = _key(True, _Bool())
     deterministic: str | bool = _key("auto", _Tristate())
 
 

@@ -36,6 +36,9 @@ class Backend(ABC):
     #: ``greedy()`` runs on the device and reads back only token ids (the scheduler uses it when every
     #: sequence of a step is greedy); False: it would read the logits back anyway.
     greedy_on_device: bool = False
+    #: ``launch_greedy``/``collect`` exist: a step may be submitted before the ids of the one before it are
+    #: read, its decode rows' tokens taken on the device from that step (engine/scheduler.py, "Pipelining")
+    pipelined: bool = False
     #: ``topk(logits, k)`` selects on the device and reads back k candidates per row (the scheduler uses it
     #: when every sampling request of a step can be served from its best ``topk_max`` logits); 0: never.
     topk_max: int = 0
@@ -89,6 +92,16 @@ class Backend(ABC):
     def greedy(self, logits: Act) -> np.ndarray:
         """Argmax token id of each logits row (ties: the lowest id), as int64."""
         return np.argmax(self.to_numpy(logits), axis=-1).astype(np.int64)
+
+    def launch_greedy(self, logits: Act) -> Any:
+        """Start the step (``run``'s output) with its argmax and return a handle for ``collect`` without
+        waiting. The rows with a ``batch.feed`` entry take their token from the ids of the step launched
+        just before (still running, maybe). At most two steps in flight. Only where ``pipelined``."""
+        raise NotImplementedError(f"{self.name} backend does not pipeline steps")
+
+    def collect(self, launched: Any) -> np.ndarray:
+        """The argmax ids (S_out,) int64 of a ``launch_greedy`` step, once it is done."""
+        raise NotImplementedError(f"{self.name} backend does not pipeline steps")
 
     def topk(self, logits: Act) -> tuple[np.ndarray, np.ndarray]:
         """(ids int64, values float32), each (S_out, topk_max): the best logits of each row, largest first,

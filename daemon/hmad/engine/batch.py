@@ -40,14 +40,20 @@ class StepBatch:
     logit_rows: np.ndarray  # (S_out,) int32: rows of the flat batch whose logits the step returns
     block_size: int = 16
     meta: dict = field(default_factory=dict)
+    # (T,) int32 or None: a pipelined step's rows whose token the device takes from the step before it,
+    # from that step's ids row feed[t] (-1: the token in ``tokens``; Backend.launch_greedy)
+    feed: np.ndarray | None = None
 
     @property
     def n_tokens(self) -> int:
         return int(self.tokens.shape[0])
 
     @staticmethod
-    def build(parts: list[tuple[SeqSlice, np.ndarray, bool]], block_size: int) -> StepBatch:
-        """Assemble a batch from (slice without start, its token ids, wants logits of its last token)."""
+    def build(
+        parts: list[tuple[SeqSlice, np.ndarray, bool]], block_size: int, feed: list[int] | None = None
+    ) -> StepBatch:
+        """Assemble a batch from (slice without start, its token ids, wants logits of its last token);
+        ``feed``: per part, the previous step's ids row its one token comes from, or -1 (see ``feed``)."""
         tokens, positions, seqs, rows, start = [], [], [], [], 0
         for s, toks, want in parts:
             s.start, s.n = start, len(toks)
@@ -57,10 +63,18 @@ class StepBatch:
                 rows.append(start + s.n - 1)
             seqs.append(s)
             start += s.n
+        fed = None
+        if feed is not None and any(f >= 0 for f in feed):
+            fed = np.full(start, -1, np.int32)
+            for s, f in zip(seqs, feed, strict=True):
+                if f >= 0:
+                    assert s.n == 1, "a fed part is one decode token"
+                    fed[s.start] = f
         return StepBatch(
             tokens=np.concatenate(tokens) if tokens else np.zeros(0, np.int32),
             positions=np.concatenate(positions) if positions else np.zeros(0, np.int32),
             seqs=seqs,
             logit_rows=np.asarray(rows, dtype=np.int32),
             block_size=block_size,
+            feed=fed,
         )

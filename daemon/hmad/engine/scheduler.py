@@ -20,6 +20,18 @@ go on. A backend that raises ``BackendUnusable`` can run no further step: that p
 thread fails everything (engine/worker.py). So does an exception while retiring, admitting or planning
 (bookkeeping), as the scheduler's state can no longer be trusted.
 
+Pipelining (``SchedulerConfig.pipeline``, on by default; backends that are ``pipelined``): while every
+running request is greedy on the device (temperature 0, no repetition penalty, no grammar), ``step()``
+launches step n + 1 *before* it reads step n's token ids, and the host's work on step n (sampling, decoding,
+stop strings, events, the next plan) runs while the device computes step n + 1. Step n + 1 is planned as
+if every sequence of step n goes on: a row that produced a token in step n decodes in step n + 1, its input
+token taken on the device from step n's argmax (``StepBatch.feed``); a sequence whose token in step n ends
+it by length is left out. One that step n ends otherwise (end of turn, a stop string) or that is cancelled
+meanwhile computes one row too many in step n + 1: the row is dropped, its KV blocks are freed, nothing is
+committed from it. A step that needs host logits (sampling, a grammar) waits for the step in flight
+first. The device runs the steps in submission order, so KV blocks freed on the host while a step is in
+flight are only rewritten by later steps.
+
 Structured output: a request with a grammar (``Request.constraint``) needs its whole logits row, so a step
 holding one reads the full rows back (``model.forward``) rather than the on-device argmax or top-k. Its
 mask sets every token the grammar forbids to -inf before the sampler runs; end-of-turn is allowed only once
@@ -33,6 +45,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -66,6 +79,24 @@ class SchedulerConfig:
     max_queue: int = 256
     context_length: int = 0  # 0: the model's
     prefix_cache: bool = True  # reuse the KV blocks of earlier prompts' shared prefixes
+    pipeline: bool = True  # launch the next greedy step before reading this one's ids (module docstring)
+
+
+Part = tuple[Request, SeqSlice, list[int], bool]  # request, its slice, its input ids, wants logits
+
+
+@dataclass
+class Flight:
+    """A launched step whose ids are not read yet (Pipelining)."""
+
+    parts: list[Part]
+    wanting: list[Request]  # in logit-row order
+    launched: Any  # the backend's handle
+    t0: float
+
+    def rows(self) -> dict[int, int]:
+        """Request id -> its row of the step's ids."""
+        return {r.id: i for i, r in enumerate(self.wanting)}
 
 
 class Scheduler:
@@ -90,6 +121,9 @@ class Scheduler:
         self.recent_mask_s: collections.deque[float] = collections.deque(maxlen=256)  # per masked token
         self.steps = 0
         self.tokens_out = 0
+        self.flight: Flight | None = None  # the step launched and not yet collected (Pipelining)
+        self.pipelined_steps = 0
+        self._t_collected = 0.0
 
     # -- requests in -----------------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -124,14 +158,20 @@ class Scheduler:
         self.model.backend.prepare(self.model.net, self.cfg.step_tokens, self.cfg.max_seqs)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._cancelled)
+        return bool(self.waiting or self.running or self._cancelled or self.flight)
 
     # -- the step --------------------------------------------------------------------------------------
     def step(self) -> list[Event]:
         events = self._retire_cancelled()
         self._admit()
+        if self.flight is not None:
+            return events + self._step_pipelined()
         parts = self._plan()
-        if parts:
+        if parts and self._pipelining():
+            events += self._launch(parts, None)
+            if self.flight is not None:
+                return events + self._step_pipelined()
+        elif parts:
             t0 = time.perf_counter()
             self.steps += 1
             try:
@@ -148,7 +188,67 @@ class Scheduler:
         self._release_finished()
         return events
 
-    def _forward_and_sample(self, parts: list[tuple[Request, SeqSlice, list[int], bool]]) -> list[Event]:
+    # -- pipelining (module docstring) ------------------------------------------------------------------
+    def _pipelining(self) -> bool:
+        """Whether the next step may be launched before the one in flight is read."""
+        return (
+            self.cfg.pipeline
+            and getattr(self.model.backend, "pipelined", False)
+            and bool(self.running)
+            and all(self._greedy_ok(r) for r in self.running)
+        )
+
+    def _step_pipelined(self) -> list[Event]:
+        """Launch the next step (if it can go ahead unread), then collect the one in flight."""
+        flight, self.flight = self.flight, None
+        events = []
+        if self._pipelining():
+            parts = self._plan(flight)
+            if parts:
+                events += self._launch(parts, flight)
+        events += self._collect(flight)
+        self._release_finished()
+        return events
+
+    def _launch(self, parts: list[Part], prev: Flight | None) -> list[Event]:
+        """Start a greedy step; its rows fed from ``prev``'s ids where ``prev`` produced their token."""
+        rows = prev.rows() if prev else {}
+        feed = [rows.get(r.id, -1) for r, *_ in parts] if rows else None
+        self.steps += 1
+        self.recent_batches.append(len(parts))
+        try:
+            batch = StepBatch.build([(s, t, w) for _, s, t, w in parts], self.layout.block_size, feed)
+            launched = self.model.launch_argmax(batch)
+        except BackendUnusable:
+            raise
+        except Exception as e:  # as a failed step: its requests end (those in flight too: skipped there)
+            return self._fail_step([r for r, *_ in parts], e)
+        wanting = [r for r, _, _, want in parts if want]
+        self.flight = Flight(parts, wanting, launched, time.perf_counter())
+        self.pipelined_steps += bool(prev)
+        return []
+
+    def _collect(self, f: Flight) -> list[Event]:
+        """Read a launched step's ids and take them; requests cancelled or failed since it was launched are
+        skipped (no token, no commit: their blocks are freed already)."""
+        live = [(r, s) for r, s, _, _ in f.parts if r.state is not State.FINISHED]
+        t0 = time.perf_counter()
+        try:
+            ids = self.model.backend.collect(f.launched)
+        except BackendUnusable:
+            raise
+        except Exception as e:
+            return self._fail_step([r for r, _ in live], e)
+        now = time.perf_counter()
+        self.recent_forward_s.append(now - t0)  # the wait for the device
+        events = self._take_ids(f.wanting, ids)
+        for r, s in live:
+            self.kv.commit(r.id, s.end_pos, r.token_ids)
+        self.recent_step_s.append(now - max(f.t0, self._t_collected))  # collect to collect while busy
+        self._t_collected = time.perf_counter()
+        return events
+
+    def _forward_and_sample(self, parts: list[Part]) -> list[Event]:
         batch = StepBatch.build([(s, toks, want) for _, s, toks, want in parts], self.layout.block_size)
         wanting = [r for r, _, _, want in parts if want]
         if self._greedy_on_device(wanting):
@@ -194,23 +294,35 @@ class Scheduler:
             req.state = State.PREFILL
             self.running.append(req)
 
-    def _plan(self) -> list[tuple[Request, SeqSlice, list[int], bool]]:
-        """(request, slice, input ids, wants logits) for this step, decode first, within the budget."""
+    def _plan(self, flight: Flight | None = None) -> list[Part]:
+        """(request, slice, input ids, wants logits) for this step, decode first, within the budget. With a
+        ``flight``, the sequences it gives a token decode it (the id is a placeholder 0: the device feeds
+        it), except those that token ends by length."""
         budget = self.cfg.step_tokens
         parts = []
-        order = sorted(self.running, key=lambda r: r.state is not State.DECODE)
+        fed = {r.id for r in flight.wanting} if flight else set()
+        order = sorted(self.running, key=lambda r: r.state is not State.DECODE and r.id not in fed)
         for r in order:
             if budget <= 0:
                 break
-            toks = r.next_input(min(self.cfg.max_chunk, budget))
+            if r.id in fed and not self._goes_on(r):
+                continue
+            toks = [0] if r.id in fed else r.next_input(min(self.cfg.max_chunk, budget))
             tables = self.kv.prepare(r.id, r.n_cached, len(toks))
             s = SeqSlice(r.id, 0, len(toks), r.n_cached, tables.global_table, tables.local_table)
-            done_prompt = r.state is State.DECODE or r.n_cached + len(toks) == len(r.prompt_ids)
+            done_prompt = (
+                r.id in fed or r.state is State.DECODE or r.n_cached + len(toks) == len(r.prompt_ids)
+            )
             parts.append((r, s, toks, done_prompt))
             budget -= len(toks)
         for r, _, toks, _ in parts:
             r.n_cached += len(toks)
         return parts
+
+    def _goes_on(self, r: Request) -> bool:
+        """Whether the token the step in flight gives ``r`` leaves room for another (max_tokens, context)."""
+        n = len(r.output_ids) + 1
+        return n < r.params.max_tokens and len(r.prompt_ids) + n < self.context
 
     def _sample(self, reqs: list[Request], logits: np.ndarray) -> list[Event]:
         events = []
@@ -261,15 +373,19 @@ class Scheduler:
         return (
             bool(reqs)
             and getattr(self.model.backend, "greedy_on_device", False)
-            and all(
-                r.params.temperature == 0 and r.params.repetition_penalty == 1.0 and r.constraint is None
-                for r in reqs
-            )
+            and all(self._greedy_ok(r) for r in reqs)
         )
+
+    @staticmethod
+    def _greedy_ok(r: Request) -> bool:
+        """Whether the device's argmax is ``r``'s token (greedy, no penalty, no grammar)."""
+        return r.params.temperature == 0 and r.params.repetition_penalty == 1.0 and r.constraint is None
 
     def _take_ids(self, reqs: list[Request], ids: np.ndarray) -> list[Event]:
         events = []
         for r, tok in zip(reqs, ids.tolist(), strict=True):
+            if r.state is State.FINISHED:  # a pipelined step's row of a request that ended meanwhile
+                continue
             r.state = State.DECODE
             events += self._guarded(r, lambda r=r, tok=tok: self._accept_token(r, int(tok)))
         return events
@@ -321,10 +437,13 @@ class Scheduler:
             "queued": len(self.waiting),
             "recent_batch_sizes": list(self.recent_batches),
             "step_ms": round(1e3 * sum(self.recent_step_s) / max(1, len(self.recent_step_s)), 3),
-            # of which the forward pass (submit and wait on a GPU); the rest is host work: batch, sampling,
-            # detokenization, stop strings, events
+            # of which the forward pass (submit and wait on a GPU; pipelined: the wait for the step launched
+            # a step earlier); the rest is host work: batch, sampling, detokenization, stop strings, events
+            # (pipelined: beside the next step on the device)
             "forward_ms": round(1e3 * sum(self.recent_forward_s) / max(1, len(self.recent_forward_s)), 3),
             "steps": self.steps,
+            # of which launched before the step ahead of them was read (engine.pipeline)
+            "pipelined_steps": self.pipelined_steps,
             "json_mask_ms": round(1e3 * sum(self.recent_mask_s) / max(1, len(self.recent_mask_s)), 4),
             "kv": self.kv.usage(),
         }

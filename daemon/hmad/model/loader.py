@@ -54,6 +54,11 @@ class Model:
         """Greedy token id (S_out,) for ``batch.logit_rows``; on a GPU backend only the ids come back."""
         return self.backend.greedy(self.backend.run(self.net, batch))
 
+    def launch_argmax(self, batch: StepBatch):
+        """``forward_argmax`` started, not waited for: a handle for ``backend.collect`` (backends that are
+        ``pipelined``)."""
+        return self.backend.launch_greedy(self.backend.run(self.net, batch))
+
     def forward_topk(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
         """(ids, values) of the best ``backend.topk_max`` logits of each of ``batch.logit_rows``, selected
         on the device (only the candidates come back); backends with ``topk_max`` > 0."""

@@ -6,23 +6,33 @@ Here ``run`` does, per step:
 
 1. **bucket**: T tokens -> ``T_b`` (1, 2, 4 ... 512, then multiples of 512), S_out logit rows -> ``O_b``
    (the same ladder, at least 1); the key ``(T_b, O_b)`` names one recording;
-2. **metadata**: :class:`StepMetaLayout` ``(T_b, T_b, max_table)`` packs the real batch into the one
-   host-visible metadata buffer (rows past T are padding: token 0, slots NONE, so kv_write skips them and
-   attention writes zeros; logit rows past S_out point at row 0 and are never read back);
+2. **metadata**: :class:`StepMetaLayout` ``(T_b, T_b, max_table)`` packs the real batch into a host-visible
+   metadata buffer, one of two ("Pipelining" below); rows past T are padding (token 0, slots NONE, so
+   kv_write skips them and attention writes zeros; logit rows past S_out point at row 0, never read back);
 3. **record once**: with no recording for the key, ``net.forward`` runs *once* on a shape-only batch of
    ``T_b`` rows while the ops append dispatches to a :class:`CommandRecorder` instead of computing
    (activations are :class:`Act` handles = a scratch range + a shape; ``reshape`` is a view). Later steps of
    the bucket skip ``net.forward`` entirely: no Python per op on the hot path;
-4. ``to_numpy(logits)`` / ``greedy(logits)`` submit the step's command buffer plus a tiny per-bucket *tail*
-   (copy the logits rows into a host-visible readback buffer, or argmax them into a mapped id buffer) in
-   **one** vkQueueSubmit with one fence wait, and read back only S_out × V floats or S_out ids.
+4. ``to_numpy(logits)`` / ``greedy(logits)`` submit the step's command buffer between a tiny *head* (the
+   metadata into device memory) and a tiny per-bucket *tail* (copy the logits rows into a host-visible
+   readback buffer, or argmax them into a mapped id buffer) in **one** vkQueueSubmit with one fence wait,
+   and read back only S_out × V floats or S_out ids (``launch_greedy`` + ``collect``: the same, split).
 
 Every per-step value (token ids, positions, slots, block tables) is read by the shaders from the metadata
 buffer at word offsets baked into the recorded push constants, so a recording is valid for any batch of its
 bucket. Scratch: each recording allocates its activations from a shared pool of device-local buffers
 (:class:`ScratchPool`); a buffer returns to the pool when the last handle to it dies (CPython reference
 counting during the straight-line forward pass), so the live set stays a few activations, and recordings
-share buffers (steps never overlap: each one waits on its fence before the next is submitted).
+share buffers (steps never overlap: each step's *head* command buffer starts with a barrier after everything
+submitted before it).
+
+Pipelining (``launch_greedy`` / ``collect``; engine/scheduler.py, "Pipelining"): the scheduler may submit
+step n + 1 before it has read step n's token ids. So the host side of a step comes in two parities: two
+mapped metadata buffers, two id buffers, two fences, and per recording two heads and two argmax tails. A
+step's head copies its parity's metadata into the device-local copy every kernel reads, then (when the
+batch has ``feed`` rows) runs feed_tokens.comp, which writes into the tokens section the ids the step
+before it (the other parity) computed. The recorded forward pass itself is one command buffer per bucket,
+begun with SIMULTANEOUS_USE, since two steps of one bucket can be pending at once.
 
 Memory plan (``load_weights``): 1-D tensors (norms), the token embedding and the output projection are
 *hot* and placed first; the other weights follow in file (= forward) order into the device-local pool while
@@ -64,7 +74,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -122,6 +132,7 @@ from hmad.backends.vulkan.pipelines import (
     DescriptorAllocator,
     EmbedDqPush,
     EmbedPush,
+    FeedPush,
     GegluPush,
     Kernel,
     KvWritePush,
@@ -337,25 +348,37 @@ class Graph:
     layout: StepMetaLayout
     rec: CommandRecorder
     logits: Act
-    argmax_tail: CommandRecorder
+    argmax_tails: tuple[CommandRecorder, CommandRecorder]  # into ids[0], ids[1]
+    heads: dict[tuple[int, bool], CommandRecorder] = field(default_factory=dict)  # (parity, feed): _head
     copy_tail: CommandRecorder | None = None
     copy_into: BufferView | None = None  # the readback buffer copy_tail writes (re-record when it changed)
     topk_tail: CommandRecorder | None = None
     topk_into: BufferView | None = None  # likewise for topk_tail
 
     def close(self) -> None:
-        for r in (self.rec, self.argmax_tail, self.copy_tail, self.topk_tail):
+        for r in (self.rec, *self.argmax_tails, *self.heads.values(), self.copy_tail, self.topk_tail):
             if r is not None:
                 r.close()
 
 
 class StepOutput:
-    """What ``run`` returns: the step's logits handle, the real row count and the graph to submit."""
+    """What ``run`` returns: the step's logits handle, the real row count and the graph to submit; ``used``
+    metadata words packed, ``feed``: whether rows take their token from the step before (launch_greedy)."""
 
-    __slots__ = ("graph", "n_out", "shape")
+    __slots__ = ("graph", "n_out", "shape", "used", "feed")
 
-    def __init__(self, graph: Graph, n_out: int, vocab: int):
+    def __init__(self, graph: Graph, n_out: int, vocab: int, used: int = 0, feed: bool = False):
         self.graph, self.n_out, self.shape = graph, n_out, (n_out, vocab)
+        self.used, self.feed = used, feed
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A submitted step (``launch_greedy``): its parity and the id rows ``collect`` reads back."""
+
+    parity: int
+    n_out: int
+    graph: Graph
 
 
 class VulkanBackend(Backend):
@@ -430,14 +453,20 @@ class VulkanBackend(Backend):
         self.kv_mem: ResidentMemory | None = None
         self.kv_layout: KVLayout | None = None
         self.kv_views: dict[tuple[str, int], tuple[BufferView, BufferView]] = {}
-        self.meta: BufferView | None = None  # host-visible: the host packs each step's metadata here
-        self.meta_gpu: BufferView | None = None  # what the kernels bind: meta, or its device-local copy
-        self.ids: BufferView | None = None
-        self._meta_host = np.zeros(0, np.uint32)  # a step's metadata packed here, then copied into self.meta
+        # per parity (module docstring, "Pipelining"): the mapped buffer the host writes a step's metadata
+        # into, the ids its argmax writes, its fence, and the step in flight on it
+        self.metas: list[BufferView] = []
+        self.meta_gpu: BufferView | None = None  # the device-local copy every kernel reads
+        self.ids: list[BufferView] = []
+        self.fences = [self.dev.create_fence() for _ in range(2)]
+        self._fences = [ffi.new("VkFence[]", [f]) for f in self.fences]
+        self._in_flight: list[Launched | None] = [None, None]
+        self._parity = 0  # of the next launch
+        self._meta_host = np.zeros(
+            0, np.uint32
+        )  # a step's metadata packed here, then copied into its parity's
         self.readback: BufferView | None = None
         self.topk_buf: BufferView | None = None  # mapped: ids (rows, k) uint32, then values (rows, k)
-        self.fence = self.dev.create_fence()
-        self._fences = ffi.new("VkFence[]", [self.fence])
         self.attention_min_keys = ATTENTION_MIN_KEYS
         self.attention_prefill_target = ATTENTION_PREFILL_TARGET_GROUPS
         self.attention_kl = True  # attention_decode_kl where it fits (bench_vulkan_model --no-attention-kl)
@@ -580,25 +609,31 @@ class VulkanBackend(Backend):
     def _ensure_meta(self, t_b: int) -> None:
         """The metadata buffer holds the layout of bucket ``t_b``; growing it drops every recording."""
         words = self._meta_layout(t_b).words
-        if self.meta is not None and self.meta.nbytes >= 4 * words:
+        if self.meta_gpu is not None and self.meta_gpu.nbytes >= 4 * words:
             return
-        self._drop_graphs()
-        self._close_meta()
-        self.meta = create_buffer(self.dev, 4 * words, "mapped", "step metadata")
-        self.meta_gpu = self.meta
-        if across_bus(self.dev, self.meta):
-            # every kernel's metadata read would pay the bus latency, on the dependent chain of slot -> KV
-            # row: each step copies the few KiB into VRAM first
-            self.meta_gpu = create_buffer(self.dev, 4 * words, "device", "step metadata (device copy)")
-        if self.ids is None or self.ids.nbytes < 4 * t_b:
-            if self.ids is not None:
-                self.ids.arena.close()
-            self.ids = create_buffer(self.dev, 4 * t_b, "readback", "token ids")
+        self._drop_graphs()  # (waits for the steps in flight: their ids stay readable, below)
+        for b in (*self.metas, self.meta_gpu):
+            if b is not None:
+                b.arena.close()
+        # Two mapped buffers (one per parity) and the device-local copy the kernels read: on a dGPU every
+        # kernel's read of mapped memory would pay the bus latency, on the dependent chain of slot -> KV row;
+        # and a step's head copies its parity's few KiB there after the step before it is done reading
+        self.metas = [create_buffer(self.dev, 4 * words, "mapped", f"step metadata {p}") for p in range(2)]
+        self.meta_gpu = create_buffer(self.dev, 4 * words, "device", "step metadata (device copy)")
+        if not self.ids or self.ids[0].nbytes < 4 * t_b:
+            old, self.ids = (
+                self.ids,
+                [create_buffer(self.dev, 4 * t_b, "readback", f"token ids {p}") for p in range(2)],
+            )
+            for a, b in zip(old, self.ids, strict=False):  # a step collected after this still finds its ids
+                b.array(np.uint32)[: a.nbytes // 4] = a.array(np.uint32)
+                a.arena.close()
 
     def _close_meta(self) -> None:
-        for b in {id(b): b for b in (self.meta, self.meta_gpu) if b is not None}.values():
-            b.arena.close()
-        self.meta = self.meta_gpu = None
+        for b in (*self.metas, self.meta_gpu, *self.ids):
+            if b is not None:
+                b.arena.close()
+        self.metas, self.meta_gpu, self.ids = [], None, []
 
     def describe(self) -> dict[str, Any]:
         mem: dict[str, int] = {}
@@ -657,15 +692,15 @@ class VulkanBackend(Backend):
             if m is not None:
                 m.close()
         self._close_meta()
-        for b in (self.ids, self.readback, self.topk_buf):
+        for b in (self.readback, self.topk_buf):
             if b is not None:
                 b.arena.close()
         self.counters.close()
         self.sinks.close()
-        self.weights_mem = self.kv_mem = self.meta = self.ids = self.readback = self.topk_buf = None
-        if self.fence is not None:
-            lib.vkDestroyFence(self.dev.handle, self.fence, ffi.NULL)
-            self.fence = None
+        self.weights_mem = self.kv_mem = self.readback = self.topk_buf = None
+        for f in self.fences:
+            lib.vkDestroyFence(self.dev.handle, f, ffi.NULL)
+        self.fences, self._in_flight = [], [None, None]
         self.dev.close()
 
     # -- the step: bucket, metadata, record once, replay ----------------------------------------------
@@ -708,19 +743,16 @@ class VulkanBackend(Backend):
         if self._meta_host.size < lay.words:
             self._meta_host = np.zeros(lay.words, np.uint32)
         lay.pack(batch, out=self._meta_host[: lay.words])
-        # into the mapped buffer in one sequential write, not a store per section (it may be uncached,
-        # write-combined memory across the bus)
-        used = lay.used_words(batch)
-        self.meta.array(np.uint32)[:used] = self._meta_host[:used]
-        return StepOutput(graph, len(batch.logit_rows), graph.logits.shape[1])
+        feed = batch.feed is not None and bool((batch.feed >= 0).any())
+        return StepOutput(graph, len(batch.logit_rows), graph.logits.shape[1], lay.used_words(batch), feed)
 
     def _record(self, net, t_b: int, o_b: int) -> Graph:
         layout = self._meta_layout(t_b)
         for k in self.kernels.values():  # sets of buffers closed since (KV pools re-planned, metadata grown)
             k.forget_closed()
-        rec = CommandRecorder(self.dev, timestamps=self.timestamps, max_commands=8192).begin()
-        if self.meta_gpu is not self.meta:
-            rec.copy(self.meta, self.meta_gpu, layout.nbytes, label="step metadata to VRAM")
+        rec = CommandRecorder(self.dev, timestamps=self.timestamps, max_commands=8192).begin(
+            simultaneous=True
+        )
         if self._fused("qout"):  # the counters are zero already, unless a step was cut off mid-dispatch
             rec.fill(self.counters.whole(), 0, label="arrival counters")
         shape_batch = StepBatch(
@@ -740,18 +772,38 @@ class VulkanBackend(Backend):
             raise
         finally:
             self._rec = self._layout = None
-        graph = Graph((t_b, o_b), layout, rec, logits, self._argmax_tail(logits))
+        graph = Graph(
+            (t_b, o_b), layout, rec, logits, (self._argmax_tail(logits, 0), self._argmax_tail(logits, 1))
+        )
         self.graphs[graph.key] = graph
         self.recordings += 1
         return graph
 
-    def _argmax_tail(self, logits: Act) -> CommandRecorder:
+    def _argmax_tail(self, logits: Act, parity: int) -> CommandRecorder:
         rows, vocab = logits.shape
         k = self._kernel("argmax_f32")
         tail = CommandRecorder(self.dev).begin()
         tail.barrier()  # after the forward pass's command buffer in the same submit
-        tail.dispatch(k, [logits.view, self.ids], ArgmaxPush(rows, vocab, vocab), k.groups_for(rows))
+        tail.dispatch(k, [logits.view, self.ids[parity]], ArgmaxPush(rows, vocab, vocab), k.groups_for(rows))
         return tail.end()
+
+    def _head(self, graph: Graph, parity: int, feed: bool) -> CommandRecorder:
+        """The command buffer before ``graph``'s in a submit of ``parity``: after the steps before it, copy
+        that parity's metadata into the device-local copy; with ``feed``, fill the fed rows' tokens from the
+        other parity's ids (feed_tokens.comp)."""
+        head = graph.heads.get((parity, feed))
+        if head is None:
+            lay = graph.layout
+            head = CommandRecorder(self.dev).begin()
+            head.barrier()  # the steps submitted before this one have read meta_gpu and written their ids
+            head.copy(self.metas[parity], self.meta_gpu, lay.nbytes, label="step metadata to VRAM")
+            if feed:
+                k = self._kernel("feed_tokens")
+                push = FeedPush(lay.tokens, lay.feed, lay.max_tokens, graph.logits.shape[1])
+                head.dispatch(k, [self.meta_gpu, self.ids[1 - parity]], push, k.groups_for(1))
+            head.barrier()  # before the forward pass reads it
+            graph.heads[(parity, feed)] = head = head.end()
+        return head
 
     def _copy_tail(self, graph: Graph) -> CommandRecorder:
         """The logits -> host-visible readback copy of ``graph`` (re-made when the readback buffer grew)."""
@@ -800,38 +852,82 @@ class VulkanBackend(Backend):
             graph.topk_tail, graph.topk_into = tail.end(), self.topk_buf
         return graph.topk_tail
 
-    def _submit(self, graph: Graph, tail: CommandRecorder) -> None:
+    @property
+    def pipelined(self) -> bool:
+        """Whether ``launch_greedy`` may be called with a step still in flight (not while profiling: two
+        pending submits of one recording would share its timestamp queries)."""
+        return not self.timestamps
+
+    def _launch(self, x: StepOutput, tail: CommandRecorder, parity: int | None = None) -> Launched:
+        """Submit step ``x`` (head, forward pass, ``tail``) on the next parity (or ``parity``); no wait."""
         self.wait_resident()
-        cmds = ffi.new("VkCommandBuffer[]", [graph.rec.cmd, tail.cmd])
+        p = self._parity if parity is None else parity
+        if self._in_flight[p] is not None:
+            raise RuntimeError("two steps in flight already: collect the older one first")
+        # into the mapped buffer in one sequential write, not a store per section (it may be uncached,
+        # write-combined memory across the bus)
+        self.metas[p].array(np.uint32)[: x.used] = self._meta_host[: x.used]
+        graph = x.graph
+        cmds = ffi.new("VkCommandBuffer[]", [self._head(graph, p, x.feed).cmd, graph.rec.cmd, tail.cmd])
         si = new(
-            "VkSubmitInfo", sType=vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, commandBufferCount=2, pCommandBuffers=cmds
+            "VkSubmitInfo", sType=vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, commandBufferCount=3, pCommandBuffers=cmds
         )
-        check(lib.vkResetFences(self.dev.handle, 1, self._fences), "vkResetFences")
-        check(lib.vkQueueSubmit(self.dev.queue, 1, si, self.fence), "vkQueueSubmit(step)")
-        r = lib.vkWaitForFences(self.dev.handle, 1, self._fences, 1, int(self.step_timeout_s * 1e9))
-        check(r, f"vkWaitForFences(step of bucket {graph.key}, {self.step_timeout_s:g} s)")
+        check(lib.vkResetFences(self.dev.handle, 1, self._fences[p]), "vkResetFences")
+        check(lib.vkQueueSubmit(self.dev.queue, 1, si, self.fences[p]), "vkQueueSubmit(step)")
+        self._in_flight[p] = done = Launched(p, x.n_out, graph)
+        self._parity = 1 - p
+        return done
+
+    def _wait(self, done: Launched) -> None:
+        """Until ``done``'s fence (raises Timeout past ``step_timeout_s``: a GPU hang)."""
+        if self._in_flight[done.parity] is not done:
+            raise RuntimeError("collect(): that step is not in flight (collected already?)")
+        self._in_flight[done.parity] = None
+        fence = self._fences[done.parity]
+        r = lib.vkWaitForFences(self.dev.handle, 1, fence, 1, int(self.step_timeout_s * 1e9))
+        check(r, f"vkWaitForFences(step of bucket {done.graph.key}, {self.step_timeout_s:g} s)")
         self.steps += 1
-        if graph.rec.query_pool is not None:
-            graph.rec.submits += 1
-            self.last_gpu_ns = graph.rec.gpu_times()["total_ns"]
+        if done.graph.rec.query_pool is not None:
+            done.graph.rec.submits += 1
+            self.last_gpu_ns = done.graph.rec.gpu_times()["total_ns"]
+
+    def _run_alone(self, x: StepOutput, tail: CommandRecorder) -> None:
+        """Submit step ``x`` with ``tail`` (which writes a buffer of one parity only) and wait for it."""
+        if any(self._in_flight):
+            raise RuntimeError("a pipelined step is in flight: collect it before a step that reads logits")
+        if x.feed:
+            raise ValueError("only launch_greedy takes a batch with fed rows")
+        self._wait(self._launch(x, tail))
+
+    def launch_greedy(self, x: StepOutput) -> Launched:
+        """Submit step ``x`` with the argmax on the GPU and return without waiting; ``collect`` reads its
+        ids. Rows of its batch with a ``feed`` entry take their token from the ids of the step launched
+        just before it (which may still be running). At most two steps in flight."""
+        return self._launch(x, x.graph.argmax_tails[self._parity])
+
+    def collect(self, done: Launched) -> np.ndarray:
+        """Wait for a launched step and read back its token ids (S_out,) int64."""
+        self._wait(done)
+        return self.ids[done.parity].array(np.uint32)[: done.n_out].astype(np.int64)
 
     def to_numpy(self, x) -> np.ndarray:
         """Run the step and read back its logits rows (S_out, V) float32."""
         if not isinstance(x, StepOutput):
             raise TypeError("VulkanBackend.to_numpy reads a step's logits (what run() returns)")
-        self._submit(x.graph, self._copy_tail(x.graph))
+        self._run_alone(x, self._copy_tail(x.graph))
         vocab = x.shape[1]
         return self.readback.array(np.float32)[: x.n_out * vocab].reshape(x.n_out, vocab).copy()
 
     def greedy(self, x) -> np.ndarray:
         """Run the step with the argmax on the GPU; read back one token id per logits row."""
-        self._submit(x.graph, x.graph.argmax_tail)
-        return self.ids.array(np.uint32)[: x.n_out].astype(np.int64)
+        if x.feed:
+            raise ValueError("only launch_greedy takes a batch with fed rows")
+        return self.collect(self.launch_greedy(x))
 
     def topk(self, x) -> tuple[np.ndarray, np.ndarray]:
         """Run the step with topk.comp on the GPU; read back the best TOPK_CANDIDATES (id, value) pairs of
         each logits row (8 bytes each, not the row's V floats)."""
-        self._submit(x.graph, self._topk_tail(x.graph))
+        self._run_alone(x, self._topk_tail(x.graph))
         self.topk_steps += 1
         rows, vocab = x.graph.logits.shape
         k, half = self._topk_layout(rows, vocab)

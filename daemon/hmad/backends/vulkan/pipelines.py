@@ -172,6 +172,12 @@ class ArgmaxPush(ctypes.Structure):
     _fields_ = [(n, u32) for n in ("n_rows", "n_cols", "row_stride")]
 
 
+class FeedPush(ctypes.Structure):
+    """shaders/feed_tokens.comp"""
+
+    _fields_ = [(n, u32) for n in ("tokens_off", "feed_off", "max_tokens", "vocab")]
+
+
 class TopkPush(ctypes.Structure):
     """shaders/topk.comp"""
 
@@ -278,6 +284,7 @@ KERNELS: dict[str, KernelSpec] = {
     "attention_reduce_f32_x3": KernelSpec("attention_reduce.comp", 4, AttentionReducePush, 256),
     "argmax_f32": KernelSpec("argmax.comp", 2, ArgmaxPush, 256),
     "topk_f32": KernelSpec("topk.comp", 3, TopkPush, 256),
+    "feed_tokens": KernelSpec("feed_tokens.comp", 2, FeedPush, 64),
     "split_reduce": KernelSpec("split_reduce.comp", 2, SplitReducePush, 256),
     "split_reduce_geglu": KernelSpec("split_reduce.comp", 3, SplitReducePush, 256),  # gate, y, up
     "row_scale": KernelSpec("row_scale.comp", 3, RowScalePush, 256),
@@ -693,9 +700,14 @@ class CommandRecorder:
         check(lib.vkCreateQueryPool(self.device.handle, ci, ffi.NULL, out), "vkCreateQueryPool")
         return out[0]
 
-    def begin(self) -> CommandRecorder:
+    def begin(self, simultaneous: bool = False) -> CommandRecorder:
+        """Start recording. ``simultaneous``: the buffer may be submitted again while an earlier submit of it
+        is still pending (a pipelined step of the same bucket as the one before it)."""
         check(lib.vkResetCommandBuffer(self.cmd, 0), "vkResetCommandBuffer")
-        bi = new("VkCommandBufferBeginInfo", sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO)
+        flags = vk.VK_COMMAND_BUFFER_USAGE_SIMULTANEOUS_USE_BIT if simultaneous else 0
+        bi = new(
+            "VkCommandBufferBeginInfo", sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO, flags=flags
+        )
         check(lib.vkBeginCommandBuffer(self.cmd, bi), "vkBeginCommandBuffer")
         self.labels, self._recording = [], True
         self.hazards, self.barriers = Hazards(), 0

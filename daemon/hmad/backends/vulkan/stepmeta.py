@@ -18,6 +18,8 @@ S = max_seqs)::
     logit_rows  +S                rows whose logits the step returns (argmax/gather)
     tiled       +T                1 where row t is in a tile (its attention is attention_prefill's)
     tiles       +3 max_tiles      per tile: (sequence, first row, rows <= TILE_ROWS)   attention_prefill
+    feed        +T                1 + the row of the previous step's ids whose token row t takes (0: the
+                                  token above)                                    feed_tokens.comp
     tables      +max_table        the block tables, flattened: each sequence's global table, then its ring
 
 - A table start is an absolute word index into the buffer (``tables`` offset included), so a shader reads
@@ -108,8 +110,12 @@ class StepMetaLayout:
         return self.tiled + self.max_tokens
 
     @cached_property
-    def tables(self) -> int:
+    def feed(self) -> int:
         return self.tiles + 3 * self.max_tiles
+
+    @cached_property
+    def tables(self) -> int:
+        return self.feed + self.max_tokens
 
     @cached_property
     def words(self) -> int:
@@ -148,6 +154,9 @@ class StepMetaLayout:
                 at = self._pack_table(m, batch.block_size, q, table, info + 2 * i, slots, at)
         m[self.logit_rows : self.logit_rows + len(batch.logit_rows)] = batch.logit_rows
         self._pack_tiles(batch, m)
+        if batch.feed is not None:
+            rows = np.flatnonzero(batch.feed >= 0)
+            m[self.feed + rows] = batch.feed[rows] + 1
         return m
 
     @staticmethod
