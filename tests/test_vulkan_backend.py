@@ -325,6 +325,36 @@ def test_cancel_while_a_pipelined_step_is_in_flight(pair):
     assert got[0] == want[0] and got[2] == want[2]
 
 
+@pytest.mark.parametrize("where", ["launch", "collect"])
+def test_a_failed_pipelined_step_fails_its_requests_only(pair, where, monkeypatch):
+    """A step that raises while another is in flight (building or submitting it: ``backend.run``; reading
+    it back: ``backend.collect``): the requests in it end with one ``error`` each (a row of theirs in the
+    other step is dropped), the one waiting for a slot runs after them to its end, with the tokens it gets
+    alone; the next steps pipeline again."""
+    _, vk = pair
+    be = vk.backend
+    rng = np.random.default_rng(24)
+    prompts = [rand_ids(rng, n, vk.config.vocab_size) for n in (4, 7, 5)]
+    params = [SamplingParams(temperature=0.0, max_tokens=10) for _ in prompts]
+    cfg = SchedulerConfig(max_seqs=2, kv_tokens=256)
+    alone, _ = _run_pipelined(vk, prompts[2:], params[2:], cfg)
+    name = "run" if where == "launch" else "collect"
+    real, calls = getattr(be, name), []
+
+    def failing(*a):  # the 5th call: a step's building fails, or its read-back after it ran
+        calls.append(1)
+        out = real(*a) if where == "collect" else None
+        if len(calls) == 5:
+            raise RuntimeError(f"injected: {name} failed")
+        return real(*a) if where == "launch" else out
+
+    monkeypatch.setattr(be, name, failing)
+    got, fed = _run_pipelined(vk, prompts, params, cfg)
+    monkeypatch.undo()
+    assert got[0][2] == ["error"] and got[1][2] == ["error"] and 0 < len(got[0][0]) < 10
+    assert got[2][2] == ["done"] and got[2][0] == alone[0][0] and fed > 8
+
+
 def test_every_step_copies_its_metadata_into_device_memory(pair):
     """The kernels read the metadata from one device-local buffer; each step's head copies its parity's
     mapped buffer there (and runs feed_tokens when the batch has fed rows)."""
