@@ -167,6 +167,11 @@ def check_daemon(model_path, tmp_path, backend: str, idx: list[int], n_new: int,
         with Client(d.socket, timeout=30) as c:
             assert c.status()["deterministic"] is True
         eight = query_all(d.socket, idx, n_new, clients=8)
+        with Client(
+            d.socket, timeout=30
+        ) as c:  # greedy requests on the GPU: pipelined steps (engine.pipeline)
+            st = c.status()
+        assert 0 < st["pipelined_steps"] < st["steps"] if backend == "vulkan" else st["pipelined_steps"] == 0
     finally:
         assert d.stop() == 0, d.log_text()
     differ = [i for i, a, b in zip(idx, eight, solo_ids, strict=True) if a != b]

@@ -306,6 +306,8 @@ class Server:
             "step_ms": snap.get("step_ms", 0.0),
             "forward_ms": snap.get("forward_ms", 0.0),  # of step_ms: the forward pass; the rest is host work
             "json_mask_ms": snap.get("json_mask_ms", 0.0),
+            "steps": snap.get("steps", 0),
+            "pipelined_steps": snap.get("pipelined_steps", 0),  # of steps: engine.pipeline's
             "server_us_per_reply": round(1e6 * self.forward_s / max(1, self.events_forwarded), 2),
             "tokens_per_s": snap.get("tokens_per_s", 0.0),
             "tokens_generated": snap.get("tokens_generated", 0),
