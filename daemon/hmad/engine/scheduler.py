@@ -45,6 +45,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -94,6 +95,7 @@ class Flight:
     launched: Any  # the backend's handle
     t0: float
 
+    @cached_property
     def rows(self) -> dict[int, int]:
         """Request id -> its row of the step's ids."""
         return {r.id: i for i, r in enumerate(self.wanting)}
@@ -212,7 +214,7 @@ class Scheduler:
 
     def _launch(self, parts: list[Part], prev: Flight | None) -> list[Event]:
         """Start a greedy step; its rows fed from ``prev``'s ids where ``prev`` produced their token."""
-        rows = prev.rows() if prev else {}
+        rows = prev.rows if prev else {}
         feed = [rows.get(r.id, -1) for r, *_ in parts] if rows else None
         self.steps += 1
         self.recent_batches.append(len(parts))
@@ -300,7 +302,7 @@ class Scheduler:
         it), except those that token ends by length."""
         budget = self.cfg.step_tokens
         parts = []
-        fed = {r.id for r in flight.wanting} if flight else set()
+        fed = flight.rows if flight else {}
         order = sorted(self.running, key=lambda r: r.state is not State.DECODE and r.id not in fed)
         for r in order:
             if budget <= 0:

@@ -462,9 +462,8 @@ class VulkanBackend(Backend):
         self._fences = [ffi.new("VkFence[]", [f]) for f in self.fences]
         self._in_flight: list[Launched | None] = [None, None]
         self._parity = 0  # of the next launch
-        self._meta_host = np.zeros(
-            0, np.uint32
-        )  # a step's metadata packed here, then copied into its parity's
+        # a step's metadata packed here, then copied into its parity's mapped buffer at launch
+        self._meta_host = np.zeros(0, np.uint32)
         self.readback: BufferView | None = None
         self.topk_buf: BufferView | None = None  # mapped: ids (rows, k) uint32, then values (rows, k)
         self.attention_min_keys = ATTENTION_MIN_KEYS
@@ -621,10 +620,8 @@ class VulkanBackend(Backend):
         self.metas = [create_buffer(self.dev, 4 * words, "mapped", f"step metadata {p}") for p in range(2)]
         self.meta_gpu = create_buffer(self.dev, 4 * words, "device", "step metadata (device copy)")
         if not self.ids or self.ids[0].nbytes < 4 * t_b:
-            old, self.ids = (
-                self.ids,
-                [create_buffer(self.dev, 4 * t_b, "readback", f"token ids {p}") for p in range(2)],
-            )
+            old = self.ids
+            self.ids = [create_buffer(self.dev, 4 * t_b, "readback", f"token ids {p}") for p in range(2)]
             for a, b in zip(old, self.ids, strict=False):  # a step collected after this still finds its ids
                 b.array(np.uint32)[: a.nbytes // 4] = a.array(np.uint32)
                 a.arena.close()
@@ -858,10 +855,10 @@ class VulkanBackend(Backend):
         pending submits of one recording would share its timestamp queries)."""
         return not self.timestamps
 
-    def _launch(self, x: StepOutput, tail: CommandRecorder, parity: int | None = None) -> Launched:
-        """Submit step ``x`` (head, forward pass, ``tail``) on the next parity (or ``parity``); no wait."""
+    def _launch(self, x: StepOutput, tail: CommandRecorder) -> Launched:
+        """Submit step ``x`` (head, forward pass, ``tail``) on the next parity; no wait."""
         self.wait_resident()
-        p = self._parity if parity is None else parity
+        p = self._parity
         if self._in_flight[p] is not None:
             raise RuntimeError("two steps in flight already: collect the older one first")
         # into the mapped buffer in one sequential write, not a store per section (it may be uncached,
