@@ -183,8 +183,7 @@ class Scheduler:
             except Exception as e:  # the step's KV may be half written: nothing of it goes into the cache
                 events += self._fail_step([r for r, *_ in parts], e)
             else:
-                for r, _, _, _ in parts:
-                    self.kv.commit(r.id, r.n_cached, r.token_ids)
+                self._commit(parts)
             self.recent_batches.append(len(parts))
             self.recent_step_s.append(time.perf_counter() - t0)
         self._release_finished()
@@ -233,22 +232,27 @@ class Scheduler:
     def _collect(self, f: Flight) -> list[Event]:
         """Read a launched step's ids and take them; requests cancelled or failed since it was launched are
         skipped (no token, no commit: their blocks are freed already)."""
-        live = [(r, s) for r, s, _, _ in f.parts if r.state is not State.FINISHED]
+        live = [p for p in f.parts if p[0].state is not State.FINISHED]
         t0 = time.perf_counter()
         try:
             ids = self.model.backend.collect(f.launched)
         except BackendUnusable:
             raise
         except Exception as e:
-            return self._fail_step([r for r, _ in live], e)
+            return self._fail_step([r for r, *_ in live], e)
         now = time.perf_counter()
         self.recent_forward_s.append(now - t0)  # the wait for the device
         events = self._take_ids(f.wanting, ids)
-        for r, s in live:
-            self.kv.commit(r.id, s.end_pos, r.token_ids)
+        self._commit(live)
         self.recent_step_s.append(now - max(f.t0, self._t_collected))  # collect to collect while busy
         self._t_collected = time.perf_counter()
         return events
+
+    def _commit(self, parts: list[Part]) -> None:
+        """Register in the prefix cache the blocks each part's step filled (its slice's positions are
+        written)."""
+        for r, s, _, _ in parts:
+            self.kv.commit(r.id, s.end_pos, r.token_ids)
 
     def _forward_and_sample(self, parts: list[Part]) -> list[Event]:
         batch = StepBatch.build([(s, toks, want) for _, s, toks, want in parts], self.layout.block_size)
