@@ -404,11 +404,11 @@ def test_disconnect_mid_stream_cancels_in_hmad(http, hmad):
         body = {"model": "any", "prompt": "x b", "max_tokens": 100000, "stream": True}
         with http.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-            events = 0
-            for line in r.iter_lines():
-                events += line.startswith("data: ")
-                if events == 3:
-                    break
+            # one iterator kept open: leaving a loop over r.iter_lines() closes its generator, and with it
+            # the connection (httpcore closes an unfinished stream), which would cancel before the check
+            lines, events = r.iter_lines(), 0
+            while events < 3:
+                events += next(lines).startswith("data: ")
             assert _load(c)[0] == 1  # generating
         # the connection is closed: the gateway cancels the generation
         _wait(lambda: _load(c) == (0, 0, 0))
