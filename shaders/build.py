@@ -162,6 +162,7 @@ BUILD: list[tuple[str, str, dict[str, str]]] = [
     ("attention_reduce_f32_x3", "attention_reduce.comp", {"Q8OUT": "1", "PLANES": "3"}),
     ("argmax_f32", "argmax.comp", {}),
     ("feed_tokens", "feed_tokens.comp", {}),
+    ("sample_topk", "sample_topk.comp", {}),
     ("topk_f32", "topk.comp", {}),
     ("norm_rope_f32", "norm_rope.comp", {}),
     ("norm_rope_kv_f32", "norm_rope_kv.comp", {}),

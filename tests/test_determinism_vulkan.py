@@ -2,7 +2,8 @@
 
 The same checks as test_determinism.py: random mixes of sequences on tiny random models (logits bit-identical
 to each sequence's solo run), the fidelity prompts' greedy continuations solo, together and through a real
-daemon under 8 concurrent clients. Marked ``gpu``: lavapipe in CI, a GPU through the device tool (with
+daemon under 8 concurrent clients, and seeded sampling requests through a daemon (pipelined steps that draw on
+the GPU) beside greedy ones. Marked ``gpu``: lavapipe in CI, a GPU through the device tool (with
 HMAD_TEST_MODEL for the 270M). Lavapipe runs a tiny model's step in ~0.25 s on 2 cores (a mix of 5
 sequences of up to 120 tokens took 4 minutes per model on this shared machine), so there the mixes hold 4
 sequences of up to 64 tokens on two of the three models, and the 270M checks take the 4 shortest prompts with
@@ -11,12 +12,16 @@ sequences of up to 64 tokens on two of the three models, and the 270M checks tak
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
+from daemon_harness import Daemon
 from determinism_harness import first_mismatch, mixed_schedule, rand_ids, run_schedule, solo_logits
 from test_determinism import ALL, CASES, N_NEW, check_daemon, greedy_solo, greedy_together
 from tiny_gguf import MIXED, make_tiny_gguf
 
+from hmaclient import Client
 from hmad.model.loader import load_model
 
 pytestmark = pytest.mark.gpu
@@ -92,3 +97,40 @@ def test_fidelity_prompts_identical_through_daemon_under_8_clients(
     embedded_model_path, tmp_path, subset, solo_ids
 ):
     check_daemon(embedded_model_path, tmp_path, "vulkan", *subset, solo_ids)
+
+
+def test_sampled_requests_through_daemon_get_their_solo_tokens(tmp_path):
+    """Seeded sampling requests (hot: the tiny model's top logit is ~90 above the rest) beside greedy ones,
+    sent together to a real hmad on Vulkan: each gets the tokens it gets alone, through pipelined steps that
+    draw on the GPU (engine.pipeline; the host checks every draw: status draws_corrected)."""
+    path = make_tiny_gguf(tmp_path / "tiny.gguf", seed=5, types=MIXED)
+    hot = dict(temperature=50.0, top_k=64, top_p=0.95)
+    reqs = [
+        ("the cat sat", dict(hot, seed=1)),
+        ("a b c d e", dict(temperature=0.0)),
+        ("x y", dict(hot, seed=2, min_p=0.05)),
+        ("the dog ran far", dict(temperature=30.0, top_k=5, seed=3)),
+    ]
+    d = Daemon(path, tmp_path, "engine.deterministic=true", "engine.max_seqs=4", backend="vulkan")
+    try:
+        d.wait_ready(timeout=600)
+        with Client(d.socket, timeout=300) as c:
+            alone = [c.generate(p, raw=True, max_tokens=12, stop=[], **kw).token_ids for p, kw in reqs]
+        together: dict[int, list[int]] = {}
+
+        def send(i: int) -> None:
+            with Client(d.socket, timeout=300) as c:
+                together[i] = c.generate(reqs[i][0], raw=True, max_tokens=12, stop=[], **reqs[i][1]).token_ids
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(reqs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        with Client(d.socket, timeout=30) as c:
+            st = c.status()
+    finally:
+        assert d.stop() == 0, d.log_text()
+    assert [together.get(i) for i in range(len(reqs))] == alone
+    assert len({t for i in (0, 2, 3) for t in alone[i]}) > 6  # the draws drew more than the argmax
+    assert st["pipelined_steps"] > 20 and "draws_corrected" in st

@@ -119,7 +119,8 @@ def test_greedy_generation_equals_cpu(pair):
 
 def test_sampling_from_device_candidates_equals_whole_rows(pair):
     """Sampled requests (seeded; top-k, top-p, min-p, penalty) take their tokens from topk.comp's
-    candidates: the same tokens as the same model sampling from whole logits rows read back."""
+    candidates (drawn on the host, or on the GPU and checked by the host in pipelined steps): the same
+    tokens as the same model sampling from whole logits rows read back."""
     _, vk = pair
     rng = np.random.default_rng(4)
     prompts = [rand_ids(rng, n, vk.config.vocab_size) for n in (5, 12, 2)]
@@ -131,9 +132,9 @@ def test_sampling_from_device_candidates_equals_whole_rows(pair):
     be = vk.backend
     for kw in kinds:
         params = SamplingParams(max_tokens=12, **kw)
-        before = be.topk_steps
+        before = be.topk_steps + be.sampled_steps
         got = [r.token_ids for r in generate(vk, prompts, params)]
-        assert be.topk_steps > before, "the on-device top-k path was not taken"
+        assert be.topk_steps + be.sampled_steps > before, "the on-device top-k path was not taken"
         be.topk_max = 0  # the whole-row path
         try:
             want = [r.token_ids for r in generate(vk, prompts, params)]
@@ -260,11 +261,12 @@ def test_kv_pools_made_again_and_again_still_equal_cpu(pair):
 
 
 def _run_pipelined(vk, prompts, params, cfg, cancel_at=None):
-    """Drive a Scheduler by hand (as the engine thread does); ``cancel_at``: (step, request id) to cancel
-    then. Returns ({id: (token ids, text, terminal kinds, finish reason)}, steps launched fed)."""
+    """Drive a Scheduler (``cfg``: a config, or the scheduler itself) by hand, as the engine thread does;
+    ``cancel_at``: (step, request id) to cancel then. Returns ({id: (token ids, text, terminal kinds, finish
+    reason)}, steps launched fed)."""
     from hmad.engine.request import Request
 
-    sched, out = Scheduler(vk, cfg), {}
+    sched, out = (cfg if isinstance(cfg, Scheduler) else Scheduler(vk, cfg)), {}
     for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
         sched.submit(Request(i, list(ids), p))
         out[i] = ([], "", [], "")
@@ -308,6 +310,61 @@ def test_pipelined_steps_give_the_tokens_of_steps_run_one_by_one(pair):
     want, _ = _run_pipelined(vk, prompts, stop, SchedulerConfig(pipeline=False, **cfg))
     got, fed = _run_pipelined(vk, prompts, stop, SchedulerConfig(**cfg))
     assert got == want and fed > 10 and want[0][3] == "stop" and len(want[0][0]) < 14
+
+
+def _sampled_params(max_tokens):
+    """Greedy and sampling requests together, seeded; hot, as the tiny model's top logit is ~90 above the
+    rest (at Gemma's temperature 1 every draw would be its argmax)."""
+    kinds = [
+        dict(temperature=50.0, top_k=64, top_p=0.95),
+        dict(temperature=0.0),
+        dict(temperature=30.0, top_k=5, min_p=0.1),
+        dict(temperature=80.0, top_k=128, top_p=0.5),
+    ]
+    return [SamplingParams(max_tokens=m, seed=100 + i, **kinds[i % 4]) for i, m in enumerate(max_tokens)]
+
+
+def test_pipelined_sampling_gives_the_tokens_of_steps_run_one_by_one(pair):
+    """Sampling requests pipeline too (launch_sampled: each token drawn on the GPU from its top-k candidates
+    with the uniform its sampler will use, fed into the next step): the same tokens, text and finish reasons
+    as the steps run one by one (sampled on the host), alone or beside others."""
+    _, vk = pair
+    rng = np.random.default_rng(31)
+    prompts = [rand_ids(rng, n, vk.config.vocab_size) for n in (5, 30, 3, 12, 8)]
+    cfg = dict(max_seqs=4, step_tokens=24, max_chunk=16, kv_tokens=512)
+    params = _sampled_params([14, 9, 20, 1, 16])
+    want, fed = _run_pipelined(vk, prompts, params, SchedulerConfig(pipeline=False, **cfg))
+    assert fed == 0
+    got, fed = _run_pipelined(vk, prompts, params, SchedulerConfig(**cfg))
+    assert got == want and fed > 10
+    assert all(ends == ["done"] for _, _, ends, _ in got.values())
+    assert len({t for i in (0, 2, 4) for t in got[i][0]}) > 10  # the draws drew more than the argmax
+    alone, _ = _run_pipelined(vk, prompts[2:3], params[2:3], SchedulerConfig(**cfg))
+    assert alone[0] == want[2]
+
+
+def test_a_device_draw_the_host_rejects_is_computed_again(pair, monkeypatch):
+    """Where the GPU's draw differs from the host's (here forced: half the rows get another uniform), the
+    host's token is the request's, the row the GPU's token fed is dropped and its position computed again:
+    the same tokens as without pipelining, every correction counted."""
+    _, vk = pair
+    rng = np.random.default_rng(32)
+    prompts = [rand_ids(rng, n, vk.config.vocab_size) for n in (6, 9, 4)]
+    # hot enough that the tiny model (top logit ~90 above the rest) draws other tokens: other uniforms matter
+    params = [SamplingParams(temperature=60.0, top_k=64, max_tokens=12, seed=7 + i) for i in range(3)]
+    cfg = dict(max_seqs=3, kv_tokens=512)
+    want, _ = _run_pipelined(vk, prompts, params, SchedulerConfig(pipeline=False, **cfg))
+    real = Scheduler._device_sampling
+
+    def skewed(wanting, fed):
+        out = real(wanting, fed)
+        out["u"][::2] = (out["u"][::2] + 0.5) % 1.0
+        return out
+
+    monkeypatch.setattr(Scheduler, "_device_sampling", staticmethod(skewed))
+    sched = Scheduler(vk, SchedulerConfig(**cfg))
+    got, fed = _run_pipelined(vk, prompts, params, sched)
+    assert got == want and fed > 5 and sched.draws_corrected > 3
 
 
 def test_cancel_while_a_pipelined_step_is_in_flight(pair):

@@ -27,8 +27,9 @@ from vk_harness import assert_x3_planes
 from hmad.backends.cpu import CpuBackend, CpuWeight
 from hmad.backends.vulkan.pipelines import ATTENTION_DECODE_DPL
 from hmad.backends.vulkan.stepmeta import NONE, StepMetaLayout, kv_slots
-from hmad.engine.batch import SeqSlice, StepBatch
+from hmad.engine.batch import SAMPLE_DTYPE, SeqSlice, StepBatch
 from hmad.engine.kvcache import KVLayout
+from hmad.engine.sampling import Sampler, SamplingParams
 from hmad.model.quants import quantize_q8_0, random_blocks
 from hmad.model.tensors import QType, WeightTensor
 
@@ -104,8 +105,8 @@ def test_step_meta_tiles():
     tiles = m[lay.tiles : lay.tiles + 3 * lay.max_tiles].reshape(-1, 3)
     assert tiles[:3].tolist() == [[0, 0, 32], [0, 32, 13], [3, 49, 10]] and not tiles[3:].any()
     assert m[lay.tiled : lay.tiled + 64].tolist() == [1] * 45 + [0] * 4 + [1] * 10 + [0] * 5
-    assert lay.feed == lay.tiles + 3 * lay.max_tiles  # then the feed rows, then the block tables
-    assert lay.tables == lay.feed + lay.max_tokens
+    assert lay.feed == lay.tiles + 3 * lay.max_tiles  # then the feed rows, sampling, the block tables
+    assert lay.sample == lay.feed + lay.max_tokens and lay.tables == lay.sample + 5 * lay.max_seqs
 
 
 def _fed_batch():
@@ -544,6 +545,68 @@ def test_feed_tokens_writes_the_fed_rows_from_the_ids(dev, kernels, gpu):
             want[lay.tokens + row] = ids[f] if ids[f] < 300 else 0
     got = gpu.get(b_m, np.uint32)[: lay.words]
     assert np.array_equal(got, want) and got[lay.tokens + 5] == 0 and got[lay.tokens + 1] == 8
+
+
+# -- sample_topk ---------------------------------------------------------------------------------------------
+def _sampling_cases(rng, n: int) -> list[SamplingParams]:
+    """Fresh sampling settings: greedy, and every filter alone and together (top_k 1 to 128)."""
+    return [
+        SamplingParams(
+            temperature=0.0 if i % 8 == 0 else float(rng.choice([0.3, 0.7, 1.0, 1.6])),
+            top_k=int(rng.choice([1, 2, 10, 40, 64, 128])),
+            top_p=float(rng.choice([1.0, 1.0, 0.95, 0.8, 0.3])),
+            min_p=float(rng.choice([0.0, 0.0, 0.05, 0.3])),
+            seed=int(rng.integers(2**63)),
+        )
+        for i in range(n)
+    ]
+
+
+@pytest.mark.gpu
+def test_sample_topk_draws_the_hosts_token(dev, kernels, gpu):
+    """topk.comp then sample_topk.comp on fresh rows (peaked, flat-topped, tied, -inf masked) with fresh
+    settings and each request's own next uniform: the token Sampler.sample_candidates draws from the same
+    candidates and uniform. Greedy rows always; sampled rows but at rounding edges (the device sums in
+    float32, the host in float64): at most 1 % of them may differ (the scheduler redoes those: a test of
+    test_vulkan_backend). The ids are poisoned first."""
+    from hmad.backends.vulkan.pipelines import SampleTopkPush, TopkPush
+
+    rng = np.random.default_rng()
+    s, vocab, k, rounds = 32, 4096, 128, 8
+    topk, sample = kernels("topk_f32"), kernels("sample_topk")
+    lay = StepMetaLayout(max_tokens=s, max_seqs=s, max_table=s)
+    table, ring = np.zeros(1, np.int32), np.zeros(0, np.int32)
+    differ = sampled = 0
+    for _ in range(rounds):
+        logits = (rng.standard_normal((s, vocab)) * rng.uniform(0.5, 6.0, (s, 1))).astype(np.float32)
+        logits[1, rng.integers(0, vocab, 50)] = logits[1].max() + 1.0  # tied at the top
+        logits[2, rng.integers(0, vocab, vocab // 2)] = -np.inf
+        logits[3] = np.round(logits[3])  # many equal weights
+        samplers = [Sampler(p) for p in _sampling_cases(rng, s)]
+        sampling = np.zeros(s, SAMPLE_DTYPE)
+        for i, sm in enumerate(samplers):
+            p = sm.params
+            sampling[i] = (p.temperature, p.top_k, p.top_p, p.min_p, sm.upcoming(0) if p.temperature else 0)
+        parts = [(SeqSlice(i, 0, 0, 0, table, ring), [0], True) for i in range(s)]
+        m = lay.pack(StepBatch.build(parts, 4, sampling=sampling))
+        b_m, b_l = gpu.put(m), gpu.put(logits)
+        b_i, b_v, b_out = gpu.alloc(4 * s * k), gpu.alloc(4 * s * k), gpu.poison(gpu.alloc(4 * s))
+        run(
+            dev,
+            (topk, [b_l, b_i, b_v], TopkPush(s, vocab, vocab, k), topk.groups_for(s)),
+            (sample, [b_m, b_i, b_v, b_out], SampleTopkPush(s, k, lay.sample), sample.groups_for(s)),
+        )
+        cids, cvals = gpu.get(b_i, np.uint32).reshape(s, k), gpu.get(b_v).reshape(s, k)
+        got = gpu.get(b_out, np.uint32)
+        for i, sm in enumerate(samplers):
+            want = sm.sample_candidates(cids[i].astype(np.int64), cvals[i])
+            if sm.params.temperature == 0:
+                assert got[i] == want == int(np.argmax(logits[i])), f"greedy row {i}"
+            else:
+                sampled += 1
+                differ += int(got[i] != want)
+                assert got[i] in cids[i, : sm.params.top_k], f"row {i}: not a top-k candidate"
+    assert differ <= sampled // 100, f"{differ} of {sampled} sampled rows differ from the host's draw"
 
 
 # -- top-k ---------------------------------------------------------------------------------------------------

@@ -308,6 +308,7 @@ class Server:
             "json_mask_ms": snap.get("json_mask_ms", 0.0),
             "steps": snap.get("steps", 0),
             "pipelined_steps": snap.get("pipelined_steps", 0),  # of steps: engine.pipeline's
+            "draws_corrected": snap.get("draws_corrected", 0),  # device draws the host's replaced
             "server_us_per_reply": round(1e6 * self.forward_s / max(1, self.events_forwarded), 2),
             "tokens_per_s": snap.get("tokens_per_s", 0.0),
             "tokens_generated": snap.get("tokens_generated", 0),

@@ -39,6 +39,9 @@ class Backend(ABC):
     #: ``launch_greedy``/``collect`` exist: a step may be submitted before the ids of the one before it are
     #: read, its decode rows' tokens taken on the device from that step (engine/scheduler.py, "Pipelining")
     pipelined: bool = False
+    #: ``launch_sampled``/``candidates`` exist too: a pipelined step's sampling requests (top_k within
+    #: ``topk_max``, no repetition penalty, no grammar) draw their tokens on the device
+    sample_on_device: bool = False
     #: ``topk(logits, k)`` selects on the device and reads back k candidates per row (the scheduler uses it
     #: when every sampling request of a step can be served from its best ``topk_max`` logits); 0: never.
     topk_max: int = 0
@@ -99,9 +102,19 @@ class Backend(ABC):
         just before (still running, maybe). At most two steps in flight. Only where ``pipelined``."""
         raise NotImplementedError(f"{self.name} backend does not pipeline steps")
 
+    def launch_sampled(self, logits: Act) -> Any:
+        """As ``launch_greedy``, each row's token drawn on the device from its ``topk_max`` best logits with
+        its ``batch.sampling`` (temperature 0: the argmax). Only where ``sample_on_device``."""
+        raise NotImplementedError(f"{self.name} backend does not sample on the device")
+
     def collect(self, launched: Any) -> np.ndarray:
-        """The argmax ids (S_out,) int64 of a ``launch_greedy`` step, once it is done."""
+        """The token ids (S_out,) int64 of a launched step, once it is done."""
         raise NotImplementedError(f"{self.name} backend does not pipeline steps")
+
+    def candidates(self, launched: Any) -> tuple[np.ndarray, np.ndarray]:
+        """A collected ``launch_sampled`` step's candidates, as ``topk`` returns them (the host checks each
+        device-drawn token against its own draw from them)."""
+        raise NotImplementedError(f"{self.name} backend does not sample on the device")
 
     def topk(self, logits: Act) -> tuple[np.ndarray, np.ndarray]:
         """(ids int64, values float32), each (S_out, topk_max): the best logits of each row, largest first,

@@ -11,6 +11,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+#: a logit row's sampling as the device draws it (``StepBatch.sampling``; shaders/sample_topk.comp): the
+#: request's temperature (0: greedy), top_k, top_p, min_p, and the uniform its draw uses
+SAMPLE_DTYPE = np.dtype(
+    [("temperature", "<f4"), ("top_k", "<u4"), ("top_p", "<f4"), ("min_p", "<f4"), ("u", "<f4")]
+)
+
 
 @dataclass
 class SeqSlice:
@@ -43,6 +49,8 @@ class StepBatch:
     # (T,) int32 or None: a pipelined step's rows whose token the device takes from the step before it,
     # from that step's ids row feed[t] (-1: the token in ``tokens``; Backend.launch_greedy)
     feed: np.ndarray | None = None
+    # (S_out,) SAMPLE_DTYPE or None: how the device samples each logit row (Backend.launch_sampled)
+    sampling: np.ndarray | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -50,10 +58,14 @@ class StepBatch:
 
     @staticmethod
     def build(
-        parts: list[tuple[SeqSlice, np.ndarray, bool]], block_size: int, feed: list[int] | None = None
+        parts: list[tuple[SeqSlice, np.ndarray, bool]],
+        block_size: int,
+        feed: list[int] | None = None,
+        sampling: np.ndarray | None = None,
     ) -> StepBatch:
         """Assemble a batch from (slice without start, its token ids, wants logits of its last token);
-        ``feed``: per part, the previous step's ids row its one token comes from, or -1 (see ``feed``)."""
+        ``feed``: per part, the previous step's ids row its one token comes from, or -1 (see ``feed``);
+        ``sampling``: per logit row (see ``sampling``)."""
         tokens, positions, seqs, rows, start = [], [], [], [], 0
         for s, toks, want in parts:
             s.start, s.n = start, len(toks)
@@ -77,4 +89,5 @@ class StepBatch:
             logit_rows=np.asarray(rows, dtype=np.int32),
             block_size=block_size,
             feed=fed,
+            sampling=sampling,
         )

@@ -29,6 +29,7 @@ NaN logits count as -inf when selecting.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import numbers
@@ -126,6 +127,18 @@ class Sampler:
         # Resolve a None seed to concrete entropy now, so the seed used can be logged and replayed.
         self.seed: int = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy)
         self.rng = np.random.Generator(np.random.PCG64(self.seed))
+        self._ahead: collections.deque[float] = collections.deque()  # drawn by upcoming(), not used yet
+
+    def upcoming(self, n: int) -> float:
+        """The uniform the ``n``-th draw from now (0: the next) will use, drawn from the generator now if it
+        was not yet; a pipelined step samples on the device with it before the host's own draw (engine/
+        scheduler.py, "Pipelining"), and the host's draw then uses the same value."""
+        while len(self._ahead) <= n:
+            self._ahead.append(self.rng.random())
+        return self._ahead[n]
+
+    def _uniform(self) -> float:
+        return self._ahead.popleft() if self._ahead else self.rng.random()
 
     def sample(self, logits: np.ndarray, recent_tokens: Sequence[int] = ()) -> int:
         """Return the next token id for ``logits`` (V,), given the prompt+generated tokens so far.
@@ -183,7 +196,7 @@ class Sampler:
             # Weights are probabilities scaled so the largest is 1: the threshold is min_p itself.
             keep = np.flatnonzero(weights >= p.min_p)
             ids, weights = _take(ids, keep), weights[keep]
-        choice = _draw(weights, self.rng.random())
+        choice = _draw(weights, self._uniform())
         return int(choice if ids is None else ids[choice])
 
     def _penalized(self, recent_tokens: Sequence[int]) -> np.ndarray:

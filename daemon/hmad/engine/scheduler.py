@@ -21,16 +21,26 @@ thread fails everything (engine/worker.py). So does an exception while retiring,
 (bookkeeping), as the scheduler's state can no longer be trusted.
 
 Pipelining (``SchedulerConfig.pipeline``, on by default; backends that are ``pipelined``): while every
-running request is greedy on the device (temperature 0, no repetition penalty, no grammar), ``step()``
-launches step n + 1 *before* it reads step n's token ids, and the host's work on step n (sampling, decoding,
-stop strings, events, the next plan) runs while the device computes step n + 1. Step n + 1 is planned as
-if every sequence of step n goes on: a row that produced a token in step n decodes in step n + 1, its input
-token taken on the device from step n's argmax (``StepBatch.feed``); a sequence whose token in step n ends
-it by length is left out. One that step n ends otherwise (end of turn, a stop string) or that is cancelled
-meanwhile computes one row too many in step n + 1: the row is dropped, its KV blocks are freed, nothing is
-committed from it. A step that needs host logits (sampling, a grammar) waits for the step in flight
-first. The device runs the steps in submission order, so KV blocks freed on the host while a step is in
-flight are only rewritten by later steps.
+running request's token can be picked on the device, ``step()`` launches step n + 1 *before* it reads step
+n's token ids, and the host's work on step n (sampling, decoding, stop strings, events, the next plan) runs
+while the device computes step n + 1. Step n + 1 is planned as if every sequence of step n goes on: a row
+that produced a token in step n decodes in step n + 1, its input token taken on the device from step n's
+ids (``StepBatch.feed``); a sequence whose token in step n ends it by length is left out. One that step n
+ends otherwise (end of turn, a stop string) or that is cancelled meanwhile computes one row too many in step
+n + 1: the row is dropped, its KV blocks are freed, nothing is committed from it. A step that needs host
+logits (a grammar, a repetition penalty, top-k off) waits for the step in flight first. The device runs the
+steps in submission order, so KV blocks freed on the host while a step is in flight are only rewritten by
+later steps.
+
+Which tokens the device picks: greedy requests' (temperature 0, no repetition penalty, no grammar) by its
+argmax; with ``sample_on_device`` also sampling requests with top_k within the backend's ``topk_max``, no
+repetition penalty and no grammar: their step (``launch_sampled``) draws each row's token on the device from
+its top-k candidates with the uniform the request's sampler will use for that token
+(``Sampler.upcoming``: one draw ahead while its step n is in flight). The host then draws the token itself
+from the same candidates and uniform (``Sampler.sample_candidates``, as a step run alone would), and its
+token is the request's: where the device's differs (a rounding edge: float32 there, float64 here), the row
+that the device's token fed in step n + 1 is dropped and its position computed again in the next step
+(``draws_corrected`` counts them). So a request gets the same tokens pipelined or not, alone or in any mix.
 
 Structured output: a request with a grammar (``Request.constraint``) needs its whole logits row, so a step
 holding one reads the full rows back (``model.forward``) rather than the on-device argmax or top-k. Its
@@ -44,13 +54,13 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 import numpy as np
 
-from hmad.engine.batch import SeqSlice, StepBatch
+from hmad.engine.batch import SAMPLE_DTYPE, SeqSlice, StepBatch
 from hmad.engine.kvcache import KVCacheManager, KVLayout
 from hmad.engine.request import Event, Request, State
 from hmad.errors import BackendUnusable, HmadError
@@ -94,11 +104,17 @@ class Flight:
     wanting: list[Request]  # in logit-row order
     launched: Any  # the backend's handle
     t0: float
+    sampled: bool = False  # drawn on the device (launch_sampled): the host checks each token
+    dropped: set[int] = field(default_factory=set)  # requests whose row here is dropped (a corrected draw)
 
     @cached_property
     def rows(self) -> dict[int, int]:
         """Request id -> its row of the step's ids."""
         return {r.id: i for i, r in enumerate(self.wanting)}
+
+    def feeds(self) -> dict[int, int]:
+        """``rows`` of the requests whose token from here feeds the next step (not ``dropped``)."""
+        return {k: v for k, v in self.rows.items() if k not in self.dropped}
 
 
 class Scheduler:
@@ -125,6 +141,7 @@ class Scheduler:
         self.tokens_out = 0
         self.flight: Flight | None = None  # the step launched and not yet collected (Pipelining)
         self.pipelined_steps = 0
+        self.draws_corrected = 0  # device-drawn tokens the host's draw replaced (Pipelining)
         self._t_collected = 0.0
 
     # -- requests in -----------------------------------------------------------------------------------
@@ -196,7 +213,19 @@ class Scheduler:
             self.cfg.pipeline
             and getattr(self.model.backend, "pipelined", False)
             and bool(self.running)
-            and all(self._greedy_ok(r) for r in self.running)
+            and all(self._on_device(r) for r in self.running)
+        )
+
+    def _on_device(self, r: Request) -> bool:
+        """Whether the device can pick ``r``'s tokens in a pipelined step (module docstring)."""
+        if self._greedy_ok(r):
+            return True
+        be, p = self.model.backend, r.params
+        return (
+            getattr(be, "sample_on_device", False)
+            and r.constraint is None
+            and p.repetition_penalty == 1.0
+            and 0 < p.top_k <= getattr(be, "topk_max", 0)
         )
 
     def _step_pipelined(self) -> list[Event]:
@@ -212,22 +241,39 @@ class Scheduler:
         return events
 
     def _launch(self, parts: list[Part], prev: Flight | None) -> list[Event]:
-        """Start a greedy step; its rows fed from ``prev``'s ids where ``prev`` produced their token."""
-        rows = prev.rows if prev else {}
+        """Start a step whose tokens the device picks; its rows fed from ``prev``'s ids where ``prev``
+        produced their token."""
+        rows = prev.feeds() if prev else {}
         feed = [rows.get(r.id, -1) for r, *_ in parts] if rows else None
+        wanting = [r for r, _, _, want in parts if want]
+        sampled = not all(self._greedy_ok(r) for r in wanting)
         self.steps += 1
         self.recent_batches.append(len(parts))
         try:
-            batch = StepBatch.build([(s, t, w) for _, s, t, w in parts], self.layout.block_size, feed)
-            launched = self.model.launch_argmax(batch)
+            sampling = self._device_sampling(wanting, rows) if sampled else None
+            batch = StepBatch.build(
+                [(s, t, w) for _, s, t, w in parts], self.layout.block_size, feed, sampling
+            )
+            launched = (self.model.launch_sampled if sampled else self.model.launch_argmax)(batch)
         except BackendUnusable:
             raise
         except Exception as e:  # as a failed step: its requests end (those in flight too: skipped there)
             return self._fail_step([r for r, *_ in parts], e)
-        wanting = [r for r, _, _, want in parts if want]
-        self.flight = Flight(parts, wanting, launched, time.perf_counter())
+        self.flight = Flight(parts, wanting, launched, time.perf_counter(), sampled)
         self.pipelined_steps += bool(prev)
         return []
+
+    @staticmethod
+    def _device_sampling(wanting: list[Request], fed: dict[int, int]) -> np.ndarray:
+        """Each logit row's sampling for the device; a request fed from the step in flight has that step's
+        draw still to make on the host, so its row takes the uniform after it."""
+        out = np.zeros(len(wanting), SAMPLE_DTYPE)
+        for i, r in enumerate(wanting):
+            p = r.params
+            if p.temperature > 0:
+                u = r.sampler.upcoming(1 if r.id in fed else 0)
+                out[i] = (p.temperature, p.top_k, p.top_p, p.min_p, u)
+        return out
 
     def _collect(self, f: Flight) -> list[Event]:
         """Read a launched step's ids and take them; requests cancelled or failed since it was launched are
@@ -236,14 +282,15 @@ class Scheduler:
         t0 = time.perf_counter()
         try:
             ids = self.model.backend.collect(f.launched)
+            cands = self.model.backend.candidates(f.launched) if f.sampled else None
         except BackendUnusable:
             raise
         except Exception as e:
             return self._fail_step([r for r, *_ in live], e)
         now = time.perf_counter()
         self.recent_forward_s.append(now - t0)  # the wait for the device
-        events = self._take_ids(f.wanting, ids)
-        self._commit(live)
+        events = self._take_drawn(f, ids, *cands) if cands else self._take_ids(f.wanting, ids, f.dropped)
+        self._commit([p for p in live if p[0].id not in f.dropped])
         self.recent_step_s.append(now - max(f.t0, self._t_collected))  # collect to collect while busy
         self._t_collected = time.perf_counter()
         return events
@@ -306,7 +353,7 @@ class Scheduler:
         it), except those that token ends by length."""
         budget = self.cfg.step_tokens
         parts = []
-        fed = flight.rows if flight else {}
+        fed = flight.feeds() if flight else {}
         order = sorted(self.running, key=lambda r: r.state is not State.DECODE and r.id not in fed)
         for r in order:
             if budget <= 0:
@@ -387,10 +434,39 @@ class Scheduler:
         """Whether the device's argmax is ``r``'s token (greedy, no penalty, no grammar)."""
         return r.params.temperature == 0 and r.params.repetition_penalty == 1.0 and r.constraint is None
 
-    def _take_ids(self, reqs: list[Request], ids: np.ndarray) -> list[Event]:
+    def _take_drawn(self, f: Flight, ids: np.ndarray, cids: np.ndarray, cvals: np.ndarray) -> list[Event]:
+        """A ``sampled`` flight's tokens: the host's own draw from each row's candidates (module docstring,
+        "Which tokens the device picks"); where it differs from the device's, the row the device's token fed
+        in the step launched since is dropped, and that position is computed again."""
+        events = []
+        for i, r in enumerate(f.wanting):
+            if r.state is State.FINISHED or r.id in f.dropped:
+                continue
+
+            def take(r=r, i=i) -> list[Event]:
+                tok = r.sampler.sample_candidates(cids[i], cvals[i], r.prompt_ids + r.output_ids)
+                if tok != ids[i]:
+                    self._redo_fed_row(r)
+                r.state = State.DECODE
+                return self._accept_token(r, tok)
+
+            events += self._guarded(r, take)
+        return events
+
+    def _redo_fed_row(self, r: Request) -> None:
+        """The device fed ``r`` a token the host did not draw: drop its row in the step in flight (if it has
+        one) and give its position back to the next plan."""
+        self.draws_corrected += 1
+        if self.flight is not None and r.id in self.flight.rows:
+            self.flight.dropped.add(r.id)
+            r.n_cached -= 1
+
+    def _take_ids(self, reqs: list[Request], ids: np.ndarray, dropped: set[int] = frozenset()) -> list[Event]:
         events = []
         for r, tok in zip(reqs, ids.tolist(), strict=True):
-            if r.state is State.FINISHED:  # a pipelined step's row of a request that ended meanwhile
+            if (
+                r.state is State.FINISHED or r.id in dropped
+            ):  # a pipelined row of one ended or redone meanwhile
                 continue
             r.state = State.DECODE
             events += self._guarded(r, lambda r=r, tok=tok: self._accept_token(r, int(tok)))
@@ -450,6 +526,8 @@ class Scheduler:
             "steps": self.steps,
             # of which launched before the step ahead of them was read (engine.pipeline)
             "pipelined_steps": self.pipelined_steps,
+            # of the tokens drawn on the device in pipelined steps, those the host's own draw replaced
+            "draws_corrected": self.draws_corrected,
             "json_mask_ms": round(1e3 * sum(self.recent_mask_s) / max(1, len(self.recent_mask_s)), 4),
             "kv": self.kv.usage(),
         }

@@ -59,6 +59,11 @@ class Model:
         ``pipelined``)."""
         return self.backend.launch_greedy(self.backend.run(self.net, batch))
 
+    def launch_sampled(self, batch: StepBatch):
+        """As ``launch_argmax``, each row's token drawn on the device with ``batch.sampling`` (backends that
+        ``sample_on_device``)."""
+        return self.backend.launch_sampled(self.backend.run(self.net, batch))
+
     def forward_topk(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
         """(ids, values) of the best ``backend.topk_max`` logits of each of ``batch.logit_rows``, selected
         on the device (only the candidates come back); backends with ``topk_max`` > 0."""

@@ -32,7 +32,11 @@ mapped metadata buffers, two id buffers, two fences, and per recording two heads
 step's head copies its parity's metadata into the device-local copy every kernel reads, then (when the
 batch has ``feed`` rows) runs feed_tokens.comp, which writes into the tokens section the ids the step
 before it (the other parity) computed. The recorded forward pass itself is one command buffer per bucket,
-begun with SIMULTANEOUS_USE, since two steps of one bucket can be pending at once.
+begun with SIMULTANEOUS_USE, since two steps of one bucket can be pending at once. A step whose requests
+sample (``launch_sampled``) ends with a *sample tail* instead of the argmax: topk.comp into its parity's
+candidates buffer, then sample_topk.comp, which draws each row's token from them with the row's sampling
+and uniform (the metadata's ``sample`` section) into the parity's ids; the host reads the candidates too
+(``candidates``) and checks each token against its own draw.
 
 Memory plan (``load_weights``): 1-D tensors (norms), the token embedding and the output projection are
 *hot* and placed first; the other weights follow in file (= forward) order into the device-local pool while
@@ -142,6 +146,7 @@ from hmad.backends.vulkan.pipelines import (
     ResidualNormPush,
     RmsNormPush,
     RopePush,
+    SampleTopkPush,
     TopkPush,
     attention_prefill_groups,
     residual_block,
@@ -354,9 +359,12 @@ class Graph:
     copy_into: BufferView | None = None  # the readback buffer copy_tail writes (re-record when it changed)
     topk_tail: CommandRecorder | None = None
     topk_into: BufferView | None = None  # likewise for topk_tail
+    # per parity: the sample tail (launch_sampled) and the candidates buffer it writes
+    sample_tails: dict[int, tuple[CommandRecorder, BufferView]] = field(default_factory=dict)
 
     def close(self) -> None:
-        for r in (self.rec, *self.argmax_tails, *self.heads.values(), self.copy_tail, self.topk_tail):
+        tails = [t for t, _ in self.sample_tails.values()]
+        for r in (self.rec, *self.argmax_tails, *self.heads.values(), self.copy_tail, self.topk_tail, *tails):
             if r is not None:
                 r.close()
 
@@ -374,11 +382,13 @@ class StepOutput:
 
 @dataclass(frozen=True)
 class Launched:
-    """A submitted step (``launch_greedy``): its parity and the id rows ``collect`` reads back."""
+    """A submitted step (``launch_greedy``, ``launch_sampled``): its parity, the id rows ``collect`` reads
+    back, and whether it sampled (its candidates are readable: ``candidates``)."""
 
     parity: int
     n_out: int
     graph: Graph
+    sampled: bool = False
 
 
 class VulkanBackend(Backend):
@@ -386,6 +396,7 @@ class VulkanBackend(Backend):
 
     name = "vulkan"
     greedy_on_device = True
+    sample_on_device = True
     #: engine.deterministic auto: off until its price on a GPU is measured (bench/bench_determinism.py;
     #: docs/determinism.md): on if it costs at most 10 % at decode 1/8/32 and prefill 512 on both shapes
     deterministic_auto = False
@@ -444,6 +455,7 @@ class VulkanBackend(Backend):
         self.recordings = 0  # forward passes recorded (a replay test counts them)
         self.steps = 0  # steps submitted
         self.topk_steps = 0  # of which sampled from on-device top-k candidates
+        self.sampled_steps = 0  # of which drawn on the device (launch_sampled)
         self.logit_rows_b = 1  # logit rows a step computes at least (prepare: the scheduler's sequences)
         self._uploading: threading.Thread | None = None  # load_weights(background=True)
         self._upload_error: BaseException | None = None
@@ -466,6 +478,7 @@ class VulkanBackend(Backend):
         self._meta_host = np.zeros(0, np.uint32)
         self.readback: BufferView | None = None
         self.topk_buf: BufferView | None = None  # mapped: ids (rows, k) uint32, then values (rows, k)
+        self.cands: list[BufferView | None] = [None, None]  # likewise, per parity, for the sample tails
         self.attention_min_keys = ATTENTION_MIN_KEYS
         self.attention_prefill_target = ATTENTION_PREFILL_TARGET_GROUPS
         self.attention_kl = True  # attention_decode_kl where it fits (bench_vulkan_model --no-attention-kl)
@@ -689,12 +702,13 @@ class VulkanBackend(Backend):
             if m is not None:
                 m.close()
         self._close_meta()
-        for b in (self.readback, self.topk_buf):
+        for b in (self.readback, self.topk_buf, *self.cands):
             if b is not None:
                 b.arena.close()
         self.counters.close()
         self.sinks.close()
         self.weights_mem = self.kv_mem = self.readback = self.topk_buf = None
+        self.cands = [None, None]
         for f in self.fences:
             lib.vkDestroyFence(self.dev.handle, f, ffi.NULL)
         self.fences, self._in_flight = [], [None, None]
@@ -714,6 +728,8 @@ class VulkanBackend(Backend):
             o_b = min(t_b, self.logit_rows_b)
             graph = self.graphs.get((t_b, o_b)) or self._record(net, t_b, o_b)
             self._topk_tail(graph)
+            for parity in (0, 1):
+                self._sample_tail(graph, parity)
         if self.dev.info.is_cpu:  # lavapipe: no first-submit cost to hide, and each replay a whole prefill
             return
         for t_b in buckets_upto(top):  # each replayed once: no request pays a recording's first submit
@@ -849,13 +865,40 @@ class VulkanBackend(Backend):
             graph.topk_tail, graph.topk_into = tail.end(), self.topk_buf
         return graph.topk_tail
 
+    def _sample_tail(self, graph: Graph, parity: int) -> CommandRecorder:
+        """``graph``'s sample tail on ``parity`` (re-made when that parity's candidates buffer grew)."""
+        rows, vocab = graph.logits.shape
+        k, half = self._topk_layout(rows, vocab)
+        buf = self.cands[parity] = self._readback_buffer(
+            self.cands[parity], half + 4 * rows * k, f"sampled candidates {parity}"
+        )
+        tail, into = graph.sample_tails.get(parity, (None, None))
+        if into is not buf:
+            if tail is not None:
+                tail.close()
+            ids = _rows(buf, 0, 1, 4 * rows * k)
+            vals = BufferView(buf.arena, buf.offset + half, 4 * rows * k, name="sampled candidate values")
+            topk, sample = self._kernel("topk_f32"), self._kernel("sample_topk")
+            assert k <= sample.block_size, "sample_topk takes a row's candidates one an invocation"
+            tail = CommandRecorder(self.dev).begin()
+            tail.barrier()
+            tail.dispatch(
+                topk, [graph.logits.view, ids, vals], TopkPush(rows, vocab, vocab, k), topk.groups_for(rows)
+            )
+            tail.barrier()
+            push = SampleTopkPush(rows, k, graph.layout.sample)
+            tail.dispatch(sample, [self.meta_gpu, ids, vals, self.ids[parity]], push, sample.groups_for(rows))
+            tail = tail.end()
+            graph.sample_tails[parity] = (tail, buf)
+        return tail
+
     @property
     def pipelined(self) -> bool:
         """Whether ``launch_greedy`` may be called with a step still in flight (not while profiling: two
         pending submits of one recording would share its timestamp queries)."""
         return not self.timestamps
 
-    def _launch(self, x: StepOutput, tail: CommandRecorder) -> Launched:
+    def _launch(self, x: StepOutput, tail: CommandRecorder, sampled: bool = False) -> Launched:
         """Submit step ``x`` (head, forward pass, ``tail``) on the next parity; no wait."""
         self.wait_resident()
         p = self._parity
@@ -871,7 +914,7 @@ class VulkanBackend(Backend):
         )
         check(lib.vkResetFences(self.dev.handle, 1, self._fences[p]), "vkResetFences")
         check(lib.vkQueueSubmit(self.dev.queue, 1, si, self.fences[p]), "vkQueueSubmit(step)")
-        self._in_flight[p] = done = Launched(p, x.n_out, graph)
+        self._in_flight[p] = done = Launched(p, x.n_out, graph, sampled)
         self._parity = 1 - p
         return done
 
@@ -902,10 +945,25 @@ class VulkanBackend(Backend):
         just before it (which may still be running). At most two steps in flight."""
         return self._launch(x, x.graph.argmax_tails[self._parity])
 
+    def launch_sampled(self, x: StepOutput) -> Launched:
+        """As ``launch_greedy``, each row's token drawn on the GPU from its top-k candidates with the
+        batch's ``sampling`` (sample_topk.comp); ``collect`` reads the ids, then ``candidates`` the
+        candidates they were drawn from."""
+        done = self._launch(x, self._sample_tail(x.graph, self._parity), sampled=True)
+        self.sampled_steps += 1
+        return done
+
     def collect(self, done: Launched) -> np.ndarray:
         """Wait for a launched step and read back its token ids (S_out,) int64."""
         self._wait(done)
         return self.ids[done.parity].array(np.uint32)[: done.n_out].astype(np.int64)
+
+    def candidates(self, done: Launched) -> tuple[np.ndarray, np.ndarray]:
+        """A collected ``launch_sampled`` step's candidates, as ``topk`` returns them; read before the next
+        launch on its parity."""
+        if not done.sampled or self._in_flight[done.parity] is done:
+            raise RuntimeError("candidates(): a sampled step, once collected")
+        return self._read_candidates(self.cands[done.parity], done.graph, done.n_out)
 
     def to_numpy(self, x) -> np.ndarray:
         """Run the step and read back its logits rows (S_out, V) float32."""
@@ -926,11 +984,14 @@ class VulkanBackend(Backend):
         each logits row (8 bytes each, not the row's V floats)."""
         self._run_alone(x, self._topk_tail(x.graph))
         self.topk_steps += 1
-        rows, vocab = x.graph.logits.shape
+        return self._read_candidates(self.topk_buf, x.graph, x.n_out)
+
+    def _read_candidates(self, into: BufferView, graph: Graph, n_out: int) -> tuple[np.ndarray, np.ndarray]:
+        rows, vocab = graph.logits.shape
         k, half = self._topk_layout(rows, vocab)
-        buf = self.topk_buf.array(np.uint8)
-        ids = buf[: 4 * rows * k].view(np.uint32).reshape(rows, k)[: x.n_out].astype(np.int64)
-        vals = buf[half : half + 4 * rows * k].view(np.float32).reshape(rows, k)[: x.n_out].copy()
+        buf = into.array(np.uint8)
+        ids = buf[: 4 * rows * k].view(np.uint32).reshape(rows, k)[:n_out].astype(np.int64)
+        vals = buf[half : half + 4 * rows * k].view(np.float32).reshape(rows, k)[:n_out].copy()
         return ids, vals
 
     def _drop_graphs(self) -> None:

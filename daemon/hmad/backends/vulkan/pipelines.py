@@ -178,6 +178,12 @@ class FeedPush(ctypes.Structure):
     _fields_ = [(n, u32) for n in ("tokens_off", "feed_off", "max_tokens", "vocab")]
 
 
+class SampleTopkPush(ctypes.Structure):
+    """shaders/sample_topk.comp"""
+
+    _fields_ = [(n, u32) for n in ("n_rows", "k", "sample_off")]
+
+
 class TopkPush(ctypes.Structure):
     """shaders/topk.comp"""
 
@@ -285,6 +291,7 @@ KERNELS: dict[str, KernelSpec] = {
     "argmax_f32": KernelSpec("argmax.comp", 2, ArgmaxPush, 256),
     "topk_f32": KernelSpec("topk.comp", 3, TopkPush, 256),
     "feed_tokens": KernelSpec("feed_tokens.comp", 2, FeedPush, 64),
+    "sample_topk": KernelSpec("sample_topk.comp", 4, SampleTopkPush, 128),  # block >= topk's candidates
     "split_reduce": KernelSpec("split_reduce.comp", 2, SplitReducePush, 256),
     "split_reduce_geglu": KernelSpec("split_reduce.comp", 3, SplitReducePush, 256),  # gate, y, up
     "row_scale": KernelSpec("row_scale.comp", 3, RowScalePush, 256),

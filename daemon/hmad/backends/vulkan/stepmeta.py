@@ -20,6 +20,8 @@ S = max_seqs)::
     tiles       +3 max_tiles      per tile: (sequence, first row, rows <= TILE_ROWS)   attention_prefill
     feed        +T                1 + the row of the previous step's ids whose token row t takes (0: the
                                   token above)                                    feed_tokens.comp
+    sample      +5S               per logit row: temperature, top_k, top_p, min_p, the draw's uniform
+                                  (batch.SAMPLE_DTYPE; zeros when the step has none) sample_topk.comp
     tables      +max_table        the block tables, flattened: each sequence's global table, then its ring
 
 - A table start is an absolute word index into the buffer (``tables`` offset included), so a shader reads
@@ -44,10 +46,11 @@ from functools import cached_property
 
 import numpy as np
 
-from hmad.engine.batch import StepBatch
+from hmad.engine.batch import SAMPLE_DTYPE, StepBatch
 
 NONE = 0xFFFFFFFF
 HEADER_WORDS = 8
+SAMPLE_WORDS = SAMPLE_DTYPE.itemsize // 4
 #: rows of one prefill-attention tile (attention_prefill.comp: TILE_ROWS)
 TILE_ROWS = 32
 
@@ -114,8 +117,12 @@ class StepMetaLayout:
         return self.tiles + 3 * self.max_tiles
 
     @cached_property
-    def tables(self) -> int:
+    def sample(self) -> int:
         return self.feed + self.max_tokens
+
+    @cached_property
+    def tables(self) -> int:
+        return self.sample + SAMPLE_WORDS * self.max_seqs
 
     @cached_property
     def words(self) -> int:
@@ -157,6 +164,10 @@ class StepMetaLayout:
         if batch.feed is not None:
             rows = np.flatnonzero(batch.feed >= 0)
             m[self.feed + rows] = batch.feed[rows] + 1
+        if batch.sampling is not None:
+            assert len(batch.sampling) == len(batch.logit_rows), "one sampling entry a logit row"
+            words = np.ascontiguousarray(batch.sampling, SAMPLE_DTYPE).view(np.uint32)
+            m[self.sample : self.sample + words.size] = words
         return m
 
     @staticmethod
