@@ -74,6 +74,12 @@ def start(a, tmp: str) -> tuple[subprocess.Popen, str, float]:
 
 
 BURSTS = itertools.count(1)
+#: --sampling: greedy, or Gemma 3's recommended settings (hmad's defaults; bench_peer.py gives llama-server
+#: the same)
+SAMPLING = {
+    "greedy": {"temperature": 0},
+    "gemma": {"temperature": 1.0, "top_k": 64, "top_p": 0.95, "min_p": 0.0},
+}
 
 
 async def burst(sock: str, n: int, a) -> dict:
@@ -81,7 +87,7 @@ async def burst(sock: str, n: int, a) -> dict:
     async with AsyncClient(sock, timeout=1800) as c:
         t0 = time.perf_counter()
         res = await asyncio.gather(
-            *(c.generate(text, raw=True, max_tokens=a.gen, temperature=0) for text in texts)
+            *(c.generate(text, raw=True, max_tokens=a.gen, **SAMPLING[a.sampling]) for text in texts)
         )
         wall = time.perf_counter() - t0
     toks = sum(r.generated_tokens for r in res)
@@ -177,6 +183,8 @@ def run_daemon(a, levels: list[int]) -> dict:
                 st = c.status()
                 out["step_profile_ms"] = {"step": st["step_ms"], "forward": st["forward_ms"]}
                 print(f"per step: {st['step_ms']} ms, of which forward {st['forward_ms']} ms", flush=True)
+                piped = {k: st.get(k) for k in ("steps", "pipelined_steps", "draws_corrected")}
+                print(f"steps so far: {piped}", flush=True)
             if a.prefill:
                 out["prefill"] = asyncio.run(prefill(sock, prompts_of_tokens(a.model, a.prefill, 3)))
                 print(f"prefill {out['prefill']['tokens']}: {out['prefill']['tok_s']} tok/s", flush=True)
@@ -223,6 +231,7 @@ def main() -> None:
         "--prompt-tokens", type=int, default=0, help="prompts of N tokens instead (the peer's 128)"
     )
     ap.add_argument("--levels", default="8,32")
+    ap.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy", help="the levels' requests")
     ap.add_argument("--max-seqs", type=int, default=32)
     ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill figure (0: none)")
     ap.add_argument("--set", action="append", default=[], help="a config override for hmad (KEY=VALUE)")
@@ -247,6 +256,7 @@ def main() -> None:
         "model": a.model,
         "backend": a.backend,
         "gen": a.gen,
+        "sampling": a.sampling,
         "daemon": run_daemon(a, levels),
     }
     out["device"] = out["daemon"]["status"].get("device")

@@ -66,11 +66,18 @@ def wait_ready(proc: subprocess.Popen, port: int, timeout: float) -> float:
     raise TimeoutError(f"llama-server not ready in {timeout} s")
 
 
-def completion(port: int, prompt: list[int], n_predict: int) -> dict:
+#: --sampling: greedy, or Gemma 3's recommended settings (bench_daemon.py gives hmad the same)
+SAMPLING = {
+    "greedy": {"temperature": 0},
+    "gemma": {"temperature": 1.0, "top_k": 64, "top_p": 0.95, "min_p": 0.0, "repeat_penalty": 1.0},
+}
+
+
+def completion(port: int, prompt: list[int], n_predict: int, sampling: str = "greedy") -> dict:
     body = {
         "prompt": prompt,
         "n_predict": n_predict,
-        "temperature": 0,
+        **SAMPLING[sampling],
         "ignore_eos": True,
         "cache_prompt": False,
     }
@@ -97,11 +104,11 @@ def prefill(port: int, n: int) -> dict:
     return {"tokens": pre["prompt_n"], "tok_s": pre["prompt_per_second"]}
 
 
-def streams(port: int, n: int, gen: int, prompt_len: int) -> dict:
+def streams(port: int, n: int, gen: int, prompt_len: int, sampling: str = "greedy") -> dict:
     prompts = [fresh_prompt(prompt_len, i) for i in range(n)]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(n) as ex:
-        res = list(ex.map(lambda p: completion(port, p, gen), prompts))
+        res = list(ex.map(lambda p: completion(port, p, gen, sampling), prompts))
     wall = time.perf_counter() - t0
     toks = sum(r["timings"]["predicted_n"] for r in res)
     per = [r["timings"]["predicted_per_second"] for r in res]
@@ -113,6 +120,7 @@ def main() -> int:
     ap.add_argument("--server-dir", required=True, type=Path)
     ap.add_argument("--gguf", required=True)
     ap.add_argument("--streams", default="1,8,32")
+    ap.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy", help="the streams' requests")
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--prefill", type=int, default=512)
@@ -130,6 +138,7 @@ def main() -> int:
         "date": time.strftime("%F"),
         "prompt_len": a.prompt_len,
         "gen": a.gen,
+        "sampling": a.sampling,
     }
     try:
         out["ready_s"] = round(wait_ready(proc, port, 600), 3)
@@ -141,7 +150,7 @@ def main() -> int:
             out["prefill"] = pre = prefill(port, a.prefill)
             print(f"llama-server prefill {pre['tokens']}: {pre['tok_s']:.0f} tok/s", flush=True)
             for n in levels:
-                r = out[f"streams_{n}"] = streams(port, n, a.gen, a.prompt_len)
+                r = out[f"streams_{n}"] = streams(port, n, a.gen, a.prompt_len, a.sampling)
                 print(f"llama-server {n} streams: {r['tok_s']:.1f} tok/s", flush=True)
     finally:
         proc.terminate()

@@ -3,7 +3,7 @@
 # file, hmad's load profile, and the daemon's throughput beside its engine, per model shape. Results in $OUT.
 #   bash bench/device_serving.sh [write] [tests] [ready] [peer_load] [load_profile] [daemon_270m] [daemon_27b]
 #       [peer_270m] [peer_27b] [prefix] [determinism] [copy] [compare_270m] [compare_27b] [steps]
-#       [nopipe_270m] [nopipe_27b] [host_step]
+#       [nopipe_270m] [nopipe_27b] [host_step] [sampled_270m] [sampled_27b]
 set -uo pipefail
 . bench/device_env.sh
 OUT=${OUT:-/tmp/out}
@@ -91,6 +91,19 @@ for n in ('270m', '27b'):
             | grep -E "steady|prefill|per step" | cut -c1-200
         python3 bench/compare_peer.py --hmad "$OUT/hmad_nopipe_$m.json" --peer "$OUT/peer_$m.json" \
             --copy "$OUT/copy.json" --weights-bytes "$(stat -c %s /tmp/syn-$m.gguf)"
+        ;;
+    sampled_270m | sampled_27b)  # Gemma's recommended sampling (temperature 1, top_k 64, top_p 0.95) on both
+        # servers, 1, 8 and 32 streams; hmad with engine.pipeline on (the tokens drawn on the GPU) and off
+        m=${step#sampled_}
+        timeout 300 python3 bench/bench_peer.py --server-dir /tmp/peer/bin --gguf /tmp/syn-$m.gguf --prompt-len 128 \
+            --sampling gemma --json "$OUT/peer_sampled_$m.json" 2>&1 | grep -E "ready|streams" | head -6
+        for pipe in true false; do
+            timeout 400 python3 bench/bench_daemon.py --model /tmp/syn-$m.gguf --backend vulkan --levels 1,8,32 \
+                --prompt-tokens 128 --prefill 0 --sampling gemma --set engine.pipeline=$pipe \
+                --json "$OUT/hmad_sampled_${pipe}_$m.json" 2>&1 | grep -E "steady|per step|steps so far" | cut -c1-200
+            python3 bench/compare_peer.py --hmad "$OUT/hmad_sampled_${pipe}_$m.json" --peer "$OUT/peer_sampled_$m.json" \
+                --copy "$OUT/copy.json" --weights-bytes "$(stat -c %s /tmp/syn-$m.gguf)"
+        done
         ;;
     host_step)  # the engine's host work a step beside the device's, engine.pipeline on and off (270M shape)
         timeout 200 python3 bench/bench_host_step.py --model /tmp/syn-270m.gguf --reps 3 2>&1 | tee "$OUT/host_step.txt" \
