@@ -343,6 +343,32 @@ def test_pipelined_sampling_gives_the_tokens_of_steps_run_one_by_one(pair):
     assert alone[0] == want[2]
 
 
+def test_pipelined_sampling_at_the_edges_of_its_settings(pair):
+    """Fresh random settings at the edges of their ranges (temperature 1e-6 to 100, top_k 1 / 128 / 129 /
+    0 (off), top_p near 0, min_p 1, repetition penalty on some: those take host logits and stop the
+    pipeline while they run): every request ends once, with the tokens it gets with the pipeline off."""
+    _, vk = pair
+    rng = np.random.default_rng()
+    prompts = [rand_ids(rng, int(rng.integers(1, 20)), vk.config.vocab_size) for _ in range(6)]
+    params = [
+        SamplingParams(
+            max_tokens=int(rng.integers(1, 10)),
+            seed=int(rng.integers(2**63)),
+            temperature=float(rng.choice([0.0, 1e-6, 1.0, 60.0, 100.0])),
+            top_k=int(rng.choice([1, 2, 64, 128, 129, 0])),
+            top_p=float(rng.choice([1.0, 1e-9, 0.5, 0.999])),
+            min_p=float(rng.choice([0.0, 1.0, 0.5])),
+            repetition_penalty=float(rng.choice([1.0, 1.0, 1.0, 1.3])),
+        )
+        for _ in prompts
+    ]
+    cfg = dict(max_seqs=4, kv_tokens=512, step_tokens=16, max_chunk=8)
+    want, _ = _run_pipelined(vk, prompts, params, SchedulerConfig(pipeline=False, **cfg))
+    got, _ = _run_pipelined(vk, prompts, params, SchedulerConfig(**cfg))
+    assert got == want, params
+    assert all(len(ends) == 1 and ends[0] == "done" for _, _, ends, _ in got.values())
+
+
 def test_a_device_draw_the_host_rejects_is_computed_again(pair, monkeypatch):
     """Where the GPU's draw differs from the host's (here forced: half the rows get another uniform), the
     host's token is the request's, the row the GPU's token fed is dropped and its position computed again:
