@@ -208,3 +208,30 @@ def test_random_workload_keeps_the_invariants_and_leaks_nothing():
     kv.flush()
     for pool in (kv.global_pool, kv.local_pool):
         assert pool.n_free == pool.n_blocks and pool.promised == 0 and pool.n_cached == 0
+
+
+@pytest.mark.parametrize(
+    "window,block,chunk", [(w, b, c) for w in (1, 3, 4, 6, 9) for b in (2, 4) for c in (2, 3, 5)]
+)
+def test_a_fed_row_keeps_the_window_of_the_position_before_it(window, block, chunk):
+    """A pipelined row at p + 1 prepared with keep_back=1 (its input token, drawn on the device, may still
+    be replaced by the host's): position p can be written again, every block its query reads still held at
+    its own ring slot, at every position of a sequence, for any window, block size and chunk >= 2 (the
+    ring KVLayout.plan sizes for them)."""
+    ring = -(-(window + chunk - 1) // block) + 1
+    lay = KVLayout(block, 0, 2 * ring, ring, (), (0,), 1, 8, window=window, max_seqs=2)
+    kv = KVCacheManager(lay, prefix_cache=False)
+    n, pos = 40, 0
+    assert kv.admit(0, n) == 0
+    while pos < 7:  # the prompt, in chunks
+        kv.prepare(0, pos, min(chunk, 7 - pos))
+        pos += min(chunk, 7 - pos)
+    while pos < n - 1:
+        kv.prepare(0, pos, 1)  # the row whose token the device draws
+        kv.prepare(0, pos + 1, 1, keep_back=1)  # the next step's row, fed from it
+        assert kv.can_rewrite(0, pos), pos
+        redo = kv.prepare(0, pos, 1)  # the host drew another token: position pos again
+        held = kv._seqs[0].local
+        for j in range(max(0, pos - window + 1) // block, pos // block + 1):
+            assert redo.local_table[j % len(redo.local_table)] == held[j], (pos, j)
+        pos += 1

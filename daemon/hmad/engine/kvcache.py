@@ -338,9 +338,12 @@ class KVCacheManager:
         st.reused_tokens += reused
 
     # -- a step ----------------------------------------------------------------------------------------
-    def prepare(self, seq_id: int, pos0: int, n: int) -> SeqBlocks:
+    def prepare(self, seq_id: int, pos0: int, n: int, keep_back: int = 0) -> SeqBlocks:
         """Tables for a step writing positions [pos0, pos0 + n): takes blocks for them, gives back the local
-        blocks no query from pos0 on reads. ``n`` is at most the ``max_chunk`` the layout was planned for."""
+        blocks no query from pos0 on reads. ``n`` is at most the ``max_chunk`` the layout was planned for.
+        ``keep_back``: positions before pos0 a later step may write again (a pipelined row whose input
+        token the host may still replace: engine/scheduler.py, "Pipelining"); the local blocks their queries
+        read stay held where the ring has room (``can_rewrite`` says whether it had)."""
         s, bs = self._seqs[seq_id], self.layout.block_size
         end_block = cdiv(pos0 + n, bs)
         if end_block > s.budget:
@@ -353,6 +356,8 @@ class KVCacheManager:
             s.glob += new
         if self.layout.local_layers:
             lo = self._first_read_block(pos0)
+            if keep_back and end_block - self._first_read_block(max(0, pos0 - keep_back)) <= s.quota_l:
+                lo = self._first_read_block(max(0, pos0 - keep_back))
             for j in [j for j in s.local if j < lo]:
                 self.local_pool.unpin(s.local.pop(j))
                 self.local_pool.promised += 1
@@ -362,6 +367,14 @@ class KVCacheManager:
                     self.local_pool.promised -= 1
                     s.ring[j % s.quota_l] = s.local[j]
         return self.tables(seq_id)
+
+    def can_rewrite(self, seq_id: int, pos: int) -> bool:
+        """Whether a step may write position ``pos`` of the sequence again: every local block a query at
+        ``pos`` reads is still held (``prepare``'s ``keep_back``)."""
+        if not self.layout.local_layers:
+            return True
+        held = self._seqs[seq_id].local
+        return all(j in held for j in range(self._first_read_block(pos), pos // self.layout.block_size + 1))
 
     def commit(self, seq_id: int, n_written: int, token_ids: Callable[[int, int], Sequence[int]]) -> None:
         """Register the sequence's blocks that are full once positions < ``n_written`` are written;

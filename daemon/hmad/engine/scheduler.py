@@ -222,7 +222,8 @@ class Scheduler:
             return True
         be, p = self.model.backend, r.params
         return (
-            getattr(be, "sample_on_device", False)
+            self.cfg.max_chunk > 1  # the local ring has room to redo a position (KVCacheManager.prepare)
+            and getattr(be, "sample_on_device", False)
             and r.constraint is None
             and p.repetition_penalty == 1.0
             and 0 < p.top_k <= getattr(be, "topk_max", 0)
@@ -361,7 +362,9 @@ class Scheduler:
             if r.id in fed and not self._goes_on(r):
                 continue
             toks = [0] if r.id in fed else r.next_input(min(self.cfg.max_chunk, budget))
-            tables = self.kv.prepare(r.id, r.n_cached, len(toks))
+            # a fed row of a sampling request may be computed again a position back (_redo_fed_row)
+            keep = int(r.id in fed and not self._greedy_ok(r))
+            tables = self.kv.prepare(r.id, r.n_cached, len(toks), keep_back=keep)
             s = SeqSlice(r.id, 0, len(toks), r.n_cached, tables.global_table, tables.local_table)
             done_prompt = (
                 r.id in fed or r.state is State.DECODE or r.n_cached + len(toks) == len(r.prompt_ids)
@@ -455,9 +458,13 @@ class Scheduler:
 
     def _redo_fed_row(self, r: Request) -> None:
         """The device fed ``r`` a token the host did not draw: drop its row in the step in flight (if it has
-        one) and give its position back to the next plan."""
+        one) and give its position back to the next plan (whose window blocks ``_plan`` kept held)."""
         self.draws_corrected += 1
         if self.flight is not None and r.id in self.flight.rows:
+            if not self.kv.can_rewrite(r.id, r.n_cached - 1):
+                raise RuntimeError(
+                    f"position {r.n_cached - 1} cannot be computed again: its window is released"
+                )
             self.flight.dropped.add(r.id)
             r.n_cached -= 1
 
