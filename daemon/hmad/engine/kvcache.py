@@ -356,8 +356,9 @@ class KVCacheManager:
             s.glob += new
         if self.layout.local_layers:
             lo = self._first_read_block(pos0)
-            if keep_back and end_block - self._first_read_block(max(0, pos0 - keep_back)) <= s.quota_l:
-                lo = self._first_read_block(max(0, pos0 - keep_back))
+            kept = self._first_read_block(max(0, pos0 - keep_back))
+            if end_block - kept <= s.quota_l:
+                lo = kept
             for j in [j for j in s.local if j < lo]:
                 self.local_pool.unpin(s.local.pop(j))
                 self.local_pool.promised += 1

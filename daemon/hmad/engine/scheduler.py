@@ -401,8 +401,14 @@ class Scheduler:
             events += self._guarded(r, lambda r=r, i=i, v=v: self._take_candidate(r, i, v))
         return events
 
-    def _take_candidate(self, r: Request, ids: np.ndarray, vals: np.ndarray) -> list[Event]:
+    def _take_candidate(
+        self, r: Request, ids: np.ndarray, vals: np.ndarray, device_tok: int | None = None
+    ) -> list[Event]:
+        """The host's draw from ``r``'s candidates; ``device_tok``: the token a pipelined step drew from them
+        on the device and fed on (redone where it differs: ``_redo_fed_row``)."""
         tok = r.sampler.sample_candidates(ids, vals, r.prompt_ids + r.output_ids)
+        if device_tok is not None and tok != device_tok:
+            self._redo_fed_row(r)
         r.state = State.DECODE
         return self._accept_token(r, tok)
 
@@ -443,17 +449,10 @@ class Scheduler:
         in the step launched since is dropped, and that position is computed again."""
         events = []
         for i, r in enumerate(f.wanting):
-            if r.state is State.FINISHED or r.id in f.dropped:
-                continue
-
-            def take(r=r, i=i) -> list[Event]:
-                tok = r.sampler.sample_candidates(cids[i], cvals[i], r.prompt_ids + r.output_ids)
-                if tok != ids[i]:
-                    self._redo_fed_row(r)
-                r.state = State.DECODE
-                return self._accept_token(r, tok)
-
-            events += self._guarded(r, take)
+            if r.state is not State.FINISHED and r.id not in f.dropped:
+                events += self._guarded(
+                    r, lambda r=r, i=i: self._take_candidate(r, cids[i], cvals[i], int(ids[i]))
+                )
         return events
 
     def _redo_fed_row(self, r: Request) -> None:
@@ -471,9 +470,8 @@ class Scheduler:
     def _take_ids(self, reqs: list[Request], ids: np.ndarray, dropped: set[int] = frozenset()) -> list[Event]:
         events = []
         for r, tok in zip(reqs, ids.tolist(), strict=True):
-            if (
-                r.state is State.FINISHED or r.id in dropped
-            ):  # a pipelined row of one ended or redone meanwhile
+            # a pipelined step's row of a request that ended, or whose row is redone, meanwhile
+            if r.state is State.FINISHED or r.id in dropped:
                 continue
             r.state = State.DECODE
             events += self._guarded(r, lambda r=r, tok=tok: self._accept_token(r, int(tok)))

@@ -853,17 +853,26 @@ class VulkanBackend(Backend):
         if graph.topk_into is not self.topk_buf:
             if graph.topk_tail is not None:
                 graph.topk_tail.close()
-            kern = self._kernel("topk_f32")
-            ids = _rows(self.topk_buf, 0, 1, 4 * rows * k)
-            vals = BufferView(
-                self.topk_buf.arena, self.topk_buf.offset + half, 4 * rows * k, name="top-k values"
-            )
             tail = CommandRecorder(self.dev).begin()
-            tail.barrier()
-            push = TopkPush(rows, vocab, vocab, k)
-            tail.dispatch(kern, [graph.logits.view, ids, vals], push, kern.groups_for(rows))
+            self._record_topk(tail, graph, self.topk_buf)
             graph.topk_tail, graph.topk_into = tail.end(), self.topk_buf
         return graph.topk_tail
+
+    def _record_topk(
+        self, tail: CommandRecorder, graph: Graph, into: BufferView
+    ) -> tuple[BufferView, BufferView]:
+        """Append topk.comp over ``graph``'s logits (after a barrier) writing the candidates buffer ``into``
+        (``_topk_layout``); returns its (ids, values) views."""
+        rows, vocab = graph.logits.shape
+        k, half = self._topk_layout(rows, vocab)
+        ids = _rows(into, 0, 1, 4 * rows * k)
+        vals = BufferView(into.arena, into.offset + half, 4 * rows * k, name="top-k values")
+        kern = self._kernel("topk_f32")
+        tail.barrier()
+        tail.dispatch(
+            kern, [graph.logits.view, ids, vals], TopkPush(rows, vocab, vocab, k), kern.groups_for(rows)
+        )
+        return ids, vals
 
     def _sample_tail(self, graph: Graph, parity: int) -> CommandRecorder:
         """``graph``'s sample tail on ``parity`` (re-made when that parity's candidates buffer grew)."""
@@ -876,15 +885,10 @@ class VulkanBackend(Backend):
         if into is not buf:
             if tail is not None:
                 tail.close()
-            ids = _rows(buf, 0, 1, 4 * rows * k)
-            vals = BufferView(buf.arena, buf.offset + half, 4 * rows * k, name="sampled candidate values")
-            topk, sample = self._kernel("topk_f32"), self._kernel("sample_topk")
+            sample = self._kernel("sample_topk")
             assert k <= sample.block_size, "sample_topk takes a row's candidates one an invocation"
             tail = CommandRecorder(self.dev).begin()
-            tail.barrier()
-            tail.dispatch(
-                topk, [graph.logits.view, ids, vals], TopkPush(rows, vocab, vocab, k), topk.groups_for(rows)
-            )
+            ids, vals = self._record_topk(tail, graph, buf)
             tail.barrier()
             push = SampleTopkPush(rows, k, graph.layout.sample)
             tail.dispatch(sample, [self.meta_gpu, ids, vals, self.ids[parity]], push, sample.groups_for(rows))
