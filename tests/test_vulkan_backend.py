@@ -26,6 +26,8 @@ import pytest
 from test_model_cpu import rand_ids, run_chunks
 from tiny_gguf import MIXED, make_tiny_gguf
 
+from hmad.engine import scheduler as scheduler_module
+from hmad.engine.draw_rows import draw_rows
 from hmad.engine.generate import generate
 from hmad.engine.sampling import SamplingParams
 from hmad.engine.scheduler import Scheduler, SchedulerConfig
@@ -324,11 +326,20 @@ def _sampled_params(max_tokens):
     return [SamplingParams(max_tokens=m, seed=100 + i, **kinds[i % 4]) for i, m in enumerate(max_tokens)]
 
 
-def test_pipelined_sampling_gives_the_tokens_of_steps_run_one_by_one(pair):
+def test_pipelined_sampling_gives_the_tokens_of_steps_run_one_by_one(pair, monkeypatch):
     """Sampling requests pipeline too (launch_sampled: each token drawn on the GPU from its top-k candidates
     with the uniform its sampler will use, fed into the next step): the same tokens, text and finish reasons
-    as the steps run one by one (sampled on the host), alone or beside others."""
+    as the steps run one by one (sampled on the host), alone or beside others. Steps of three rows or more
+    draw them on the host together (engine/draw_rows.py); alone, one by one."""
     _, vk = pair
+    together = []
+
+    def counted(samplers, ids, vals):
+        got = draw_rows(samplers, ids, vals)
+        together.append(sum(t is not None for t in got))
+        return got
+
+    monkeypatch.setattr(scheduler_module, "draw_rows", counted)
     rng = np.random.default_rng(31)
     prompts = [rand_ids(rng, n, vk.config.vocab_size) for n in (5, 30, 3, 12, 8)]
     cfg = dict(max_seqs=4, step_tokens=24, max_chunk=16, kv_tokens=512)
@@ -339,7 +350,10 @@ def test_pipelined_sampling_gives_the_tokens_of_steps_run_one_by_one(pair):
     assert got == want and fed > 10
     assert all(ends == ["done"] for _, _, ends, _ in got.values())
     assert len({t for i in (0, 2, 4) for t in got[i][0]}) > 10  # the draws drew more than the argmax
+    assert sum(together) > 20
+    together.clear()
     alone, _ = _run_pipelined(vk, prompts[2:3], params[2:3], SchedulerConfig(**cfg))
+    assert not together
     assert alone[0] == want[2]
 
 

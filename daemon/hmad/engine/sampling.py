@@ -137,7 +137,8 @@ class Sampler:
             self._ahead.append(self.rng.random())
         return self._ahead[n]
 
-    def _uniform(self) -> float:
+    def draw_uniform(self) -> float:
+        """The uniform of this request's next draw, used up (the one :meth:`upcoming` gave, if it did)."""
         return self._ahead.popleft() if self._ahead else self.rng.random()
 
     def sample(self, logits: np.ndarray, recent_tokens: Sequence[int] = ()) -> int:
@@ -196,7 +197,7 @@ class Sampler:
             # Weights are probabilities scaled so the largest is 1: the threshold is min_p itself.
             keep = np.flatnonzero(weights >= p.min_p)
             ids, weights = _take(ids, keep), weights[keep]
-        choice = _draw(weights, self._uniform())
+        choice = _draw(weights, self.draw_uniform())
         return int(choice if ids is None else ids[choice])
 
     def _penalized(self, recent_tokens: Sequence[int]) -> np.ndarray:

@@ -37,9 +37,10 @@ argmax; with ``sample_on_device`` also sampling requests with top_k within the b
 repetition penalty and no grammar: their step (``launch_sampled``) draws each row's token on the device from
 its top-k candidates with the uniform the request's sampler will use for that token
 (``Sampler.upcoming``: one draw ahead while its step n is in flight). The host then draws the token itself
-from the same candidates and uniform (``Sampler.sample_candidates``, as a step run alone would), and its
-token is the request's: where the device's differs (a rounding edge: float32 there, float64 here), the row
-that the device's token fed in step n + 1 is dropped and its position computed again in the next step
+from the same candidates and uniform (``Sampler.sample_candidates``, as a step run alone would; a step's
+rows at once where there are a few, engine/draw_rows.py, to the same tokens), and its token is the
+request's: where the device's differs (a rounding edge: float32 there, float64 here), the row that the
+device's token fed in step n + 1 is dropped and its position computed again in the next step
 (``draws_corrected`` counts them). So a request gets the same tokens pipelined or not, alone or in any mix.
 
 Structured output: a request with a grammar (``Request.constraint``) needs its whole logits row, so a step
@@ -61,6 +62,7 @@ from typing import Any
 import numpy as np
 
 from hmad.engine.batch import SAMPLE_DTYPE, SeqSlice, StepBatch
+from hmad.engine.draw_rows import DRAW_ROWS_MIN, draw_rows
 from hmad.engine.kvcache import KVCacheManager, KVLayout
 from hmad.engine.request import Event, Request, State
 from hmad.errors import BackendUnusable, HmadError
@@ -397,16 +399,35 @@ class Scheduler:
 
     def _sample_candidates(self, reqs: list[Request], ids: np.ndarray, vals: np.ndarray) -> list[Event]:
         events = []
-        for r, i, v in zip(reqs, ids, vals, strict=True):
-            events += self._guarded(r, lambda r=r, i=i, v=v: self._take_candidate(r, i, v))
+        for r, i, v, tok in zip(reqs, ids, vals, self._drawn_together(reqs, ids, vals), strict=True):
+            events += self._guarded(r, lambda r=r, i=i, v=v, tok=tok: self._take_candidate(r, i, v, tok=tok))
         return events
 
+    @staticmethod
+    def _drawn_together(reqs: list[Request], ids: np.ndarray, vals: np.ndarray) -> list[int | None]:
+        """The host's draws from rows of candidates (S, M) that ``draw_rows`` takes at once, None for the
+        others (and for all when there are too few rows for it to pay, or it fails): the same tokens."""
+        if len(reqs) < DRAW_ROWS_MIN:
+            return [None] * len(reqs)
+        try:
+            return draw_rows([r.sampler for r in reqs], ids, vals)
+        except Exception:
+            log.exception("drawing %d rows together failed; drawing them one by one", len(reqs))
+            return [None] * len(reqs)
+
     def _take_candidate(
-        self, r: Request, ids: np.ndarray, vals: np.ndarray, device_tok: int | None = None
+        self,
+        r: Request,
+        ids: np.ndarray,
+        vals: np.ndarray,
+        device_tok: int | None = None,
+        tok: int | None = None,
     ) -> list[Event]:
-        """The host's draw from ``r``'s candidates; ``device_tok``: the token a pipelined step drew from them
-        on the device and fed on (redone where it differs: ``_redo_fed_row``)."""
-        tok = r.sampler.sample_candidates(ids, vals, r.prompt_ids + r.output_ids)
+        """The host's draw from ``r``'s candidates (``tok``: made already, by ``_drawn_together``);
+        ``device_tok``: the token a pipelined step drew from them on the device and fed on (redone where it
+        differs: ``_redo_fed_row``)."""
+        if tok is None:
+            tok = r.sampler.sample_candidates(ids, vals, r.prompt_ids + r.output_ids)
         if device_tok is not None and tok != device_tok:
             self._redo_fed_row(r)
         r.state = State.DECODE
@@ -447,12 +468,14 @@ class Scheduler:
         """A ``sampled`` flight's tokens: the host's own draw from each row's candidates (module docstring,
         "Which tokens the device picks"); where it differs from the device's, the row the device's token fed
         in the step launched since is dropped, and that position is computed again."""
+        live = [i for i, r in enumerate(f.wanting) if r.state is not State.FINISHED and r.id not in f.dropped]
+        drawn = self._drawn_together([f.wanting[i] for i in live], cids[live], cvals[live])
         events = []
-        for i, r in enumerate(f.wanting):
-            if r.state is not State.FINISHED and r.id not in f.dropped:
-                events += self._guarded(
-                    r, lambda r=r, i=i: self._take_candidate(r, cids[i], cvals[i], int(ids[i]))
-                )
+        for i, tok in zip(live, drawn, strict=True):
+            r = f.wanting[i]
+            events += self._guarded(
+                r, lambda r=r, i=i, tok=tok: self._take_candidate(r, cids[i], cvals[i], int(ids[i]), tok)
+            )
         return events
 
     def _redo_fed_row(self, r: Request) -> None:
