@@ -503,20 +503,35 @@ def test_prefill_tiles_and_per_row_kernels_match_reference(
 
 # -- argmax --------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-def test_argmax_rows_of_a_full_vocabulary(dev, kernels, gpu):
+@pytest.mark.parametrize("chunk", [262_144, 4096, 1000, 200_001])  # one stage; the backend's; uneven chunks
+def test_argmax_rows_of_a_full_vocabulary(dev, kernels, gpu, chunk):
+    """argmax.comp as the backend records it: one stage when ``chunk`` >= V, else each chunk's best then
+    theirs (argmax_chunks_f32, argmax_merge_f32); fresh rows, ties across chunks, NaN; outputs poisoned."""
     from hmad.backends.vulkan.pipelines import ArgmaxPush
 
-    rng = np.random.default_rng(1)
-    s, vocab = 4, 262_144
+    rng = np.random.default_rng()
+    s, vocab = 6, 262_144
     logits = rng.standard_normal((s, vocab)).astype(np.float32)
-    logits[1, [5000, 200_000]] = 50.0  # a tie: the lowest id wins
+    logits[1, [5000, 200_000]] = 50.0  # a tie in two chunks: the lowest id wins
     logits[2] = 0.5  # all equal: id 0
     logits[3, [0, 17, vocab - 1]] = [np.nan, 80.0, np.nan]  # NaN never wins
-    want = [int(np.argmax(logits[0])), 5000, 0, 17]
+    logits[4, : vocab - 1] = np.nan  # only the last column is a number
+    logits[5] = np.nan  # a row of only NaN: 0xFFFFFFFF
+    want = [int(np.argmax(logits[0])), 5000, 0, 17, vocab - 1, 0xFFFFFFFF]
     b_l = gpu.put(logits)
-    b_ids = gpu.put(np.full(s, 12345, np.uint32))
-    k = kernels("argmax_f32")
-    run(dev, (k, [b_l, b_ids], ArgmaxPush(s, vocab, vocab), k.groups_for(s)))
+    b_ids = gpu.poison(gpu.alloc(4 * s))
+    n = -(-vocab // chunk)
+    if n == 1:
+        k = kernels("argmax_f32")
+        run(dev, (k, [b_l, b_ids], ArgmaxPush(s, vocab, vocab, vocab), k.groups_for(s)))
+    else:
+        first, merge = kernels("argmax_chunks_f32"), kernels("argmax_merge_f32")
+        c_ids, c_vals = gpu.poison(gpu.alloc(4 * s * n)), gpu.poison(gpu.alloc(4 * s * n))
+        run(
+            dev,
+            (first, [b_l, c_ids, c_vals], ArgmaxPush(s, vocab, vocab, chunk), first.groups_for(s * n)),
+            (merge, [c_vals, b_ids, c_ids], ArgmaxPush(s, n, n, n), merge.groups_for(s)),
+        )
     assert gpu.get(b_ids, np.uint32).tolist() == want
 
 
@@ -593,7 +608,7 @@ def test_sample_topk_draws_the_hosts_token(dev, kernels, gpu):
         b_i, b_v, b_out = gpu.alloc(4 * s * k), gpu.alloc(4 * s * k), gpu.poison(gpu.alloc(4 * s))
         run(
             dev,
-            (topk, [b_l, b_i, b_v], TopkPush(s, vocab, vocab, k), topk.groups_for(s)),
+            (topk, [b_l, b_i, b_v], TopkPush(s, vocab, vocab, k, vocab), topk.groups_for(s)),
             (sample, [b_m, b_i, b_v, b_out], SampleTopkPush(s, k, lay.sample), sample.groups_for(s)),
         )
         cids, cvals = gpu.get(b_i, np.uint32).reshape(s, k), gpu.get(b_v).reshape(s, k)
@@ -610,25 +625,50 @@ def test_sample_topk_draws_the_hosts_token(dev, kernels, gpu):
 
 
 # -- top-k ---------------------------------------------------------------------------------------------------
-@pytest.mark.gpu
-def test_topk_rows_of_a_full_vocabulary(dev, kernels, gpu):
-    """topk.comp against a numpy lexsort on fresh rows: random, ties across the k-th boundary, flat
-    (all equal: ids 0..k-1), -inf masks, NaN; outputs poisoned first."""
+def _topk(dev, kernels, gpu, b_l, s: int, vocab: int, k: int, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """topk.comp on (s, vocab) logits as the backend records it (_record_topk): one stage when ``chunk`` >=
+    vocab, else each chunk's best (topk_f32) then their best (topk_merge_f32). Every output poisoned first."""
     from hmad.backends.vulkan.pipelines import TopkPush
 
+    first, merge = kernels("topk_f32"), kernels("topk_merge_f32")
+    b_i, b_v = gpu.poison(gpu.alloc(4 * s * k)), gpu.poison(gpu.alloc(4 * s * k))
+    chunks = -(-vocab // chunk)
+    if chunks == 1:
+        run(dev, (first, [b_l, b_i, b_v], TopkPush(s, vocab, vocab, k, vocab), first.groups_for(s)))
+    else:
+        n = chunks * k
+        c_i, c_v = gpu.poison(gpu.alloc(4 * s * n)), gpu.poison(gpu.alloc(4 * s * n))
+        run(
+            dev,
+            (first, [b_l, c_i, c_v], TopkPush(s, vocab, vocab, k, chunk), first.groups_for(s * chunks)),
+            (merge, [c_v, b_i, b_v, c_i], TopkPush(s, n, n, k, n), merge.groups_for(s)),
+        )
+    return gpu.get(b_i, np.uint32).reshape(s, k), gpu.get(b_v).reshape(s, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "vocab, chunk",
+    [
+        (262_144, 262_144),  # one stage
+        (262_144, 4096),  # the backend's chunks for Gemma's vocabulary (topk_chunk)
+        (262_144, 1000),  # a last chunk of 144 columns
+        (5000, 1230),  # a last chunk shorter than k: its empty slots must never be picked
+        (300, 100),  # chunks shorter than k
+    ],
+)
+def test_topk_rows_of_a_full_vocabulary(dev, kernels, gpu, vocab, chunk):
+    """topk.comp against a numpy lexsort on fresh rows: random, ties across the k-th boundary (more than k,
+    spread over chunks), flat (all equal: ids 0..k-1), -inf masks, NaN, fewer finite values than k."""
     rng = np.random.default_rng()
-    s, vocab, k = 5, 262_144, 128
+    s, k = 5, 128
     logits = rng.standard_normal((s, vocab)).astype(np.float32)
     logits[1, rng.integers(0, vocab, 300)] = 3.75  # more ties than k at the top
     logits[2] = 0.5
     logits[3, rng.integers(0, vocab, vocab // 2)] = -np.inf
-    logits[3, rng.integers(0, vocab, 100)] = np.nan
+    logits[3, rng.integers(0, vocab, min(100, vocab // 4))] = np.nan
     logits[4, : vocab - 60] = -np.inf  # fewer finite values than k: the -inf ones fill, lowest ids first
-    b_l = gpu.put(logits)
-    b_i, b_v = gpu.poison(gpu.alloc(4 * s * k)), gpu.poison(gpu.alloc(4 * s * k))
-    kern = kernels("topk_f32")
-    run(dev, (kern, [b_l, b_i, b_v], TopkPush(s, vocab, vocab, k), kern.groups_for(s)))
-    ids, vals = gpu.get(b_i, np.uint32).reshape(s, k), gpu.get(b_v).reshape(s, k)
+    ids, vals = _topk(dev, kernels, gpu, gpu.put(logits), s, vocab, k, chunk)
     for r in range(s):
         key = np.where(np.isnan(logits[r]), -np.inf, logits[r])
         want = np.lexsort((np.arange(vocab), -key))[:k]

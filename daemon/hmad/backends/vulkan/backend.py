@@ -119,6 +119,7 @@ from hmad.backends.vulkan.memory import (
     plan_memory,
 )
 from hmad.backends.vulkan.pipelines import (
+    ARGMAX_CHUNKS,
     ATTENTION_DECODE_DPL,
     ATTENTION_DECODE_GROUPS,
     ATTENTION_DECODE_KL_GROUPS,
@@ -126,6 +127,7 @@ from hmad.backends.vulkan.pipelines import (
     ATTENTION_PREFILL_TILE,
     KERNELS,
     RESIDUAL_MAX_COLS,
+    TOPK_GROUPS,
     AddPush,
     ArgmaxPush,
     AttentionPrefillPush,
@@ -150,6 +152,8 @@ from hmad.backends.vulkan.pipelines import (
     TopkPush,
     attention_prefill_groups,
     residual_block,
+    topk_chunk,
+    topk_chunks,
 )
 from hmad.backends.vulkan.stepmeta import StepMetaLayout
 from hmad.engine.batch import SeqSlice, StepBatch
@@ -361,12 +365,19 @@ class Graph:
     topk_into: BufferView | None = None  # likewise for topk_tail
     # per parity: the sample tail (launch_sampled) and the candidates buffer it writes
     sample_tails: dict[int, tuple[CommandRecorder, BufferView]] = field(default_factory=dict)
+    # the top-k's first-stage candidates (device-local), shared by its tails: they run one after another
+    topk_chunks: BufferView | None = None
+    argmax_chunks: BufferView | None = None  # likewise for the argmax tails (argmax.comp's two stages)
 
     def close(self) -> None:
         tails = [t for t, _ in self.sample_tails.values()]
         for r in (self.rec, *self.argmax_tails, *self.heads.values(), self.copy_tail, self.topk_tail, *tails):
             if r is not None:
                 r.close()
+        for buf in (self.topk_chunks, self.argmax_chunks):
+            if buf is not None:
+                buf.arena.close()
+        self.topk_chunks = self.argmax_chunks = None
 
 
 class StepOutput:
@@ -479,6 +490,7 @@ class VulkanBackend(Backend):
         self.readback: BufferView | None = None
         self.topk_buf: BufferView | None = None  # mapped: ids (rows, k) uint32, then values (rows, k)
         self.cands: list[BufferView | None] = [None, None]  # likewise, per parity, for the sample tails
+        self.topk_groups = TOPK_GROUPS  # topk.comp's first-stage workgroups in all (read when recording)
         self.attention_min_keys = ATTENTION_MIN_KEYS
         self.attention_prefill_target = ATTENTION_PREFILL_TARGET_GROUPS
         self.attention_kl = True  # attention_decode_kl where it fits (bench_vulkan_model --no-attention-kl)
@@ -785,19 +797,42 @@ class VulkanBackend(Backend):
             raise
         finally:
             self._rec = self._layout = None
-        graph = Graph(
-            (t_b, o_b), layout, rec, logits, (self._argmax_tail(logits, 0), self._argmax_tail(logits, 1))
-        )
+        chunks = self._argmax_chunks(logits)
+        tails = (self._argmax_tail(logits, 0, chunks), self._argmax_tail(logits, 1, chunks))
+        graph = Graph((t_b, o_b), layout, rec, logits, tails, argmax_chunks=chunks)
         self.graphs[graph.key] = graph
         self.recordings += 1
         return graph
 
-    def _argmax_tail(self, logits: Act, parity: int) -> CommandRecorder:
+    def _argmax_chunks(self, logits: Act) -> BufferView | None:
+        """The first stage's (rows, chunks) indices then values, where a row takes two (argmax.comp)."""
         rows, vocab = logits.shape
-        k = self._kernel("argmax_f32")
+        chunks = -(-vocab // topk_chunk(vocab, ARGMAX_CHUNKS))
+        if chunks == 1:
+            return None
+        at = -(-4 * rows * chunks // self.align) * self.align
+        return create_buffer(self.dev, at + 4 * rows * chunks, "device", "argmax per chunk")
+
+    def _argmax_tail(self, logits: Act, parity: int, scratch: BufferView | None) -> CommandRecorder:
+        """argmax.comp over ``logits`` into ``ids[parity]``: one stage, or each chunk's best into ``scratch``
+        (shared by both parities' tails: steps run one after another) then theirs."""
+        rows, vocab = logits.shape
         tail = CommandRecorder(self.dev).begin()
         tail.barrier()  # after the forward pass's command buffer in the same submit
-        tail.dispatch(k, [logits.view, self.ids[parity]], ArgmaxPush(rows, vocab, vocab), k.groups_for(rows))
+        if scratch is None:
+            k = self._kernel("argmax_f32")
+            push = ArgmaxPush(rows, vocab, vocab, vocab)
+            tail.dispatch(k, [logits.view, self.ids[parity]], push, k.groups_for(rows))
+            return tail.end()
+        chunk = topk_chunk(vocab, ARGMAX_CHUNKS)
+        n = -(-vocab // chunk)
+        at = -(-4 * rows * n // self.align) * self.align
+        c_ids, c_vals = (BufferView(scratch.arena, o, 4 * rows * n, name="argmax chunks") for o in (0, at))
+        first, merge = self._kernel("argmax_chunks_f32"), self._kernel("argmax_merge_f32")
+        push = ArgmaxPush(rows, vocab, vocab, chunk)
+        tail.dispatch(first, [logits.view, c_ids, c_vals], push, first.groups_for(rows * n))
+        push = ArgmaxPush(rows, n, n, n)
+        tail.dispatch(merge, [c_vals, self.ids[parity], c_ids], push, merge.groups_for(rows))
         return tail.end()
 
     def _head(self, graph: Graph, parity: int, feed: bool) -> CommandRecorder:
@@ -862,16 +897,30 @@ class VulkanBackend(Backend):
         self, tail: CommandRecorder, graph: Graph, into: BufferView
     ) -> tuple[BufferView, BufferView]:
         """Append topk.comp over ``graph``'s logits (after a barrier) writing the candidates buffer ``into``
-        (``_topk_layout``); returns its (ids, values) views."""
+        (``_topk_layout``); returns its (ids, values) views. A row longer than ``topk_chunk()`` takes two
+        stages (the shader's header): its chunks' best into the graph's ``topk_chunks``, then their best."""
         rows, vocab = graph.logits.shape
         k, half = self._topk_layout(rows, vocab)
         ids = _rows(into, 0, 1, 4 * rows * k)
         vals = BufferView(into.arena, into.offset + half, 4 * rows * k, name="top-k values")
-        kern = self._kernel("topk_f32")
+        first, merge = self._kernel("topk_f32"), self._kernel("topk_merge_f32")
+        chunk = topk_chunk(vocab, topk_chunks(rows, self.topk_groups))
+        chunks = -(-vocab // chunk)
         tail.barrier()
-        tail.dispatch(
-            kern, [graph.logits.view, ids, vals], TopkPush(rows, vocab, vocab, k), kern.groups_for(rows)
-        )
+        if chunks == 1:
+            push = TopkPush(rows, vocab, vocab, k, vocab)
+            tail.dispatch(first, [graph.logits.view, ids, vals], push, first.groups_for(rows))
+            return ids, vals
+        size = 4 * rows * chunks * k
+        at = -(-size // self.align) * self.align
+        if graph.topk_chunks is None:  # (rows, chunks, k) ids, then values: the first stage's candidates
+            graph.topk_chunks = create_buffer(self.dev, at + size, "device", "top-k per chunk")
+        c_ids, c_vals = (BufferView(graph.topk_chunks.arena, o, size, name="top-k chunks") for o in (0, at))
+        push = TopkPush(rows, vocab, vocab, k, chunk)
+        tail.dispatch(first, [graph.logits.view, c_ids, c_vals], push, first.groups_for(rows * chunks))
+        tail.barrier()
+        n = chunks * k
+        tail.dispatch(merge, [c_vals, ids, vals, c_ids], TopkPush(rows, n, n, k, n), merge.groups_for(rows))
         return ids, vals
 
     def _sample_tail(self, graph: Graph, parity: int) -> CommandRecorder:

@@ -169,7 +169,7 @@ class NormRopeKvPush(ctypes.Structure):
 class ArgmaxPush(ctypes.Structure):
     """shaders/argmax.comp"""
 
-    _fields_ = [(n, u32) for n in ("n_rows", "n_cols", "row_stride")]
+    _fields_ = [(n, u32) for n in ("n_rows", "n_cols", "row_stride", "chunk")]
 
 
 class FeedPush(ctypes.Structure):
@@ -187,7 +187,7 @@ class SampleTopkPush(ctypes.Structure):
 class TopkPush(ctypes.Structure):
     """shaders/topk.comp"""
 
-    _fields_ = [(n, u32) for n in ("n_rows", "n_cols", "row_stride", "k")]
+    _fields_ = [(n, u32) for n in ("n_rows", "n_cols", "row_stride", "k", "chunk")]
 
 
 class CoopMatPeakPush(ctypes.Structure):
@@ -202,6 +202,28 @@ class CoopMatPeakPush(ctypes.Structure):
 
 
 TOPK_MAX = 256  # KMAX of topk.comp
+# topk.comp's first stage: about TOPK_GROUPS workgroups in all, TOPK_CHUNKS_RANGE a row, chunks of at least
+# TOPK_MIN_CHUNK columns; argmax.comp's: ARGMAX_CHUNKS a row (bench_vulkan_topk.py, H200: a top-k of one row
+# of 262,144 took 92-110 µs with 16-64 chunks, 947 with one; at 32 rows 320-1,010 µs with 4-32, 2,713-3,845
+# with one; the argmax 10-15 µs with 32-256 against 176 at one row)
+TOPK_GROUPS = 128
+TOPK_CHUNKS_RANGE = (4, 32)
+TOPK_MIN_CHUNK = 256
+ARGMAX_CHUNKS = 64
+
+
+def topk_chunks(rows: int, groups: int = TOPK_GROUPS) -> int:
+    """topk.comp's first-stage chunks a row for ``rows`` rows."""
+    lo, hi = TOPK_CHUNKS_RANGE
+    return min(hi, max(lo, groups // max(1, rows)))
+
+
+def topk_chunk(vocab: int, chunks: int) -> int:
+    """Columns a first-stage workgroup of topk.comp or argmax.comp takes for about ``chunks`` a row;
+    ``vocab`` or more: one stage."""
+    return max(TOPK_MIN_CHUNK, -(-vocab // max(1, chunks)))
+
+
 ATTENTION_DECODE_DPL = (4, 8, 32)  # attention_decode.comp: head dims per lane (Dh <= DPL * subgroup size)
 ATTENTION_DECODE_GROUPS = (4, 8)  # ... and query heads per KV head it holds registers for
 ATTENTION_DECODE_KL_GROUPS = (2, 4)  # attention_decode_kl.comp (8 lanes per key, Dh <= 128): query heads
@@ -289,7 +311,10 @@ KERNELS: dict[str, KernelSpec] = {
     "attention_reduce_f32_q8": KernelSpec("attention_reduce.comp", 4, AttentionReducePush, 256),
     "attention_reduce_f32_x3": KernelSpec("attention_reduce.comp", 4, AttentionReducePush, 256),
     "argmax_f32": KernelSpec("argmax.comp", 2, ArgmaxPush, 256),
+    "argmax_chunks_f32": KernelSpec("argmax.comp", 3, ArgmaxPush, 256),  # logits, ids, values
+    "argmax_merge_f32": KernelSpec("argmax.comp", 3, ArgmaxPush, 256),  # values, ids, the chunks' ids
     "topk_f32": KernelSpec("topk.comp", 3, TopkPush, 256),
+    "topk_merge_f32": KernelSpec("topk.comp", 4, TopkPush, 256),  # values, ids, vals, the candidates' ids
     "feed_tokens": KernelSpec("feed_tokens.comp", 2, FeedPush, 64),
     "sample_topk": KernelSpec("sample_topk.comp", 4, SampleTopkPush, 128),  # block >= topk's candidates
     "split_reduce": KernelSpec("split_reduce.comp", 2, SplitReducePush, 256),

@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""The tails of a step: the on-device top-k of its logits rows (shaders/topk.comp, what a sampled step runs
+before sample_topk.comp) and the greedy argmax (shaders/argmax.comp): GPU time against their first stage's
+chunk count.
+
+For each row count (``--rows``) and first-stage chunk count a row (``--chunks``, ``--argmax-chunks``; 1: one
+stage, one workgroup a row, the kernels before issue 17's seventh session), ``--reps`` top-ks (or argmaxes)
+of fresh random (rows, ``--vocab``) float32 logits are recorded back to back with a timestamp after every
+dispatch, submitted once to warm up and once measured; one's time is the median of its dispatches' sum. Each
+configuration's ids are checked against numpy's (top-k: a lexsort, value descending, lowest id on ties).
+
+    python3 bench/bench_vulkan_topk.py --out topk.json        # device machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
+
+from hmad.backends.vulkan.device import Device  # noqa: E402
+from hmad.backends.vulkan.memory import Uploader, create_buffer  # noqa: E402
+from hmad.backends.vulkan.pipelines import ArgmaxPush, CommandRecorder, Kernel, TopkPush, topk_chunk  # noqa: E402
+
+K = 128  # the backend's candidates a row (TOPK_CANDIDATES)
+
+
+def record(rec, kernels, bufs, rows: int, vocab: int, chunks: int) -> int:
+    """Record one top-k of (rows, vocab) as the backend does (``_record_topk``); returns its dispatches."""
+    first, merge = kernels
+    logits, ids, vals, c_ids, c_vals = bufs
+    chunk = topk_chunk(vocab, chunks)
+    n_chunks = -(-vocab // chunk)
+    if n_chunks == 1:
+        rec.dispatch(
+            first, [logits, ids, vals], TopkPush(rows, vocab, vocab, K, vocab), first.groups_for(rows)
+        )
+        return 1
+    push = TopkPush(rows, vocab, vocab, K, chunk)
+    rec.dispatch(first, [logits, c_ids, c_vals], push, first.groups_for(rows * n_chunks))
+    n = n_chunks * K
+    rec.dispatch(merge, [c_vals, ids, vals, c_ids], TopkPush(rows, n, n, K, n), merge.groups_for(rows))
+    return 2
+
+
+def time_config(dev, kernels, bufs, rows: int, vocab: int, chunks: int, reps: int) -> float:
+    """Median GPU µs of one top-k over ``reps`` recorded back to back."""
+    rec = CommandRecorder(dev, timestamps=True, max_commands=2 * reps + 1).begin()
+    per = 0
+    for _ in range(reps):
+        per = record(rec, kernels, bufs, rows, vocab, chunks)
+    rec.end()
+    rec.submit()
+    rec.submit()
+    ns = [t for _, t in rec.gpu_times()["commands"]]
+    rec.close()
+    return float(np.median([sum(ns[i : i + per]) for i in range(0, len(ns), per)])) / 1e3
+
+
+def record_argmax(rec, kernels, bufs, rows: int, vocab: int, chunks: int) -> int:
+    """Record one argmax of (rows, vocab) as the backend does (``_argmax_tail``); returns its dispatches."""
+    single, first, merge = kernels
+    logits, out, c_ids, c_vals = bufs
+    chunk = topk_chunk(vocab, chunks)
+    n = -(-vocab // chunk)
+    if n == 1:
+        rec.dispatch(single, [logits, out], ArgmaxPush(rows, vocab, vocab, vocab), single.groups_for(rows))
+        return 1
+    rec.dispatch(
+        first, [logits, c_ids, c_vals], ArgmaxPush(rows, vocab, vocab, chunk), first.groups_for(rows * n)
+    )
+    rec.dispatch(merge, [c_vals, out, c_ids], ArgmaxPush(rows, n, n, n), merge.groups_for(rows))
+    return 2
+
+
+def time_argmax(dev, kernels, bufs, rows: int, vocab: int, chunks: int, reps: int) -> float:
+    """Median GPU µs of one argmax over ``reps`` recorded back to back (its ids checked against numpy's)."""
+    rec = CommandRecorder(dev, timestamps=True, max_commands=2 * reps + 1).begin()
+    per = 0
+    for _ in range(reps):
+        per = record_argmax(rec, kernels, bufs, rows, vocab, chunks)
+    rec.end()
+    rec.submit()
+    rec.submit()
+    ns = [t for _, t in rec.gpu_times()["commands"]]
+    rec.close()
+    return float(np.median([sum(ns[i : i + per]) for i in range(0, len(ns), per)])) / 1e3
+
+
+def check(dev, kernels, bufs, host: np.ndarray, chunks: int) -> None:
+    """The configuration's ids equal numpy's for every row (raises otherwise)."""
+    rows, vocab = host.shape
+    rec = CommandRecorder(dev).begin()
+    record(rec, kernels, bufs, rows, vocab, chunks)
+    rec.end()
+    rec.submit()
+    rec.close()
+    got = bufs[1].array(np.uint32)[: rows * K].reshape(rows, K)
+    want = np.stack([np.lexsort((np.arange(vocab), -r))[:K] for r in host])
+    if not np.array_equal(got, want):
+        raise SystemExit(f"chunks {chunks}, rows {rows}: topk ids differ from numpy's")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--vocab", type=int, default=262_144)
+    ap.add_argument("--rows", default="1,8,16,32,64")
+    ap.add_argument("--chunks", default="1,4,8,16,32,64,128", help="top-k first-stage chunks a row")
+    ap.add_argument("--argmax-chunks", default="1,16,32,64,128,256")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dev = Device(args.device)
+    kernels = (Kernel(dev, "topk_f32"), Kernel(dev, "topk_merge_f32"))
+    argmax = tuple(Kernel(dev, f"argmax{v}_f32") for v in ("", "_chunks", "_merge"))
+    rows_list = [int(r) for r in args.rows.split(",")]
+    vocab, big = args.vocab, max(rows_list)
+    chunk_counts = [int(c) for c in f"{args.chunks},{args.argmax_chunks}".split(",")]
+    n_max = max(-(-vocab // topk_chunk(vocab, c)) for c in chunk_counts) * K
+    logits = create_buffer(dev, 4 * big * vocab, "device", "logits")
+    ids, vals = (create_buffer(dev, 4 * big * K, "readback", n) for n in ("ids", "values"))
+    c_ids, c_vals = (create_buffer(dev, 4 * big * n_max, "device", n) for n in ("chunk ids", "chunk values"))
+    out = create_buffer(dev, 4 * big, "readback", "argmax")
+    host = (np.random.default_rng().standard_normal((big, vocab)) * 3).astype(np.float32)
+    up = Uploader(dev)
+    up.upload(logits, host)
+    up.flush()
+    bufs = [logits, ids, vals, c_ids, c_vals]
+    res = {"device": dev.describe()["name"], "driver": dev.info.driver, "vocab": vocab, "k": K, "runs": []}
+    print(f"{res['device']} ({res['driver']}), vocab {vocab}, k {K}", flush=True)
+    for rows in rows_list:
+        line = {"rows": rows}
+        for chunks in map(int, args.argmax_chunks.split(",")):
+            us = time_argmax(dev, argmax, [logits, out, c_ids, c_vals], rows, vocab, chunks, args.reps)
+            got = out.array(np.uint32)[:rows]
+            if not np.array_equal(got, np.argmax(host[:rows], axis=1)):
+                raise SystemExit(f"argmax chunks {chunks}, rows {rows}: ids differ from numpy's")
+            line[f"argmax_us_chunks{chunks}"] = us
+        for chunks in map(int, args.chunks.split(",")):
+            check(dev, kernels, bufs, host[:rows], chunks)
+            line[f"topk_us_chunks{chunks}"] = time_config(dev, kernels, bufs, rows, vocab, chunks, args.reps)
+        res["runs"].append(line)
+        print("  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in line.items()))
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    for b in (*bufs, out):
+        b.arena.close()
+    up.close()
+    for k in (*kernels, *argmax):
+        k.close()
+    dev.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
