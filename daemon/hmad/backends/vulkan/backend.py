@@ -804,14 +804,22 @@ class VulkanBackend(Backend):
         self.recordings += 1
         return graph
 
+    def _pair(self, nbytes: int, name: str) -> BufferView:
+        """A device-local buffer of two parts of ``nbytes`` (``_parts``): a two-stage tail's first-stage
+        indices and values."""
+        return create_buffer(self.dev, -(-nbytes // self.align) * self.align + nbytes, "device", name)
+
+    def _parts(self, buf: BufferView, nbytes: int) -> tuple[BufferView, BufferView]:
+        """The two parts of a ``_pair`` buffer (the second at the next aligned offset)."""
+        at = -(-nbytes // self.align) * self.align
+        assert buf.nbytes >= at + nbytes, f"{buf.name}: {buf.nbytes} bytes, {at + nbytes} needed"
+        return tuple(BufferView(buf.arena, buf.offset + o, nbytes, name=buf.name) for o in (0, at))
+
     def _argmax_chunks(self, logits: Act) -> BufferView | None:
         """The first stage's (rows, chunks) indices then values, where a row takes two (argmax.comp)."""
         rows, vocab = logits.shape
         chunks = -(-vocab // topk_chunk(vocab, ARGMAX_CHUNKS))
-        if chunks == 1:
-            return None
-        at = -(-4 * rows * chunks // self.align) * self.align
-        return create_buffer(self.dev, at + 4 * rows * chunks, "device", "argmax per chunk")
+        return None if chunks == 1 else self._pair(4 * rows * chunks, "argmax per chunk")
 
     def _argmax_tail(self, logits: Act, parity: int, scratch: BufferView | None) -> CommandRecorder:
         """argmax.comp over ``logits`` into ``ids[parity]``: one stage, or each chunk's best into ``scratch``
@@ -826,8 +834,7 @@ class VulkanBackend(Backend):
             return tail.end()
         chunk = topk_chunk(vocab, ARGMAX_CHUNKS)
         n = -(-vocab // chunk)
-        at = -(-4 * rows * n // self.align) * self.align
-        c_ids, c_vals = (BufferView(scratch.arena, o, 4 * rows * n, name="argmax chunks") for o in (0, at))
+        c_ids, c_vals = self._parts(scratch, 4 * rows * n)
         first, merge = self._kernel("argmax_chunks_f32"), self._kernel("argmax_merge_f32")
         push = ArgmaxPush(rows, vocab, vocab, chunk)
         tail.dispatch(first, [logits.view, c_ids, c_vals], push, first.groups_for(rows * n))
@@ -911,11 +918,9 @@ class VulkanBackend(Backend):
             push = TopkPush(rows, vocab, vocab, k, vocab)
             tail.dispatch(first, [graph.logits.view, ids, vals], push, first.groups_for(rows))
             return ids, vals
-        size = 4 * rows * chunks * k
-        at = -(-size // self.align) * self.align
         if graph.topk_chunks is None:  # (rows, chunks, k) ids, then values: the first stage's candidates
-            graph.topk_chunks = create_buffer(self.dev, at + size, "device", "top-k per chunk")
-        c_ids, c_vals = (BufferView(graph.topk_chunks.arena, o, size, name="top-k chunks") for o in (0, at))
+            graph.topk_chunks = self._pair(4 * rows * chunks * k, "top-k per chunk")
+        c_ids, c_vals = self._parts(graph.topk_chunks, 4 * rows * chunks * k)
         push = TopkPush(rows, vocab, vocab, k, chunk)
         tail.dispatch(first, [graph.logits.view, c_ids, c_vals], push, first.groups_for(rows * chunks))
         tail.barrier()
