@@ -12,7 +12,7 @@ its cost).
 Exactness: the token must be the one ``sample_candidates`` picks, bit for bit, since the per-row path (a
 step run alone, or with the pipeline off) is the reference. So every float operation is the per-row one,
 on the same elements in the same order: the float32 softmax weights element-wise; pairwise float64 sums
-over rows of the same length (the draw's rows padded to its 1024-entry block as ``_draw`` does); bucket
+over rows of the same length (the draw's total: its 1024-entry padded block's, as ``_draw`` sums it); bucket
 masses accumulated in element order (one ``bincount`` over the rows laid end to end); cumulative sums
 along the row. The selections (top-k, top-p's kept set, min-p) are sets and orders, built from sort keys
 that give exactly the per-row result. ``tests/test_draw_rows.py`` checks the tokens and the uniforms used
