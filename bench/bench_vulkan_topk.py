@@ -48,20 +48,6 @@ def record(rec, kernels, bufs, rows: int, vocab: int, chunks: int) -> int:
     return 2
 
 
-def time_config(dev, kernels, bufs, rows: int, vocab: int, chunks: int, reps: int) -> float:
-    """Median GPU µs of one top-k over ``reps`` recorded back to back."""
-    rec = CommandRecorder(dev, timestamps=True, max_commands=2 * reps + 1).begin()
-    per = 0
-    for _ in range(reps):
-        per = record(rec, kernels, bufs, rows, vocab, chunks)
-    rec.end()
-    rec.submit()
-    rec.submit()
-    ns = [t for _, t in rec.gpu_times()["commands"]]
-    rec.close()
-    return float(np.median([sum(ns[i : i + per]) for i in range(0, len(ns), per)])) / 1e3
-
-
 def record_argmax(rec, kernels, bufs, rows: int, vocab: int, chunks: int) -> int:
     """Record one argmax of (rows, vocab) as the backend does (``_argmax_tail``); returns its dispatches."""
     single, first, merge = kernels
@@ -78,12 +64,12 @@ def record_argmax(rec, kernels, bufs, rows: int, vocab: int, chunks: int) -> int
     return 2
 
 
-def time_argmax(dev, kernels, bufs, rows: int, vocab: int, chunks: int, reps: int) -> float:
-    """Median GPU µs of one argmax over ``reps`` recorded back to back (its ids checked against numpy's)."""
+def time_tail(dev, record_fn, kernels, bufs, rows: int, vocab: int, chunks: int, reps: int) -> float:
+    """Median GPU µs of one tail (``record`` or ``record_argmax``) over ``reps`` recorded back to back."""
     rec = CommandRecorder(dev, timestamps=True, max_commands=2 * reps + 1).begin()
     per = 0
     for _ in range(reps):
-        per = record_argmax(rec, kernels, bufs, rows, vocab, chunks)
+        per = record_fn(rec, kernels, bufs, rows, vocab, chunks)
     rec.end()
     rec.submit()
     rec.submit()
@@ -137,14 +123,17 @@ def main() -> int:
     for rows in rows_list:
         line = {"rows": rows}
         for chunks in map(int, args.argmax_chunks.split(",")):
-            us = time_argmax(dev, argmax, [logits, out, c_ids, c_vals], rows, vocab, chunks, args.reps)
+            bufs_a = [logits, out, c_ids, c_vals]
+            us = time_tail(dev, record_argmax, argmax, bufs_a, rows, vocab, chunks, args.reps)
             got = out.array(np.uint32)[:rows]
             if not np.array_equal(got, np.argmax(host[:rows], axis=1)):
                 raise SystemExit(f"argmax chunks {chunks}, rows {rows}: ids differ from numpy's")
             line[f"argmax_us_chunks{chunks}"] = us
         for chunks in map(int, args.chunks.split(",")):
             check(dev, kernels, bufs, host[:rows], chunks)
-            line[f"topk_us_chunks{chunks}"] = time_config(dev, kernels, bufs, rows, vocab, chunks, args.reps)
+            line[f"topk_us_chunks{chunks}"] = time_tail(
+                dev, record, kernels, bufs, rows, vocab, chunks, args.reps
+            )
         res["runs"].append(line)
         print("  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in line.items()))
     if args.out:
