@@ -289,9 +289,12 @@ def bench_coopmat_variants(dev, args) -> dict:
             print(f"{label} N={n} K={k} T={t}: {COOPMAT_REFERENCE} against numpy {err:.1e}", flush=True)
             if not err <= NUMPY_TOL:
                 raise SystemExit(f"{COOPMAT_REFERENCE} is off numpy by {err:.1e} of the output scale")
-            for name in (v for v in names if v in kerns):
-                r = check_and_time(dev, args, up, sb, y_ref, kerns[name], red, t) | {"shape": label}
-                res["rows" if "us" in r else "wrong"].append(r)
+            rows = [check_and_time(dev, args, up, sb, y_ref, kerns[v], red, t) for v in names if v in kerns]
+            for r in reversed([r for r in rows if "us" in r]):  # again in the opposite order: the faster kept
+                again = time_variant(dev, args, sb, kerns[r["kernel"]], red, t)
+                r |= again if again["us"] < r["us"] else {}
+            for r in rows:
+                res["rows" if "us" in r else "wrong"].append(r | {"shape": label})
         sb.close()
     peak = json.loads(Path(args.peak_json).read_text())["peak_tflops"] if args.peak_json else None
     res["layer"], res["peak_tflops"] = layer_totals(res["rows"], peak), peak

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""VulkanBackend on Gemma-3-shaped models: prefill, decode at batch 1/8/32, the engine end to end, GPU time.
+"""VulkanBackend on Gemma-3-shaped models: prefill, decode at 1-32 sequences, the engine end to end, GPU time.
 
 Models are synthetic (timing does not depend on weight values): GGUFs with the real shapes written with
 random valid blocks into ``--dir`` (``write_model``; the 27B one reuses each tensor kind's blocks in every
@@ -171,12 +171,15 @@ def op_breakdown(model, key, top: int = 12) -> list:
     return [(k, round(v / 1e3, 1)) for k, v in agg.most_common(top)]
 
 
+DECODE_BATCHES = (1, 8, 16, 32)  # sequences of the decode steps timed
+
+
 def measure_steps(model, kv, layout, context: int, reps: int, ceiling: float, weight_bytes: int) -> dict:
     out = {}
     r = time_steps(model, make_batch(kv, layout, 1, 512, 0), max(3, reps // 5))
     r["tok_s"] = 512 / (r["wall_ms"] / 1e3)
     out["prefill_512"] = r
-    for b in (1, 8, 32):
+    for b in DECODE_BATCHES:
         r = time_steps(model, make_batch(kv, layout, b, 1, context // 2), reps)
         r["tok_s"] = b / (r["wall_ms"] / 1e3)
         r["weights_GBps"] = weight_bytes / (r["wall_ms"] / 1e3) / 1e9
@@ -186,7 +189,7 @@ def measure_steps(model, kv, layout, context: int, reps: int, ceiling: float, we
 
 
 def sweep(model, kv, layout, args, attr: str, values, ceiling: float, weight_bytes: int) -> dict:
-    """The steps (prefill 512, decode at 1, 8, 32 sequences) with the backend attribute ``attr`` (fuse,
+    """The steps (prefill 512, decode at DECODE_BATCHES sequences) with the backend attribute ``attr`` (fuse,
     attention_kl, coopmat_layout, a setting under test) at each of ``values`` in turn, every bucket recorded
     again per value; side by side in one process. The attribute is restored after."""
     be, out, keep = model.backend, {}, getattr(model.backend, attr)

@@ -47,6 +47,12 @@ COOPMAT_Q4K_VARIANTS = ((128, 128, 2, 2, 64, False), (128, 128, 2, 2, 32, True),
 COOPMAT_Q4K_VARIANTS += ((128, 128, 2, 4, 32, True),)
 COOPMAT_Q4K_VARIANTS += ((256, 128, 4, 2, 32, False), (128, 256, 2, 4, 32, False))
 COOPMAT_Q4K_VARIANTS += ((128, 128, 2, 2, 32, False),)
+# wide W pieces (Q4_K): 16 quant bytes (1) or a whole 64-weight chunk (2), for decode batches and prefill
+COOPMAT_Q4K_VARIANTS += ((32, 128, 2, 4, 64, False, 1), (16, 128, 1, 4, 64, False, 1))
+COOPMAT_Q4K_VARIANTS += ((128, 128, 2, 2, 64, False, 1), (64, 128, 2, 2, 64, False, 1))
+COOPMAT_Q4K_VARIANTS += ((128, 128, 2, 2, 64, False, 2), (64, 128, 2, 2, 64, False, 2))
+COOPMAT_Q4K_VARIANTS += ((32, 128, 2, 2, 64, False, 2), (32, 128, 1, 4, 64, False, 2))
+COOPMAT_Q4K_VARIANTS += ((16, 128, 1, 4, 64, False, 2), (32, 256, 1, 4, 64, False, 2))
 COOPMAT_PEAK = ((2, 2), (2, 4), (4, 4))  # coopmat_peak.comp: A x B fragments (pipelines.COOPMAT_PEAK)
 # the exact int8 cooperative-matrix GEMM of decode batches (mul_mmq_coopmat.comp; kernels_mmq.MMQ_LAYOUTS):
 # (MR 16-row fragments a subgroup, NT token fragments, MK the int8 product's K, JB blocks a store, NB tokens
@@ -60,12 +66,17 @@ MMQ_LAYOUTS += (
 )
 
 
-def coopmat_variant(bt: int, bn: int, sgt: int, sgn: int, bk: int, dbuf: bool) -> tuple[str, dict[str, str]]:
+def coopmat_variant(
+    bt: int, bn: int, sgt: int, sgn: int, bk: int, dbuf: bool, wide: int = 0
+) -> tuple[str, dict[str, str]]:
     """(name suffix after the type, defines) of a mul_mm_coopmat layout: ``<BT>x<BN>_s<SG_T>x<SG_N>``, then
-    ``_bk32`` and ``_db`` (two tile sets) where they apply."""
+    ``_bk32``, ``_db`` (two tile sets), ``_w`` or ``_w2`` (W pieces of 16 or 32 quant bytes) where they
+    apply."""
     d = {"BT": f"{bt}u", "BN": f"{bn}u", "SG_T": f"{sgt}u", "SG_N": f"{sgn}u"}
     d |= ({"BK32": "1"} if bk == 32 else {}) | ({"DBUF": "1"} if dbuf else {})
-    return f"{bt}x{bn}_s{sgt}x{sgn}" + ("_bk32" if bk == 32 else "") + ("_db" if dbuf else ""), d
+    d |= {"WIDE": str(wide)} if wide else {}
+    tail = ("_bk32" if bk == 32 else "") + ("_db" if dbuf else "") + ("", "_w", "_w2")[wide]
+    return f"{bt}x{bn}_s{sgt}x{sgn}" + tail, d
 
 
 # float mat-vec variants (mul_mat_vec_unit.comp): up to 8 tokens or one, plain or fused GeGLU

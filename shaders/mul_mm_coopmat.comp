@@ -31,6 +31,9 @@
 //   step, wherever the splits begin;
 // - DBUF: two tile sets in shared memory; the next step's tiles are stored while this step's products run,
 //   one barrier a step instead of two.
+// - WIDE (Q4_K): a W piece is 16 quant bytes (WIDE 1: 32 weights, the chunk's bytes 16g..16g+15) or 32
+//   (WIDE 2: the whole 64-weight chunk), loaded as uvec4s with its block's header, not 8 bytes (16
+//   weights): fewer loads, and fewer header reloads, per weight (H200, 27B layer: 13-23 % less time).
 // Shared memory: NBUF (BN + BT) (BK + 8) 2 bytes of tiles + NSG 1024 of staging (CoopmatLayout.shared_bytes).
 // Bindings: 0 W, 1 xh (float16, rows x_stride halves apart, x_stride % 8 == 0), 2 y, 3 row scales.
 // Requires BLOCK_SIZE == NINV = 32 NSG with 32-wide subgroups, K % 32 == 0 (Q4_K: whole superblocks),
@@ -83,7 +86,16 @@ layout(binding = 0) readonly buffer W { uvec4 w4[]; };  // Q4_K: 144-byte blocks
 #define NF (WN / 16u)
 #define XPT (BT * BK / 8u / NINV)  // x: uvec4 (8 halves) per invocation per step
 #ifdef TYPE_Q4_K
-#define PPR (BK / 16u)             // W pieces (8 quant bytes: 16 weights) per row and step
+#if !defined(WIDE)
+#define QB 8u   // quant bytes a W piece: 16 weights (8 low nibbles, 8 high)
+#elif WIDE == 1
+#define QB 16u  // ... 32 weights
+#else
+#define QB 32u  // ... 64 weights (WIDE 2: a whole chunk)
+#endif
+#define QV (QB / 16u)              // uvec4 of quants a piece (WIDE)
+#define PPR (BK / (2u * QB))       // W pieces per row and step
+#define PPC (32u / QB)             // ... per 64-weight chunk (BK 64)
 #define WPT (BN * PPR / NINV)      // W: (row, piece) per invocation
 #else
 #define WPT (BN * BK / 8u / NINV)  // W: 8-weight groups per invocation
@@ -125,7 +137,11 @@ shared float stage[NSG * 256u];
 uvec4 rx[XPT];
 #ifdef TYPE_Q4_K
 uvec4 rh[WPT];  // block header
+#ifdef WIDE
+uvec4 rq[WPT * QV];  // QB bytes of the chunk's quants a piece
+#else
 uvec2 rq[WPT];  // 8 bytes of the chunk's quants
+#endif
 #else
 uvec4 rw[WPT];  // 8 decoded weights as float16
 #endif
@@ -150,19 +166,23 @@ void fetch(uint n0, uint t0, uint k0, uint k_end, uint tid) {
     }
     const uint rstride = p.row_bytes / WSIZE;
 #ifdef TYPE_Q4_K
-    // piece (r, j): row n0 + r, bytes 8g..8g+7 of the 32-byte quant chunk c covering k0 - k0 % 64 .. + 63,
-    // g = j (BK 64: four pieces a row), or 2e + j (BK32: two, half e = (k0 / 32) % 2 of the chunk)
+    // piece (r, j): row n0 + r, bytes QB g..QB g + QB - 1 of the 32-byte quants of chunk c + j / PPC (the
+    // step's first chunk c covers k0 - k0 % 64 .. + 63), g = j % PPC; BK32: bytes 8g.., g = 2e + j, half
+    // e = (k0 / 32) % 2 of chunk c.
     const uint c = (k0 % 256u) / 64u;
     [[unroll]] for (uint h = 0; h < WPT; ++h) {
         const uint idx = tid + NINV * h, r = idx / PPR, j = idx % PPR;
         const uint b = min(n0 + r, p.N - 1u) * rstride + (k0 / 256u) * 9u;
         rh[h] = w4[b];
-#ifdef BK32
+#if defined(BK32)
         const uvec4 q = w4[b + 1u + 2u * c + (k0 / 32u) % 2u];
-#else
-        const uvec4 q = w4[b + 1u + 2u * c + j / 2u];
-#endif
         rq[h] = (j % 2u) == 0u ? q.xy : q.zw;
+#elif defined(WIDE)
+        [[unroll]] for (uint v = 0; v < QV; ++v) rq[h * QV + v] = w4[b + 1u + 2u * (c + j / PPC) + (j % PPC) * QV + v];
+#else
+        const uvec4 q = w4[b + 1u + 2u * (c + j / PPC) + (j % PPC) / 2u];
+        rq[h] = (j % 2u) == 0u ? q.xy : q.zw;
+#endif
     }
 #else
     [[unroll]] for (uint h = 0; h < WPT; ++h) {
@@ -182,6 +202,11 @@ uint nib2(uint w, uint s, f16vec2 dl, f16vec2 ml) {
     precise const f16vec2 v = fma(q, dl, -ml);
     return packFloat2x16(v);
 }
+
+// 8 weights from the nibbles at bits s.. of words a (k0..3) and b (k4..7), scaled, in the tiles' order
+uvec4 nib8(uint a, uint b, uint s, f16vec2 dl, f16vec2 ml) {
+    return uvec4(nib2(a, s, dl, ml), nib2(a, s + 8u, dl, ml), nib2(b, s, dl, ml), nib2(b, s + 8u, dl, ml));
+}
 #endif
 
 // The registers into the tiles (tile set sb with DBUF).
@@ -195,20 +220,33 @@ void store(uint k0, uint tid) {
         xs[XSI((idx / (BK / 8u)) * SK8 + idx % (BK / 8u))] = rx[h];
     }
 #ifdef TYPE_Q4_K
-    const uint c = (k0 % 256u) / 64u;
     [[unroll]] for (uint h = 0; h < WPT; ++h) {
         const uint idx = tid + NINV * h, r = idx / PPR, j = idx % PPR;
+#ifdef BK32
+        const uint c = (k0 % 256u) / 64u, lo = j, hi = PPR + j;  // positions (uvec4) of the two halves
+#else
+        const uint c = (k0 % 256u) / 64u + j / PPC, g = j % PPC;
+        const uint lo = 8u * (j / PPC) + (QB / 8u) * g, hi = lo + 4u;
+#endif
         const vec2 dm = unpackHalf2x16(rh[h].x);
         const uvec2 s0 = q4k_scale_min(rh[h].yzw, 2u * c), s1 = q4k_scale_min(rh[h].yzw, 2u * c + 1u);
         const f16vec2 dl0 = f16vec2(dm.x * float(s0.x)), ml0 = f16vec2(dm.y * float(s0.y));
         const f16vec2 dl1 = f16vec2(dm.x * float(s1.x)), ml1 = f16vec2(dm.y * float(s1.y));
-        // low nibbles: sub-block 2c, k 8g..8g+7 of the chunk (g the piece's quarter, fetch) at position j;
-        // high nibbles: 2c + 1, k 32 + 8g.. at position PPR + j; words .x = k 8g..8g+3 (bytes 0-3), .y =
-        // k 8g+4..; pairs (k0, k2), (k1, k3) as the tiles' order wants
-        const uint a = rq[h].x, b = rq[h].y;
-        ws[WSI(r * SK8 + j)] = uvec4(nib2(a, 0u, dl0, ml0), nib2(a, 8u, dl0, ml0), nib2(b, 0u, dl0, ml0), nib2(b, 8u, dl0, ml0));
-        ws[WSI(r * SK8 + PPR + j)] =
-            uvec4(nib2(a, 4u, dl1, ml1), nib2(a, 12u, dl1, ml1), nib2(b, 4u, dl1, ml1), nib2(b, 12u, dl1, ml1));
+        // low nibbles: sub-block 2c, k QB g.. of the chunk (g the piece's place in it, fetch) at position lo;
+        // high nibbles: 2c + 1, k 32 + QB g.. at position hi; words .x = k 8g'..8g'+3 (bytes 0-3), .y =
+        // k 8g'+4.. (and .z, .w the next 8 with WIDE); pairs (k0, k2), (k1, k3) as the tiles' order wants
+#ifdef WIDE
+        [[unroll]] for (uint v = 0; v < QV; ++v) {
+            const uvec4 q = rq[h * QV + v];
+            ws[WSI(r * SK8 + lo + 2u * v)] = nib8(q.x, q.y, 0u, dl0, ml0);
+            ws[WSI(r * SK8 + lo + 2u * v + 1u)] = nib8(q.z, q.w, 0u, dl0, ml0);
+            ws[WSI(r * SK8 + hi + 2u * v)] = nib8(q.x, q.y, 4u, dl1, ml1);
+            ws[WSI(r * SK8 + hi + 2u * v + 1u)] = nib8(q.z, q.w, 4u, dl1, ml1);
+        }
+#else
+        ws[WSI(r * SK8 + lo)] = nib8(rq[h].x, rq[h].y, 0u, dl0, ml0);
+        ws[WSI(r * SK8 + hi)] = nib8(rq[h].x, rq[h].y, 4u, dl1, ml1);
+#endif
     }
 #else
     [[unroll]] for (uint h = 0; h < WPT; ++h) {
@@ -217,6 +255,20 @@ void store(uint k0, uint tid) {
     }
 #endif
 }
+
+// One step's products: per 16 of K, TF x NF fragments of this subgroup's part (tile set sb with DBUF).
+#define PRODUCTS()                                                                                           \
+    [[unroll]] for (uint kk = 0; kk < BK; kk += 16u) {                                                       \
+        CM_A a[TF];                                                                                          \
+        CM_B b[NF];                                                                                          \
+        [[unroll]] for (uint i = 0; i < TF; ++i)                                                             \
+            coopMatLoad(a[i], xs, XSI((st + 16u * i) * SK8 + kk / 8u), SK8, gl_CooperativeMatrixLayoutRowMajor); \
+        [[unroll]] for (uint j = 0; j < NF; ++j)                                                             \
+            coopMatLoad(b[j], ws, WSI((sn + 16u * j) * SK8 + kk / 8u), SK8,                                  \
+                        gl_CooperativeMatrixLayoutColumnMajor);                                              \
+        [[unroll]] for (uint i = 0; i < TF; ++i)                                                             \
+            [[unroll]] for (uint j = 0; j < NF; ++j) acc[i][j] = coopMatMulAdd(a[i], b[j], acc[i][j]);       \
+    }
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
@@ -236,34 +288,22 @@ void main() {
     for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
         const bool more = k0 + BK < k_end;
         if (more) fetch(n0, t0, k0 + BK, k_end, tid);  // in flight during the products
-#else
-    for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
-        store(k0, tid);
-        barrier();
-        if (k0 + BK < k_end) fetch(n0, t0, k0 + BK, k_end, tid);  // in flight during the products
-#endif
-        [[unroll]] for (uint kk = 0; kk < BK; kk += 16u) {
-            CM_A a[TF];
-            CM_B b[NF];
-            [[unroll]] for (uint i = 0; i < TF; ++i)
-                coopMatLoad(a[i], xs, XSI((st + 16u * i) * SK8 + kk / 8u), SK8,
-                            gl_CooperativeMatrixLayoutRowMajor);
-            [[unroll]] for (uint j = 0; j < NF; ++j)
-                coopMatLoad(b[j], ws, WSI((sn + 16u * j) * SK8 + kk / 8u), SK8,
-                            gl_CooperativeMatrixLayoutColumnMajor);
-            [[unroll]] for (uint i = 0; i < TF; ++i)
-                [[unroll]] for (uint j = 0; j < NF; ++j) acc[i][j] = coopMatMulAdd(a[i], b[j], acc[i][j]);
-        }
-#ifdef DBUF
+        PRODUCTS();
         if (more) {  // into the other set: its last readers passed the previous step's barrier
             store(k0 + BK, tid, sb ^ 1u);
             barrier();
         }
         sb ^= 1u;
-#else
-        barrier();
-#endif
     }
+#else
+    for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
+        store(k0, tid);
+        barrier();
+        if (k0 + BK < k_end) fetch(n0, t0, k0 + BK, k_end, tid);  // in flight during the products
+        PRODUCTS();
+        barrier();
+    }
+#endif
 
     // write out through the staging tile: lane writes 8 of the 256 values
     const uint ybase = gl_WorkGroupID.z * p.T * p.y_stride + p.row_offset;

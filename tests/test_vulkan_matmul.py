@@ -277,6 +277,16 @@ COOPMAT_VARIANTS = [
     "mul_mm_coopmat_q4_k_256x128_s4x2_bk32",
     "mul_mm_coopmat_q4_k_128x256_s2x4_bk32",
     "mul_mm_coopmat_q4_k_128x128_s2x2_bk32",
+    "mul_mm_coopmat_q4_k_32x128_s2x4_w",
+    "mul_mm_coopmat_q4_k_16x128_s1x4_w",
+    "mul_mm_coopmat_q4_k_128x128_s2x2_w",
+    "mul_mm_coopmat_q4_k_64x128_s2x2_w",
+    "mul_mm_coopmat_q4_k_128x128_s2x2_w2",
+    "mul_mm_coopmat_q4_k_64x128_s2x2_w2",
+    "mul_mm_coopmat_q4_k_32x128_s2x2_w2",
+    "mul_mm_coopmat_q4_k_32x128_s1x4_w2",
+    "mul_mm_coopmat_q4_k_16x128_s1x4_w2",
+    "mul_mm_coopmat_q4_k_32x256_s1x4_w2",
 ]
 
 
@@ -391,17 +401,25 @@ def test_coopmat_kernel_name():
     assert name == "mul_mm_coopmat_q4_k_64x128_s2x2"
 
 
-def test_coopmat_prefill_layout():
-    """The measured pick: 128x128_s2x2 for the Q4_K prefill (over 128 tokens) of the big weights (the 27B's
-    gate, up and down projections), the tile of coopmat_tile for every other step and weight."""
-    from hmad.backends.vulkan.kernels_matmul import coopmat_prefill_layout
+def test_coopmat_q4k_layout():
+    """The measured picks for Q4_K (COOPMAT_Q4K_LAYOUTS): whole-chunk W pieces on 4 subgroups at 16 and 32
+    tokens; from 33 to 128 64x128_s2x2_w2 on the big weights (the 27B's gate, up and down projections) and
+    coopmat_tile's tile on the others; over 128 128x128_s2x2_w2 on the big weights and 64x128_s2x2_w2 on the
+    others; coopmat_tile's for every other weight type."""
+    from hmad.backends.vulkan.kernels_matmul import coopmat_q4k_layout
 
     big, small = [(21504, 5376), (5376, 21504)], [(4096, 5376), (2048, 5376), (5376, 4096), (640, 2048)]
-    for t in (129, 512):
-        assert all(coopmat_prefill_layout(t, QType.Q4_K, n, k) == "128x128_s2x2" for n, k in big)
-        assert all(coopmat_prefill_layout(t, QType.Q4_K, n, k) is None for n, k in small)
-        assert all(coopmat_prefill_layout(t, QType.Q6_K, n, k) is None for n, k in big)
-    assert all(coopmat_prefill_layout(t, QType.Q4_K, *big[0]) is None for t in (8, 32, 128))
+    picks = {9: "16x128_s1x4_w2", 16: "16x128_s1x4_w2", 17: "32x128_s1x4_w2", 32: "32x128_s1x4_w2"}
+    for t, lay in picks.items():
+        assert all(coopmat_q4k_layout(t, QType.Q4_K, n, k) == lay for n, k in big + small)
+    for t in (33, 128):
+        assert all(coopmat_q4k_layout(t, QType.Q4_K, n, k) == "64x128_s2x2_w2" for n, k in big)
+        assert all(coopmat_q4k_layout(t, QType.Q4_K, n, k) is None for n, k in small)
+    for t in (129, 512, 4096):
+        assert all(coopmat_q4k_layout(t, QType.Q4_K, n, k) == "128x128_s2x2_w2" for n, k in big)
+        assert all(coopmat_q4k_layout(t, QType.Q4_K, n, k) == "64x128_s2x2_w2" for n, k in small)
+    for t in (9, 32, 512):
+        assert all(coopmat_q4k_layout(t, QType.Q6_K, n, k) is None for n, k in big + small)
 
 
 def test_row_scale(dev, kernels, gpu):

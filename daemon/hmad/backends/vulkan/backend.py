@@ -92,7 +92,7 @@ from hmad.backends.vulkan.kernels_matmul import (
     MATVEC_MAX_T,
     UNIT_TYPES,
     coopmat_kernel_name,
-    coopmat_prefill_layout,
+    coopmat_q4k_layout,
     coopmat_usable,
     q8_matvec_layout,
     record_coopmat,
@@ -495,8 +495,10 @@ class VulkanBackend(Backend):
         self.attention_prefill_target = ATTENTION_PREFILL_TARGET_GROUPS
         self.attention_kl = True  # attention_decode_kl where it fits (bench_vulkan_model --no-attention-kl)
         # the Q4_K prefill GEMM's layout for every weight (a mul_mm_coopmat name suffix; None: the measured
-        # pick, coopmat_prefill_layout), read when recording (bench_vulkan_model --sweep coopmat_layout=...)
+        # pick, coopmat_q4k_layout), read when recording (bench_vulkan_model --sweep coopmat_layout=...)
         self.coopmat_layout: str | None = None
+        # ... and of decode batches (up to 32 tokens; None: coopmat_q4k_layout's pick)
+        self.coopmat_decode_layout: str | None = None
         # the prefill GEMM's K split: for about this many workgroups a dispatch (bench: --sweep)
         self.coopmat_prefill_target = COOPMAT_PREFILL_TARGET_GROUPS
         # decode's fused kernels (FUSIONS), read when recording: True, False, or (to measure them one by one,
@@ -1253,9 +1255,11 @@ class VulkanBackend(Backend):
         ws = ws if isinstance(ws, list) else [ws]
         (t, k), n = x.shape, ws[0].shape[0]
         qtype = ws[0].qtype
-        layout = coopmat_prefill_layout(t, qtype, n, k)
+        layout = coopmat_q4k_layout(t, qtype, n, k)
         if self.coopmat_layout is not None and qtype == QType.Q4_K and t > 128:
             layout = self.coopmat_layout  # a benchmark's choice
+        if self.coopmat_decode_layout is not None and qtype == QType.Q4_K and t <= 32:
+            layout = self.coopmat_decode_layout
         kern = self._kernel(coopmat_kernel_name(t, qtype, layout))
         held: list[Act] = []  # the partial-sum scratch, alive until its dispatches are recorded
         part = self._scratch_maker(held)

@@ -16,8 +16,9 @@ Variants (one per weight type ``<t>`` in :data:`MATMUL_TYPES`):
   that row_scale.comp makes with its row scales), BT tokens × BN rows a workgroup, loads pipelined, K split
   over workgroups when the tiles alone are too few (partial sums in a scratch, added by ``split_reduce``);
   only on devices offering that shape with 32-wide subgroups (:func:`coopmat_usable`). For Q4_K also the
-  layouts of :data:`COOPMAT_Q4K_VARIANTS`, ``mul_mm_coopmat_q4_k_<BT>x<BN>_s<SG_T>x<SG_N>[_bk32][_db]``
-  (:class:`CoopmatLayout`: subgroup grid, K step, one or two tile sets), to be measured against the first.
+  layouts of :data:`COOPMAT_Q4K_VARIANTS`,
+  ``mul_mm_coopmat_q4_k_<BT>x<BN>_s<SG_T>x<SG_N>[_bk32][_db][_w|_w2]`` (:class:`CoopmatLayout`: subgroup
+  grid, K step, one or two tile sets, W pieces), :func:`coopmat_q4k_layout` picking among them.
 - ``mul_mat_vec_{q8x,x3}_<t>[_geglu][<layout>][_t1]`` (shaders/mul_mat_vec_q8.comp): T ≤ 8 on int8
   activations, one plane or three (the exact path), :func:`record_matvec_q8`; the layouts
   (:data:`Q8_LAYOUTS`: rows per lane group, lane groups per row) picked per shape by :func:`q8_matvec_layout`.
@@ -164,8 +165,9 @@ def build_entries() -> list[tuple[str, str, dict[str, str]]]:
 class CoopmatLayout:
     """A layout of mul_mm_coopmat.comp: a BT × BN tile of y per workgroup, SG_T × SG_N subgroups of 32
     invocations each multiplying a (BT / SG_T) × (BN / SG_N) part of it, BK weights of K a step, one tile set
-    in shared memory or two (``dbuf``: the next step stored while this one multiplies, one barrier a step).
-    The defaults are the first layout, the one every type is built with (:data:`COOPMAT_TILES`)."""
+    in shared memory or two (``dbuf``: the next step stored while this one multiplies, one barrier a step);
+    Q4_K only: ``wide`` W pieces (1: 16 quant bytes, 2: 32, not 8). The defaults are the first layout, the
+    one every type is built with (:data:`COOPMAT_TILES`)."""
 
     bt: int
     bn: int
@@ -173,18 +175,21 @@ class CoopmatLayout:
     sg_n: int = 4
     bk: int = 64
     dbuf: bool = False
+    wide: int = 0
 
     @property
     def plain(self) -> bool:
-        return (self.sg_t, self.sg_n, self.bk, self.dbuf) == (2, 4, 64, False)
+        return (self.sg_t, self.sg_n, self.bk, self.dbuf, self.wide) == (2, 4, 64, False, 0)
 
     @property
     def suffix(self) -> str:
         """The kernel name after its type: ``<BT>x<BN>`` (the first layout), else ``<BT>x<BN>_s<SG_T>x<SG_N>``
-        then ``_bk32``, ``_db`` where they apply (shaders/build.py's ``coopmat_variant``)."""
+        then ``_bk32``, ``_db``, ``_w`` or ``_w2`` where they apply (shaders/build.py's
+        ``coopmat_variant``)."""
         if self.plain:
             return f"{self.bt}x{self.bn}"
         tail = ("_bk32" if self.bk == 32 else "") + ("_db" if self.dbuf else "")
+        tail += ("", "_w", "_w2")[self.wide]
         return f"{self.bt}x{self.bn}_s{self.sg_t}x{self.sg_n}{tail}"
 
     @property
@@ -198,6 +203,7 @@ class CoopmatLayout:
         if not self.plain:
             d |= {"SG_T": f"{self.sg_t}u", "SG_N": f"{self.sg_n}u"}
             d |= ({"BK32": "1"} if self.bk == 32 else {}) | ({"DBUF": "1"} if self.dbuf else {})
+            d |= {"WIDE": str(self.wide)} if self.wide else {}
         return d
 
     def shared_bytes(self) -> int:
@@ -208,14 +214,20 @@ class CoopmatLayout:
 
     def problems(self, qtype: QType) -> list[str]:
         """Why mul_mm_coopmat.comp could not run this layout for ``qtype`` (empty: it can): whole 16 × 16
-        fragments per subgroup, whole loads per invocation (its XPT and WPT), BK 32 or 64."""
+        fragments per subgroup, whole loads per invocation (its XPT and WPT), BK 32 or 64; wide W pieces
+        (Q4_K) with BK 64."""
         out = []
         if self.bt % (16 * self.sg_t) or self.bn % (16 * self.sg_n):
             grid = f"{self.sg_t}x{self.sg_n}"
             out.append(f"{self.bt}x{self.bn} over {grid} subgroups: not whole 16x16 fragments")
         if self.bk not in (32, 64):
             out.append(f"BK {self.bk}: the shader steps 64 or 32 (BK32) weights")
-        per_w = 16 if qtype == QType.Q4_K else 8  # weights a W load covers (Q4_K: 8 bytes of quants)
+        if self.wide and (qtype != QType.Q4_K or self.bk == 32):
+            out.append("wide W pieces: Q4_K with BK 64 only")
+        if self.wide not in (0, 1, 2):
+            out.append(f"wide {self.wide}: W pieces of 8 (0), 16 (1) or 32 (2) quant bytes")
+        # weights a W piece covers (Q4_K: 8, 16 or 32 bytes of quants)
+        per_w = 16 << self.wide if qtype == QType.Q4_K else 8
         for what, n in (("x", self.bt * self.bk // 8), ("W", self.bn * self.bk // per_w)):
             if n % self.block:
                 out.append(f"{what}: {n} loads a step over {self.block} invocations")
@@ -236,10 +248,20 @@ COOPMAT_Q4K_VARIANTS = (
     CoopmatLayout(256, 128, 4, 2, 32),
     CoopmatLayout(128, 256, 2, 4, 32),
     CoopmatLayout(128, 128, 2, 2, 32),
+    CoopmatLayout(32, 128, 2, 4, wide=1),
+    CoopmatLayout(16, 128, 1, 4, wide=1),
+    CoopmatLayout(128, 128, 2, 2, wide=1),
+    CoopmatLayout(64, 128, 2, 2, wide=1),
+    CoopmatLayout(128, 128, 2, 2, wide=2),
+    CoopmatLayout(64, 128, 2, 2, wide=2),
+    CoopmatLayout(32, 128, 2, 2, wide=2),
+    CoopmatLayout(32, 128, 1, 4, wide=2),
+    CoopmatLayout(16, 128, 1, 4, wide=2),
+    CoopmatLayout(32, 256, 1, 4, wide=2),
 )
 _COOPMAT_NAME = re.compile(
-    r"mul_mm_coopmat_(?P<t>[a-z0-9_]+?)_(?P<bt>\d+)x(?P<bn>\d+)(?:_s(?P<sgt>\d+)x(?P<sgn>\d+))?(?P<bk32>_bk32)?"
-    r"(?P<db>_db)?"
+    r"mul_mm_coopmat_(?P<t>[a-z0-9_]+?)_(?P<bt>\d+)x(?P<bn>\d+)(?:_s(?P<sgt>\d+)x(?P<sgn>\d+))?"
+    r"(?P<bk32>_bk32)?(?P<db>_db)?(?:_w(?P<w>2?))?"
 )
 
 
@@ -247,9 +269,10 @@ def coopmat_variant(name: str) -> tuple[QType, CoopmatLayout]:
     """(weight type, layout) of a ``mul_mm_coopmat_<type>_<layout suffix>`` kernel name."""
     m = _COOPMAT_NAME.fullmatch(name)
     if m is None or m["t"] not in COOPMAT_TYPES:
-        raise ValueError(f"{name}: not a mul_mm_coopmat_<type>_<BT>x<BN>[_s<T>x<N>][_bk32][_db] name")
+        raise ValueError(f"{name}: not a mul_mm_coopmat_<type>_<BT>x<BN>[_s<T>x<N>][_bk32][_db][_w|_w2] name")
     sg = (int(m["sgt"]), int(m["sgn"])) if m["sgt"] else (2, 4)
-    lay = CoopmatLayout(int(m["bt"]), int(m["bn"]), *sg, 32 if m["bk32"] else 64, bool(m["db"]))
+    wide = 0 if m["w"] is None else int(m["w"] or 1)
+    lay = CoopmatLayout(int(m["bt"]), int(m["bn"]), *sg, 32 if m["bk32"] else 64, bool(m["db"]), wide)
     return COOPMAT_TYPES[m["t"]], lay
 
 
@@ -269,20 +292,33 @@ def coopmat_usable(info) -> bool:
     return has and info.subgroup.get("size") == 32 and tuple(info.api_version[:2]) >= (1, 3)
 
 
-#: Q4_K prefill chunks (over 128 tokens) of weights of at least this many elements run
-#: COOPMAT_BIG_LAYOUT: 4 subgroups each owning 64 × 64 of a 128 × 128 tile (H200, 2026-11-26,
-#: bench/results/2026-11-26-h200-coopmat-variants.json, 512 tokens: the 27B's gate/up 785 -> 692 us and down
-#: 802 -> 622 us against 64x128, while q (22M) 164 -> 174 and k/v (11M) 98 -> 126 lose; its whole prefill
-#: 2,492 -> 2,810 tok/s).
+#: "Big" Q4_K weights (elements; the 27B's gate, up and down projections) take the first layout of a
+#: COOPMAT_Q4K_LAYOUTS row: over 128 tokens 4 subgroups each owning 64 × 64 of a 128 × 128 tile (H200,
+#: 2026-11-26, bench/results/2026-11-26-h200-coopmat-variants.json, 512 tokens: gate/up 785 -> 692 us and down
+#: 802 -> 622 us against 64x128, while q (22M) 164 -> 174 and k/v (11M) 98 -> 126 lose).
 COOPMAT_BIG_WEIGHTS = 64 << 20
-COOPMAT_BIG_LAYOUT = "128x128_s2x2"
+#: The Q4_K layouts by step size: (most tokens, layout of big weights, of the others), the first row that
+#: holds a step's token count; None: :func:`coopmat_tile`'s. They read W as whole 64-weight chunks (``_w2``:
+#: 32 quant bytes and the block header a piece). One 27B layer's matmuls on an H200 (2026-11-27,
+#: bench/results/2026-11-27-h200-coopmat-wide*.json, each layout timed twice in opposite orders): 16 tokens
+#: 345 -> 265 us (16x128 on 4 subgroups), 32 tokens 360 -> 312 (32x128 on 4 subgroups of 32 × 32), 512
+#: tokens 2,586 -> 2,161 (128x128_s2x2 on the big weights, 64x128_s2x2 on the others); at 64 and 128 tokens
+#: the big weights 64x128_s2x2 (gate 139 -> 122 us at 64), the others stay on 64x64 (within 5 %).
+COOPMAT_Q4K_LAYOUTS = (
+    (16, "16x128_s1x4_w2", "16x128_s1x4_w2"),
+    (32, "32x128_s1x4_w2", "32x128_s1x4_w2"),
+    (128, "64x128_s2x2_w2", None),
+    (1 << 30, "128x128_s2x2_w2", "64x128_s2x2_w2"),
+)
 
 
-def coopmat_prefill_layout(t: int, qtype: QType, n: int, k: int) -> str | None:
+def coopmat_q4k_layout(t: int, qtype: QType, n: int, k: int) -> str | None:
     """The mul_mm_coopmat layout (a name suffix) of a step of ``t`` tokens on an (n, k) weight, where it is
-    not :func:`coopmat_tile`'s (None)."""
-    big = qtype == QType.Q4_K and t > 128 and n * k >= COOPMAT_BIG_WEIGHTS
-    return COOPMAT_BIG_LAYOUT if big else None
+    not :func:`coopmat_tile`'s (None): :data:`COOPMAT_Q4K_LAYOUTS` for Q4_K."""
+    if qtype != QType.Q4_K:
+        return None
+    _, big, other = next(row for row in COOPMAT_Q4K_LAYOUTS if t <= row[0])
+    return big if n * k >= COOPMAT_BIG_WEIGHTS else other
 
 
 def coopmat_tile(t: int, qtype: QType = QType.Q4_K) -> tuple[int, int]:
@@ -381,7 +417,8 @@ def record_coopmat(
     partial sums go to ``part`` (a BufferView, or a callable ``nbytes -> BufferView`` asked once for the
     largest range's need) and ``reduce_kernel`` (split_reduce) adds them into y. Returns the dispatch
     count."""
-    tile, rb = _coopmat_layout(kernel, k, x_stride or k)
+    lay, rb = _coopmat_layout(kernel, k, x_stride or k)
+    tile = (lay.bt, lay.bn)
     x_stride, y_stride = x_stride or k, y_stride or n
     count = 0
     pieces = row_ranges(kernel, [w], rb, n, max_range)
@@ -433,7 +470,8 @@ def record_coopmat_geglu(
         raise TypeError(
             f"{kernel.name}: part must be a callable nbytes -> BufferView (one for gate, one for up)"
         )
-    tile, rb = _coopmat_layout(kernel, k, x_stride or k)
+    lay, rb = _coopmat_layout(kernel, k, x_stride or k)
+    tile = (lay.bt, lay.bn)
     x_stride, y_stride = x_stride or k, y_stride or n
     pieces = row_ranges(kernel, [w_gate, w_up], rb, n, max_range)
     splits_of = lambda rows: coopmat_splits(k, rows, t, tile, target)[0]  # noqa: E731
@@ -450,8 +488,8 @@ def record_coopmat_geglu(
     return 3 * len(pieces)
 
 
-def _coopmat_layout(kernel, k: int, x_stride: int) -> tuple[tuple[int, int], int]:
-    """((BT, BN) tile, W's row bytes) of a mul_mm_coopmat kernel (:func:`coopmat_variant`), checked: built
+def _coopmat_layout(kernel, k: int, x_stride: int) -> tuple[CoopmatLayout, int]:
+    """(layout, W's row bytes) of a mul_mm_coopmat kernel (:func:`coopmat_variant`), checked: built
     at its layout's workgroup size, its shared memory within the device's."""
     qtype, lay = coopmat_variant(kernel.name)
     if kernel.block_size != lay.block:
@@ -461,7 +499,7 @@ def _coopmat_layout(kernel, k: int, x_stride: int) -> tuple[tuple[int, int], int
         raise ValueError(f"{kernel.name}: {lay.shared_bytes()} B of shared memory, the device has {have}")
     if x_stride % 8:
         raise ValueError(f"x_stride {x_stride} must be a multiple of 8 (xh is read 8 float16 at a time)")
-    return (lay.bt, lay.bn), weight_row_bytes(qtype, k)
+    return lay, weight_row_bytes(qtype, k)
 
 
 def part_scratch(part, pieces, t: int, splits_of, split_only: bool):
