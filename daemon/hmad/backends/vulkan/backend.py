@@ -499,8 +499,10 @@ class VulkanBackend(Backend):
         self.coopmat_layout: str | None = None
         # ... and of decode batches (up to 32 tokens; None: coopmat_q4k_layout's pick)
         self.coopmat_decode_layout: str | None = None
-        # the prefill GEMM's K split: for about this many workgroups a dispatch (bench: --sweep)
+        # the prefill GEMM's K split: for about this many workgroups a dispatch (bench: --sweep); decode
+        # batches' (None: kernels_matmul.COOPMAT_TARGET_GROUPS)
         self.coopmat_prefill_target = COOPMAT_PREFILL_TARGET_GROUPS
+        self.coopmat_decode_target: int | None = None
         # decode's fused kernels (FUSIONS), read when recording: True, False, or (to measure them one by one,
         # bench_vulkan_model --sweep) a "+"-joined subset of FUSIONS
         self.fuse: bool | str = fuse
@@ -1267,7 +1269,7 @@ class VulkanBackend(Backend):
             x.scale = (self._new((t,)), self._new((t, k // 2)))  # k float16 a row
             record_row_scale(self._rec, self._kernel("row_scale"), x.view, *(a.view for a in x.scale), k, t)
         scale, xh = (a.view for a in x.scale)
-        target = self.coopmat_prefill_target if t > Q8_MAX_T else None  # None: COOPMAT_TARGET_GROUPS
+        target = self.coopmat_prefill_target if t > Q8_MAX_T else self.coopmat_decode_target
         if len(ws) == 2:
             reduce = self._kernel("split_reduce_geglu")
             views = (ws[0].view, ws[1].view)
