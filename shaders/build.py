@@ -187,6 +187,15 @@ BUILD: list[tuple[str, str, dict[str, str]]] = [
     ("residual_norm_next", "residual_norm.comp", {"NEXT": "1"}),
     ("residual_norm_next_q8", "residual_norm.comp", {"NEXT": "1", "Q8OUT": "1"}),
     ("residual_norm_next_x3", "residual_norm.comp", {"NEXT": "1", "Q8OUT": "1", "PLANES": "3"}),
+    # ... and h's row scales and float16 copy for the cooperative-matrix GEMM (row_scale.comp's), alone or
+    # beside the q8 form
+    ("residual_norm_next_xh", "residual_norm.comp", {"NEXT": "1", "XHOUT": "1"}),
+    ("residual_norm_next_q8_xh", "residual_norm.comp", {"NEXT": "1", "Q8OUT": "1", "XHOUT": "1"}),
+    (
+        "residual_norm_next_x3_xh",
+        "residual_norm.comp",
+        {"NEXT": "1", "Q8OUT": "1", "PLANES": "3", "XHOUT": "1"},
+    ),
     # int8 mat-vec over q8 activations, one plane (q8x) or three (x3: the exact path), plain and fused with
     # GeGLU (kernels_matmul.py: UNIT_TYPES)
     *[

@@ -6,9 +6,11 @@
 // (q8act.glsl). Decode runs this on one row at a time, so it is written for latency: each invocation loads
 // its (at most WORDS) groups of 4 values once, up front, and keeps them in registers; sums go through
 // subgroupAdd and one shared slot per subgroup; a q8 block (8 words) is 8 neighbouring invocations, which
-// exchange their maxima and sums through shared memory.
-// Bindings: 0 x, 1 a, 2 wa, 3 x' [, 4 wh, 5 h [, 6 hq, 7 hd]]. Requires D % 4 == 0 (Q8OUT: D % 64 == 0),
-// D <= 4 * WORDS * BLOCK_SIZE, BLOCK_SIZE % 8 == 0.
+// exchange their maxima and sums through shared memory. XHOUT: h is also written as row_scale.comp writes
+// it for the cooperative-matrix GEMM (its row scale s, a power of two, and xh = float16(h / s) in the GEMM
+// tiles' order), bit for bit: one row_scale dispatch less for each GEMM reading h.
+// Bindings: 0 x, 1 a, 2 wa, 3 x' [, 4 wh, 5 h [, 6 hq, 7 hd] [, s, xh: 6, 7 or after hq, hd]]. Requires
+// D % 4 == 0 (Q8OUT: D % 64 == 0), D <= 4 * WORDS * BLOCK_SIZE, BLOCK_SIZE % 8 == 0.
 #include "common.glsl"
 #extension GL_KHR_shader_subgroup_arithmetic : require
 #ifdef Q8OUT
@@ -28,6 +30,13 @@ layout(binding = 5) writeonly buffer H { vec4 h[]; };
 layout(binding = 6) writeonly buffer HQ { uint hq[]; };
 layout(binding = 7) writeonly buffer HD { vec2 hd[]; };
 #endif
+#if defined(XHOUT) && defined(Q8OUT)
+layout(binding = 8) writeonly buffer S { float s[]; };
+layout(binding = 9) writeonly buffer XH { uint xh2[]; };  // two float16 per word
+#elif defined(XHOUT)
+layout(binding = 6) writeonly buffer S { float s[]; };
+layout(binding = 7) writeonly buffer XH { uint xh2[]; };
+#endif
 
 layout(push_constant) uniform Push {
     uint ncols;  // D
@@ -39,6 +48,25 @@ shared float partial[BLOCK_SIZE];
 #ifdef Q8OUT
 shared float s_max[BLOCK_SIZE];
 shared float s_sum[BLOCK_SIZE];  // per word: its share of the block's XD s (q8_words)
+#endif
+
+#ifdef XHOUT
+const float LIMIT = 16384.0;  // row_scale.comp's
+
+// the largest of every invocation's m over the workgroup, NaN if any m is NaN (row_scale.comp's sticky max;
+// a max is exact in any order)
+float workgroup_absmax(float m) {
+    barrier();  // partial may still be read from workgroup_sum
+    const float nan = subgroupMax(isnan(m) ? 1.0 : 0.0), mx = subgroupMax(isnan(m) ? 0.0 : m);
+    if (subgroupElect()) partial[gl_SubgroupID] = nan > 0.0 ? uintBitsToFloat(0x7FC00000u) : mx;
+    barrier();
+    float r = 0.0;
+    for (uint i = 0; i < gl_NumSubgroups; ++i) {
+        const float o = partial[i];
+        r = isnan(o) || o > r ? o : r;
+    }
+    return r;
+}
 #endif
 
 // the sum over the workgroup of every invocation's v
@@ -76,11 +104,22 @@ void main() {
     }
 #ifdef NEXT
     const float sh = inversesqrt(workgroup_sum(ss) / float(p.ncols) + p.eps);
+#ifdef XHOUT
+    vec4 hv[WORDS];
+    float m = 0.0;  // max |h| of this invocation's values, NaN sticking (row_scale.comp)
+#endif
     [[unroll]] for (uint i = 0; i < WORDS; ++i) {
         const uint w = tid + i * BLOCK_SIZE;
         const bool live = w < nw;
         const vec4 v = xv[i] * sh * (live ? wh[w] : vec4(0.0));
         if (live) h[o + w] = v;
+#ifdef XHOUT
+        hv[i] = v;
+        [[unroll]] for (uint c = 0; c < 4u; ++c) {
+            const float av = abs(v[c]);
+            m = live && (isnan(av) || av > m) ? av : m;
+        }
+#endif
 #ifdef Q8OUT
         // word w is 4 values of q8 block w / 8, whose 8 words are invocations tid & ~7 .. (tid & ~7) + 7
         const uint first = tid & ~7u;
@@ -103,5 +142,20 @@ void main() {
         }
 #endif
     }
+#ifdef XHOUT
+    // row_scale.comp's s and xh of h: word w (h's values 4w..4w+3) is xh words 2w (4w, 4w + 2) and 2w + 1
+    // (4w + 1, 4w + 3), the pairs of the GEMM tiles' order 0,2,1,3 within each 4
+    const float mx = workgroup_absmax(m);
+    const float sc = mx <= LIMIT ? 1.0 : (isnan(mx) || isinf(mx) ? mx : exp2(ceil(log2(mx / LIMIT))));
+    if (tid == 0) s[row] = sc;
+    const float inv = 1.0 / sc;  // exact: a power of two
+    [[unroll]] for (uint i = 0; i < WORDS; ++i) {
+        const uint w = tid + i * BLOCK_SIZE;
+        if (w < nw) {
+            xh2[row * (p.ncols / 2u) + 2u * w] = packHalf2x16(hv[i].xz * inv);
+            xh2[row * (p.ncols / 2u) + 2u * w + 1u] = packHalf2x16(hv[i].yw * inv);
+        }
+    }
+#endif
 #endif
 }

@@ -348,6 +348,55 @@ def test_residual_norm(dev, kernels, gpu, variant, d, fit):
         assert_x3_planes(gpu.get_xq(bq, (t, 3, d)), gpu.get(bd, np.float32, (t, d // 32, 2)), h)
 
 
+@pytest.mark.parametrize(
+    "variant", ["residual_norm_next_xh", "residual_norm_next_q8_xh", "residual_norm_next_x3_xh"]
+)
+@pytest.mark.parametrize("d", [640, 5376])
+def test_residual_norm_xh_is_row_scale(dev, kernels, gpu, variant, d):
+    """The _xh variants also write h's row scales and float16 copy for the cooperative-matrix GEMM: bit for
+    bit what row_scale.comp makes of the h they wrote (a row within float16's range: scale 1; rows past it
+    through big norm weights: a power of two; a NaN row: NaN), and h (with its q8 form) bit for bit as the
+    variant without _xh writes it. Outputs poisoned first."""
+    from hmad.backends.vulkan.kernels_matmul import record_row_scale
+    from hmad.backends.vulkan.pipelines import CommandRecorder, ResidualNormPush, residual_block
+
+    rng = np.random.default_rng([zlib.crc32(variant.encode()), d, rng_seed()])
+    t, eps = 4, 1e-6
+    x, a = (rng.standard_normal((t, d)).astype(np.float32) * 3 for _ in range(2))
+    x[3, 5] = np.nan
+    wa, wh = (rng.uniform(0.5, 2, d).astype(np.float32) for _ in range(2))
+    wh[rng.choice(d, 3, replace=False)] = [3e4, -2e5, 7e6]  # every row past 2^14: scales 2^k > 1
+    wh0 = wh.copy()  # ... and without those: every scale 1
+    wh0[np.abs(wh0) > 2] = 1.0
+    plain = variant.removesuffix("_xh")
+    q8 = variant != "residual_norm_next_xh"
+    outs = {}
+    for name, w_next in ((variant, wh), (plain, wh), (variant, wh0)):
+        bxo, bh = gpu.poison(gpu.alloc(t * d * 4)), gpu.poison(gpu.alloc(t * d * 4))
+        bq, bd = gpu.poison(gpu.alloc(3 * t * d)), gpu.poison(gpu.alloc(t * d // 32 * 8))
+        bs, bxh = gpu.poison(gpu.alloc(4 * t)), gpu.poison(gpu.alloc(2 * t * d))
+        rs, rxh = gpu.poison(gpu.alloc(4 * t)), gpu.poison(gpu.alloc(2 * t * d))  # row_scale's, from h
+        binds = [gpu.put(x), gpu.put(a), gpu.put(wa), bxo, gpu.put(w_next), bh] + ([bq, bd] if q8 else [])
+        binds += [bs, bxh] if name.endswith("_xh") else []
+        rec = CommandRecorder(dev).begin()
+        rec.dispatch(kernels(name, residual_block(d)), binds, ResidualNormPush(d, t, eps), t)
+        record_row_scale(rec, kernels("row_scale"), bh, rs, rxh, d, t)
+        rec.end()
+        rec.submit()
+        rec.close()
+        got = [gpu.get(b, np.uint32) for b in (bxo, bh) + ((bq, bd) if q8 else ())]
+        outs[name, w_next is wh] = got, [gpu.get(b, np.uint32) for b in (bs, bxh, rs, rxh)]
+    for w_big in (True, False):  # the same values; a NaN's bits may differ (NVIDIA's 0x7FFFFFFF, 0x7FC00000)
+        _, (s, xh, want_s, want_xh) = outs[variant, w_big]
+        scales = s.view(np.float32)
+        np.testing.assert_array_equal(scales, want_s.view(np.float32))
+        np.testing.assert_array_equal(xh.view(np.float16), want_xh.view(np.float16))
+        assert np.isnan(scales[3]) and not np.isnan(scales[:3]).any()
+        assert (scales[:3] > 1).all() if w_big else (scales[:3] == 1).all()
+    for got, want in zip(outs[variant, True][0], outs[plain, True][0], strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def rng_seed() -> int:
     return np.random.SeedSequence().entropy % (1 << 32)
 

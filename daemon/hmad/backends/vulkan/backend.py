@@ -1346,14 +1346,18 @@ class VulkanBackend(Backend):
             self._dispatch("residual_norm", [x.view, a.view, w_a.view, xo.view], push, t, block)
             return xo, None
         h = self._new(x.shape)
-        binds = [x.view, a.view, w_a.view, xo.view, w_next.view, h.view]
+        binds, name = [x.view, a.view, w_a.view, xo.view, w_next.view, h.view], "residual_norm_next"
         if self.planes and (t <= Q8_MAX_T or self.deterministic) and d % 64 == 0:
-            # int8 mat-vecs follow (K % 64 == 0: XQ's order): quantize h here too (one plane or three)
+            # int8 mat-vecs may follow (K % 64 == 0: XQ's order): quantize h here too (one plane or three)
             h.q8 = self._new_q8(t, d, self.planes)
-            name = "residual_norm_next_x3" if self.planes == 3 else "residual_norm_next_q8"
-            self._dispatch(name, [*binds, h.q8[0].view, h.q8[1].view], push, t, block)
-        else:
-            self._dispatch("residual_norm_next", binds, push, t, block)
+            name += "_x3" if self.planes == 3 else "_q8"
+            binds += [h.q8[0].view, h.q8[1].view]
+        if self.coopmat and not self.deterministic and t >= self.coopmat_min_t and d % 8 == 0:
+            # the cooperative-matrix GEMM may follow: h's row scales and float16 copy (row_scale's) too
+            h.scale = (self._new((t,)), self._new((t, d // 2)))  # d float16 a row
+            name += "_xh"
+            binds += [a.view for a in h.scale]
+        self._dispatch(name, binds, push, t, block)
         return xo, h
 
     def norm_rope(self, x: Act, w: VkWeight, eps: float, positions, base: float, scale: float) -> Act:

@@ -333,6 +333,9 @@ KERNELS: dict[str, KernelSpec] = {
     "residual_norm_next": KernelSpec("residual_norm.comp", 6, ResidualNormPush, RESIDUAL_BLOCK),
     "residual_norm_next_q8": KernelSpec("residual_norm.comp", 8, ResidualNormPush, RESIDUAL_BLOCK),
     "residual_norm_next_x3": KernelSpec("residual_norm.comp", 8, ResidualNormPush, RESIDUAL_BLOCK),
+    "residual_norm_next_xh": KernelSpec("residual_norm.comp", 8, ResidualNormPush, RESIDUAL_BLOCK),
+    "residual_norm_next_q8_xh": KernelSpec("residual_norm.comp", 10, ResidualNormPush, RESIDUAL_BLOCK),
+    "residual_norm_next_x3_xh": KernelSpec("residual_norm.comp", 10, ResidualNormPush, RESIDUAL_BLOCK),
     **kernel_specs(KernelSpec),  # mul_mat_vec_<type>[_subgroup], mul_mat_<type>: kernels_matmul.py
     **mmq_kernel_specs(KernelSpec),  # mul_mmq_coopmat_q4_k_*: kernels_mmq.py
 }
