@@ -1260,7 +1260,7 @@ class VulkanBackend(Backend):
         layout = coopmat_q4k_layout(t, qtype, n, k)
         if self.coopmat_layout is not None and qtype == QType.Q4_K and t > 128:
             layout = self.coopmat_layout  # a benchmark's choice
-        if self.coopmat_decode_layout is not None and qtype == QType.Q4_K and t <= 32:
+        if self.coopmat_decode_layout is not None and qtype == QType.Q4_K and t <= Q8_MAX_T:
             layout = self.coopmat_decode_layout
         kern = self._kernel(coopmat_kernel_name(t, qtype, layout))
         held: list[Act] = []  # the partial-sum scratch, alive until its dispatches are recorded
@@ -1282,14 +1282,16 @@ class VulkanBackend(Backend):
                 self._rec, kern, reduce, ws[0].view, xh, y.view, scale, k, n, t, part, target=target
             )
 
+    def _coopmat_steps(self, t: int) -> bool:
+        """Whether a step of ``t`` tokens may run the cooperative-matrix mat-mat (on some weight)."""
+        return self.coopmat and not self.deterministic and t >= self.coopmat_min_t
+
     def _coopmat_for(self, t: int, w: VkWeight) -> bool:
         """The cooperative-matrix mat-mat for steps over Q8_MAX_T tokens, and for decode batches of
         ``coopmat_min_tokens`` or more on big weights (there it reads W once where the 8-token int8
         mat-vec reads it per 8 tokens; on small weights its extra dispatches cost more: measured, see
         docs/performance.md)."""
-        if self.deterministic or not (
-            self.coopmat and t >= self.coopmat_min_t and w.qtype in COOPMAT_TYPES.values()
-        ):
+        if not self._coopmat_steps(t) or w.qtype not in COOPMAT_TYPES.values():
             return False
         return t > Q8_MAX_T or math.prod(w.shape) >= COOPMAT_DECODE_MIN_WEIGHTS
 
@@ -1352,7 +1354,7 @@ class VulkanBackend(Backend):
             h.q8 = self._new_q8(t, d, self.planes)
             name += "_x3" if self.planes == 3 else "_q8"
             binds += [h.q8[0].view, h.q8[1].view]
-        if self.coopmat and not self.deterministic and t >= self.coopmat_min_t and d % 8 == 0:
+        if self._coopmat_steps(t) and d % 8 == 0:
             # the cooperative-matrix GEMM may follow: h's row scales and float16 copy (row_scale's) too
             h.scale = (self._new((t,)), self._new((t, d // 2)))  # d float16 a row
             name += "_xh"
