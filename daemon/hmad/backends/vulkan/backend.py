@@ -1080,6 +1080,11 @@ class VulkanBackend(Backend):
         xd (T, K/32, 2)."""
         return self._new((t, planes * k // 4)), self._new((t, k // 32, 2))
 
+    def _new_row_scales(self, t: int, k: int) -> tuple[Act, Act]:
+        """Scratch for (T, K) values as the cooperative-matrix GEMM reads them (row_scale.comp): the row
+        scales (T,), xh (T, K/2) words of two float16."""
+        return self._new((t,)), self._new((t, k // 2))
+
     def _dispatch(self, name: str, buffers, push, groups, block: int | None = None) -> None:
         assert self._rec is not None, "VulkanBackend ops run only while recording (through run())"
         k = self._kernel(name, block)
@@ -1266,7 +1271,7 @@ class VulkanBackend(Backend):
         held: list[Act] = []  # the partial-sum scratch, alive until its dispatches are recorded
         part = self._scratch_maker(held)
         if x.scale is None:
-            x.scale = (self._new((t,)), self._new((t, k // 2)))  # k float16 a row
+            x.scale = self._new_row_scales(t, k)
             record_row_scale(self._rec, self._kernel("row_scale"), x.view, *(a.view for a in x.scale), k, t)
         scale, xh = (a.view for a in x.scale)
         target = self.coopmat_prefill_target if t > Q8_MAX_T else self.coopmat_decode_target
@@ -1356,7 +1361,7 @@ class VulkanBackend(Backend):
             binds += [h.q8[0].view, h.q8[1].view]
         if self._coopmat_steps(t) and d % 8 == 0:
             # the cooperative-matrix GEMM may follow: h's row scales and float16 copy (row_scale's) too
-            h.scale = (self._new((t,)), self._new((t, d // 2)))  # d float16 a row
+            h.scale = self._new_row_scales(t, d)
             name += "_xh"
             binds += [a.view for a in h.scale]
         self._dispatch(name, binds, push, t, block)
