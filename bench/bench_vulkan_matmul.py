@@ -58,6 +58,7 @@ from hmad.backends.vulkan.kernels_matmul import (  # noqa: E402
 )
 from hmad.backends.vulkan.memory import Uploader, create_buffer  # noqa: E402
 from hmad.backends.vulkan.pipelines import CommandRecorder, Kernel, QuantizeQ8Push  # noqa: E402
+from hmad.backends.vulkan.residency import probe_residency  # noqa: E402
 from hmad.model.quants import dequantize, random_blocks  # noqa: E402
 from hmad.model.tensors import QType  # noqa: E402
 
@@ -157,14 +158,16 @@ def bench_coopmat(dev, args, w, x, y, k, n, ts, copy_gbps) -> list[dict]:
     for bt, bn in COOPMAT_TILES:
         name = f"mul_mm_coopmat_{args.type}_{bt}x{bn}"
         kern = Kernel(dev, name)
+        slots = split_slots(args, kern)
         for t in ts:  # the row scales are made once per x: in the step, not per matmul
 
-            def one(rec, i, kern=kern, t=t):
-                return record_coopmat(rec, kern, red, w[i % len(w)], xh, y, scale, k, n, t, part)
+            def one(rec, i, kern=kern, t=t, slots=slots):
+                return record_coopmat(rec, kern, red, w[i % len(w)], xh, y, scale, k, n, t, part, slots=slots)
 
             ns = median_gpu_ns(dev, args.iters, one)
-            splits = coopmat_splits(k, n, t, (bt, bn))[0]
-            r = {"kernel": name, "tile": [bt, bn], "T": t, "splits": splits, "us": ns / 1e3}
+            splits = coopmat_splits(k, n, t, (bt, bn), slots=slots, row_bytes=w[0].row_bytes)[0]
+            r = {"kernel": name, "tile": [bt, bn], "T": t, "splits": splits, "resident": slots}
+            r["us"] = ns / 1e3
             r["TFLOPs"] = 2 * k * n * t / ns / 1e3
             r["GBps"] = w[0].nbytes / ns
             r["of_copy"] = r["GBps"] / copy_gbps
@@ -180,6 +183,20 @@ def bench_coopmat(dev, args, w, x, y, k, n, ts, copy_gbps) -> list[dict]:
     for b in (part, scale, xh):
         b.arena.close()
     return out
+
+
+_RESIDENT: dict[str, int] = {}
+
+
+def split_slots(args, kern) -> int:
+    """The K split's residency for ``kern`` as the backend takes it (probed once; 0 with --coopmat-split
+    target: the workgroup targets)."""
+    if args.coopmat_split != "waves":
+        return 0
+    if kern.name not in _RESIDENT:
+        _RESIDENT[kern.name] = probe_residency(kern)
+        print(f"{kern.name}: {_RESIDENT[kern.name]} workgroups resident at once", flush=True)
+    return _RESIDENT[kern.name]
 
 
 def q4k_coopmat_kernels() -> list[str]:
@@ -218,10 +235,11 @@ class ShapeBuffers:
         rec.close()
         rs.close()
 
-    def run(self, dev, kern, red, y, t: int) -> None:
-        """y[:t] = x[:t] · Wᵀ once on ``kern``."""
+    def run(self, dev, kern, red, y, t: int, slots: int = 0) -> None:
+        """y[:t] = x[:t] · Wᵀ once on ``kern`` (K split for whole waves of ``slots`` when given)."""
         rec = CommandRecorder(dev).begin()
-        record_coopmat(rec, kern, red, self.ws[0], self.xh, y, self.scale, self.k, self.n, t, self.part)
+        args = (self.ws[0], self.xh, y, self.scale, self.k, self.n, t, self.part)
+        record_coopmat(rec, kern, red, *args, slots=slots)
         rec.end()
         rec.submit()
         rec.close()
@@ -251,14 +269,16 @@ def variant_error(up, sb: ShapeBuffers, y_ref: np.ndarray, t: int) -> float:
 def time_variant(dev, args, sb: ShapeBuffers, kern, red, t: int) -> dict:
     """Median GPU time of one call of ``kern`` (W copies used in turn), as µs and TFLOP/s."""
 
+    slots = split_slots(args, kern)
+
     def one(rec, i):
         w = sb.ws[i % len(sb.ws)]
-        return record_coopmat(rec, kern, red, w, sb.xh, sb.y, sb.scale, sb.k, sb.n, t, sb.part)
+        return record_coopmat(rec, kern, red, w, sb.xh, sb.y, sb.scale, sb.k, sb.n, t, sb.part, slots=slots)
 
     ns = median_gpu_ns(dev, args.iters, one)
     tile = coopmat_variant(kern.name)[1]
-    splits = coopmat_splits(sb.k, sb.n, t, (tile.bt, tile.bn))[0]
-    return {"splits": splits, "us": ns / 1e3, "TFLOPs": 2 * sb.k * sb.n * t / ns / 1e3}
+    splits = coopmat_splits(sb.k, sb.n, t, (tile.bt, tile.bn), slots=slots, row_bytes=sb.ws[0].row_bytes)[0]
+    return {"splits": splits, "resident": slots, "us": ns / 1e3, "TFLOPs": 2 * sb.k * sb.n * t / ns / 1e3}
 
 
 def bench_coopmat_variants(dev, args) -> dict:
@@ -309,7 +329,7 @@ def check_and_time(dev, args, up, sb: ShapeBuffers, y_ref: np.ndarray, kern, red
     then, unless it is off by more than VARIANT_TOL, its time."""
     up.upload(sb.y, np.full(t * sb.n, np.nan, np.float32))
     up.flush()
-    sb.run(dev, kern, red, sb.y, t)
+    sb.run(dev, kern, red, sb.y, t, split_slots(args, kern))
     r = {"N": sb.n, "K": sb.k, "T": t, "kernel": kern.name, "error": variant_error(up, sb, y_ref, t)}
     if not r["error"] <= VARIANT_TOL:
         print(f"  {kern.name:42s} WRONG: {r['error']:.1e} of the output scale off the reference", flush=True)
@@ -384,6 +404,13 @@ def main() -> int:
         help="T list: time only the Q4_K coopmat GEMM layouts on the 27B shapes (module docstring)",
     )
     ap.add_argument("--coopmat-kernels", default="", help="with --coopmat-variants: these kernels only")
+    ap.add_argument(
+        "--coopmat-split",
+        default="waves",
+        choices=("waves", "target"),
+        help="the coopmat GEMM's K split: for whole waves of the kernel's probed residency (the backend's), "
+        "or for about --coopmat-groups workgroups",
+    )
     ap.add_argument("--peak-json", default="", help="bench_vulkan_coopmat_peak.py's --out (coopmat variants)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

@@ -34,7 +34,10 @@
 // - WIDE (Q4_K): a W piece is 16 quant bytes (WIDE 1: 32 weights, the chunk's bytes 16g..16g+15) or 32
 //   (WIDE 2: the whole 64-weight chunk), loaded as uvec4s with its block's header, not 8 bytes (16
 //   weights): fewer loads, and fewer header reloads, per weight (H200, 27B layer: 13-23 % less time).
-// Shared memory: NBUF (BN + BT) (BK + 8) 2 bytes of tiles + NSG 1024 of staging (CoopmatLayout.shared_bytes).
+// Shared memory: NBUF (BN + BT) (BK + 8) 2 bytes of tiles (CoopmatLayout.shared_bytes); the write-out stages
+// each subgroup's 16 x 16 float32 results in the W tile, free after the last step: no shared memory of its own,
+// so more workgroups fit an SM (H200: 27 KiB a workgroup at 32x128_s1x4_w2 left room for 3, see
+// docs/performance.md).
 // Bindings: 0 W, 1 xh (float16, rows x_stride halves apart, x_stride % 8 == 0), 2 y, 3 row scales.
 // Requires BLOCK_SIZE == NINV = 32 NSG with 32-wide subgroups, K % 32 == 0 (Q4_K: whole superblocks),
 // k_split % BK == 0, whole per-invocation counts (TF, NF, XPT, WPT: CoopmatLayout.problems).
@@ -103,6 +106,9 @@ layout(binding = 0) readonly buffer W { uvec4 w4[]; };  // Q4_K: 144-byte blocks
 
 layout(binding = 1) readonly buffer X { uvec4 xh[]; };
 layout(binding = 2) writeonly buffer Y { float y[]; };
+// The residency probe's counters (push K == 0), in y's buffer: [0] workgroups entered, [1] left, [2] the most
+// resident at once, [3] read while staying resident (kernels_matmul.record_residency_probe)
+layout(binding = 2) volatile coherent buffer Probe { uint probe[]; };
 layout(binding = 3) readonly buffer S { float xscale[]; };
 
 layout(push_constant) uniform Push {
@@ -118,7 +124,6 @@ layout(push_constant) uniform Push {
 
 shared uvec4 ws[NBUF * BN * SK8];  // W tile: float16 (n, k) at ws[n * SK8 + k / 8] lane k % 8 (+ BN SK8: set 1)
 shared uvec4 xs[NBUF * BT * SK8];  // x tile likewise
-shared float stage[NSG * 256u];
 
 // Index into tile set sb (a variable of that name where they are used) of xs / ws.
 #ifdef DBUF
@@ -270,7 +275,23 @@ void store(uint k0, uint tid) {
             [[unroll]] for (uint j = 0; j < NF; ++j) acc[i][j] = coopMatMulAdd(a[i], b[j], acc[i][j]);       \
     }
 
+// How many workgroups of this pipeline the device holds at once (its registers and shared memory decide; the
+// K split is chosen for whole waves of them: kernels_matmul.split_k_waves): each workgroup counts itself in,
+// records how many are in and not yet out, stays for N reads of a counter, and counts itself out.
+void probe_residency() {
+    if (gl_LocalInvocationID.x != 0u) return;
+    const uint entered = atomicAdd(probe[0], 1u) + 1u;
+    atomicMax(probe[2], entered - atomicAdd(probe[1], 0u));
+    uint seen = 0u;
+    for (uint i = 0u; i < p.N; ++i) seen += probe[3];
+    atomicAdd(probe[1], 1u + seen);  // probe[3] stays 0: seen only keeps the reads
+}
+
 void main() {
+    if (p.K == 0u) {  // uniform: a probe dispatch runs nothing else
+        probe_residency();
+        return;
+    }
     const uint tid = gl_LocalInvocationID.x;
     const uint t0 = gl_WorkGroupID.x * BT, n0 = gl_WorkGroupID.y * BN;
     const uint sg = gl_SubgroupID, lane = gl_SubgroupInvocationID;
@@ -295,6 +316,7 @@ void main() {
         }
         sb ^= 1u;
     }
+    barrier();  // every subgroup's last products read before ws stages the results
 #else
     for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
         store(k0, tid);
@@ -305,17 +327,18 @@ void main() {
     }
 #endif
 
-    // write out through the staging tile: lane writes 8 of the 256 values
+    // write out through a staging tile in ws (64 uvec4 a subgroup; the loop's last barrier, or the one below with
+    // DBUF, frees it): lane writes 8 of the 256 values
     const uint ybase = gl_WorkGroupID.z * p.T * p.y_stride + p.row_offset;
     [[unroll]] for (uint i = 0; i < TF; ++i) {
         [[unroll]] for (uint j = 0; j < NF; ++j) {
-            coopMatStore(acc[i][j], stage, sg * 256u, 16u, gl_CooperativeMatrixLayoutRowMajor);
+            coopMatStore(acc[i][j], ws, sg * 64u, 4u, gl_CooperativeMatrixLayoutRowMajor);
             subgroupMemoryBarrierShared();
             subgroupBarrier();
             [[unroll]] for (uint e = 0; e < 8u; ++e) {
                 const uint idx = lane + 32u * e, r = idx / 16u, c = idx % 16u;
                 const uint t = t0 + st + 16u * i + r, n = n0 + sn + 16u * j + c;
-                if (t < p.T && n < p.N) y[ybase + t * p.y_stride + n] = stage[sg * 256u + idx] * xscale[t];
+                if (t < p.T && n < p.N) y[ybase + t * p.y_stride + n] = uintBitsToFloat(ws[sg * 64u + idx / 4u][idx % 4u]) * xscale[t];
             }
             subgroupBarrier();
         }

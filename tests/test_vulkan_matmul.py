@@ -170,11 +170,12 @@ def test_q8_matvec_layouts():
 COOPMAT_CASES = [(256, 67, 17), (512, 300, 130), (1024, 129, 32), (2048, 128, 64), (5376, 200, 9)]
 
 
-def _run_coopmat(dev, kernels, gpu, name, t, k, n, ntok, rng, max_range=None, big_rows=()):
+def _run_coopmat(dev, kernels, gpu, name, t, k, n, ntok, rng, max_range=None, big_rows=(), slots=0):
     """y of mul_mm_coopmat ``name`` (K split as the recorder decides, rows scaled by row_scale) against
     float64 products of the float16 roundings it multiplies; rows ``big_rows`` of x are scaled past
-    float16's range (by 2^20, a power of two, so the reference's roundings stay the same relative ones).
-    Returns (error over the output scale, dispatches)."""
+    float16's range (by 2^20, a power of two, so the reference's roundings stay the same relative ones);
+    ``slots``: K split for whole waves of that many resident workgroups. Returns (error over the output
+    scale, dispatches)."""
     from hmad.backends.vulkan.kernels_matmul import record_coopmat, record_row_scale
 
     raw, wref = _weights(t, n, k, rng)
@@ -197,7 +198,21 @@ def _run_coopmat(dev, kernels, gpu, name, t, k, n, ntok, rng, max_range=None, bi
     xh = gpu.poison(gpu.alloc(ntok * k * 2))  # x goes in as the float16 copy row_scale makes
     record_row_scale(rec, kernels("row_scale"), bx, scale, xh, k, ntok, xs)
     dispatches = record_coopmat(
-        rec, kernels(name), kernels("split_reduce"), bw, xh, by, scale, k, n, ntok, part, k, ys, max_range
+        rec,
+        kernels(name),
+        kernels("split_reduce"),
+        bw,
+        xh,
+        by,
+        scale,
+        k,
+        n,
+        ntok,
+        part,
+        k,
+        ys,
+        max_range,
+        slots=slots,
     )
     rec.end()
     rec.submit()
@@ -399,6 +414,58 @@ def test_coopmat_kernel_name():
     assert km.coopmat_kernel_name(512, QType.Q4_K, "128x128_s2x2") == "mul_mm_coopmat_q4_k_128x128_s2x2"
     name = km.coopmat_kernel_name(32, QType.Q4_K, "64x128_s2x2")
     assert name == "mul_mm_coopmat_q4_k_64x128_s2x2"
+
+
+def test_split_k_waves():
+    """The K split for whole waves (kernels_matmul.split_k_waves) picks what the H200 measured fastest on the
+    27B's shapes (docs/performance.md, ninth session: 528 resident workgroups of the decode layouts, 264 of
+    128x128_s2x2_w2), and on any shape a split the shader can run: k_split a multiple of 64 covering K in
+    `splits` pieces of at least COOPMAT_MIN_STEPS steps (or one); one resident workgroup never splits, a
+    resident count past every split takes the most splits (unless their partial sums cost more)."""
+    from hmad.backends.vulkan import kernels_matmul as km
+
+    def splits(n, k, t, tile, slots):
+        return km.coopmat_splits(k, n, t, tile, slots=slots, row_bytes=k // 256 * 144)[0]
+
+    gate, down, q, kv, o = (21504, 5376), (5376, 21504), (4096, 5376), (2048, 5376), (5376, 4096)
+    for t, tile in ((16, (16, 128)), (32, (32, 128))):
+        assert [splits(*s, t, tile, 528) for s in (gate, down, kv)] == [3, 12, 21]
+    assert [splits(*s, 512, (128, 128), 264) for s in (gate, down, q, kv, o)] == [1, 3, 2, 4, 1]
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        k = 256 * int(rng.integers(1, 100))
+        n, t = int(rng.integers(1, 30000)), int(rng.integers(1, 600))
+        tile = ((16, 128), (32, 128), (64, 128), (128, 128))[rng.integers(4)]
+        slots = int(rng.integers(1, 2000))
+        s, ks = km.coopmat_splits(k, n, t, tile, slots=slots, row_bytes=k // 256 * 144)
+        steps = k // 64
+        assert ks % 64 == 0 and s == -(-k // ks) and (s == 1 or ks // 64 >= min(km.COOPMAT_MIN_STEPS, steps))
+        assert km.coopmat_splits(k, n, t, tile, slots=1, row_bytes=k // 256 * 144)[0] == 1
+        per = min(km.COOPMAT_MIN_STEPS, steps)  # one wave whatever the split: the fewest steps, unless the
+        part = 4 * tile[0] * k / (k // 256 * 144 * 64)  # partial sums' traffic costs more than it saves
+        most = -(-steps // per) if per + part < steps else 1
+        assert km.coopmat_splits(k, n, t, tile, slots=10**9, row_bytes=k // 256 * 144)[0] == most
+    assert km.coopmat_splits(5376, 21504, 32, (32, 128))[0] == 3  # no residency: the 384 workgroups' target
+
+
+@pytest.mark.gpu
+def test_residency_probe(dev, kernels, gpu):
+    """The cooperative-matrix kernels' residency probe (residency.py, push K == 0): the same count twice,
+    between 1 and the workgroups dispatched; the kernels then give the same products with K split for
+    whole waves of that count, of a single workgroup (no split) and of more than any split fills."""
+    from hmad.backends.vulkan.kernels_matmul import coopmat_usable
+    from hmad.backends.vulkan.residency import PROBE_GROUPS, probe_residency
+
+    if not coopmat_usable(dev.info):
+        pytest.skip(f"{dev.info.name}: no float16 16x16x16 cooperative matrix with 32-wide subgroups")
+    rng = np.random.default_rng(5)
+    for lay in ("16x128_s1x4_w2", "32x128_s1x4_w2", "64x128_s2x2_w2", "128x128_s2x2_w2", "64x128"):
+        name = f"mul_mm_coopmat_q4_k_{lay}"
+        slots = probe_residency(kernels(name))
+        assert 1 <= slots < PROBE_GROUPS and probe_residency(kernels(name)) == slots, (name, slots)
+        print(f"{name}: {slots} workgroups resident")
+        for each in (slots, 1, 10**6):
+            _run_coopmat(dev, kernels, gpu, name, "q4_k", 2048, 300, 40, rng, big_rows=(0,), slots=each)
 
 
 def test_coopmat_q4k_layout():

@@ -73,6 +73,7 @@ split's keys then depend on the row's position only) and never the prefill tiles
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
 import time
@@ -155,10 +156,13 @@ from hmad.backends.vulkan.pipelines import (
     topk_chunk,
     topk_chunks,
 )
+from hmad.backends.vulkan.residency import probe_residency
 from hmad.backends.vulkan.stepmeta import StepMetaLayout
 from hmad.engine.batch import SeqSlice, StepBatch
 from hmad.engine.kvcache import KVLayout
 from hmad.model.tensors import QType, WeightTensor
+
+log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # the embedding gather reads every type a weight is uploaded in (embed.comp: float and Q8_0 tables;
@@ -499,8 +503,11 @@ class VulkanBackend(Backend):
         self.coopmat_layout: str | None = None
         # ... and of decode batches (up to 32 tokens; None: coopmat_q4k_layout's pick)
         self.coopmat_decode_layout: str | None = None
-        # the prefill GEMM's K split: for about this many workgroups a dispatch (bench: --sweep); decode
-        # batches' (None: kernels_matmul.COOPMAT_TARGET_GROUPS)
+        # the GEMM's K split: for whole waves of the kernel's measured residency (coopmat_waves; probed once a
+        # kernel: residency.py), else (False, or where the probe failed) for about this many workgroups a
+        # dispatch (bench: --sweep); decode batches' (None: kernels_matmul.COOPMAT_TARGET_GROUPS)
+        self.coopmat_waves = True
+        self.residency: dict[str, int] = {}  # coopmat kernel -> workgroups resident at once (0: unknown)
         self.coopmat_prefill_target = COOPMAT_PREFILL_TARGET_GROUPS
         self.coopmat_decode_target: int | None = None
         # decode's fused kernels (FUSIONS), read when recording: True, False, or (to measure them one by one,
@@ -1275,17 +1282,27 @@ class VulkanBackend(Backend):
             record_row_scale(self._rec, self._kernel("row_scale"), x.view, *(a.view for a in x.scale), k, t)
         scale, xh = (a.view for a in x.scale)
         target = self.coopmat_prefill_target if t > Q8_MAX_T else self.coopmat_decode_target
+        split = {"target": target, "slots": self._coopmat_slots(kern) if self.coopmat_waves else 0}
         if len(ws) == 2:
             reduce = self._kernel("split_reduce_geglu")
             views = (ws[0].view, ws[1].view)
-            record_coopmat_geglu(
-                self._rec, kern, reduce, *views, xh, y.view, scale, k, n, t, part, target=target
-            )
+            record_coopmat_geglu(self._rec, kern, reduce, *views, xh, y.view, scale, k, n, t, part, **split)
         else:
             reduce = self._kernel("split_reduce")
-            record_coopmat(
-                self._rec, kern, reduce, ws[0].view, xh, y.view, scale, k, n, t, part, target=target
-            )
+            record_coopmat(self._rec, kern, reduce, ws[0].view, xh, y.view, scale, k, n, t, part, **split)
+
+    def _coopmat_slots(self, kern: Kernel) -> int:
+        """How many workgroups of the coopmat ``kern`` the device holds at once, probed on its first use
+        (residency.py); 0 where the probe failed (logged): its K split then follows the targets."""
+        slots = self.residency.get(kern.name)
+        if slots is None:
+            try:
+                slots = probe_residency(kern)
+            except Exception:
+                log.exception("%s: residency probe failed; K split for the workgroup targets", kern.name)
+                slots = 0
+            self.residency[kern.name] = slots
+        return slots
 
     def _coopmat_steps(self, t: int) -> bool:
         """Whether a step of ``t`` tokens may run the cooperative-matrix mat-mat (on some weight)."""

@@ -33,6 +33,7 @@ This module imports nothing from pipelines.py (pipelines.py imports it to regist
 from __future__ import annotations
 
 import ctypes
+import math
 import re
 from dataclasses import dataclass
 
@@ -76,7 +77,7 @@ COOPMAT_TYPES: dict[str, QType] = {
 XH_ORDER = (0, 2, 1, 3, 4, 6, 5, 7)  # xh[t, 8g + i] = x[t, 8g + XH_ORDER[i]]: pairs as Q4_K decodes them
 COOPMAT_TILES = ((32, 64), (32, 128), (64, 64), (64, 128), (128, 128))  # (BT tokens, BN rows) variants
 COOPMAT_BK = 64  # K per step of mul_mm_coopmat.comp
-COOPMAT_TARGET_GROUPS = 1024  # split K until a dispatch has about this many workgroups
+COOPMAT_TARGET_GROUPS = 384  # split K until a dispatch has about this many workgroups
 COOPMAT_MIN_STEPS = 4  # ... but keep at least this many BK steps per split
 Q8_MATVEC_LANES = 32  # invocations per row (LANES in mul_mat_vec_q8.comp)
 Q8_MATVEC_BLOCK = 128  # workgroup size: 4 lane groups
@@ -207,10 +208,10 @@ class CoopmatLayout:
         return d
 
     def shared_bytes(self) -> int:
-        """Shared memory the kernel declares: per tile set (BN + BT) rows of BK + 8 float16, and a 16 × 16
-        float32 staging tile per subgroup."""
+        """Shared memory the kernel declares: per tile set (BN + BT) rows of BK + 8 float16 (the write-out's
+        16 × 16 float32 staging tiles, 1 KiB a subgroup, reuse the W tile)."""
         sets = 2 if self.dbuf else 1
-        return sets * (self.bn + self.bt) * (self.bk + 8) * 2 + self.sg_t * self.sg_n * 1024
+        return sets * (self.bn + self.bt) * (self.bk + 8) * 2
 
     def problems(self, qtype: QType) -> list[str]:
         """Why mul_mm_coopmat.comp could not run this layout for ``qtype`` (empty: it can): whole 16 × 16
@@ -224,6 +225,8 @@ class CoopmatLayout:
             out.append(f"BK {self.bk}: the shader steps 64 or 32 (BK32) weights")
         if self.wide and (qtype != QType.Q4_K or self.bk == 32):
             out.append("wide W pieces: Q4_K with BK 64 only")
+        if self.bn * (self.bk + 8) // 8 < 64 * self.sg_t * self.sg_n:
+            out.append(f"{self.bn} W rows of BK {self.bk}: too few for the subgroups' staging tiles")
         if self.wide not in (0, 1, 2):
             out.append(f"wide {self.wide}: W pieces of 8 (0), 16 (1) or 32 (2) quant bytes")
         # weights a W piece covers (Q4_K: 8, 16 or 32 bytes of quants)
@@ -358,11 +361,48 @@ def split_k(
     return -(-k // k_split), k_split
 
 
-def coopmat_splits(
-    k: int, n: int, t: int, tile: tuple[int, int], target: int | None = None
+def split_k_waves(
+    k: int, n: int, t: int, tile: tuple[int, int], bk: int, slots: int, min_steps: int, part_steps: float
 ) -> tuple[int, int]:
-    """(splits, k_split): how a coopmat dispatch of an (n, k) weight and t tokens divides K: for about
-    ``target`` workgroups (default COOPMAT_TARGET_GROUPS; the module's settings are read at each call)."""
+    """(splits, k_split) for whole waves: the GPU holds ``slots`` workgroups of the kernel at once (its
+    residency, measured: backends/vulkan/residency.py), so a dispatch of G workgroups of S steps each takes
+    about ceil(G / slots) waves of S steps, whatever part of the last wave is filled (each workgroup's
+    steps wait on memory: a wave's time hardly depends on how full it is). With splits, each workgroup also
+    writes a tile of partial sums that split_reduce reads back: ``part_steps``, that tile's bytes as steps
+    of W (counted once: the writes leave as the workgroup ends and hold it up little).
+    Of the K steps a split may take (``min_steps`` or more), the one of least predicted time; ties to
+    fewer splits. 27B shapes on an H200 (docs/performance.md, "ninth session"): at 32 tokens the gate
+    projection's 168 tiles want 3 splits (504 workgroups, one wave of 528) where a 1,024-workgroup target
+    gave 7 (1,176: three waves, the last a quarter full), 72.4 -> 60.7 µs."""
+    bt, bn = tile
+    tiles = -(-n // bn) * -(-t // bt)
+    steps = -(-k // bk)
+    best = (math.inf, 0, 0)
+    for per in range(steps, min(min_steps, steps) - 1, -1):  # steps a split: unsplit first
+        splits = -(-steps // per)
+        waves = -(-tiles * splits // slots)
+        cost = waves * (per + (part_steps if splits > 1 else 0.0))
+        if cost < best[0]:
+            best = (cost, splits, per)
+    return best[1], best[2] * bk
+
+
+def coopmat_splits(
+    k: int,
+    n: int,
+    t: int,
+    tile: tuple[int, int],
+    target: int | None = None,
+    slots: int = 0,
+    row_bytes: int = 0,
+) -> tuple[int, int]:
+    """(splits, k_split): how a coopmat dispatch of an (n, k) weight and t tokens divides K: for whole
+    waves of ``slots`` resident workgroups when known (:func:`split_k_waves`; ``row_bytes``: W's row, for
+    the partial sums' share), else for about ``target`` workgroups (default COOPMAT_TARGET_GROUPS; the
+    module's settings are read at each call)."""
+    if slots > 0 and row_bytes > 0:
+        part_steps = 4 * tile[0] * k / (row_bytes * COOPMAT_BK)  # BT x BN float32 / a BN x BK step of W
+        return split_k_waves(k, n, t, tile, COOPMAT_BK, slots, COOPMAT_MIN_STEPS, part_steps)
     return split_k(k, n, t, tile, COOPMAT_BK, target or COOPMAT_TARGET_GROUPS, COOPMAT_MIN_STEPS)
 
 
@@ -409,11 +449,13 @@ def record_coopmat(
     y_stride: int | None = None,
     max_range: int | None = None,
     target: int | None = None,
+    slots: int = 0,
 ) -> int:
     """Record y[:t, :n] = x[:t, :k] · Wᵀ on the cooperative-matrix kernel ``kernel``
     (``mul_mm_coopmat_<type>_<BT>x<BN>``), ``xh`` the float16 copy of x and ``scale`` its row scales
     (:func:`record_row_scale`, recorded before; ``x_stride`` in halves): per bind range of W one dispatch,
-    K split as :func:`coopmat_splits` says (for about ``target`` workgroups); with several splits the
+    K split as :func:`coopmat_splits` says (for whole waves of ``slots`` resident workgroups when given,
+    else for about ``target`` workgroups); with several splits the
     partial sums go to ``part`` (a BufferView, or a callable ``nbytes -> BufferView`` asked once for the
     largest range's need) and ``reduce_kernel`` (split_reduce) adds them into y. Returns the dispatch
     count."""
@@ -422,11 +464,10 @@ def record_coopmat(
     x_stride, y_stride = x_stride or k, y_stride or n
     count = 0
     pieces = row_ranges(kernel, [w], rb, n, max_range)
-    part = part_scratch(
-        part, pieces, t, lambda rows: coopmat_splits(k, rows, t, tile, target)[0], split_only=True
-    )
+    splits_of = lambda rows: coopmat_splits(k, rows, t, tile, target, slots, rb)  # noqa: E731
+    part = part_scratch(part, pieces, t, lambda rows: splits_of(rows)[0], split_only=True)
     for (wb,), rows, row0 in pieces:
-        splits, k_split = coopmat_splits(k, rows, t, tile, target)
+        splits, k_split = splits_of(rows)
         groups = (-(-t // tile[0]), -(-rows // tile[1]), splits)  # token tiles fastest
         if splits == 1:
             push = CoopMatPush(k, rows, t, x_stride, y_stride, rb, row0, k)
@@ -459,6 +500,7 @@ def record_coopmat_geglu(
     y_stride: int | None = None,
     max_range: int | None = None,
     target: int | None = None,
+    slots: int = 0,
 ) -> int:
     """Record y[:t, :n] = gelu_tanh(x · W_gateᵀ) * (x · W_upᵀ) on the cooperative-matrix kernel: per bind
     range of the two weights (same type and shape) one dispatch for each into its partial sums (K split as
@@ -474,10 +516,10 @@ def record_coopmat_geglu(
     tile = (lay.bt, lay.bn)
     x_stride, y_stride = x_stride or k, y_stride or n
     pieces = row_ranges(kernel, [w_gate, w_up], rb, n, max_range)
-    splits_of = lambda rows: coopmat_splits(k, rows, t, tile, target)[0]  # noqa: E731
-    parts = [part_scratch(part, pieces, t, splits_of, split_only=False) for _ in range(2)]
+    splits_of = lambda rows: coopmat_splits(k, rows, t, tile, target, slots, rb)  # noqa: E731
+    parts = [part_scratch(part, pieces, t, lambda r: splits_of(r)[0], split_only=False) for _ in range(2)]
     for (wg, wu), rows, row0 in pieces:
-        splits, k_split = coopmat_splits(k, rows, t, tile, target)
+        splits, k_split = splits_of(rows)
         groups = (-(-t // tile[0]), -(-rows // tile[1]), splits)
         push = CoopMatPush(k, rows, t, x_stride, rows, rb, 0, k_split)
         for wb, pb in zip((wg, wu), parts, strict=True):

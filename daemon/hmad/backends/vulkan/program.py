@@ -88,14 +88,14 @@ def reflect(code: bytes) -> Interface:
         for ptr, v, sc in variables
         if sc in (SC_STORAGE_BUFFER, SC_UNIFORM) and v in binding and dset.get(v, 0) == 0
     ]
-    bufs = sorted(b for b, _, _ in buffers)
+    bufs = sorted({b for b, _, _ in buffers})  # a binding may be declared twice (aliases)
 
     def is_readonly(ptr: int, var: int) -> bool:
         members = structs.get(pointers.get(ptr, -1), [])
         sid = pointers.get(ptr, -1)
         return var in readonly or (bool(members) and all((sid, m) in readonly for m in range(len(members))))
 
-    written = tuple(sorted(b for b, ptr, v in buffers if not is_readonly(ptr, v)))
+    written = tuple(sorted({b for b, ptr, v in buffers if not is_readonly(ptr, v)}))
     push_offsets: tuple[int, ...] = ()
     push_size = 0
     for ptr, _, sc in variables:
