@@ -470,21 +470,22 @@ def test_residency_probe(dev, kernels, gpu):
 
 def test_coopmat_q4k_layout():
     """The measured picks for Q4_K (COOPMAT_Q4K_LAYOUTS): whole-chunk W pieces on 4 subgroups at 16 and 32
-    tokens; from 33 to 128 64x128_s2x2_w2 on the big weights (the 27B's gate, up and down projections) and
-    coopmat_tile's tile on the others; over 128 128x128_s2x2_w2 on the big weights and 64x128_s2x2_w2 on the
-    others; coopmat_tile's for every other weight type."""
+    tokens; from 33 to 64 64x128_s2x2_w2; from 65 to 128 128x128_s2x2_w2 on the big weights (the 27B's gate,
+    up and down projections) and 64x128_s2x2_w2 on the others; over 128 128x128_s2x2_w2; coopmat_tile's for
+    every other weight type."""
     from hmad.backends.vulkan.kernels_matmul import coopmat_q4k_layout
 
     big, small = [(21504, 5376), (5376, 21504)], [(4096, 5376), (2048, 5376), (5376, 4096), (640, 2048)]
     picks = {9: "16x128_s1x4_w2", 16: "16x128_s1x4_w2", 17: "32x128_s1x4_w2", 32: "32x128_s1x4_w2"}
     for t, lay in picks.items():
         assert all(coopmat_q4k_layout(t, QType.Q4_K, n, k) == lay for n, k in big + small)
-    for t in (33, 128):
-        assert all(coopmat_q4k_layout(t, QType.Q4_K, n, k) == "64x128_s2x2_w2" for n, k in big)
-        assert all(coopmat_q4k_layout(t, QType.Q4_K, n, k) is None for n, k in small)
-    for t in (129, 512, 4096):
+    for t in (33, 64):
+        assert all(coopmat_q4k_layout(t, QType.Q4_K, n, k) == "64x128_s2x2_w2" for n, k in big + small)
+    for t in (65, 128):
         assert all(coopmat_q4k_layout(t, QType.Q4_K, n, k) == "128x128_s2x2_w2" for n, k in big)
         assert all(coopmat_q4k_layout(t, QType.Q4_K, n, k) == "64x128_s2x2_w2" for n, k in small)
+    for t in (129, 512, 4096):
+        assert all(coopmat_q4k_layout(t, QType.Q4_K, n, k) == "128x128_s2x2_w2" for n, k in big + small)
     for t in (9, 32, 512):
         assert all(coopmat_q4k_layout(t, QType.Q6_K, n, k) is None for n, k in big + small)
 

@@ -306,12 +306,17 @@ COOPMAT_BIG_WEIGHTS = 64 << 20
 #: bench/results/2026-11-27-h200-coopmat-wide*.json, each layout timed twice in opposite orders): 16 tokens
 #: 345 -> 265 us (16x128 on 4 subgroups), 32 tokens 360 -> 312 (32x128 on 4 subgroups of 32 × 32), 512
 #: tokens 2,586 -> 2,161 (128x128_s2x2 on the big weights, 64x128_s2x2 on the others); at 64 and 128 tokens
-#: the big weights 64x128_s2x2 (gate 139 -> 122 us at 64), the others stay on 64x64 (within 5 %).
+#: the big weights 64x128_s2x2 (gate 139 -> 122 us at 64), the others stay on 64x64 (within 5 %). With the K
+#: split for whole waves (split_k_waves; bench/results/2026-11-27-h200-waves.json, the steps' token buckets
+#: 64, 128, 256, 512): 64x128_s2x2 for all at 64 tokens (q 31.6 -> 28.3 us, o 34.8 -> 30.4; k/v 20.6 -> 21.6),
+#: 128x128_s2x2 for the big weights from 128 tokens (gate 178 -> 163 us, down 157 -> 126 at 128) and for
+#: the others past 128 (512 tokens: q, k, v, o 390 -> 351 us).
 COOPMAT_Q4K_LAYOUTS = (
     (16, "16x128_s1x4_w2", "16x128_s1x4_w2"),
     (32, "32x128_s1x4_w2", "32x128_s1x4_w2"),
-    (128, "64x128_s2x2_w2", None),
-    (1 << 30, "128x128_s2x2_w2", "64x128_s2x2_w2"),
+    (64, "64x128_s2x2_w2", "64x128_s2x2_w2"),
+    (128, "128x128_s2x2_w2", "64x128_s2x2_w2"),
+    (1 << 30, "128x128_s2x2_w2", "128x128_s2x2_w2"),
 )
 
 
