@@ -421,7 +421,7 @@ def test_split_k_waves():
     27B's shapes (docs/performance.md, ninth session: 528 resident workgroups of the decode layouts, 264 of
     128x128_s2x2_w2), and on any shape a split the shader can run: k_split a multiple of 64 covering K in
     `splits` pieces of at least COOPMAT_MIN_STEPS steps (or one); one resident workgroup never splits, a
-    resident count past every split takes the most splits (unless their partial sums cost more)."""
+    resident count past every split takes the most splits."""
     from hmad.backends.vulkan import kernels_matmul as km
 
     def splits(n, k, t, tile, slots):
@@ -431,6 +431,9 @@ def test_split_k_waves():
     for t, tile in ((16, (16, 128)), (32, (32, 128))):
         assert [splits(*s, t, tile, 528) for s in (gate, down, kv)] == [3, 12, 21]
     assert [splits(*s, 512, (128, 128), 264) for s in (gate, down, q, kv, o)] == [1, 3, 2, 4, 1]
+    assert [splits(*s, 64, (64, 128), 264) for s in (gate, down, q, kv, o)] == [3, 6, 8, 14, 6]
+    assert [splits(*s, 128, (128, 128), 264) for s in (gate, down)] == [3, 6]
+    assert [splits(*s, 128, (64, 128), 264) for s in (q, kv, o)] == [4, 8, 3]
     rng = np.random.default_rng(7)
     for _ in range(300):
         k = 256 * int(rng.integers(1, 100))
@@ -441,9 +444,7 @@ def test_split_k_waves():
         steps = k // 64
         assert ks % 64 == 0 and s == -(-k // ks) and (s == 1 or ks // 64 >= min(km.COOPMAT_MIN_STEPS, steps))
         assert km.coopmat_splits(k, n, t, tile, slots=1, row_bytes=k // 256 * 144)[0] == 1
-        per = min(km.COOPMAT_MIN_STEPS, steps)  # one wave whatever the split: the fewest steps, unless the
-        part = 4 * tile[0] * k / (k // 256 * 144 * 64)  # partial sums' traffic costs more than it saves
-        most = -(-steps // per) if per + part < steps else 1
+        most = -(-steps // min(km.COOPMAT_MIN_STEPS, steps))  # one wave whatever the split: fewest steps
         assert km.coopmat_splits(k, n, t, tile, slots=10**9, row_bytes=k // 256 * 144)[0] == most
     assert km.coopmat_splits(5376, 21504, 32, (32, 128))[0] == 3  # no residency: the 384 workgroups' target
 

@@ -374,19 +374,21 @@ def split_k_waves(
     about ceil(G / slots) waves of S steps, whatever part of the last wave is filled (each workgroup's
     steps wait on memory: a wave's time hardly depends on how full it is). With splits, each workgroup also
     writes a tile of partial sums that split_reduce reads back: ``part_steps``, that tile's bytes as steps
-    of W (counted once: the writes leave as the workgroup ends and hold it up little).
-    Of the K steps a split may take (``min_steps`` or more), the one of least predicted time; ties to
-    fewer splits. 27B shapes on an H200 (docs/performance.md, "ninth session"): at 32 tokens the gate
-    projection's 168 tiles want 3 splits (504 workgroups, one wave of 528) where a 1,024-workgroup target
-    gave 7 (1,176: three waves, the last a quarter full), 72.4 -> 60.7 µs."""
+    of W (counted once: the writes leave as the workgroup ends and hold it up little), a cost of bandwidth,
+    so spread over the slots (G / slots of it: a dispatch of a few tiles splits far, as latency, not
+    bandwidth, bounds it). Of the K steps a split may take (``min_steps`` or more), the one of least
+    predicted time; ties to fewer splits. 27B shapes on an H200 (docs/performance.md, "ninth session"): at
+    32 tokens the gate projection's 168 tiles want 3 splits (504 workgroups, one wave of 528) where a
+    1,024-workgroup target gave 7 (1,176: three waves, the last a quarter full), 72.4 -> 60.7 µs; at 64 and
+    128 tokens the picks are the fastest of 7 split counts measured on every shape but two (within 5 %)."""
     bt, bn = tile
     tiles = -(-n // bn) * -(-t // bt)
     steps = -(-k // bk)
     best = (math.inf, 0, 0)
     for per in range(steps, min(min_steps, steps) - 1, -1):  # steps a split: unsplit first
         splits = -(-steps // per)
-        waves = -(-tiles * splits // slots)
-        cost = waves * (per + (part_steps if splits > 1 else 0.0))
+        groups = tiles * splits
+        cost = -(-groups // slots) * per + (part_steps * groups / slots if splits > 1 else 0.0)
         if cost < best[0]:
             best = (cost, splits, per)
     return best[1], best[2] * bk
