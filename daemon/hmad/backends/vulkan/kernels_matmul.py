@@ -380,7 +380,8 @@ def split_k_waves(
     predicted time; ties to fewer splits. 27B shapes on an H200 (docs/performance.md, "ninth session"): at
     32 tokens the gate projection's 168 tiles want 3 splits (504 workgroups, one wave of 528) where a
     1,024-workgroup target gave 7 (1,176: three waves, the last a quarter full), 72.4 -> 60.7 µs; at 64 and
-    128 tokens the picks are the fastest of 7 split counts measured on every shape but two (within 5 %)."""
+    128 tokens, in the layouts COOPMAT_Q4K_LAYOUTS takes there, the picks are the fastest of the 7 split
+    counts measured on every shape."""
     bt, bn = tile
     tiles = -(-n // bn) * -(-t // bt)
     steps = -(-k // bk)
