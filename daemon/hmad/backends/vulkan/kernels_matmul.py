@@ -77,7 +77,10 @@ COOPMAT_TYPES: dict[str, QType] = {
 XH_ORDER = (0, 2, 1, 3, 4, 6, 5, 7)  # xh[t, 8g + i] = x[t, 8g + XH_ORDER[i]]: pairs as Q4_K decodes them
 COOPMAT_TILES = ((32, 64), (32, 128), (64, 64), (64, 128), (128, 128))  # (BT tokens, BN rows) variants
 COOPMAT_BK = 64  # K per step of mul_mm_coopmat.comp
-COOPMAT_TARGET_GROUPS = 384  # split K until a dispatch has about this many workgroups
+# Without a measured residency (split_k_waves), split K until a dispatch has about this many workgroups: one
+# wave of the decode-batch kernels on an H200 (528 resident; 27B layer at 32 tokens 315.5 -> 270.5 µs against
+# 1,024, bench/results/2026-11-27-h200-waves.json)
+COOPMAT_TARGET_GROUPS = 384
 COOPMAT_MIN_STEPS = 4  # ... but keep at least this many BK steps per split
 Q8_MATVEC_LANES = 32  # invocations per row (LANES in mul_mat_vec_q8.comp)
 Q8_MATVEC_BLOCK = 128  # workgroup size: 4 lane groups
