@@ -312,7 +312,7 @@ COOPMAT_BIG_WEIGHTS = 64 << 20
 #: the big weights 64x128_s2x2 (gate 139 -> 122 us at 64), the others stay on 64x64 (within 5 %). With the K
 #: split for whole waves (split_k_waves; bench/results/2026-11-27-h200-waves.json, the steps' token buckets
 #: 64, 128, 256, 512): 64x128_s2x2 for all at 64 tokens (q 31.6 -> 28.3 us, o 34.8 -> 30.4; k/v 20.6 -> 21.6),
-#: 128x128_s2x2 for the big weights from 128 tokens (gate 178 -> 163 us, down 157 -> 126 at 128) and for
+#: 128x128_s2x2 for the big weights from 65 tokens (128 tokens: gate 178 -> 143 us, down 157 -> 125) and for
 #: the others past 128 (512 tokens: q, k, v, o 390 -> 351 us).
 COOPMAT_Q4K_LAYOUTS = (
     (16, "16x128_s1x4_w2", "16x128_s1x4_w2"),
