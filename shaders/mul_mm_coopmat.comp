@@ -107,7 +107,7 @@ layout(binding = 0) readonly buffer W { uvec4 w4[]; };  // Q4_K: 144-byte blocks
 layout(binding = 1) readonly buffer X { uvec4 xh[]; };
 layout(binding = 2) writeonly buffer Y { float y[]; };
 // The residency probe's counters (push K == 0), in y's buffer: [0] workgroups entered, [1] left, [2] the most
-// resident at once, [3] read while staying resident (kernels_matmul.record_residency_probe)
+// resident at once, [3] read while staying resident (backends/vulkan/residency.py)
 layout(binding = 2) volatile coherent buffer Probe { uint probe[]; };
 layout(binding = 3) readonly buffer S { float xscale[]; };
 
@@ -327,8 +327,8 @@ void main() {
     }
 #endif
 
-    // write out through a staging tile in ws (64 uvec4 a subgroup; the loop's last barrier, or the one below with
-    // DBUF, frees it): lane writes 8 of the 256 values
+    // write out through a staging tile in ws (64 uvec4 a subgroup, free after the loop's last barrier): lane
+    // writes 8 of the 256 values
     const uint ybase = gl_WorkGroupID.z * p.T * p.y_stride + p.row_offset;
     [[unroll]] for (uint i = 0; i < TF; ++i) {
         [[unroll]] for (uint j = 0; j < NF; ++j) {
@@ -338,7 +338,8 @@ void main() {
             [[unroll]] for (uint e = 0; e < 8u; ++e) {
                 const uint idx = lane + 32u * e, r = idx / 16u, c = idx % 16u;
                 const uint t = t0 + st + 16u * i + r, n = n0 + sn + 16u * j + c;
-                if (t < p.T && n < p.N) y[ybase + t * p.y_stride + n] = uintBitsToFloat(ws[sg * 64u + idx / 4u][idx % 4u]) * xscale[t];
+                if (t < p.T && n < p.N)
+                    y[ybase + t * p.y_stride + n] = uintBitsToFloat(ws[sg * 64u + idx / 4u][idx % 4u]) * xscale[t];
             }
             subgroupBarrier();
         }
