@@ -38,6 +38,7 @@ GLSLANG_SOURCES = {
     "mul_mm_coopmat.comp",
     "mul_mmq_coopmat.comp",
     "coopmat_peak.comp",
+    "attention_prefill_cm.comp",
 }  # KHR cooperative matrix: SPIR-V 1.6, Vk 1.3
 COOPMAT_TYPES = ("f16", "q8_0", "q4_0", "q5_0", "q4_k", "q6_k")  # kernels_matmul.COOPMAT_TYPES
 COOPMAT_TILES = ((32, 64), (32, 128), (64, 64), (64, 128), (128, 128))  # kernels_matmul.COOPMAT_TILES
@@ -167,6 +168,11 @@ BUILD: list[tuple[str, str, dict[str, str]]] = [
         (f"attention_prefill_{pool}_dpl{dpl}", "attention_prefill.comp", {"DPL": f"{dpl}u", **d})
         for pool, d in (("f32", {}), ("f16", {"POOL_TYPE": "float16_t"}))
         for dpl in (8, 16, 32)
+    ],
+    *[
+        (f"attention_prefill_cm_{pool}_d{dh}", "attention_prefill_cm.comp", {"DH": f"{dh}u", **d})
+        for pool, d in (("f32", {}), ("f16", {"POOL_TYPE": "float16_t"}))
+        for dh in (64, 128, 256)
     ],
     ("attention_reduce_f32", "attention_reduce.comp", {}),
     ("attention_reduce_f32_q8", "attention_reduce.comp", {"Q8OUT": "1"}),

@@ -420,15 +420,22 @@ def _prefill_batch(block_size, ring):
         (2, 2, 64, 1, "split"),  # G 1: 32 rows a workgroup
     ],
 )
+@pytest.mark.parametrize("tiles", ["scalar", "cm", "cm_sharp"])
 def test_prefill_tiles_and_per_row_kernels_match_reference(
-    dev, kernels, gpu, pool, h, hkv, head_dim, splits, per_row
+    dev, kernels, gpu, pool, h, hkv, head_dim, splits, per_row, tiles
 ):
     """attention_prefill takes the rows of sequences with >= 8 rows in the step (tiles of up to 32 rows, each
     workgroup a sub-tile of 32 / G rows), the per-row kernel skips them (``tiled`` flags) and does the rest,
     both into one set of partials; attention_reduce combines them. Global layer and sliding windows of 6 and
-    40 (under and over a sub-tile's span) on a ring of 22 blocks of 4; one padding row (zeros)."""
+    40 (under and over a sub-tile's span) on a ring of 22 blocks of 4; one padding row (zeros).
+    ``cm``: the tiles on cooperative matrices (attention_prefill_cm: float16 q·scale, K, V and P), against
+    the reference on the float16 values of q·scale, K and V (a power-of-two scale, so q·scale rounds alike);
+    ``cm_sharp``: q 32x larger, so a row's max passes its first chunk's by more than TAU = 8 and O's rows
+    are scaled in the kernel's lazy rescale."""
     from hmad.backends.vulkan.backend import ATTENTION_TILE_MIN_ROWS
+    from hmad.backends.vulkan.kernels_matmul import coopmat_usable
     from hmad.backends.vulkan.pipelines import (
+        ATTENTION_PREFILL_CM_DH,
         AttentionPrefillPush,
         AttentionReducePush,
         AttentionSplitPush,
@@ -438,20 +445,26 @@ def test_prefill_tiles_and_per_row_kernels_match_reference(
 
     if not dev.caps["subgroup_shuffle"] or dev.info.subgroup["size"] % 8:
         pytest.skip("no 8-lane subgroup shuffles: the backend keeps the per-row kernels")
+    cm = tiles != "scalar"
+    if cm and not (coopmat_usable(dev.info) and head_dim in ATTENTION_PREFILL_CM_DH):
+        pytest.skip("attention_prefill_cm: no float16 coopmat on 32-wide subgroups, or no variant for Dh")
     rng = np.random.default_rng(head_dim + h)
     bs, ring = 4, 22
     batch = _prefill_batch(bs, ring)
     t = batch.n_tokens
-    dtype = np.float16 if pool == "f16" else np.float32
+    dtype = np.float16 if pool == "f16" or cm else np.float32  # cm: float16 values in either pool
     layout = KVLayout(bs, 40, 4 * ring, ring, (0,), (1, 2), hkv, head_dim)
-    cpu = CpuBackend(numerics="f32", kv_dtype=np.dtype(dtype).name)
+    cpu = CpuBackend(numerics="f32", kv_dtype="float16" if pool == "f16" else "float32")
     cpu.alloc_kv(layout)
     for kp, vp in cpu.pools.values():
         kp[:] = rng.standard_normal(kp.shape).astype(dtype)
         vp[:] = rng.standard_normal(vp.shape).astype(dtype)
     init = {n: (kp.copy(), vp.copy()) for n, (kp, vp) in cpu.pools.items()}
-    q, k, v = (rng.standard_normal((t, n, head_dim)).astype(np.float32) for n in (h, hkv, hkv))
-    scale = head_dim**-0.5
+    q, k, v = (rng.standard_normal((t, n, head_dim)).astype(dtype).astype(np.float32) for n in (h, hkv, hkv))
+    scale = 2.0 ** -round(np.log2(head_dim) / 2) if cm else head_dim**-0.5
+    if tiles == "cm_sharp":
+        q *= 32.0
+    tol = {"rtol": 2e-3, "atol": 2e-3} if cm else {"rtol": 2e-5, "atol": 2e-6}  # cm: P in float16 (2^-11)
     lay = StepMetaLayout(t + 1, 4, 200, tile_min_rows=ATTENTION_TILE_MIN_ROWS)
     meta = lay.pack(batch)
     assert meta[lay.tiled : lay.tiled + t + 1].tolist() == [1] * 45 + [0] * 4 + [1] * 10 + [0]
@@ -465,7 +478,10 @@ def test_prefill_tiles_and_per_row_kernels_match_reference(
         att_s = kernels(f"attention_decode_{pool}_dpl{dpl}_g8")
     else:
         att_s = kernels(f"attention_split_{pool}")
-    att_p = kernels(f"attention_prefill_{pool}_dpl{next(d for d in (8, 16, 32) if head_dim <= 8 * d)}")
+    if cm:
+        att_p = kernels(f"attention_prefill_cm_{pool}_d{head_dim}")
+    else:
+        att_p = kernels(f"attention_prefill_{pool}_dpl{next(d for d in (8, 16, 32) if head_dim <= 8 * d)}")
     att_r, kw = kernels("attention_reduce_f32"), kernels(f"kv_write_{pool}")
     for layer, name, win in ((0, "global", None), (1, "local", 6), (2, "local", 40)):
         slot = layout.pool_of(layer)[1]
@@ -497,7 +513,7 @@ def test_prefill_tiles_and_per_row_kernels_match_reference(
             ),
         )
         got = gpu.get(b_o, shape=(t + 1, h * head_dim))
-        np.testing.assert_allclose(got[:t], want, rtol=2e-5, atol=2e-6, err_msg=f"{name} layer, window {win}")
+        np.testing.assert_allclose(got[:t], want, **tol, err_msg=f"{name} layer, window {win}")
         assert np.all(got[t] == 0)
 
 

@@ -124,6 +124,7 @@ from hmad.backends.vulkan.pipelines import (
     ATTENTION_DECODE_DPL,
     ATTENTION_DECODE_GROUPS,
     ATTENTION_DECODE_KL_GROUPS,
+    ATTENTION_PREFILL_CM_DH,
     ATTENTION_PREFILL_DPL,
     ATTENTION_PREFILL_TILE,
     KERNELS,
@@ -498,6 +499,9 @@ class VulkanBackend(Backend):
         self.attention_min_keys = ATTENTION_MIN_KEYS
         self.attention_prefill_target = ATTENTION_PREFILL_TARGET_GROUPS
         self.attention_kl = True  # attention_decode_kl where it fits (bench_vulkan_model --no-attention-kl)
+        # the prefill tiles' attention on cooperative matrices where the GEMM has them (attention_prefill_cm;
+        # read when recording: bench_vulkan_model --sweep attention_cm=1,0)
+        self.attention_cm = True
         # the Q4_K prefill GEMM's layout for every weight (a mul_mm_coopmat name suffix; None: the measured
         # pick, coopmat_q4k_layout), read when recording (bench_vulkan_model --sweep coopmat_layout=...)
         self.coopmat_layout: str | None = None
@@ -1499,12 +1503,15 @@ class VulkanBackend(Backend):
         return f"attention_split_{pool_t}"
 
     def _prefill_kernel(self, pool_t: str, dh: int, g: int) -> str | None:
-        """attention_prefill's variant for this head shape, or None where the device or the shape does not
-        allow it (8-lane shuffle clusters inside subgroups; G dividing the 32 rows of a tile; Dh / 4 dividing
-        256)."""
+        """attention_prefill's variant for this head shape: on cooperative matrices (attention_prefill_cm)
+        where the GEMM runs on them and a variant has the head dims, else the scalar one; None where the
+        device or the shape allows neither (8-lane shuffle clusters inside subgroups; G dividing the 32 rows
+        of a tile; Dh / 4 dividing 256)."""
         sub = self.dev.info.subgroup.get("size") or 0
         if not self.dev.caps["subgroup_shuffle"] or sub < 8 or sub % 8 or ATTENTION_PREFILL_TILE % g:
             return None
+        if self.attention_cm and self.coopmat and dh in ATTENTION_PREFILL_CM_DH:
+            return f"attention_prefill_cm_{pool_t}_d{dh}"
         if dh % 4 or 256 % (dh // 4):  # whole vec4s per invocation
             return None
         dpl = next((d for d in ATTENTION_PREFILL_DPL if dh <= 8 * d), None)

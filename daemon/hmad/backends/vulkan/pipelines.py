@@ -121,7 +121,7 @@ class AttentionSplitPush(ctypes.Structure):
 
 
 class AttentionPrefillPush(ctypes.Structure):
-    """shaders/attention_prefill.comp"""
+    """shaders/attention_prefill.comp and attention_prefill_cm.comp"""
 
     _fields_ = [
         *[(n, u32) for n in ("max_tiles", "n_heads", "n_kv_heads", "head_dim", "q_stride", "n_splits")],
@@ -228,6 +228,7 @@ ATTENTION_DECODE_DPL = (4, 8, 32)  # attention_decode.comp: head dims per lane (
 ATTENTION_DECODE_GROUPS = (4, 8)  # ... and query heads per KV head it holds registers for
 ATTENTION_DECODE_KL_GROUPS = (2, 4)  # attention_decode_kl.comp (8 lanes per key, Dh <= 128): query heads
 ATTENTION_PREFILL_DPL = (8, 16, 32)  # attention_prefill.comp: head dims per lane (Dh <= 8 DPL)
+ATTENTION_PREFILL_CM_DH = (64, 128, 256)  # attention_prefill_cm.comp: the head dims it is built for
 ATTENTION_PREFILL_QV = 32  # ... query vectors (tile rows x query heads of a KV head) per workgroup
 ATTENTION_PREFILL_TILE = TILE_ROWS  # ... rows of a tile
 
@@ -304,6 +305,13 @@ KERNELS: dict[str, KernelSpec] = {
         )
         for pool in ("f32", "f16")
         for dpl in ATTENTION_PREFILL_DPL
+    },
+    **{
+        f"attention_prefill_cm_{pool}_d{dh}": KernelSpec(
+            "attention_prefill_cm.comp", 5, AttentionPrefillPush, 128
+        )
+        for pool in ("f32", "f16")
+        for dh in ATTENTION_PREFILL_CM_DH
     },
     "attention_split_f32": KernelSpec("attention_split.comp", 5, AttentionSplitPush, 256),
     "attention_split_f16": KernelSpec("attention_split.comp", 5, AttentionSplitPush, 256),
