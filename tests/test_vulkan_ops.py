@@ -430,8 +430,8 @@ def test_prefill_tiles_and_per_row_kernels_match_reference(
     40 (under and over a sub-tile's span) on a ring of 22 blocks of 4; one padding row (zeros).
     ``cm``: the tiles on cooperative matrices (attention_prefill_cm: float16 q·scale, K, V and P), against
     the reference on the float16 values of q·scale, K and V (a power-of-two scale, so q·scale rounds alike);
-    ``cm_sharp``: q 32x larger, so a row's max passes its first chunk's by more than TAU = 8 and O's rows
-    are scaled in the kernel's lazy rescale."""
+    ``cm_sharp``: q 32x larger (scores spread ~30, against the kernel's TAU = 8), meant to move rows' maxima
+    between chunks so that O's rows go through the lazy rescale (the test does not see whether it ran)."""
     from hmad.backends.vulkan.backend import ATTENTION_TILE_MIN_ROWS
     from hmad.backends.vulkan.kernels_matmul import coopmat_usable
     from hmad.backends.vulkan.pipelines import (
