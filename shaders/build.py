@@ -262,6 +262,7 @@ BUILD: list[tuple[str, str, dict[str, str]]] = [
     ("split_reduce", "split_reduce.comp", {}),
     ("split_reduce_geglu", "split_reduce.comp", {"GEGLU": "1"}),
     ("row_scale", "row_scale.comp", {}),
+    ("geglu_row_scale", "geglu_row_scale.comp", {}),
 ]
 
 

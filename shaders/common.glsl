@@ -40,3 +40,9 @@ float gelu_mul(float g, float u) {
     const float a = 0.7978845608028654 * (g + 0.044715 * g * g * g);
     return g / (1.0 + exp(-2.0 * a)) * u;
 }
+
+// 8 values k0..k7 (lo = k0..3, hi = k4..7) as float16 in the order the cooperative-matrix GEMM's tiles hold
+// k: 0,2,1,3,4,6,5,7 (its decoded weights, and the float16 copy of x that row_scale.comp makes)
+uvec4 pack8_tiles(vec4 lo, vec4 hi) {
+    return uvec4(packHalf2x16(lo.xz), packHalf2x16(lo.yw), packHalf2x16(hi.xz), packHalf2x16(hi.yw));
+}

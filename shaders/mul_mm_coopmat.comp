@@ -151,11 +151,6 @@ uvec2 rq[WPT];  // 8 bytes of the chunk's quants
 uvec4 rw[WPT];  // 8 decoded weights as float16
 #endif
 
-// 8 weights k0..k7 (lo = k0..3, hi = k4..7) as float16 in the tiles' order 0,2,1,3,4,6,5,7
-uvec4 pack8(vec4 lo, vec4 hi) {
-    return uvec4(packHalf2x16(lo.xz), packHalf2x16(lo.yw), packHalf2x16(hi.xz), packHalf2x16(hi.yw));
-}
-
 void fetch(uint n0, uint t0, uint k0, uint k_end, uint tid) {
     [[unroll]] for (uint h = 0; h < XPT; ++h) {
         const uint idx = tid + NINV * h, t = idx / (BK / 8u), q = idx % (BK / 8u);
@@ -194,7 +189,7 @@ void fetch(uint n0, uint t0, uint k0, uint k_end, uint tid) {
         const uint idx = tid + NINV * h, r = idx / (BK / 8u), q = idx % (BK / 8u);
         vec4 lo = vec4(0.0), hi = vec4(0.0);
         if (k0 + 8u * q < k_end) dq8(min(n0 + r, p.N - 1u) * rstride, k0 + 8u * q, lo, hi);
-        rw[h] = pack8(lo, hi);
+        rw[h] = pack8_tiles(lo, hi);
     }
 #endif
 }

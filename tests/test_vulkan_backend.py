@@ -175,6 +175,37 @@ def test_fused_decode_kernels_at_one_token(pair):
     assert barriers < plain_barriers
 
 
+def test_ffn_geglu_into_the_down_gemm_operand(tmp_path):
+    """Prefill chunks over 32 tokens on the cooperative-matrix GEMM (GPU only: lavapipe has none), gate and
+    up of one type (Q4_K, as in Gemma 3's files): the FFN's GeGLU goes straight into the down GEMM's float16
+    operand (geglu_row_scale, ``geglu_xh``), with the same logits bit for bit as split_reduce_geglu then
+    row_scale (geglu_xh=0), a row_scale fewer a layer, and the CPU's logits within the float16 tolerance."""
+    from gguf import GGMLQuantizationType as Q
+
+    path = make_tiny_gguf(
+        tmp_path / "q4k-ffn.gguf", seed=5, types={**MIXED, "ffn_gate": Q.Q4_K, "ffn_up": Q.Q4_K}
+    )
+    vk = load_model(path, "vulkan")
+    be = vk.backend
+    try:
+        if not be.coopmat:
+            pytest.skip(f"{be.dev.info.name}: no cooperative-matrix GEMM")
+        seq = [rand_ids(np.random.default_rng(11), 80, vk.config.vocab_size)]
+        runs = {}
+        for on in (True, False):
+            be.geglu_xh = 1 if on else 0  # any step, or none
+            be._drop_graphs()
+            logits = run_chunks(vk, seq, 40)[0]
+            runs[on] = (logits, [lab for g in be.graphs.values() for lab in g.rec.labels])
+    finally:
+        be.close()
+    (fused, on), (plain, off) = runs[True], runs[False]
+    assert "geglu_row_scale" in on and "geglu_row_scale" not in off
+    assert on.count("row_scale") < off.count("row_scale")
+    np.testing.assert_array_equal(fused, plain)
+    close(fused, run_chunks(load_model(path, "cpu", numerics="f32"), seq, 40)[0], RTOL_INT8)
+
+
 def test_weight_prefetch_adds_no_barrier(pair):
     """``prefetch_bytes`` (auto: on discrete GPUs; forced here on lavapipe): at decode sizes each matmul's
     weights are read ahead beside the op before it (prefetch_vec4), in the same barrier interval, so a step

@@ -491,8 +491,10 @@ def test_coopmat_q4k_layout():
         assert all(coopmat_q4k_layout(t, QType.Q6_K, n, k) is None for n, k in big + small)
 
 
-def test_row_scale(dev, kernels, gpu):
-    """row_scale.comp (runs everywhere, lavapipe included): 1 for rows within 2^14, else the smallest power
+@pytest.mark.parametrize("block", [256, 1024])
+def test_row_scale(dev, kernels, gpu, block):
+    """row_scale.comp (runs everywhere, lavapipe included; workgroups of ``block``, the backend's 1024 where
+    the device allows): 1 for rows within 2^14, else the smallest power
     of two bringing the row's max |x| to at most 2^14; a NaN row gives NaN. Exact (powers of two). Its
     float16 copy of x / s equals numpy's rounding (round to nearest even, both), its columns within every 8
     in the tiles' order XH_ORDER."""
@@ -510,7 +512,7 @@ def test_row_scale(dev, kernels, gpu):
     bx, bs = gpu.put(x), gpu.poison(gpu.alloc(4 * t))
     bh = gpu.poison(gpu.alloc(2 * t * k))
     rec = CommandRecorder(dev).begin()
-    record_row_scale(rec, kernels("row_scale"), bx, bs, bh, k, t, xs)
+    record_row_scale(rec, kernels("row_scale", block), bx, bs, bh, k, t, xs)
     rec.end()
     rec.submit()
     rec.close()
@@ -576,6 +578,41 @@ def test_split_reduce_geglu(dev, kernels, gpu):
     want = 0.5 * g64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (g64 + 0.044715 * g64**3))) * u
     assert np.abs(y[:, off : off + n] - want).max() <= 1e-6 * np.abs(want).max()
     assert np.isnan(y[:, :off]).all() and np.isnan(y[:, off + n :]).all()
+
+
+@pytest.mark.parametrize("block", [64, 1024])
+def test_geglu_row_scale(dev, kernels, gpu, block):
+    """geglu_row_scale.comp (runs everywhere) at workgroup sizes ``block`` (the backend's: 1024 where the
+    device allows): the row scales and float16 copy of the GeGLU of split-K partial sums, bit for bit what
+    split_reduce_geglu then row_scale make (fresh random partials; a row past float16's range, made again at
+    its scale; a NaN row: NaN scale and copy), the float32 GeGLU never written. The composed pair is itself
+    checked against numpy (test_split_reduce_geglu, test_row_scale)."""
+    from hmad.backends.vulkan.kernels_matmul import RowScalePush, SplitReducePush
+    from hmad.backends.vulkan.pipelines import CommandRecorder
+
+    rng = np.random.default_rng()
+    splits, t, n = 3, 6, 1000
+    pg, pu = (rng.standard_normal((splits, t, n)).astype(np.float32) * 2 for _ in range(2))
+    pg[:, 2], pu[:, 2] = pg[:, 2] * 300, pu[:, 2] * 300  # |f| up to ~10^6: scale 64 or more
+    pg[1, 4, 17] = np.nan
+    bg, bu = gpu.put(pg), gpu.put(pu)
+    fused, plain = [tuple(gpu.poison(gpu.alloc(b)) for b in (4 * t, 2 * t * n)) for _ in range(2)]
+    by = gpu.poison(gpu.alloc(4 * t * n))
+    push = SplitReducePush(n, t, splits, n, 0)
+    k_fused, k_geglu = kernels("geglu_row_scale", block), kernels("split_reduce_geglu")
+    k_scale = kernels("row_scale", block)
+    rec = CommandRecorder(dev).begin()
+    rec.dispatch(k_fused, [bg, fused[0], bu, fused[1]], push, k_fused.groups_for(t))
+    rec.dispatch(k_geglu, [bg, by, bu], push, k_geglu.groups_for(8))
+    rec.dispatch(k_scale, [by, *plain], RowScalePush(n, t, n), k_scale.groups_for(t))
+    rec.end()
+    rec.submit()
+    rec.close()
+    (s, xh), (ws, wxh) = ((gpu.get(a, shape=(t,)), gpu.get(b, np.uint16, (t, n))) for a, b in (fused, plain))
+    assert s[2] >= 64.0 and s[0] == 1.0 and np.isnan(s[4]) and np.isnan(ws[4])
+    np.testing.assert_array_equal(np.delete(s, 4), np.delete(ws, 4))
+    np.testing.assert_array_equal(np.delete(xh, 4, 0), np.delete(wxh, 4, 0))  # the bits
+    assert np.isnan(xh[4].view(np.float16)).all() and np.isnan(wxh[4].view(np.float16)).all()
 
 
 @pytest.mark.parametrize("t", ["q4_k", "q8_0"])

@@ -197,6 +197,10 @@ class Backend(ABC):
         """gelu_tanh(x · gateᵀ) * (x · upᵀ): x (T, D) -> (T, F)."""
         return self.geglu(self.matmul(x, gate), self.matmul(x, up))
 
+    def ffn(self, x: Act, gate: Weight, up: Weight, down: Weight) -> Act:
+        """The feed-forward block: ``geglu_matmul(x, gate, up) · downᵀ``: x (T, D) -> (T, D)."""
+        return self.matmul(self.geglu_matmul(x, gate, up), down)
+
     def residual_norm(
         self, x: Act, a: Act, w_a: Weight, w_next: Weight | None, eps: float
     ) -> tuple[Act, Act | None]:

@@ -4,8 +4,8 @@ Per layer (MODELS.md): pre-norm -> q/k/v -> per-head q/k RMS norm -> RoPE (local
 layers the file's base and linear scaling) -> paged attention (sliding window on local layers) -> output
 projection -> post-norm -> residual; then pre-norm -> gelu_tanh(gate) * up -> down -> post-norm -> residual.
 Written with the fused ops of backends/base.py (residual_norm: post-norm + residual + the next pre-norm;
-normed_attention: q/k norm + RoPE + attention; geglu_matmul; matmuls), whose defaults are the plain sequence
-above.
+normed_attention: q/k norm + RoPE + attention; ffn: gate/up, GeGLU, down; matmuls), whose defaults are the
+plain sequence above.
 Embeddings are scaled by sqrt(D); the output projection is tied to the embedding unless the file has one.
 Norm weights follow GGUF's convention (they already include Gemma's ``1 +``).
 """
@@ -98,8 +98,7 @@ class Gemma3:
         a = ops.matmul(a, layer.attn_output)  # (T, D)
         x, h = ops.residual_norm(x, a, layer.post_attention_norm, layer.ffn_norm, eps)
         ops.prefetch([layer.ffn_gate, layer.ffn_up])
-        f = ops.geglu_matmul(h, layer.ffn_gate, layer.ffn_up)  # (T, F)
-        f = ops.matmul(f, layer.ffn_down)  # (T, D)
+        f = ops.ffn(h, layer.ffn_gate, layer.ffn_up, layer.ffn_down)  # (T, D), through (T, F)
         x, h = ops.residual_norm(x, f, layer.post_ffw_norm, nxt.attn_norm if nxt else None, eps)
         if nxt is not None:
             ops.prefetch([nxt.attn_q, nxt.attn_k, nxt.attn_v])

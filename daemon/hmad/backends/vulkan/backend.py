@@ -204,6 +204,19 @@ COOPMAT_DECODE_MIN_WEIGHTS = 4 << 20
 # 2,886, 256 -> 2,719, unsplit 2,760; decode batches keep kernels_matmul.COOPMAT_TARGET_GROUPS)
 COOPMAT_PREFILL_TARGET_GROUPS = 512
 MMQ_MIN_WEIGHTS = 4 << 20  # weights (elements) the int8 GEMM takes at decode sizes (_mmq_for)
+# the fewest tokens of a step whose FFN writes its GeGLU as the down GEMM's operand (geglu_row_scale: one
+# workgroup a row, so few rows leave the GPU idle). H200, 27B-shaped, two passes each
+# (bench/results/2026-11-27-h200-geglu-xh.json), against split_reduce_geglu + row_scale: prefill 64 tokens
+# 2,279 / 2,294 tok/s against 2,259 / 2,272, 128: 3,165 / 3,169 against 3,145 / 3,151, 512: 4,136 / 4,137
+# against 4,062 / 4,062; at 16 and 32 tokens (decode batches) 741 / 739 and 1,212 / 1,219 against 746 / 745
+# and 1,214 / 1,219.
+GEGLU_XH_MIN_TOKENS = 64
+# the workgroup size of the kernels that take a row a workgroup (row_scale, geglu_row_scale), where the device
+# allows it: few rows (decode batches) leave few workgroups, each with a whole row to read. H200, 27B-shaped
+# (same file): row_scale at 1024 against 256, 16 sequences 758 / 756 tok/s against 744 / 743, 32 sequences
+# 1,228 / 1,230 against 1,213 / 1,207, prefill within noise; geglu_row_scale at 256 lost 4-5 % at 64 and 128
+# tokens (2,161 / 3,025 against 2,279 / 3,165 tok/s).
+ROW_BLOCK = 1024
 Q8_MAX_T = (
     32  # steps of up to 32 tokens (decode batches) run the int8 mat-vec, MATVEC_MAX_T tokens a dispatch
 )
@@ -502,6 +515,13 @@ class VulkanBackend(Backend):
         # the prefill tiles' attention on cooperative matrices where the GEMM has them (attention_prefill_cm;
         # read when recording: bench_vulkan_model --sweep attention_cm=1,0)
         self.attention_cm = True
+        # the FFN's GeGLU straight into the down GEMM's float16 operand where gate, up and down run that GEMM,
+        # in steps of this many tokens or more (geglu_row_scale: a workgroup a row; 0: never; read when
+        # recording: bench_vulkan_model --sweep geglu_xh=...)
+        self.geglu_xh = GEGLU_XH_MIN_TOKENS
+        # the workgroup size of row_scale and geglu_row_scale: ROW_BLOCK, or the device's most (a power of 2)
+        most = self.dev.limits["maxComputeWorkGroupInvocations"]
+        self.row_block = min(ROW_BLOCK, 1 << (most.bit_length() - 1))
         # the Q4_K prefill GEMM's layout for every weight (a mul_mm_coopmat name suffix; None: the measured
         # pick, coopmat_q4k_layout), read when recording (bench_vulkan_model --sweep coopmat_layout=...)
         self.coopmat_layout: str | None = None
@@ -1148,6 +1168,27 @@ class VulkanBackend(Backend):
         record_matmul(self._rec, self._kernel(self._matvec_name(t, w)), w.view, x.view, y.view, k, n, t)
         return y
 
+    def ffn(self, x: Act, gate: VkWeight, up: VkWeight, down: VkWeight) -> Act:
+        """The feed-forward block. Where gate, up and down all run the cooperative-matrix GEMM, the GeGLU
+        goes straight into the float16 copy and row scales the down GEMM reads (geglu_row_scale.comp: what
+        split_reduce_geglu then row_scale make, bit for bit, without the float32 GeGLU written and read)."""
+        t = x.shape[0]
+        if not self._geglu_xh(t, gate, up, down):
+            return super().ffn(x, gate, up, down)
+        f = self._new((t, gate.shape[0]))  # (T, F) never written: only its row scales and float16 copy are
+        f.scale = self._new_row_scales(t, gate.shape[0])
+        self._coopmat(x, [gate, up], f, geglu_xh=True)
+        return self.matmul(f, down)
+
+    def _geglu_xh(self, t: int, gate: VkWeight, up: VkWeight, down: VkWeight) -> bool:
+        """Whether :meth:`ffn` fuses the GeGLU into the down GEMM's operand: ``geglu_xh`` tokens or more,
+        gate and up alike, each in one bind range, and the three on the cooperative-matrix GEMM."""
+        n = gate.shape[0]
+        alike = gate.qtype == up.qtype and gate.shape == up.shape and down.shape[1] == n and n % 8 == 0
+        one_range = max(gate.view.nbytes, up.view.nbytes) <= self.max_range
+        coopmat = self._coopmat_for(t, gate) and self._coopmat_for(t, down)
+        return 0 < self.geglu_xh <= t and alike and one_range and coopmat
+
     def _matvec_chunks(self, x: Act, w: VkWeight, y: Act) -> None:
         """Deterministic mode's float path: the mat-vec of MATVEC_MAX_T tokens (never ``_t1``) for every
         row count, MATVEC_MAX_T rows a dispatch."""
@@ -1266,10 +1307,11 @@ class VulkanBackend(Backend):
                 self._rec, kern, reduce, ws[0].view, xq, xd, y.view, k, n, t, part, target=self.mmq_target
             )
 
-    def _coopmat(self, x: Act, ws: VkWeight | list[VkWeight], y: Act) -> None:
+    def _coopmat(self, x: Act, ws: VkWeight | list[VkWeight], y: Act, geglu_xh: bool = False) -> None:
         """y = x · Wᵀ on the cooperative-matrix mat-mat, or the GeGLU of two weights ([gate, up]: their
         partial sums added and the GeGLU applied in one pass); x's row scales and float16 copy made on first
-        use."""
+        use. ``geglu_xh``: the GeGLU written only as y's row scales and float16 copy (``y.scale``, made by
+        the caller; :meth:`ffn`)."""
         ws = ws if isinstance(ws, list) else [ws]
         (t, k), n = x.shape, ws[0].shape[0]
         qtype = ws[0].qtype
@@ -1283,14 +1325,19 @@ class VulkanBackend(Backend):
         part = self._scratch_maker(held)
         if x.scale is None:
             x.scale = self._new_row_scales(t, k)
-            record_row_scale(self._rec, self._kernel("row_scale"), x.view, *(a.view for a in x.scale), k, t)
+            rs = self._kernel("row_scale", self.row_block)
+            record_row_scale(self._rec, rs, x.view, *(a.view for a in x.scale), k, t)
         scale, xh = (a.view for a in x.scale)
         target = self.coopmat_prefill_target if t > Q8_MAX_T else self.coopmat_decode_target
         split = {"target": target, "slots": self._coopmat_slots(kern) if self.coopmat_waves else 0}
         if len(ws) == 2:
-            reduce = self._kernel("split_reduce_geglu")
+            reduce = self._kernel("geglu_row_scale", self.row_block) if geglu_xh else None
+            reduce = reduce or self._kernel("split_reduce_geglu")
             views = (ws[0].view, ws[1].view)
-            record_coopmat_geglu(self._rec, kern, reduce, *views, xh, y.view, scale, k, n, t, part, **split)
+            out = {"xh_out": tuple(a.view for a in y.scale)} if geglu_xh else {}
+            record_coopmat_geglu(
+                self._rec, kern, reduce, *views, xh, y.view, scale, k, n, t, part, **split, **out
+            )
         else:
             reduce = self._kernel("split_reduce")
             record_coopmat(self._rec, kern, reduce, ws[0].view, xh, y.view, scale, k, n, t, part, **split)

@@ -512,13 +512,18 @@ def record_coopmat_geglu(
     max_range: int | None = None,
     target: int | None = None,
     slots: int = 0,
+    xh_out: tuple | None = None,
 ) -> int:
     """Record y[:t, :n] = gelu_tanh(x · W_gateᵀ) * (x · W_upᵀ) on the cooperative-matrix kernel: per bind
     range of the two weights (same type and shape) one dispatch for each into its partial sums (K split as
     for :func:`record_coopmat`, one "split" when K is not), then ``reduce_kernel`` (split_reduce_geglu) adds
     both and writes their GeGLU into y: three dispatches where the plain ops take five (two matmuls with
     their reductions, then geglu). ``part`` a callable ``nbytes -> BufferView``, asked twice (gate, up)
-    for the largest range's need. Returns the dispatch count."""
+    for the largest range's need. Returns the dispatch count.
+
+    ``xh_out`` = (scale, xh): ``reduce_kernel`` is geglu_row_scale, which writes the GeGLU as the next
+    coopmat GEMM reads it (the row scales and float16 copy of :func:`record_row_scale`, bit for bit) and y
+    not at all (``y`` unused); the weights in one bind range, n % 8 == 0."""
     if not callable(part):
         raise TypeError(
             f"{kernel.name}: part must be a callable nbytes -> BufferView (one for gate, one for up)"
@@ -527,6 +532,8 @@ def record_coopmat_geglu(
     tile = (lay.bt, lay.bn)
     x_stride, y_stride = x_stride or k, y_stride or n
     pieces = row_ranges(kernel, [w_gate, w_up], rb, n, max_range)
+    if xh_out is not None and (len(pieces) > 1 or n % 8):
+        raise ValueError(f"{reduce_kernel.name}: rows of {n} in {len(pieces)} bind ranges (one, n % 8 == 0)")
     splits_of = lambda rows: coopmat_splits(k, rows, t, tile, target, slots, rb)  # noqa: E731
     parts = [part_scratch(part, pieces, t, lambda r: splits_of(r)[0], split_only=False) for _ in range(2)]
     for (wg, wu), rows, row0 in pieces:
@@ -537,7 +544,11 @@ def record_coopmat_geglu(
             check_part(kernel, pb, splits * t * rows * 4)
             rec.dispatch(kernel, [wb, xh, pb, scale], push, groups)
         push = SplitReducePush(rows, t, splits, y_stride, row0)
-        rec.dispatch(reduce_kernel, [parts[0], y, parts[1]], push, _reduce_groups(reduce_kernel, t, rows))
+        if xh_out is not None:  # one workgroup a row
+            bufs = [parts[0], xh_out[0], parts[1], xh_out[1]]
+            rec.dispatch(reduce_kernel, bufs, push, reduce_kernel.groups_for(t))
+        else:
+            rec.dispatch(reduce_kernel, [parts[0], y, parts[1]], push, _reduce_groups(reduce_kernel, t, rows))
     return 3 * len(pieces)
 
 

@@ -328,6 +328,7 @@ KERNELS: dict[str, KernelSpec] = {
     "split_reduce": KernelSpec("split_reduce.comp", 2, SplitReducePush, 256),
     "split_reduce_geglu": KernelSpec("split_reduce.comp", 3, SplitReducePush, 256),  # gate, y, up
     "row_scale": KernelSpec("row_scale.comp", 3, RowScalePush, 256),
+    "geglu_row_scale": KernelSpec("geglu_row_scale.comp", 4, SplitReducePush, 256),  # gate, s, up, xh
     **{
         f"coopmat_peak_a{a}x{b}": KernelSpec("coopmat_peak.comp", 3, CoopMatPeakPush, 128)
         for a, b in CoopMatPeakPush.VARIANTS
