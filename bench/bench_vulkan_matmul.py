@@ -333,7 +333,8 @@ def check_and_time(dev, args, up, sb: ShapeBuffers, y_ref: np.ndarray, kern, red
     r = {"N": sb.n, "K": sb.k, "T": t, "kernel": kern.name, "error": variant_error(up, sb, y_ref, t)}
     if not r["error"] <= VARIANT_TOL:
         print(f"  {kern.name:42s} WRONG: {r['error']:.1e} of the output scale off the reference", flush=True)
-        return r
+        if not args.time_wrong:
+            return r
     r |= time_variant(dev, args, sb, kern, red, t)
     print(
         f"  {kern.name:42s} T={t:4d} splits {r['splits']:2d}: {r['us']:8.1f} us {r['TFLOPs']:6.1f} TFLOP/s "
@@ -410,6 +411,12 @@ def main() -> int:
         choices=("waves", "target"),
         help="the coopmat GEMM's K split: for whole waves of the kernel's probed residency (the backend's), "
         "or for about --coopmat-groups workgroups",
+    )
+    ap.add_argument(
+        "--time-wrong",
+        action="store_true",
+        help="with --coopmat-variants: time variants whose output is off too (ablation builds swapped in by "
+        "HMAD_SHADER_DIR: what a kernel's time is made of)",
     )
     ap.add_argument("--peak-json", default="", help="bench_vulkan_coopmat_peak.py's --out (coopmat variants)")
     ap.add_argument("--out", default=None)

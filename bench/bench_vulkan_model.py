@@ -172,13 +172,15 @@ def op_breakdown(model, key, top: int = 12) -> list:
 
 
 DECODE_BATCHES = (1, 8, 16, 32)  # sequences of the decode steps timed
+PREFILL_SIZES = [512]  # tokens of the prefill steps timed (--prefill; 512 always)
 
 
 def measure_steps(model, kv, layout, context: int, reps: int, ceiling: float, weight_bytes: int) -> dict:
     out = {}
-    r = time_steps(model, make_batch(kv, layout, 1, 512, 0), max(3, reps // 5))
-    r["tok_s"] = 512 / (r["wall_ms"] / 1e3)
-    out["prefill_512"] = r
+    for n in PREFILL_SIZES:
+        r = time_steps(model, make_batch(kv, layout, 1, n, 0), max(3, reps // 5))
+        r["tok_s"] = n / (r["wall_ms"] / 1e3)
+        out[f"prefill_{n}"] = r
     for b in DECODE_BATCHES:
         r = time_steps(model, make_batch(kv, layout, b, 1, context // 2), reps)
         r["tok_s"] = b / (r["wall_ms"] / 1e3)
@@ -326,6 +328,7 @@ def main() -> int:
         "coopmat_layout=none,64x128; attention_kl=1,0)",
     )
     ap.add_argument("--copy-mib", type=int, default=1024)
+    ap.add_argument("--prefill", default="512", help="comma list: tokens of the prefill steps timed (+512)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--watchdog-s", type=float, default=0, help="dump the stacks and exit after this")
     args = ap.parse_args()
@@ -334,6 +337,7 @@ def main() -> int:
 
         faulthandler.dump_traceback_later(args.watchdog_s, exit=True)
     args.engine, args.engine_streams = args.engine.split(","), (1, 8, 32)
+    PREFILL_SIZES[:] = sorted({512, *(int(v) for v in args.prefill.split(","))})
     args.gguf = dict(spec.split("=", 1) for spec in args.gguf)
     import bench_vulkan_copy as bc
 
