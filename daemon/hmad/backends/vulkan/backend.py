@@ -1331,8 +1331,8 @@ class VulkanBackend(Backend):
         target = self.coopmat_prefill_target if t > Q8_MAX_T else self.coopmat_decode_target
         split = {"target": target, "slots": self._coopmat_slots(kern) if self.coopmat_waves else 0}
         if len(ws) == 2:
-            reduce = self._kernel("geglu_row_scale", self.row_block) if geglu_xh else None
-            reduce = reduce or self._kernel("split_reduce_geglu")
+            name, block = ("geglu_row_scale", self.row_block) if geglu_xh else ("split_reduce_geglu", None)
+            reduce = self._kernel(name, block)
             views = (ws[0].view, ws[1].view)
             out = {"xh_out": tuple(a.view for a in y.scale)} if geglu_xh else {}
             record_coopmat_geglu(
