@@ -85,8 +85,8 @@ shared uint s_rescale;         // some row's reference max moved this chunk
 uint qv_row(uint row0, uint r_lo, uint i, uint G) { return row0 + r_lo + i / G; }
 uint qv_head(uint kvh, uint i, uint G) { return kvh * G + i % G; }
 
-// Eight floats as the uvec4 of their float16 values.
-uvec4 pack8(vec4 a, vec4 b) {
+// Eight floats as the uvec4 of their float16 values, in order (common.glsl's pack8_tiles is the GEMM tiles' order)
+uvec4 pack8_f16(vec4 a, vec4 b) {
     return uvec4(packFloat2x16(f16vec2(a.xy)), packFloat2x16(f16vec2(a.zw)), packFloat2x16(f16vec2(b.xy)),
                  packFloat2x16(f16vec2(b.zw)));
 }
@@ -101,7 +101,7 @@ void stage_q(uint row0, uint r_lo, uint r_hi, uint kvh, uint G, uint tid) {
             x0 = vec4(q[o], q[o + 1u], q[o + 2u], q[o + 3u]) * p.scale;
             x1 = vec4(q[o + 4u], q[o + 5u], q[o + 6u], q[o + 7u]) * p.scale;
         }
-        s_k[i * SK8 + w] = pack8(x0, x1);
+        s_k[i * SK8 + w] = pack8_f16(x0, x1);
     }
 }
 
@@ -113,8 +113,8 @@ void load_chunk(uint base, uint c1, uint tab, uint tab_len, uint kvh, uint tid) 
         uvec4 kd = uvec4(0u), vd = uvec4(0u);
         if (j < c1) {
             const uint o = kv_slot(tab, tab_len, j, p.block_size) * row + kvo + 2u * w;
-            kd = pack8(vec4(k_pool[o]), vec4(k_pool[o + 1u]));
-            vd = pack8(vec4(v_pool[o]), vec4(v_pool[o + 1u]));
+            kd = pack8_f16(vec4(k_pool[o]), vec4(k_pool[o + 1u]));
+            vd = pack8_f16(vec4(v_pool[o]), vec4(v_pool[o + 1u]));
         }
         s_k[jj * SK8 + w] = kd;
         s_v[jj * SK8 + w] = vd;

@@ -9,12 +9,19 @@
 // exchange their maxima and sums through shared memory. XHOUT: h is also written as row_scale.comp writes
 // it for the cooperative-matrix GEMM (its row scale s, a power of two, and xh = float16(h / s) in the GEMM
 // tiles' order), bit for bit: one row_scale dispatch less for each GEMM reading h.
+// a may come as the K-split partial sums of the GEMM that made it (push splits > 1: split s of (T, D) at
+// s T D, mul_mm_coopmat.comp's scratch), added here in split order as split_reduce.comp adds them, bit for
+// bit: one split_reduce dispatch less, and a's (T, D) floats neither written nor read back.
 // Bindings: 0 x, 1 a, 2 wa, 3 x' [, 4 wh, 5 h [, 6 hq, 7 hd] [, s, xh: 6, 7 or after hq, hd]]. Requires
 // D % 4 == 0 (Q8OUT: D % 64 == 0), D <= 4 * WORDS * BLOCK_SIZE, BLOCK_SIZE % 8 == 0.
 #include "common.glsl"
 #extension GL_KHR_shader_subgroup_arithmetic : require
 #ifdef Q8OUT
 #include "q8act.glsl"
+#endif
+#ifdef XHOUT
+#define ROW_SCALE_PARTS
+#include "row_scale.glsl"
 #endif
 #define WORDS 2u
 
@@ -42,6 +49,7 @@ layout(push_constant) uniform Push {
     uint ncols;  // D
     uint nrows;  // T
     float eps;
+    uint splits;  // a's partial sums (1: a is the sum)
 } p;
 
 shared float partial[BLOCK_SIZE];
@@ -51,9 +59,7 @@ shared float s_sum[BLOCK_SIZE];  // per word: its share of the block's XD s (q8_
 #endif
 
 #ifdef XHOUT
-const float LIMIT = 16384.0;  // row_scale.comp's
-
-// the largest of every invocation's m over the workgroup, NaN if any m is NaN (row_scale.comp's sticky max;
+// the largest of every invocation's m over the workgroup, NaN if any m is NaN (row_scale.glsl's sticky max;
 // a max is exact in any order)
 float workgroup_absmax(float m) {
     barrier();  // partial may still be read from workgroup_sum
@@ -61,10 +67,7 @@ float workgroup_absmax(float m) {
     if (subgroupElect()) partial[gl_SubgroupID] = nan > 0.0 ? uintBitsToFloat(0x7FC00000u) : mx;
     barrier();
     float r = 0.0;
-    for (uint i = 0; i < gl_NumSubgroups; ++i) {
-        const float o = partial[i];
-        r = isnan(o) || o > r ? o : r;
-    }
+    for (uint i = 0; i < gl_NumSubgroups; ++i) r = sticky_max(r, partial[i]);
     return r;
 }
 #endif
@@ -90,7 +93,8 @@ void main() {
         const uint w = tid + i * BLOCK_SIZE;
         const bool live = w < nw;
         xv[i] = live ? x[o + w] : vec4(0.0);
-        av[i] = live ? a[o + w] : vec4(0.0);
+        av[i] = vec4(0.0);  // 0 + a_0 + a_1 + ..., split_reduce's order
+        for (uint sp = 0u; sp < p.splits; ++sp) av[i] += live ? a[sp * p.nrows * nw + o + w] : vec4(0.0);
         wv[i] = live ? wa[w] : vec4(0.0);
         ss += dot(av[i], av[i]);
     }
@@ -115,10 +119,7 @@ void main() {
         if (live) h[o + w] = v;
 #ifdef XHOUT
         hv[i] = v;
-        [[unroll]] for (uint c = 0; c < 4u; ++c) {
-            const float av = abs(v[c]);
-            m = live && (isnan(av) || av > m) ? av : m;
-        }
+        [[unroll]] for (uint c = 0; c < 4u; ++c) m = live ? sticky_max(m, abs(v[c])) : m;
 #endif
 #ifdef Q8OUT
         // word w is 4 values of q8 block w / 8, whose 8 words are invocations tid & ~7 .. (tid & ~7) + 7
@@ -146,7 +147,7 @@ void main() {
     // row_scale.comp's s and xh of h: word w (h's values 4w..4w+3) is xh words 2w (4w, 4w + 2) and 2w + 1
     // (4w + 1, 4w + 3), the pairs of the GEMM tiles' order 0,2,1,3 within each 4
     const float mx = workgroup_absmax(m);
-    const float sc = mx <= LIMIT ? 1.0 : (isnan(mx) || isinf(mx) ? mx : exp2(ceil(log2(mx / LIMIT))));
+    const float sc = scale_of_max(mx);
     if (tid == 0) s[row] = sc;
     const float inv = 1.0 / sc;  // exact: a power of two
     [[unroll]] for (uint i = 0; i < WORDS; ++i) {

@@ -206,6 +206,45 @@ def test_ffn_geglu_into_the_down_gemm_operand(tmp_path):
     close(fused, run_chunks(load_model(path, "cpu", numerics="f32"), seq, 40)[0], RTOL_INT8)
 
 
+def test_split_sums_added_by_the_residual_step(tmp_path):
+    """The o and down projections' K-split partial sums go unsummed into residual_norm (``split_sums`` in
+    ``fuse``), on the cooperative-matrix GEMM (40-token prefill chunks) and the int8 one (6-token decode
+    steps; GPU only: lavapipe has neither): the same logits bit for bit as split_reduce then residual_norm,
+    with fewer split_reduce dispatches; the CPU's prefill logits within the float16 tolerance."""
+    from gguf import GGMLQuantizationType as Q
+
+    kinds = ("attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    path = make_tiny_gguf(
+        tmp_path / "q4k-o-down.gguf", seed=6, types={**MIXED, **dict.fromkeys(kinds, Q.Q4_K)}
+    )
+    vk = load_model(path, "vulkan")
+    be = vk.backend
+    try:
+        if not (be.coopmat and be.mmq_k):
+            pytest.skip(f"{be.dev.info.name}: no cooperative-matrix GEMMs")
+        be.mmq_min_weights = 0  # the tiny weights on the int8 GEMM too
+        seq = [rand_ids(np.random.default_rng(12), 80, vk.config.vocab_size)]
+        runs = {}
+        for fuse in (True, "norm_rope_kv+qout"):
+            be.fuse = fuse
+            be._drop_graphs()
+            logits, labels = [], []
+            for ids, chunk in ((seq, 40), ([seq[0][:24]], 6)):  # (a new KV layout per chunk: graphs dropped)
+                logits.append(run_chunks(vk, ids, chunk)[0])
+                labels += [lab for g in be.graphs.values() for lab in g.rec.labels]
+            runs[fuse is True] = logits, labels
+    finally:
+        be.close()
+    (fused, on), (plain, off) = runs[True], runs[False]
+    assert any(lab.startswith("mul_mmq") for lab in on) and any(
+        lab.startswith("mul_mm_coopmat") for lab in on
+    )
+    assert off.count("split_reduce") > 0 and on.count("split_reduce") < off.count("split_reduce")
+    for one, other in zip(fused, plain, strict=True):
+        np.testing.assert_array_equal(one, other)
+    close(fused[0], run_chunks(load_model(path, "cpu", numerics="f32"), seq, 40)[0], RTOL_INT8)
+
+
 def test_weight_prefetch_adds_no_barrier(pair):
     """``prefetch_bytes`` (auto: on discrete GPUs; forced here on lavapipe): at decode sizes each matmul's
     weights are read ahead beside the op before it (prefetch_vec4), in the same barrier interval, so a step

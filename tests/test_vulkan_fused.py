@@ -397,6 +397,72 @@ def test_residual_norm_xh_is_row_scale(dev, kernels, gpu, variant, d):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("variant", ["residual_norm", "residual_norm_next_x3", "residual_norm_next_xh"])
+@pytest.mark.parametrize("splits", [2, 5])
+def test_residual_norm_adds_split_sums(dev, kernels, gpu, variant, splits):
+    """``a`` as a GEMM's K-split partial sums (push splits): every output bit for bit as split_reduce.comp
+    then the same variant on the sum (the composition it replaces); and within float32 rounding of float64
+    on the sum. Outputs poisoned first."""
+    from hmad.backends.vulkan.kernels_matmul import record_split_sums
+    from hmad.backends.vulkan.pipelines import CommandRecorder, ResidualNormPush, residual_block
+
+    rng = np.random.default_rng([zlib.crc32(variant.encode()), splits, rng_seed()])
+    t, d, eps = 5, 1152, 1e-6
+    x = rng.standard_normal((t, d)).astype(np.float32) * 3
+    parts = rng.standard_normal((splits, t, d)).astype(np.float32)
+    wa, wh = (rng.uniform(0.5, 2, d).astype(np.float32) for _ in range(2))
+    ins = [gpu.put(x), gpu.put(parts), gpu.put(wa)]
+    outs = {}
+    for fused in (True, False):
+        got = [gpu.poison(gpu.alloc(t * d * 4)) for _ in range(2)]  # x', h
+        if variant.endswith("_x3"):
+            got += [gpu.poison(gpu.alloc(3 * t * d)), gpu.poison(gpu.alloc(t * d // 32 * 8))]
+        if variant.endswith("_xh"):
+            got += [gpu.poison(gpu.alloc(4 * t)), gpu.poison(gpu.alloc(2 * t * d))]
+        summed = gpu.poison(gpu.alloc(t * d * 4))
+        rec = CommandRecorder(dev).begin()
+        if not fused:
+            assert record_split_sums(rec, kernels("split_reduce"), ins[1], summed, d, t, splits, d, 0) == 1
+        binds = [ins[0], ins[1] if fused else summed, ins[2], got[0]]
+        binds += [gpu.put(wh), *got[1:]] if "next" in variant else []
+        push = ResidualNormPush(d, t, eps, splits if fused else 1)
+        rec.dispatch(kernels(variant, residual_block(d)), binds, push, t)
+        rec.end()
+        rec.submit()
+        rec.close()
+        outs[fused] = [gpu.get(b, np.uint32) for b in (got if "next" in variant else got[:1])]
+    for one, other in zip(outs[True], outs[False], strict=True):
+        np.testing.assert_array_equal(one, other)
+    x_ref = x + _rms(parts.astype(np.float64).sum(0), wa, eps)
+    xo = outs[True][0].view(np.float32).reshape(t, d)
+    np.testing.assert_allclose(xo, x_ref, rtol=2e-5, atol=2e-5 * np.abs(x_ref).max())
+
+
+def test_split_sums_left_only_for_a_whole_result(dev, kernels, gpu):
+    """record_split_sums hands the partial sums to ``keep`` (recording nothing) only where they are the whole
+    of y; a column slice of a wider y (row0, y_stride) is added into y by split_reduce, bit for bit as
+    float32 adds them in split order."""
+    from hmad.backends.vulkan.kernels_matmul import record_split_sums
+    from hmad.backends.vulkan.pipelines import CommandRecorder
+
+    rng = np.random.default_rng(rng_seed())
+    t, rows, splits = 3, 40, 3
+    parts = rng.standard_normal((splits, t, rows)).astype(np.float32)
+    kept = []
+    rec = CommandRecorder(dev).begin()
+    bp, y = gpu.put(parts), gpu.poison(gpu.alloc(t * 2 * rows * 4))
+    keep = lambda part, n: kept.append((part, n))  # noqa: E731
+    whole = record_split_sums(rec, kernels("split_reduce"), bp, y, rows, t, splits, rows, 0, keep)
+    sliced = (rows, t, splits, 2 * rows, rows)  # columns rows..2 rows of a (t, 2 rows) y
+    rec_n = record_split_sums(rec, kernels("split_reduce"), bp, y, *sliced, keep)
+    rec.end()
+    rec.submit()
+    rec.close()
+    assert (whole, rec_n, kept) == (0, 1, [(bp, splits)])
+    want = (np.float32(0) + parts[0]) + parts[1] + parts[2]
+    np.testing.assert_array_equal(gpu.get(y, shape=(t, 2 * rows))[:, rows:], want)
+
+
 def rng_seed() -> int:
     return np.random.SeedSequence().entropy % (1 << 32)
 

@@ -198,8 +198,14 @@ class Backend(ABC):
         return self.geglu(self.matmul(x, gate), self.matmul(x, up))
 
     def ffn(self, x: Act, gate: Weight, up: Weight, down: Weight) -> Act:
-        """The feed-forward block: ``geglu_matmul(x, gate, up) · downᵀ``: x (T, D) -> (T, D)."""
-        return self.matmul(self.geglu_matmul(x, gate, up), down)
+        """The feed-forward block: ``geglu_matmul(x, gate, up) · downᵀ``: x (T, D) -> (T, D). Its result,
+        as :meth:`matmul_for_residual`'s, is read only as ``residual_norm``'s ``a``."""
+        return self.matmul_for_residual(self.geglu_matmul(x, gate, up), down)
+
+    def matmul_for_residual(self, x: Act, w: Weight) -> Act:
+        """``matmul`` whose result is read only as ``residual_norm``'s ``a``, so a backend may leave it in a
+        form only that op reads (Vulkan: a GEMM's K-split partial sums, which residual_norm adds)."""
+        return self.matmul(x, w)
 
     def residual_norm(
         self, x: Act, a: Act, w_a: Weight, w_next: Weight | None, eps: float

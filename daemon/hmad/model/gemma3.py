@@ -95,7 +95,7 @@ class Gemma3:
         ops, eps = self.ops, self.cfg.rms_eps
         a = self.attention(i, layer, h, batch)  # (T, H*Dh)
         ops.prefetch([layer.attn_output])
-        a = ops.matmul(a, layer.attn_output)  # (T, D)
+        a = ops.matmul_for_residual(a, layer.attn_output)  # (T, D)
         x, h = ops.residual_norm(x, a, layer.post_attention_norm, layer.ffn_norm, eps)
         ops.prefetch([layer.ffn_gate, layer.ffn_up])
         f = ops.ffn(h, layer.ffn_gate, layer.ffn_up, layer.ffn_down)  # (T, D), through (T, F)

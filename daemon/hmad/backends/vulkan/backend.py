@@ -57,11 +57,12 @@ Fused (the ops of backends/base.py that Gemma3 calls): residual_norm (post-norm 
 one dispatch that also writes h as the mat-vec's int8 planes), normed_attention (per-head q/k norm + RoPE +
 the KV-cache write in one dispatch, norm_rope_kv.comp), geglu_matmul (gate and up projections + GeGLU in one
 mat-vec dispatch; at one token its last workgroups also quantize the output for the down projection,
-matvec_qout.glsl); attention's reduce pass also writes its output as int8 planes. ``fuse`` (FUSIONS) turns
-the norm_rope_kv and q8-tail fusions off (to measure them, or on a driver where cross-workgroup reads
-misbehave). Activations are quantized once per input (Act.q8), the GEMM's float16 copy made once per input
-(Act.scale), and independent dispatches (q, k, v; the 8-token chunks) carry no barrier between them
-(CommandRecorder).
+matvec_qout.glsl); attention's reduce pass also writes its output as int8 planes; the o and down GEMMs'
+K-split partial sums go unsummed into residual_norm, which adds them (matmul_for_residual). ``fuse``
+(FUSIONS) turns the norm_rope_kv, q8-tail and split-sum fusions off (to measure them, or on a driver where
+cross-workgroup reads misbehave). Activations are quantized once per input (Act.q8), the GEMM's float16 copy
+made once per input (Act.scale), and independent dispatches (q, k, v; the 8-token chunks) carry no barrier
+between them (CommandRecorder).
 Deterministic (``deterministic``, engine.deterministic; docs/determinism.md): one kernel and one reduction
 order per row whatever the step's row count, so a sequence's logits are bit-identical alone or in any mix:
 every matmul on the mat-vec (the int8 one in one fixed layout, else the float one), 8 tokens a dispatch,
@@ -101,6 +102,7 @@ from hmad.backends.vulkan.kernels_matmul import (
     record_matmul,
     record_matvec_q8,
     record_row_scale,
+    record_split_sums,
 )
 from hmad.backends.vulkan.kernels_mmq import (
     MMQ_TARGET_GROUPS,
@@ -228,9 +230,10 @@ COUNTER_BYTES = 256 << 10
 # (bench/results/2026-11-26-h200-prefetch-sweep.json): 0 12.01 / 12.10 ms, 8 MiB 11.68 / 11.65, 16 MiB
 # 11.82 / 11.81, 32 MiB 11.92 / 11.92; the 270M's step within its noise.
 PREFETCH_AUTO_BYTES = 8 << 20
-#: decode's fused kernels (``fuse``): q/k norms + RoPE + the cache write (norm_rope_kv.comp); the down
-#: projection's int8 input from the GeGLU mat-vec (one token: matvec_qout.glsl)
-FUSIONS = ("norm_rope_kv", "qout")
+#: the fused kernels ``fuse`` turns on: q/k norms + RoPE + the cache write (norm_rope_kv.comp); the down
+#: projection's int8 input from the GeGLU mat-vec (one token: matvec_qout.glsl); the o and down GEMMs' K-split
+#: partial sums added by the residual step (residual_norm.comp, ``matmul_for_residual``)
+FUSIONS = ("norm_rope_kv", "qout", "split_sums")
 
 
 def across_bus(dev: Device, view: BufferView) -> bool:
@@ -278,15 +281,18 @@ class Act:
     once some op made them (residual_norm writes them with h; matmul quantizes on first use and keeps them).
     ``scale``: (its rows' float16-range scales, the float16 copy x / scale) for the cooperative-matrix
     mat-mat (row_scale.comp), made on first use and kept, so q, k and v (or gate and up) share them.
+    ``parts``: (a GEMM's K-split partial sums of the values, how many, their scratch) where they were left
+    unsummed (``matmul_for_residual``): the values are not in ``buf``, and only residual_norm reads them.
     """
 
-    __slots__ = ("buf", "shape", "q8", "scale")
+    __slots__ = ("buf", "shape", "q8", "scale", "parts")
 
     def __init__(self, buf: _Buf, shape: tuple[int, ...]):
-        self.buf, self.shape, self.q8, self.scale = buf, tuple(shape), None, None
+        self.buf, self.shape, self.q8, self.scale, self.parts = buf, tuple(shape), None, None, None
 
     @property
     def view(self) -> BufferView:
+        assert self.parts is None, "an Act left as partial sums is read only by residual_norm"
         return self.buf.view
 
     @property
@@ -534,7 +540,7 @@ class VulkanBackend(Backend):
         self.residency: dict[str, int] = {}  # coopmat kernel -> workgroups resident at once (0: unknown)
         self.coopmat_prefill_target = COOPMAT_PREFILL_TARGET_GROUPS
         self.coopmat_decode_target: int | None = None
-        # decode's fused kernels (FUSIONS), read when recording: True, False, or (to measure them one by one,
+        # the fused kernels of FUSIONS, read when recording: True, False, or (to measure them one by one,
         # bench_vulkan_model --sweep) a "+"-joined subset of FUSIONS
         self.fuse: bool | str = fuse
         # the fused tails' arrival counters (zero between uses), and the prefetches' few bytes of output
@@ -1150,17 +1156,18 @@ class VulkanBackend(Backend):
         self._dispatch(self._norm, [x.view, w.view, y.view], RmsNormPush(cols, rows, cols, cols, eps), rows)
         return y
 
-    def matmul(self, x: Act, w: VkWeight) -> Act:
+    def matmul(self, x: Act, w: VkWeight, keep: bool = False) -> Act:
+        """y = x · wᵀ; ``keep``: a K-split GEMM's partial sums stay unsummed (y.parts), for residual_norm."""
         t, k = x.shape
         n = w.shape[0]
         assert w.shape[1] == k, f"{w.name}: shape {w.shape}, x has {k} columns"
         y = self._new((t, n))
         assert self._rec is not None, "VulkanBackend ops run only while recording (through run())"
         if self._q8_path(t, w):
-            self._matvec_q8(x, [w], y)
+            self._matvec_q8(x, [w], y, keep=keep)
             return y
         if self._coopmat_for(t, w):
-            self._coopmat(x, w, y)
+            self._coopmat(x, w, y, keep=keep)
             return y
         if self.deterministic:
             self._matvec_chunks(x, w, y)
@@ -1178,7 +1185,12 @@ class VulkanBackend(Backend):
         f = self._new((t, gate.shape[0]))  # (T, F) never written: only its row scales and float16 copy are
         f.scale = self._new_row_scales(t, gate.shape[0])
         self._coopmat(x, [gate, up], f, geglu_xh=True)
-        return self.matmul(f, down)
+        return self.matmul_for_residual(f, down)
+
+    def matmul_for_residual(self, x: Act, w: VkWeight) -> Act:
+        """matmul whose K-split partial sums (the cooperative-matrix or int8 GEMM's, W in one bind range)
+        residual_norm adds as it reads them: no split_reduce dispatch, and y's floats not written."""
+        return self.matmul(x, w, keep=self._fused("split_sums"))
 
     def _geglu_xh(self, t: int, gate: VkWeight, up: VkWeight, down: VkWeight) -> bool:
         """Whether :meth:`ffn` fuses the GeGLU into the down GEMM's operand: ``geglu_xh`` tokens or more,
@@ -1242,13 +1254,16 @@ class VulkanBackend(Backend):
         record_matmul(self._rec, kern, gate.view, x.view, y.view, k, n, t, w_up=up.view)
         return y
 
-    def _matvec_q8(self, x: Act, ws: list[VkWeight], y: Act, tail=(), suffix: str = "") -> None:
+    def _matvec_q8(
+        self, x: Act, ws: list[VkWeight], y: Act, tail=(), suffix: str = "", keep: bool = False
+    ) -> None:
         """y = x · Wᵀ (or the GeGLU of two weights) on the int8 mat-vec (three planes of x for ``exact``,
         one for ``int8``) in the layout of its shape (q8_matvec_layout), MATVEC_MAX_T tokens a dispatch
         (the chunks read the same weights back to back; no barrier between them). ``suffix`` "_qo": the
-        one-token variant with that fused tail (``tail`` its bindings)."""
+        one-token variant with that fused tail (``tail`` its bindings). ``keep``: as :meth:`matmul`'s, where
+        the int8 GEMM takes the step."""
         if not tail and self._mmq_for(x.shape[0], ws[0]):
-            self._mmq(x, ws, y)
+            self._mmq(x, ws, y, keep)
             return
         (t, k), n = x.shape, ws[0].shape[0]
         xq, xd = self._q8(x)
@@ -1277,6 +1292,16 @@ class VulkanBackend(Backend):
 
         return part
 
+    @staticmethod
+    def _keeper(y: Act, held: list[Act]) -> Callable[[BufferView, int], None]:
+        """``keep`` for record_split_sums: a GEMM's partial sums left on y (``parts``), their scratch
+        ``held`` with them until residual_norm reads them."""
+
+        def keep(part: BufferView, splits: int) -> None:
+            y.parts = (part, splits, held)
+
+        return keep
+
     def _mmq_for(self, t: int, w: VkWeight) -> bool:
         """Whether an exact-path step of ``t`` tokens on ``w`` runs the int8 cooperative-matrix GEMM
         (kernels_mmq.py): Q4_K weights of ``mmq_min_weights`` or more (MMQ_MIN_WEIGHTS; H200: the 270M's
@@ -1287,9 +1312,10 @@ class VulkanBackend(Backend):
         big = math.prod(w.shape) >= self.mmq_min_weights
         return bool(ok) and big and w.qtype == QType.Q4_K and w.shape[1] % 256 == 0
 
-    def _mmq(self, x: Act, ws: list[VkWeight], y: Act) -> None:
+    def _mmq(self, x: Act, ws: list[VkWeight], y: Act, keep: bool = False) -> None:
         """y = x · Wᵀ (or the GeGLU of [gate, up]) on the int8 cooperative-matrix GEMM, x as its three
-        int8 planes; K split into partial sums (scratch held until recorded) as kernels_mmq says."""
+        int8 planes; K split into partial sums (scratch held until recorded) as kernels_mmq says;
+        ``keep`` as :meth:`matmul`'s."""
         (t, k), n = x.shape, ws[0].shape[0]
         xq, xd = (a.view for a in self._q8(x))
         kern = self._kernel(mmq_pick(self.mmq_k, t, self.mmq_n8))
@@ -1302,16 +1328,17 @@ class VulkanBackend(Backend):
                 self._rec, kern, reduce, *views, xq, xd, y.view, k, n, t, part, target=self.mmq_target
             )
         else:
-            reduce = self._kernel("split_reduce")
-            record_mmq(
-                self._rec, kern, reduce, ws[0].view, xq, xd, y.view, k, n, t, part, target=self.mmq_target
-            )
+            reduce, kept = self._kernel("split_reduce"), self._keeper(y, held) if keep else None
+            views = (ws[0].view, xq, xd, y.view)
+            record_mmq(self._rec, kern, reduce, *views, k, n, t, part, target=self.mmq_target, keep=kept)
 
-    def _coopmat(self, x: Act, ws: VkWeight | list[VkWeight], y: Act, geglu_xh: bool = False) -> None:
+    def _coopmat(
+        self, x: Act, ws: VkWeight | list[VkWeight], y: Act, geglu_xh: bool = False, keep: bool = False
+    ) -> None:
         """y = x · Wᵀ on the cooperative-matrix mat-mat, or the GeGLU of two weights ([gate, up]: their
         partial sums added and the GeGLU applied in one pass); x's row scales and float16 copy made on first
         use. ``geglu_xh``: the GeGLU written only as y's row scales and float16 copy (``y.scale``, made by
-        the caller; :meth:`ffn`)."""
+        the caller; :meth:`ffn`). ``keep`` (one weight): as :meth:`matmul`'s."""
         ws = ws if isinstance(ws, list) else [ws]
         (t, k), n = x.shape, ws[0].shape[0]
         qtype = ws[0].qtype
@@ -1339,8 +1366,9 @@ class VulkanBackend(Backend):
                 self._rec, kern, reduce, *views, xh, y.view, scale, k, n, t, part, **split, **out
             )
         else:
-            reduce = self._kernel("split_reduce")
-            record_coopmat(self._rec, kern, reduce, ws[0].view, xh, y.view, scale, k, n, t, part, **split)
+            reduce, kept = self._kernel("split_reduce"), self._keeper(y, held) if keep else None
+            views = (ws[0].view, xh, y.view, scale)
+            record_coopmat(self._rec, kern, reduce, *views, k, n, t, part, **split, keep=kept)
 
     def _coopmat_slots(self, kern: Kernel) -> int:
         """How many workgroups of the coopmat ``kern`` the device holds at once, probed on its first use
@@ -1414,14 +1442,15 @@ class VulkanBackend(Backend):
     def residual_norm(self, x: Act, a: Act, w_a: VkWeight, w_next: VkWeight | None, eps: float):
         t, d = x.shape
         if d % 4 or d > RESIDUAL_MAX_COLS:
-            return super().residual_norm(x, a, w_a, w_next, eps)
+            return super().residual_norm(x, self._summed(a), w_a, w_next, eps)
         xo = self._new(x.shape)
-        push, block = ResidualNormPush(d, t, eps), residual_block(d)
+        a_view, splits = a.parts[:2] if a.parts else (a.view, 1)  # a's values, or its partial sums
+        push, block = ResidualNormPush(d, t, eps, splits), residual_block(d)
         if w_next is None:
-            self._dispatch("residual_norm", [x.view, a.view, w_a.view, xo.view], push, t, block)
+            self._dispatch("residual_norm", [x.view, a_view, w_a.view, xo.view], push, t, block)
             return xo, None
         h = self._new(x.shape)
-        binds, name = [x.view, a.view, w_a.view, xo.view, w_next.view, h.view], "residual_norm_next"
+        binds, name = [x.view, a_view, w_a.view, xo.view, w_next.view, h.view], "residual_norm_next"
         if self.planes and (t <= Q8_MAX_T or self.deterministic) and d % 64 == 0:
             # int8 mat-vecs may follow (K % 64 == 0: XQ's order): quantize h here too (one plane or three)
             h.q8 = self._new_q8(t, d, self.planes)
@@ -1434,6 +1463,14 @@ class VulkanBackend(Backend):
             binds += [a.view for a in h.scale]
         self._dispatch(name, binds, push, t, block)
         return xo, h
+
+    def _summed(self, a: Act) -> Act:
+        """a with its values in its buffer: partial sums left by matmul_for_residual added (split_reduce)."""
+        if a.parts:
+            (part, splits, _), (t, n) = a.parts, a.shape
+            record_split_sums(self._rec, self._kernel("split_reduce"), part, a.buf.view, n, t, splits, n, 0)
+            a.parts = None
+        return a
 
     def norm_rope(self, x: Act, w: VkWeight, eps: float, positions, base: float, scale: float) -> Act:
         t, h, dh = x.shape

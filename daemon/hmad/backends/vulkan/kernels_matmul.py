@@ -461,6 +461,7 @@ def record_coopmat(
     max_range: int | None = None,
     target: int | None = None,
     slots: int = 0,
+    keep=None,
 ) -> int:
     """Record y[:t, :n] = x[:t, :k] · Wᵀ on the cooperative-matrix kernel ``kernel``
     (``mul_mm_coopmat_<type>_<BT>x<BN>``), ``xh`` the float16 copy of x and ``scale`` its row scales
@@ -468,8 +469,8 @@ def record_coopmat(
     K split as :func:`coopmat_splits` says (for whole waves of ``slots`` resident workgroups when given,
     else for about ``target`` workgroups); with several splits the
     partial sums go to ``part`` (a BufferView, or a callable ``nbytes -> BufferView`` asked once for the
-    largest range's need) and ``reduce_kernel`` (split_reduce) adds them into y. Returns the dispatch
-    count."""
+    largest range's need) and ``reduce_kernel`` (split_reduce) adds them into y, or ``keep`` takes them
+    (:func:`record_split_sums`). Returns the dispatch count."""
     lay, rb = _coopmat_layout(kernel, k, x_stride or k)
     tile = (lay.bt, lay.bn)
     x_stride, y_stride = x_stride or k, y_stride or n
@@ -488,10 +489,24 @@ def record_coopmat(
         check_part(kernel, part, splits * t * rows * 4)
         push = CoopMatPush(k, rows, t, x_stride, rows, rb, 0, k_split)
         rec.dispatch(kernel, [wb, xh, part, scale], push, groups)
-        push = SplitReducePush(rows, t, splits, y_stride, row0)
-        rec.dispatch(reduce_kernel, [part, y], push, _reduce_groups(reduce_kernel, t, rows))
-        count += 2
+        sums = (rows, t, splits, y_stride, row0)
+        count += 1 + record_split_sums(rec, reduce_kernel, part, y, *sums, keep if len(pieces) == 1 else None)
     return count
+
+
+def record_split_sums(
+    rec, reduce_kernel, part, y, rows: int, t: int, splits: int, y_stride: int, row0: int, keep=None
+) -> int:
+    """After a GEMM of ``splits`` K-split partial sums of y[:t, row0:row0 + rows] in ``part`` ((splits, t,
+    rows) float32): ``reduce_kernel`` (split_reduce) adds them into y; or, where ``keep`` is given and they
+    are all of y (row0 0, y_stride == rows), ``keep(part, splits)`` takes them and the reader adds them
+    (residual_norm.comp: one dispatch, and y's floats, fewer). Returns the dispatches recorded."""
+    if keep is not None and row0 == 0 and y_stride == rows:
+        keep(part, splits)
+        return 0
+    push = SplitReducePush(rows, t, splits, y_stride, row0)
+    rec.dispatch(reduce_kernel, [part, y], push, _reduce_groups(reduce_kernel, t, rows))
+    return 1
 
 
 def record_coopmat_geglu(

@@ -27,6 +27,7 @@ from hmad.backends.vulkan.kernels_matmul import (
     _reduce_groups,
     check_part,
     part_scratch,
+    record_split_sums,
     row_ranges,
     split_k,
     weight_row_bytes,
@@ -161,12 +162,14 @@ def record_mmq(
     y_stride: int | None = None,
     max_range: int | None = None,
     target: int = MMQ_TARGET_GROUPS,
+    keep=None,
 ) -> int:
     """Record y[:t, :n] = x[:t, :k] · Wᵀ for a Q4_K weight on ``kernel`` (``mul_mmq_coopmat_q4_k_...``), x
     as its three int8 planes (``xq``, ``xd``: quantize_x3 or the op before): per bind range of W one
     dispatch, K split as :func:`mmq_splits` says; with several splits the partial sums go to ``part`` (a
     BufferView, or a callable ``nbytes -> BufferView`` asked once for the largest range's need) and
-    ``reduce_kernel`` (split_reduce) adds them into y. Returns the dispatch count."""
+    ``reduce_kernel`` (split_reduce) adds them into y, or ``keep`` takes them (:func:`record_split_sums`).
+    Returns the dispatch count."""
     if k % 256:
         raise ValueError(f"{kernel.name}: K={k} is not whole Q4_K superblocks")
     tile, rb = mmq_tile(kernel.name), weight_row_bytes(QType.Q4_K, k)
@@ -185,9 +188,8 @@ def record_mmq(
             continue
         check_part(kernel, part, splits * t * rows * 4)
         rec.dispatch(kernel, [wb, xq, xd, part], CoopMatPush(k, rows, t, k, rows, rb, 0, k_split), groups)
-        push = SplitReducePush(rows, t, splits, y_stride, row0)
-        rec.dispatch(reduce_kernel, [part, y], push, _reduce_groups(reduce_kernel, t, rows))
-        count += 2
+        sums = (rows, t, splits, y_stride, row0)
+        count += 1 + record_split_sums(rec, reduce_kernel, part, y, *sums, keep if len(pieces) == 1 else None)
     return count
 
 

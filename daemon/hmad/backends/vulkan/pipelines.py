@@ -143,9 +143,12 @@ class QuantizeQ8Push(ctypes.Structure):
 
 
 class ResidualNormPush(ctypes.Structure):
-    """shaders/residual_norm.comp"""
+    """shaders/residual_norm.comp; ``splits``: how many K-split partial sums ``a`` comes as (1: its values)"""
 
-    _fields_ = [("ncols", u32), ("nrows", u32), ("eps", f32)]
+    _fields_ = [("ncols", u32), ("nrows", u32), ("eps", f32), ("splits", u32)]
+
+    def __init__(self, ncols: int, nrows: int, eps: float, splits: int = 1):
+        super().__init__(ncols, nrows, eps, splits)
 
 
 class NormRopePush(ctypes.Structure):
