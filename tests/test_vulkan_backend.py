@@ -206,17 +206,16 @@ def test_ffn_geglu_into_the_down_gemm_operand(tmp_path):
     close(fused, run_chunks(load_model(path, "cpu", numerics="f32"), seq, 40)[0], RTOL_INT8)
 
 
-def test_split_sums_added_by_the_residual_step(tmp_path):
-    """The o and down projections' K-split partial sums go unsummed into residual_norm (``split_sums`` in
-    ``fuse``), on the cooperative-matrix GEMM (40-token prefill chunks) and the int8 one (6-token decode
-    steps; GPU only: lavapipe has neither): the same logits bit for bit as split_reduce then residual_norm,
-    with fewer split_reduce dispatches; the CPU's prefill logits within the float16 tolerance."""
+def test_split_sums_added_by_their_readers(tmp_path):
+    """The projections' K-split partial sums go unsummed into the op that reads them (``split_sums`` in
+    ``fuse``): q, k and v into norm_rope_kv, o and down into residual_norm; on the cooperative-matrix GEMM
+    (40-token prefill chunks) and the int8 one (6-token decode steps; GPU only: lavapipe has neither). The
+    same logits bit for bit as split_reduce then those ops, with fewer split_reduce dispatches; the CPU's
+    prefill logits within the float16 tolerance."""
     from gguf import GGMLQuantizationType as Q
 
-    kinds = ("attn_output", "ffn_gate", "ffn_up", "ffn_down")
-    path = make_tiny_gguf(
-        tmp_path / "q4k-o-down.gguf", seed=6, types={**MIXED, **dict.fromkeys(kinds, Q.Q4_K)}
-    )
+    kinds = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    path = make_tiny_gguf(tmp_path / "q4k-proj.gguf", seed=6, types={**MIXED, **dict.fromkeys(kinds, Q.Q4_K)})
     vk = load_model(path, "vulkan")
     be = vk.backend
     try:

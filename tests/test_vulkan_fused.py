@@ -541,6 +541,50 @@ def test_norm_rope_kv_matches_reference(dev, kernels, gpu, pool):
         np.testing.assert_array_equal(gpu.get(b, np.uint8).reshape(n_slots, -1)[untouched], poison[untouched])
 
 
+@pytest.mark.parametrize("splits", [(3, 2, 4), (1, 5, 1)])
+def test_norm_rope_kv_adds_split_sums(dev, kernels, gpu, splits):
+    """q, k and v as their GEMMs' K-split partial sums (push q_splits, k_splits, v_splits; 1: the values):
+    qo and both pools bit for bit as split_reduce.comp then norm_rope_kv on the sums (the composition it
+    replaces); a padding row writes nothing. Outputs poisoned first."""
+    from hmad.backends.vulkan.kernels_matmul import record_split_sums
+    from hmad.backends.vulkan.pipelines import CommandRecorder, NormRopeKvPush
+
+    rng = np.random.default_rng([sum(splits), rng_seed()])
+    t, h, hkv, dh, eps, n_slots = 4, 4, 2, 128, 1e-6, 8
+    parts = [
+        rng.standard_normal((s, t, n * dh)).astype(np.float32) * 2
+        for s, n in zip(splits, (h, hkv, hkv), strict=True)
+    ]
+    wq, wk = (rng.uniform(0.5, 2, dh).astype(np.float32) for _ in range(2))
+    meta = np.concatenate([np.zeros(3, np.uint32), [0, 9, 300, 4000], [5, 0xFFFFFFFF, 1, 2]]).astype(
+        np.uint32
+    )
+    ins, weights = [gpu.put(a) for a in parts], [gpu.put(a) for a in (wq, wk, meta)]
+    outs = {}
+    for fused in (True, False):
+        got = [gpu.poison(gpu.alloc(t * h * dh * 4))]
+        got += [gpu.poison(gpu.alloc(n_slots * hkv * dh * 4)) for _ in range(2)]
+        rec = CommandRecorder(dev).begin()
+        xs = ins
+        if not fused:  # split_reduce first, into (T, n Dh) values
+            xs = [gpu.poison(gpu.alloc(a[0].nbytes)) for a in parts]
+            for a, b, x in zip(parts, ins, xs, strict=True):
+                record_split_sums(
+                    rec, kernels("split_reduce"), b, x, a.shape[2], t, a.shape[0], a.shape[2], 0
+                )
+        push = NormRopeKvPush(t, h, hkv, dh, 3, 3 + t, 1e6, 8.0, eps, splits=splits if fused else (1, 1, 1))
+        rec.dispatch(kernels("norm_rope_kv_f32"), [*xs, *weights, *got], push, t * (h + 2 * hkv))
+        rec.end()
+        rec.submit()
+        rec.close()
+        outs[fused] = [gpu.get(b, np.uint32) for b in got]
+    for one, other in zip(outs[True], outs[False], strict=True):
+        np.testing.assert_array_equal(one, other)
+    v_sum = (np.float32(0) + parts[2].sum(0, dtype=np.float64)).astype(np.float32).reshape(t, hkv, dh)
+    v_pool = outs[True][2].view(np.float32).reshape(n_slots, hkv, dh)
+    np.testing.assert_allclose(v_pool[[5, 1, 2]], v_sum[[0, 2, 3]], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("t", Q8_TYPES)
 @pytest.mark.parametrize("tail", q8_tail_suffixes())
 @pytest.mark.parametrize("x", ["q8x", "x3"])

@@ -202,6 +202,11 @@ class Backend(ABC):
         as :meth:`matmul_for_residual`'s, is read only as ``residual_norm``'s ``a``."""
         return self.matmul_for_residual(self.geglu_matmul(x, gate, up), down)
 
+    def matmuls_for_attention(self, x: Act, ws: list[Weight]) -> list[Act]:
+        """``matmuls`` (q, k, v) whose results are read only by ``normed_attention`` (through ``reshape``), so
+        a backend may leave them in a form only that op reads (Vulkan: K-split partial sums)."""
+        return self.matmuls(x, ws)
+
     def matmul_for_residual(self, x: Act, w: Weight) -> Act:
         """``matmul`` whose result is read only as ``residual_norm``'s ``a``, so a backend may leave it in a
         form only that op reads (Vulkan: a GEMM's K-split partial sums, which residual_norm adds)."""

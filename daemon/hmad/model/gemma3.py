@@ -108,7 +108,7 @@ class Gemma3:
         """The attention sub-layer up to its output projection: (T, D) -> (T, H*Dh)."""
         ops, cfg = self.ops, self.cfg
         t, dh = batch.n_tokens, cfg.head_dim
-        q, k, v = ops.matmuls(h, [layer.attn_q, layer.attn_k, layer.attn_v])
+        q, k, v = ops.matmuls_for_attention(h, [layer.attn_q, layer.attn_k, layer.attn_v])
         q = ops.reshape(q, (t, cfg.n_heads, dh))  # (T, H, Dh)
         k = ops.reshape(k, (t, cfg.n_kv_heads, dh))  # (T, Hkv, Dh)
         v = ops.reshape(v, (t, cfg.n_kv_heads, dh))

@@ -282,7 +282,8 @@ class Act:
     ``scale``: (its rows' float16-range scales, the float16 copy x / scale) for the cooperative-matrix
     mat-mat (row_scale.comp), made on first use and kept, so q, k and v (or gate and up) share them.
     ``parts``: (a GEMM's K-split partial sums of the values, how many, their scratch) where they were left
-    unsummed (``matmul_for_residual``): the values are not in ``buf``, and only residual_norm reads them.
+    unsummed (``matmul_for_residual``, ``matmuls_for_attention``): the values are not in ``buf``, and only
+    the op they were left for reads them (residual_norm, normed_attention).
     """
 
     __slots__ = ("buf", "shape", "q8", "scale", "parts")
@@ -292,7 +293,7 @@ class Act:
 
     @property
     def view(self) -> BufferView:
-        assert self.parts is None, "an Act left as partial sums is read only by residual_norm"
+        assert self.parts is None, "an Act left as partial sums is read only by the op they were left for"
         return self.buf.view
 
     @property
@@ -1187,6 +1188,12 @@ class VulkanBackend(Backend):
         self._coopmat(x, [gate, up], f, geglu_xh=True)
         return self.matmul_for_residual(f, down)
 
+    def matmuls_for_attention(self, x: Act, ws: list[VkWeight]) -> list[Act]:
+        """matmuls whose K-split partial sums norm_rope_kv adds as it reads them (where normed_attention runs
+        it): the three projections' split_reduce dispatches fewer."""
+        keep = self._fused("split_sums") and self._fused("norm_rope_kv")
+        return [self.matmul(x, w, keep=keep) for w in ws]
+
     def matmul_for_residual(self, x: Act, w: VkWeight) -> Act:
         """matmul whose K-split partial sums (the cooperative-matrix or int8 GEMM's, W in one bind range)
         residual_norm adds as it reads them: no split_reduce dispatch, and y's floats not written."""
@@ -1295,7 +1302,7 @@ class VulkanBackend(Backend):
     @staticmethod
     def _keeper(y: Act, held: list[Act]) -> Callable[[BufferView, int], None]:
         """``keep`` for record_split_sums: a GEMM's partial sums left on y (``parts``), their scratch
-        ``held`` with them until residual_norm reads them."""
+        ``held`` with them until their reader is recorded."""
 
         def keep(part: BufferView, splits: int) -> None:
             y.parts = (part, splits, held)
@@ -1444,7 +1451,7 @@ class VulkanBackend(Backend):
         if d % 4 or d > RESIDUAL_MAX_COLS:
             return super().residual_norm(x, self._summed(a), w_a, w_next, eps)
         xo = self._new(x.shape)
-        a_view, splits = a.parts[:2] if a.parts else (a.view, 1)  # a's values, or its partial sums
+        a_view, splits = self._sums(a)
         push, block = ResidualNormPush(d, t, eps, splits), residual_block(d)
         if w_next is None:
             self._dispatch("residual_norm", [x.view, a_view, w_a.view, xo.view], push, t, block)
@@ -1465,12 +1472,17 @@ class VulkanBackend(Backend):
         return xo, h
 
     def _summed(self, a: Act) -> Act:
-        """a with its values in its buffer: partial sums left by matmul_for_residual added (split_reduce)."""
+        """a with its values in its buffer: partial sums left unsummed added (split_reduce)."""
         if a.parts:
-            (part, splits, _), (t, n) = a.parts, a.shape
+            (part, splits, _), t, n = a.parts, a.shape[0], math.prod(a.shape[1:])
             record_split_sums(self._rec, self._kernel("split_reduce"), part, a.buf.view, n, t, splits, n, 0)
             a.parts = None
         return a
+
+    @staticmethod
+    def _sums(a: Act) -> tuple[BufferView, int]:
+        """(a's values, 1), or (its partial sums, how many) where a GEMM left them unsummed."""
+        return a.parts[:2] if a.parts else (a.view, 1)
 
     def norm_rope(self, x: Act, w: VkWeight, eps: float, positions, base: float, scale: float) -> Act:
         t, h, dh = x.shape
@@ -1502,13 +1514,16 @@ class VulkanBackend(Backend):
         """The q and k norms, RoPE and the cache write in one dispatch (norm_rope_kv.comp: three dispatches
         and a barrier fewer), then the attention passes."""
         if not self._fused("norm_rope_kv"):
+            q, k, v = (self._summed(a) for a in (q, k, v))
             return super().normed_attention(q, k, v, wq, wk, eps, batch, rope, layer, window, scale)
         (t, h, dh), hkv = q.shape, k.shape[1]
         assert wq.shape == wk.shape == (dh,), f"{wq.name}, {wk.name}: heads of {dh}"
         pool, kp, vp, slot_off = self._kv_pool(layer)
         qn = self._new(q.shape)
-        push = NormRopeKvPush(t, h, hkv, dh, self._layout.positions, slot_off, *rope, eps)
-        binds = [q.view, k.view, v.view, wq.view, wk.view, self.meta_gpu, qn.view, kp, vp]
+        (qv, qs), (kv, ks), (vv, vs) = (self._sums(a) for a in (q, k, v))  # values, or partial sums
+        splits = (qs, ks, vs)
+        push = NormRopeKvPush(t, h, hkv, dh, self._layout.positions, slot_off, *rope, eps, splits=splits)
+        binds = [qv, kv, vv, wq.view, wk.view, self.meta_gpu, qn.view, kp, vp]
         self._dispatch(f"norm_rope_kv_{KV_DTYPES[self.kv_dtype][0]}", binds, push, t * (h + 2 * hkv))
         return self._attend(qn, hkv, layer, window, scale)
 
@@ -1638,7 +1653,9 @@ class VulkanBackend(Backend):
 
     def reshape(self, x: Act, shape: tuple[int, ...]) -> Act:
         assert math.prod(shape) == x.size, f"reshape {x.shape} -> {shape}"
-        return Act(x.buf, shape)
+        y = Act(x.buf, shape)
+        y.parts = x.parts  # partial sums (split s at s * size) keep their layout
+        return y
 
 
 # -- weight forms and placement ------------------------------------------------------------------------------

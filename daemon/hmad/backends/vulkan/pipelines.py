@@ -161,12 +161,16 @@ class NormRopePush(ctypes.Structure):
 
 
 class NormRopeKvPush(ctypes.Structure):
-    """shaders/norm_rope_kv.comp"""
+    """shaders/norm_rope_kv.comp; ``splits``: how many K-split partial sums q, k and v come as (1: values)"""
 
     _fields_ = [
         *[(n, u32) for n in ("n_tokens", "n_heads", "n_kv_heads", "head_dim", "pos_off", "slot_off")],
         *[(n, f32) for n in ("base", "scale", "eps")],
+        *[(n, u32) for n in ("q_splits", "k_splits", "v_splits")],
     ]
+
+    def __init__(self, *args, splits: tuple[int, int, int] = (1, 1, 1)):
+        super().__init__(*args, *splits)
 
 
 class ArgmaxPush(ctypes.Structure):
