@@ -57,8 +57,9 @@ Fused (the ops of backends/base.py that Gemma3 calls): residual_norm (post-norm 
 one dispatch that also writes h as the mat-vec's int8 planes), normed_attention (per-head q/k norm + RoPE +
 the KV-cache write in one dispatch, norm_rope_kv.comp), geglu_matmul (gate and up projections + GeGLU in one
 mat-vec dispatch; at one token its last workgroups also quantize the output for the down projection,
-matvec_qout.glsl); attention's reduce pass also writes its output as int8 planes; the o and down GEMMs'
-K-split partial sums go unsummed into residual_norm, which adds them (matmul_for_residual). ``fuse``
+matvec_qout.glsl); attention's reduce pass also writes its output as int8 planes; the GEMMs' K-split partial
+sums go unsummed into the op reading them, which adds them (q, k, v: norm_rope_kv; o, down: residual_norm;
+matmuls_for_attention, matmul_for_residual). ``fuse``
 (FUSIONS) turns the norm_rope_kv, q8-tail and split-sum fusions off (to measure them, or on a driver where
 cross-workgroup reads misbehave). Activations are quantized once per input (Act.q8), the GEMM's float16 copy
 made once per input (Act.scale), and independent dispatches (q, k, v; the 8-token chunks) carry no barrier
@@ -231,8 +232,8 @@ COUNTER_BYTES = 256 << 10
 # 11.82 / 11.81, 32 MiB 11.92 / 11.92; the 270M's step within its noise.
 PREFETCH_AUTO_BYTES = 8 << 20
 #: the fused kernels ``fuse`` turns on: q/k norms + RoPE + the cache write (norm_rope_kv.comp); the down
-#: projection's int8 input from the GeGLU mat-vec (one token: matvec_qout.glsl); the o and down GEMMs' K-split
-#: partial sums added by the residual step (residual_norm.comp, ``matmul_for_residual``)
+#: projection's int8 input from the GeGLU mat-vec (one token: matvec_qout.glsl); the q, k, v, o and down
+#: GEMMs' K-split partial sums added by the ops reading them (norm_rope_kv.comp, residual_norm.comp)
 FUSIONS = ("norm_rope_kv", "qout", "split_sums")
 
 
