@@ -59,11 +59,10 @@ the KV-cache write in one dispatch, norm_rope_kv.comp), geglu_matmul (gate and u
 mat-vec dispatch; at one token its last workgroups also quantize the output for the down projection,
 matvec_qout.glsl); attention's reduce pass also writes its output as int8 planes; the GEMMs' K-split partial
 sums go unsummed into the op reading them, which adds them (q, k, v: norm_rope_kv; o, down: residual_norm;
-matmuls_for_attention, matmul_for_residual). ``fuse``
-(FUSIONS) turns the norm_rope_kv, q8-tail and split-sum fusions off (to measure them, or on a driver where
-cross-workgroup reads misbehave). Activations are quantized once per input (Act.q8), the GEMM's float16 copy
-made once per input (Act.scale), and independent dispatches (q, k, v; the 8-token chunks) carry no barrier
-between them (CommandRecorder).
+matmuls_for_attention, matmul_for_residual). ``fuse`` (FUSIONS) turns the norm_rope_kv, q8-tail and
+split-sum fusions off (to measure them, or on a driver where cross-workgroup reads misbehave). Activations
+are quantized once per input (Act.q8), the GEMM's float16 copy made once per input (Act.scale), and
+independent dispatches (q, k, v; the 8-token chunks) carry no barrier between them (CommandRecorder).
 Deterministic (``deterministic``, engine.deterministic; docs/determinism.md): one kernel and one reduction
 order per row whatever the step's row count, so a sequence's logits are bit-identical alone or in any mix:
 every matmul on the mat-vec (the int8 one in one fixed layout, else the float one), 8 tokens a dispatch,
@@ -1159,7 +1158,8 @@ class VulkanBackend(Backend):
         return y
 
     def matmul(self, x: Act, w: VkWeight, keep: bool = False) -> Act:
-        """y = x · wᵀ; ``keep``: a K-split GEMM's partial sums stay unsummed (y.parts), for residual_norm."""
+        """y = x · wᵀ; ``keep``: a K-split GEMM's partial sums stay unsummed (y.parts), for the op that reads
+        y to add (residual_norm, normed_attention)."""
         t, k = x.shape
         n = w.shape[0]
         assert w.shape[1] == k, f"{w.name}: shape {w.shape}, x has {k} columns"

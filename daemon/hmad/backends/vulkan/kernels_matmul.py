@@ -500,7 +500,8 @@ def record_split_sums(
     """After a GEMM of ``splits`` K-split partial sums of y[:t, row0:row0 + rows] in ``part`` ((splits, t,
     rows) float32): ``reduce_kernel`` (split_reduce) adds them into y; or, where ``keep`` is given and they
     are all of y (row0 0, y_stride == rows), ``keep(part, splits)`` takes them and the reader adds them
-    (residual_norm.comp: one dispatch, and y's floats, fewer). Returns the dispatches recorded."""
+    (residual_norm.comp, norm_rope_kv.comp: one dispatch, and y's floats, fewer). Returns the dispatches
+    recorded."""
     if keep is not None and row0 == 0 and y_stride == rows:
         keep(part, splits)
         return 0
