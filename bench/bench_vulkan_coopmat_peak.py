@@ -121,7 +121,11 @@ def run_config(dev, kern, bufs, na: int, nb: int, groups: int, args) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default=None)
-    ap.add_argument("--variants", default="a2x2,a2x4,a4x4", help="coopmat_peak_<variant> kernels")
+    ap.add_argument(
+        "--variants",
+        default="a2x2,a2x4,a4x4",
+        help="coopmat_peak_<variant> kernels (a4x4_lds, a4x4_step: the staged ones, see the shader)",
+    )
     ap.add_argument("--blocks", default="128,256", help="workgroup sizes (32 per subgroup)")
     ap.add_argument("--per-sm", default="1,2,4,8", help="workgroups per SM")
     ap.add_argument("--sms", type=int, default=0, help="SM count when the device does not report it")
@@ -149,7 +153,7 @@ def main() -> int:
     res["configs"] = []
     warmed = False
     for variant in args.variants.split(","):
-        na, nb = (int(v) for v in variant.removeprefix("a").split("x"))
+        na, nb = (int(v) for v in variant.split("_")[0].removeprefix("a").split("x"))
         a, b = fragments(dev, up, na, nb, rng)
         for block in map(int, args.blocks.split(",")):
             kern = Kernel(dev, f"coopmat_peak_{variant}", block_size=block)

@@ -55,6 +55,9 @@ COOPMAT_Q4K_VARIANTS += ((128, 128, 2, 2, 64, False, 2), (64, 128, 2, 2, 64, Fal
 COOPMAT_Q4K_VARIANTS += ((32, 128, 2, 2, 64, False, 2), (32, 128, 1, 4, 64, False, 2))
 COOPMAT_Q4K_VARIANTS += ((16, 128, 1, 4, 64, False, 2), (32, 256, 1, 4, 64, False, 2))
 COOPMAT_PEAK = ((2, 2), (2, 4), (4, 4))  # coopmat_peak.comp: A x B fragments (pipelines.COOPMAT_PEAK)
+# ... its staged variants of a4x4 (pipelines.CoopMatPeakPush.STAGED): fragments from shared memory, and the
+# tile stored each step between two barriers too
+COOPMAT_PEAK_STAGED = (("_lds", {"LDS": "1"}), ("_step", {"LDS": "1", "STEP": "1"}))
 # the exact int8 cooperative-matrix GEMM of decode batches (mul_mmq_coopmat.comp; kernels_mmq.MMQ_LAYOUTS):
 # (MR 16-row fragments a subgroup, NT token fragments, MK the int8 product's K, JB blocks a store, NB tokens
 # of a product: 16 or 8, FB: all MR fragments' tiles stored together)
@@ -246,6 +249,10 @@ BUILD: list[tuple[str, str, dict[str, str]]] = [
     *[
         (f"coopmat_peak_a{na}x{nb}", "coopmat_peak.comp", {"NA": f"{na}u", "NB": f"{nb}u"})
         for na, nb in COOPMAT_PEAK
+    ],
+    *[
+        (f"coopmat_peak_a4x4{suffix}", "coopmat_peak.comp", {"NA": "4u", "NB": "4u", **d})
+        for suffix, d in COOPMAT_PEAK_STAGED
     ],
     # the exact int8 cooperative-matrix GEMM (Q4_K), per layout
     *[

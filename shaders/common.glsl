@@ -46,3 +46,23 @@ float gelu_mul(float g, float u) {
 uvec4 pack8_tiles(vec4 lo, vec4 hi) {
     return uvec4(packHalf2x16(lo.xz), packHalf2x16(lo.yw), packHalf2x16(hi.xz), packHalf2x16(hi.yw));
 }
+
+// Defines T name(uint i): element i of buffer array x (of T: float or vec4), given as `splits` K-split partial
+// sums n elements apart (the cooperative-matrix GEMM's scratch), added in split order as split_reduce.comp adds
+// them, bit for bit: 0 + x_0 + x_1 + ...; one split is x[i] itself. Four splits' loads go out together.
+#define SPLIT_SUM_READER(T, name, x, splits, n)                          \
+    T name(uint i) {                                                     \
+        if ((splits) == 1u) return x[i];                                 \
+        T s = T(0.0);                                                    \
+        uint sp = 0u;                                                    \
+        for (; sp + 4u <= (splits); sp += 4u) {                          \
+            const T a0 = x[sp * (n) + i], a1 = x[(sp + 1u) * (n) + i];   \
+            const T a2 = x[(sp + 2u) * (n) + i], a3 = x[(sp + 3u) * (n) + i]; \
+            s += a0;                                                     \
+            s += a1;                                                     \
+            s += a2;                                                     \
+            s += a3;                                                     \
+        }                                                                \
+        for (; sp < (splits); ++sp) s += x[sp * (n) + i];                \
+        return s;                                                        \
+    }

@@ -7,6 +7,8 @@
 // q, k and v may each come as the K-split partial sums of the GEMM that made it (push q_splits, k_splits,
 // v_splits > 1: split s of (T, ...) at s T H Dh or s T Hkv Dh), added as they are read, in split order as
 // split_reduce.comp adds them, bit for bit: its three dispatches fewer, and q, k, v not written and read back.
+// A head's q or k values are summed once, into shared memory, for both the norm and the rotation.
+// Requires Dh <= MAX_HEAD_DIM.
 // Bindings: 0 q (T, H, Dh), 1 k (T, Hkv, Dh), 2 v, 3 wq (Dh), 4 wk (Dh), 5 step metadata, 6 qo (T, H, Dh),
 // 7 k_pool, 8 v_pool (slots, Hkv, Dh) of POOL_TYPE (float, or float16_t for a float16 cache).
 #include "common.glsl"
@@ -40,28 +42,27 @@ layout(push_constant) uniform Push {
     uint v_splits;
 } p;
 
-// Element i of x, given as its splits' partial sums of n values each: split_reduce's 0 + x_0 + x_1 + ...
-#define SUMMED(name, x, splits, n)                                   \
-    float name(uint i) {                                             \
-        if (splits == 1u) return x[i];                               \
-        float s = 0.0;                                               \
-        for (uint sp = 0u; sp < splits; ++sp) s += x[sp * (n) + i];  \
-        return s;                                                    \
-    }
-SUMMED(q_at, q, p.q_splits, p.n_tokens * p.n_heads * p.head_dim)
-SUMMED(k_at, k, p.k_splits, p.n_tokens * p.n_kv_heads * p.head_dim)
-SUMMED(v_at, v, p.v_splits, p.n_tokens * p.n_kv_heads * p.head_dim)
+// element i of q, k, v: their splits' partial sums added (common.glsl)
+SPLIT_SUM_READER(float, q_at, q, p.q_splits, p.n_tokens * p.n_heads * p.head_dim)
+SPLIT_SUM_READER(float, k_at, k, p.k_splits, p.n_tokens * p.n_kv_heads * p.head_dim)
+SPLIT_SUM_READER(float, v_at, v, p.v_splits, p.n_tokens * p.n_kv_heads * p.head_dim)
+
+#define MAX_HEAD_DIM 512u  // NormRopeKvPush.MAX_HEAD_DIM
+shared float head[MAX_HEAD_DIM];  // the head's values, each summed once (head_inv_rms's barrier orders them)
 
 #include "norm_rope.glsl"
 
 void query_head(uint t, uint h, uint tid) {
     const uint half_dim = p.head_dim / 2u, o = (t * p.n_heads + h) * p.head_dim;
     float ss = 0.0;
-    for (uint c = tid; c < p.head_dim; c += BLOCK_SIZE) ss += q_at(o + c) * q_at(o + c);
+    for (uint c = tid; c < p.head_dim; c += BLOCK_SIZE) {
+        head[c] = q_at(o + c);
+        ss += head[c] * head[c];
+    }
     const float sc = head_inv_rms(ss);
     const float pos = float(meta[p.pos_off + t]);
     for (uint i = tid; i < half_dim; i += BLOCK_SIZE) {
-        const float x0 = q_at(o + i) * sc * wq[i], x1 = q_at(o + i + half_dim) * sc * wq[i + half_dim];
+        const float x0 = head[i] * sc * wq[i], x1 = head[i + half_dim] * sc * wq[i + half_dim];
         const vec2 r = rope_pair(x0, x1, rope_cos_sin(i, pos));
         qo[o + i] = r.x;
         qo[o + i + half_dim] = r.y;
@@ -74,11 +75,14 @@ void key_head(uint t, uint h, uint tid) {
     const uint half_dim = p.head_dim / 2u, row = p.n_kv_heads * p.head_dim;
     const uint o = t * row + h * p.head_dim, so = slot * row + h * p.head_dim;
     float ss = 0.0;
-    for (uint c = tid; c < p.head_dim; c += BLOCK_SIZE) ss += k_at(o + c) * k_at(o + c);
+    for (uint c = tid; c < p.head_dim; c += BLOCK_SIZE) {
+        head[c] = k_at(o + c);
+        ss += head[c] * head[c];
+    }
     const float sc = head_inv_rms(ss);
     const float pos = float(meta[p.pos_off + t]);
     for (uint i = tid; i < half_dim; i += BLOCK_SIZE) {
-        const float x0 = k_at(o + i) * sc * wk[i], x1 = k_at(o + i + half_dim) * sc * wk[i + half_dim];
+        const float x0 = head[i] * sc * wk[i], x1 = head[i + half_dim] * sc * wk[i + half_dim];
         const vec2 r = rope_pair(x0, x1, rope_cos_sin(i, pos));
         k_pool[so + i] = POOL_TYPE(r.x);
         k_pool[so + i + half_dim] = POOL_TYPE(r.y);

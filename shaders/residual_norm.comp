@@ -52,6 +52,9 @@ layout(push_constant) uniform Push {
     uint splits;  // a's partial sums (1: a is the sum)
 } p;
 
+// word i of a: its splits' partial sums added (common.glsl)
+SPLIT_SUM_READER(vec4, a_at, a, p.splits, p.nrows * (p.ncols / 4u))
+
 shared float partial[BLOCK_SIZE];
 #ifdef Q8OUT
 shared float s_max[BLOCK_SIZE];
@@ -93,8 +96,7 @@ void main() {
         const uint w = tid + i * BLOCK_SIZE;
         const bool live = w < nw;
         xv[i] = live ? x[o + w] : vec4(0.0);
-        av[i] = vec4(0.0);  // 0 + a_0 + a_1 + ..., split_reduce's order
-        for (uint sp = 0u; sp < p.splits; ++sp) av[i] += live ? a[sp * p.nrows * nw + o + w] : vec4(0.0);
+        av[i] = live ? a_at(o + w) : vec4(0.0);
         wv[i] = live ? wa[w] : vec4(0.0);
         ss += dot(av[i], av[i]);
     }

@@ -491,17 +491,19 @@ def test_norm_rope_matches_cpu_reference(dev, kernels, gpu):
     assert np.all(np.abs(got - ref) <= atol + 1e-5 * np.abs(ref)), np.abs(got - ref).max()
 
 
+@pytest.mark.parametrize("dh", [128, 256])
 @pytest.mark.parametrize("pool", ["f32", "f16"])
-def test_norm_rope_kv_matches_reference(dev, kernels, gpu, pool):
+def test_norm_rope_kv_matches_reference(dev, kernels, gpu, pool, dh):
     """norm_rope_kv.comp: q's heads normed and rotated as norm_rope.comp (the same tolerance against the
     CPU reference), k's likewise and written to each row's cache slot in the pool's type, v's copied there;
     a padding row (slot 0xFFFFFFFF) writes nothing, and no other slot changes (the pools poisoned first).
-    Bit for bit what norm_rope.comp (+ kv_write's cast) gives: the same code through norm_rope.glsl."""
+    Bit for bit what norm_rope.comp (+ kv_write's cast) gives: the same code through norm_rope.glsl. Heads of
+    128 values (27B) and 256 (the smaller Gemma 3 models: two values an invocation)."""
     from hmad.backends.cpu import CpuBackend
     from hmad.backends.vulkan.pipelines import CommandRecorder, NormRopeKvPush, NormRopePush
 
     rng = np.random.default_rng()
-    t, h, hkv, dh, eps, n_slots = 4, 4, 2, 128, 1e-6, 16
+    t, h, hkv, eps, n_slots = 4, 4, 2, 1e-6, 16
     q, k, v = (rng.standard_normal((t, n, dh)).astype(np.float32) * 4 for n in (h, hkv, hkv))
     wq, wk = (rng.uniform(0.5, 2, dh).astype(np.float32) for _ in range(2))
     pos = np.array([0, 17, 1000, rng.integers(0, 30000)], np.uint32)
@@ -539,6 +541,15 @@ def test_norm_rope_kv_matches_reference(dev, kernels, gpu, pool):
     untouched = np.setdiff1d(np.arange(n_slots), slots[live])
     for b in (b_kp, b_vp):
         np.testing.assert_array_equal(gpu.get(b, np.uint8).reshape(n_slots, -1)[untouched], poison[untouched])
+
+
+def test_norm_rope_kv_head_limit():
+    """Heads past the shader's shared copy (MAX_HEAD_DIM) are refused with the limit named."""
+    from hmad.backends.vulkan.pipelines import NormRopeKvPush
+
+    NormRopeKvPush(1, 1, 1, NormRopeKvPush.MAX_HEAD_DIM, 0, 0, 1e4, 1.0, 1e-6)
+    with pytest.raises(ValueError, match="at most 512"):
+        NormRopeKvPush(1, 1, 1, 2 * NormRopeKvPush.MAX_HEAD_DIM, 0, 0, 1e4, 1.0, 1e-6)
 
 
 @pytest.mark.parametrize("splits", [(3, 2, 4), (1, 5, 1)])

@@ -161,7 +161,10 @@ class NormRopePush(ctypes.Structure):
 
 
 class NormRopeKvPush(ctypes.Structure):
-    """shaders/norm_rope_kv.comp; ``splits``: how many K-split partial sums q, k and v come as (1: values)"""
+    """shaders/norm_rope_kv.comp; ``splits``: how many K-split partial sums q, k and v come as (1: values).
+    Heads of at most MAX_HEAD_DIM values (the shader's shared copy of a head)."""
+
+    MAX_HEAD_DIM = 512
 
     _fields_ = [
         *[(n, u32) for n in ("n_tokens", "n_heads", "n_kv_heads", "head_dim", "pos_off", "slot_off")],
@@ -170,6 +173,8 @@ class NormRopeKvPush(ctypes.Structure):
     ]
 
     def __init__(self, *args, splits: tuple[int, int, int] = (1, 1, 1)):
+        if len(args) > 3 and args[3] > self.MAX_HEAD_DIM:
+            raise ValueError(f"norm_rope_kv: heads of {args[3]} values, at most {self.MAX_HEAD_DIM}")
         super().__init__(*args, *splits)
 
 
@@ -204,6 +209,8 @@ class CoopMatPeakPush(ctypes.Structure):
 
     _fields_ = [("iters", u32), ("store_groups", u32), ("never", u32)]
     VARIANTS = ((2, 2), (2, 4), (4, 4))
+    #: a4x4 with its fragments from shared memory (``_lds``), and the tile stored each step too (``_step``)
+    STAGED = ("_lds", "_step")
     ROUNDS = 4
     NAN = 0x7FC00000  # ``never``: no sum equals a NaN
 
@@ -339,6 +346,10 @@ KERNELS: dict[str, KernelSpec] = {
     **{
         f"coopmat_peak_a{a}x{b}": KernelSpec("coopmat_peak.comp", 3, CoopMatPeakPush, 128)
         for a, b in CoopMatPeakPush.VARIANTS
+    },
+    **{
+        f"coopmat_peak_a4x4{s}": KernelSpec("coopmat_peak.comp", 3, CoopMatPeakPush, 128)
+        for s in CoopMatPeakPush.STAGED
     },
     "norm_rope_f32": KernelSpec("norm_rope.comp", 4, NormRopePush, 128),
     "norm_rope_kv_f32": KernelSpec("norm_rope_kv.comp", 9, NormRopeKvPush, 128),
