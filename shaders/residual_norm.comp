@@ -24,6 +24,11 @@
 #include "row_scale.glsl"
 #endif
 #define WORDS 2u
+#if defined(NEXT) && defined(Q8OUT)
+// decode-sized steps (int8 mat-vecs follow): wh is loaded with the other inputs, its latency hidden behind
+// theirs; elsewhere (prefill rows, many workgroups) after the sums, as its registers would cost occupancy
+#define WH_EARLY
+#endif
 
 layout(binding = 0) readonly buffer X { vec4 x[]; };
 layout(binding = 1) readonly buffer A { vec4 a[]; };
@@ -57,8 +62,8 @@ SPLIT_SUM_READER(vec4, a_at, a, p.splits, p.nrows * (p.ncols / 4u))
 
 shared float partial[BLOCK_SIZE];
 #ifdef Q8OUT
-shared float s_max[BLOCK_SIZE];
-shared float s_sum[BLOCK_SIZE];  // per word: its share of the block's XD s (q8_words)
+shared float s_max[WORDS * BLOCK_SIZE];  // word tid + i BLOCK_SIZE at i BLOCK_SIZE + tid: its max |h|
+shared float s_sum[WORDS * BLOCK_SIZE];  // ... its share of the block's XD s (q8_words)
 #endif
 
 #ifdef XHOUT
@@ -91,6 +96,9 @@ void main() {
     if (row >= p.nrows) return;  // uniform per workgroup
     const uint tid = gl_LocalInvocationID.x, nw = p.ncols / 4u, o = row * nw;
     vec4 xv[WORDS], av[WORDS], wv[WORDS];
+#ifdef WH_EARLY
+    vec4 whv[WORDS];  // the next norm's weights, loaded with the rest
+#endif
     float ss = 0.0;
     [[unroll]] for (uint i = 0; i < WORDS; ++i) {
         const uint w = tid + i * BLOCK_SIZE;
@@ -98,6 +106,9 @@ void main() {
         xv[i] = live ? x[o + w] : vec4(0.0);
         av[i] = live ? a_at(o + w) : vec4(0.0);
         wv[i] = live ? wa[w] : vec4(0.0);
+#ifdef WH_EARLY
+        whv[i] = live ? wh[w] : vec4(0.0);
+#endif
         ss += dot(av[i], av[i]);
     }
     const float sa = inversesqrt(workgroup_sum(ss) / float(p.ncols) + p.eps);
@@ -110,41 +121,54 @@ void main() {
     }
 #ifdef NEXT
     const float sh = inversesqrt(workgroup_sum(ss) / float(p.ncols) + p.eps);
-#ifdef XHOUT
     vec4 hv[WORDS];
+#ifdef XHOUT
     float m = 0.0;  // max |h| of this invocation's values, NaN sticking (row_scale.comp)
 #endif
     [[unroll]] for (uint i = 0; i < WORDS; ++i) {
         const uint w = tid + i * BLOCK_SIZE;
-        const bool live = w < nw;
-        const vec4 v = xv[i] * sh * (live ? wh[w] : vec4(0.0));
-        if (live) h[o + w] = v;
-#ifdef XHOUT
-        hv[i] = v;
-        [[unroll]] for (uint c = 0; c < 4u; ++c) m = live ? sticky_max(m, abs(v[c])) : m;
+#ifdef WH_EARLY
+        hv[i] = xv[i] * sh * whv[i];
+#else
+        hv[i] = xv[i] * sh * (w < nw ? wh[w] : vec4(0.0));
 #endif
-#ifdef Q8OUT
-        // word w is 4 values of q8 block w / 8, whose 8 words are invocations tid & ~7 .. (tid & ~7) + 7
-        const uint first = tid & ~7u;
-        s_max[tid] = max(max(abs(v.x), abs(v.y)), max(abs(v.z), abs(v.w)));
-        barrier();
-        float amax = 0.0;
-        [[unroll]] for (uint j = 0; j < 8u; ++j) amax = max(amax, s_max[first + j]);
-        const float d = amax / 127.0;
-        const float id = d != 0.0 ? 1.0 / d : 0.0;
-        uint qw[PLANES];
-        s_sum[tid] = q8_words(v, d, id, qw);
-        if (live) {  // plane pl of row r is XQ row PLANES * r + pl
-            [[unroll]] for (uint pl = 0; pl < PLANES; ++pl) hq[(PLANES * row + pl) * nw + xq_word(w, p.ncols / 64u)] = qw[pl];
-        }
-        barrier();
-        if (live && tid == first) {
-            float sum = 0.0;
-            [[unroll]] for (uint j = 0; j < 8u; ++j) sum += s_sum[first + j];
-            hd[row * (p.ncols / 32u) + w / 8u] = q8_block_ds(d, sum);
-        }
+        if (w < nw) h[o + w] = hv[i];
+#ifdef XHOUT
+        [[unroll]] for (uint c = 0; c < 4u; ++c) m = w < nw ? sticky_max(m, abs(hv[i][c])) : m;
 #endif
     }
+#ifdef Q8OUT
+    // word w is 4 values of q8 block w / 8, whose 8 words are invocations tid & ~7 .. (tid & ~7) + 7 of the
+    // same i: every word's max, then its quants and sum share, then each block's first word its XD, two
+    // barriers for all WORDS
+    [[unroll]] for (uint i = 0; i < WORDS; ++i) {
+        const vec4 v = abs(hv[i]);
+        s_max[i * BLOCK_SIZE + tid] = max(max(v.x, v.y), max(v.z, v.w));
+    }
+    barrier();
+    float dq[WORDS];
+    [[unroll]] for (uint i = 0; i < WORDS; ++i) {
+        const uint w = tid + i * BLOCK_SIZE, first = i * BLOCK_SIZE + (tid & ~7u);
+        float amax = 0.0;
+        [[unroll]] for (uint j = 0; j < 8u; ++j) amax = max(amax, s_max[first + j]);
+        dq[i] = amax / 127.0;
+        const float id = dq[i] != 0.0 ? 1.0 / dq[i] : 0.0;
+        uint qw[PLANES];
+        s_sum[i * BLOCK_SIZE + tid] = q8_words(hv[i], dq[i], id, qw);
+        if (w < nw) {  // plane pl of row r is XQ row PLANES * r + pl
+            [[unroll]] for (uint pl = 0; pl < PLANES; ++pl) hq[(PLANES * row + pl) * nw + xq_word(w, p.ncols / 64u)] = qw[pl];
+        }
+    }
+    barrier();
+    [[unroll]] for (uint i = 0; i < WORDS; ++i) {
+        const uint w = tid + i * BLOCK_SIZE, first = i * BLOCK_SIZE + tid;
+        if (w < nw && (tid & 7u) == 0u) {
+            float sum = 0.0;
+            [[unroll]] for (uint j = 0; j < 8u; ++j) sum += s_sum[first + j];
+            hd[row * (p.ncols / 32u) + w / 8u] = q8_block_ds(dq[i], sum);
+        }
+    }
+#endif
 #ifdef XHOUT
     // row_scale.comp's s and xh of h: word w (h's values 4w..4w+3) is xh words 2w (4w, 4w + 2) and 2w + 1
     // (4w + 1, 4w + 3), the pairs of the GEMM tiles' order 0,2,1,3 within each 4
