@@ -31,6 +31,7 @@ from hmad.engine.draw_rows import draw_rows
 from hmad.engine.generate import generate
 from hmad.engine.sampling import SamplingParams
 from hmad.engine.scheduler import Scheduler, SchedulerConfig
+from hmad.errors import ModelFormatError
 from hmad.model.loader import load_model
 
 pytestmark = pytest.mark.gpu
@@ -545,6 +546,33 @@ def test_weights_forced_into_the_host_heap(tmp_path):
             "device-local: weights" in k for k in mem
         )
         ids = rand_ids(np.random.default_rng(6), 9, cpu.config.vocab_size)
+        close(vk.forward_full(ids), cpu.forward_full(ids), rtol_for(vk))
+    finally:
+        vk.backend.close()
+
+
+@pytest.mark.parametrize(
+    "heads", [dict(head_dim=512), dict(head_dim=66), dict(n_heads=18, n_kv_heads=2)], ids=["512", "66", "g9"]
+)
+def test_heads_the_attention_cannot_take_refuse_the_model_at_load(tmp_path, heads):
+    """Heads the attention kernels cannot take (over 256 values, not whole vec4s, over 8 query heads per KV
+    head) are a ModelFormatError naming the file and the limit, before any weight is uploaded; not a failure
+    inside every request's step."""
+    path = make_tiny_gguf(tmp_path / "big-heads.gguf", seed=7, n_layers=2, **heads)
+    with pytest.raises(ModelFormatError) as e:
+        load_model(path, "vulkan")
+    assert str(path) in str(e.value) and "at most 256 values" in str(e.value)
+    cpu = load_model(path, "cpu", numerics="f32")  # the same file serves on the cpu backend
+    assert cpu.forward_full([2, 5, 9]).shape == (3, cpu.config.vocab_size)
+
+
+def test_heads_at_the_attention_limits_match_cpu(tmp_path):
+    """Heads of 256 values, 8 query heads per KV head: the largest the attention kernels take."""
+    path = make_tiny_gguf(tmp_path / "edge.gguf", seed=8, n_layers=2, n_heads=8, n_kv_heads=1, head_dim=256)
+    cpu = load_model(path, "cpu", numerics="f32")
+    vk = load_model(path, "vulkan")
+    try:
+        ids = rand_ids(np.random.default_rng(8), 40, cpu.config.vocab_size)
         close(vk.forward_full(ids), cpu.forward_full(ids), rtol_for(vk))
     finally:
         vk.backend.close()

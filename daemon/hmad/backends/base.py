@@ -68,6 +68,11 @@ class Backend(ABC):
         total_bytes)`` may be called while uploading (the service shows it in status and systemd's STATUS=).
         ``background``: a backend may return before its upload is done; ``wait_resident`` then waits."""
 
+    def unsupported(self, cfg) -> str | None:
+        """Why this backend cannot run a model of ``cfg`` (a ModelConfig), or None where it can. load_model
+        asks before any weight is uploaded and refuses the model with this reason. Default: any model."""
+        return None
+
     @abstractmethod
     def alloc_kv(self, layout: KVLayout) -> None:
         """Allocate the paged KV pools described by ``layout``."""

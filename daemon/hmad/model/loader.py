@@ -199,6 +199,11 @@ def load_model(
     check_tensors(files)
     phases["read_s"] = time.perf_counter() - t0
     ops = backend if isinstance(backend, Backend) else make_backend(backend, **backend_opts)
+    problem = ops.unsupported(files.config)
+    if problem:
+        if ops is not backend:
+            ops.close()
+        raise ModelFormatError(path, f"the {ops.name} backend cannot run this model: {problem}")
     phases["device_s"] = time.perf_counter() - t0 - sum(phases.values())
     note(f"uploading {len(files.tensors)} tensors to {ops.name}")
     weights = ops.load_weights(files.tensors, progress=note, background=background)

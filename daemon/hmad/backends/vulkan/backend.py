@@ -178,6 +178,9 @@ MIB = 1 << 20
 # attention_split.comp: splits per (token, KV head) = clamp(TARGET_GROUPS / (tokens * KV heads), 1, MAX)
 ATTENTION_TARGET_GROUPS = 1024
 ATTENTION_MAX_SPLITS = 64
+# the attention kernels' limits: a head's values (a multiple of 4: vec4s) and query heads per KV head
+ATTENTION_MAX_HEAD_DIM = 256
+ATTENTION_MAX_GROUP = 8
 # attention_decode(_kl).comp: keys a split takes at least (bench_vulkan_model --sweep attention_min_keys=...)
 ATTENTION_MIN_KEYS = 32
 # attention_prefill.comp (the tiles of a step's prompt rows): splits for about this many workgroups, one per
@@ -240,6 +243,18 @@ def across_bus(dev: Device, view: BufferView) -> bool:
     """Whether ``view`` lives in memory the GPU reads across the bus: host memory of a discrete GPU without a
     host-visible VRAM window (ReBAR); an APU's memory is all device-local."""
     return not dev.memory_types[view.arena.memory_type].flags & vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT
+
+
+def _attention_limits(head_dim: int, group: int) -> str | None:
+    """Why the attention kernels cannot take heads of ``head_dim`` values with ``group`` query heads per KV
+    head, or None where they can."""
+    if head_dim <= ATTENTION_MAX_HEAD_DIM and head_dim % 4 == 0 and group <= ATTENTION_MAX_GROUP:
+        return None
+    return (
+        f"heads of {head_dim} values with {group} query heads per KV head; its attention kernels take "
+        f"heads of at most {ATTENTION_MAX_HEAD_DIM} values (a multiple of 4) and at most "
+        f"{ATTENTION_MAX_GROUP} query heads per KV head (the cpu backend runs any)"
+    )
 
 
 def bucket(n: int) -> int:
@@ -623,6 +638,9 @@ class VulkanBackend(Backend):
             self._uploading = None
         if self._upload_error is not None:
             raise self._upload_error
+
+    def unsupported(self, cfg) -> str | None:
+        return _attention_limits(cfg.head_dim, cfg.n_heads // cfg.n_kv_heads)
 
     def alloc_kv(self, layout: KVLayout) -> None:
         """Plan and allocate the paged pools (one K and one V range per layer) where the weights left room.
@@ -1541,9 +1559,7 @@ class VulkanBackend(Backend):
         lay, meta = self.kv_layout, self._layout
         t, h, dh = q.shape
         g = h // hkv
-        assert dh <= 256 and dh % 4 == 0 and g <= 8, (
-            f"head_dim {dh} > 256 or not a multiple of 4, or {g} > 8 query heads per KV head: attention_split"
-        )
+        assert _attention_limits(dh, g) is None, _attention_limits(dh, g)  # load_model refused such models
         pool, kp, vp, _ = self._kv_pool(layer)
         info_off = meta.info_global if pool == "global" else meta.info_local
         pool_t, _ = KV_DTYPES[self.kv_dtype]
