@@ -175,8 +175,13 @@ EMBED_TYPES = {q: name for name, q in MATMUL_TYPES.items()}
 MATVEC_MODES = ("exact", "int8", "float")
 KV_DTYPES = {"float32": ("f32", 4), "float16": ("f16", 2)}
 MIB = 1 << 20
-# attention_split.comp: splits per (token, KV head) = clamp(TARGET_GROUPS / (tokens * KV heads), 1, MAX)
-ATTENTION_TARGET_GROUPS = 1024
+# attention_split.comp: splits per (token, KV head) = clamp(TARGET_GROUPS / (tokens * KV heads), 1, MAX).
+# H200, 2026-11-28, bench_vulkan_model --sweep attention_target (two passes each; 27B-shaped at position 512:
+# 1024 -> batch 1 89-90 tok/s, 8 sequences 383-386, 16 808-812, 32 1,297-1,298; 256 -> 93, 405-406, 859-860,
+# 1,336-1,344; 512 and 128 between or equal; at position 4096: 1024 -> 84-85, 351-352, 678-680, 994-997;
+# 256 -> 91, 370-374, 720-723, 1,022-1,024; 270M at 16 and 32 sequences +7-12 %): fewer splits cost less in
+# partials written and reduced than they lose in parallel keys
+ATTENTION_TARGET_GROUPS = 256
 ATTENTION_MAX_SPLITS = 64
 # the attention kernels' limits: a head's values (a multiple of 4: vec4s) and query heads per KV head
 ATTENTION_MAX_HEAD_DIM = 256
@@ -532,6 +537,7 @@ class VulkanBackend(Backend):
         self.cands: list[BufferView | None] = [None, None]  # likewise, per parity, for the sample tails
         self.topk_groups = TOPK_GROUPS  # topk.comp's first-stage workgroups in all (read when recording)
         self.attention_min_keys = ATTENTION_MIN_KEYS
+        self.attention_target = ATTENTION_TARGET_GROUPS  # read when recording (bench --sweep)
         self.attention_prefill_target = ATTENTION_PREFILL_TARGET_GROUPS
         self.attention_kl = True  # attention_decode_kl where it fits (bench_vulkan_model --no-attention-kl)
         # the prefill tiles' attention on cooperative matrices where the GEMM has them (attention_prefill_cm;
@@ -1563,12 +1569,13 @@ class VulkanBackend(Backend):
         pool, kp, vp, _ = self._kv_pool(layer)
         info_off = meta.info_global if pool == "global" else meta.info_local
         pool_t, _ = KV_DTYPES[self.kv_dtype]
-        # split-K: enough workgroups to fill the GPU at small batches (a split takes at least 16 keys, so
-        # splits past the sequence's length / 16 exit at once); the partials stay ~1024 * G * Dh floats.
+        # split-K: about attention_target workgroups at small batches (a split takes at least min_keys keys,
+        # so splits past the sequence's length / min_keys exit at once); the partials stay ~attention_target
+        # * G * Dh floats.
         # With tiles, as many as the tiles want (a tile's workgroup per 32 query vectors and split, for about
         # attention_prefill_target workgroups: the long causal rows of a prompt's last tiles spread)
         tiles = self._prefill_kernel(pool_t, dh, g) if meta.max_tiles else None
-        splits = -(-ATTENTION_TARGET_GROUPS // (t * hkv))
+        splits = -(-self.attention_target // (t * hkv))
         if tiles:
             splits = max(splits, -(-self.attention_prefill_target // max(1, t * h // ATTENTION_PREFILL_TILE)))
         splits = max(1, min(ATTENTION_MAX_SPLITS, splits))
