@@ -32,7 +32,7 @@ from hmad.engine.generate import generate
 from hmad.engine.sampling import SamplingParams
 from hmad.engine.scheduler import Scheduler, SchedulerConfig
 from hmad.errors import ModelFormatError
-from hmad.model.loader import load_model
+from hmad.model.loader import load_model, make_backend
 
 pytestmark = pytest.mark.gpu
 RTOL, RTOL_INT8 = 1e-4, 1e-2
@@ -562,6 +562,13 @@ def test_heads_the_attention_cannot_take_refuse_the_model_at_load(tmp_path, head
     with pytest.raises(ModelFormatError) as e:
         load_model(path, "vulkan")
     assert str(path) in str(e.value) and "at most 256 values" in str(e.value)
+    backend = make_backend("vulkan")  # the caller's own backend: refused the same way, nothing planned on it
+    try:
+        with pytest.raises(ModelFormatError):
+            load_model(path, backend)
+        assert backend.weights_plan is None and backend.kv_layout is None
+    finally:
+        backend.close()
     cpu = load_model(path, "cpu", numerics="f32")  # the same file serves on the cpu backend
     assert cpu.forward_full([2, 5, 9]).shape == (3, cpu.config.vocab_size)
 
