@@ -310,7 +310,7 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=64, help="greedy tokens per prompt in the engine runs")
     ap.add_argument("--matvec", default="exact", choices=("exact", "int8", "float"))
     ap.add_argument("--coopmat", default="auto", choices=("auto", "off"))
-    ap.add_argument("--coopmat-min-tokens", type=int, default=9)
+    ap.add_argument("--coopmat-min-tokens", type=int, default=4)
     ap.add_argument("--kv-dtype", default="float32", choices=("float32", "float16"))
     ap.add_argument("--no-attention-kl", action="store_true", help="attention_decode, not _kl (to compare)")
     ap.add_argument("--engine", default="270m,27b", help="models whose engine runs take 1, 8, 32 streams")

@@ -433,7 +433,7 @@ class VulkanConfig:
     host_visible_bytes: int | None = _key(None, _OrNull(_Bytes(), "all the heap's budget"))
     matvec: str = _key("exact", _OneOf(("exact", "int8", "float")))
     coopmat: str = _key("auto", _OneOf(("auto", "off")))
-    coopmat_min_tokens: int = _key(9, _Int(2))
+    coopmat_min_tokens: int = _key(4, _Int(2))
     mmq: str = _key("auto", _OneOf(("auto", "off")))
     mmq_min_tokens: int = _key(3, _Int(2))
     fuse: bool = _key(True, _Bool())

@@ -467,7 +467,7 @@ class VulkanBackend(Backend):
         timestamps: bool = False,
         matvec: str = "exact",
         coopmat: str = "auto",
-        coopmat_min_tokens: int = 9,
+        coopmat_min_tokens: int = 4,
         mmq: str = "auto",
         mmq_min_tokens: int = 3,
         step_timeout_s: float = 600.0,
@@ -758,7 +758,10 @@ class VulkanBackend(Backend):
         if self.planes != 3 or self.deterministic:
             return "off (matvec is not exact, or deterministic mode)"
         top = self.coopmat_min_t - 1 if self.coopmat else Q8_MAX_T  # the float16 GEMM takes the rest
-        return f"steps of {self.mmq_min_t}..{top} tokens on Q4_K weights of {self.mmq_min_weights}+ elements"
+        takes = [b for b in BUCKETS if self.mmq_min_t <= b <= min(top, Q8_MAX_T)]  # steps run padded to these
+        if not takes:
+            return f"not used: the float16 GEMM takes steps of {self.coopmat_min_t}+ tokens"
+        return f"steps of {takes[0]}..{takes[-1]} tokens on Q4_K weights of {self.mmq_min_weights}+ elements"
 
     def set_timestamps(self, on: bool) -> None:
         """Record later graphs with (or without) a GPU timestamp after every command (profiling; it costs

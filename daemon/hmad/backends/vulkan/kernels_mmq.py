@@ -15,6 +15,11 @@ half the products and half the sums to scale. The backend runs it for exact-path
 (VulkanBackend._mmq_for). H200, 2026-11-26, 27B shapes at 8 tokens (bench/results/2026-11-26-h200-mmq*):
 a layer's matmuls in 266 us (m2n1k32j2_n8_fb) against the x3 mat-vec's 521-525; at 3 tokens 270 against
 302, at 2 even (269 against 264; m2n1k32j4_n8).
+
+The float16 GEMM is faster at these sizes now (H200, 2026-11-28, 27B-shaped steps: 8 sequences 405 -> 469
+tok/s, 4 sequences 212 -> 246 with it), so ``coopmat_min_tokens`` defaults to 4 and this kernel runs only
+where a device lacks float16 cooperative matrices or the config asks for the exact arithmetic at up to 8
+sequences (``coopmat_min_tokens: 9``).
 """
 
 from __future__ import annotations
