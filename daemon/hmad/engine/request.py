@@ -53,6 +53,10 @@ class Request:
     """One generation: prompt ids in, streamed text and ids out.
 
     ``grammar``: an llguidance grammar (from ``structured.compile_schema``) the output must follow, or None.
+    ``owner``: who queued it (the server passes the connection's routing id); admission serves owners in
+    turn, and every request with ``owner`` None counts as one owner.
+    ``tenant``: whose prefix cache it may use (the server passes the peer's uid); a request reuses,
+    and learns of, only KV blocks computed for its own tenant. None (unknown or local) is a tenant of its own.
     """
 
     id: int
@@ -60,6 +64,8 @@ class Request:
     params: SamplingParams
     tag: Any = None  # opaque to the engine: the server's routing info
     grammar: str | None = None
+    owner: bytes | None = None
+    tenant: int | None = None
     state: State = State.WAITING
     n_cached: int = 0  # positions already in the KV cache
     n_reused: int = 0  # of the prompt's, those found in the prefix cache at admission
