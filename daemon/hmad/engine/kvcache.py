@@ -17,6 +17,10 @@ Prefix cache (vLLM's design, chain-hashed full blocks):
   system prompt hit a sequence still prefilling), the block is registered under its key
   ``key_j = blake2b(key_{j-1} + token ids of block j)``: the key names the whole prefix, not one block.
   Only full blocks are registered; a partial block is never shared.
+- Tenants. The chain starts from the tenant's root (``tenant_root``: the empty key for tenant None, a
+  hash of the tenant's id otherwise), so equal prompts of two tenants have different keys: a request
+  never reuses, and so never learns of (``cached_tokens``), blocks another tenant computed. Tenants share
+  the pools and the LRU order, not the contents.
 - A block has a reference count (the sequences reading it). At zero, a registered block stays cached in an
   LRU list and keeps its key; it is reclaimed (its key forgotten) only when a pool needs a block and no
   never-used one is left. A sequence gives its blocks back tail first, so a prefix outlives its tails.
@@ -46,6 +50,7 @@ cached block uses one up too). Blocks are taken when a step first writes them, e
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -117,7 +122,16 @@ class KVLayout:
         return min(n_seqs or self.max_seqs, self.max_seqs) * per_seq + 1
 
 
-ROOT_KEY = b""
+ROOT_KEY = b""  # the chain root of tenant None
+
+
+@functools.lru_cache(maxsize=1024)
+def tenant_root(tenant: int | None) -> bytes:
+    """The chain root of a tenant's prefix keys (module docstring, "Tenants"); 16 bytes unlike ROOT_KEY,
+    so no tenant's first block can share a hashed input with tenant None's."""
+    if tenant is None:
+        return ROOT_KEY
+    return hashlib.blake2b(b"hmad-tenant:%d" % tenant, digest_size=16).digest()
 
 
 def block_key(parent: bytes, token_ids: Sequence[int]) -> bytes:
@@ -126,9 +140,11 @@ def block_key(parent: bytes, token_ids: Sequence[int]) -> bytes:
     return hashlib.blake2b(parent + ids, digest_size=16).digest()
 
 
-def prompt_keys(token_ids: Sequence[int], block_size: int, n_blocks: int) -> list[bytes]:
-    """Chain keys of the first ``n_blocks`` full blocks of ``token_ids``."""
-    keys, parent = [], ROOT_KEY
+def prompt_keys(
+    token_ids: Sequence[int], block_size: int, n_blocks: int, root: bytes = ROOT_KEY
+) -> list[bytes]:
+    """Chain keys of the first ``n_blocks`` full blocks of ``token_ids``, chained from ``root``."""
+    keys, parent = [], root
     for j in range(n_blocks):
         parent = block_key(parent, token_ids[j * block_size : (j + 1) * block_size])
         keys.append(parent)
@@ -233,6 +249,7 @@ class _Seq:
     local: dict[int, int]  # block index -> local block, for the blocks still in the window
     ring: np.ndarray  # (quota_l,) int32: local[j] at ring[j % quota_l]
     keys: list[bytes] = field(default_factory=list)  # chain keys of the blocks registered so far
+    root: bytes = ROOT_KEY  # its tenant's chain root
 
 
 @dataclass
@@ -273,18 +290,22 @@ class KVCacheManager:
         g, loc = self.blocks_needed(n_positions)
         return g <= self.global_pool.n_blocks and loc <= self.local_pool.n_blocks
 
-    def admit(self, seq_id: int, n_positions: int, token_ids: Sequence[int] = ()) -> int | None:
+    def admit(
+        self, seq_id: int, n_positions: int, token_ids: Sequence[int] = (), tenant: int | None = None
+    ) -> int | None:
         """Take a sequence of at most ``n_positions`` positions in if its uncached blocks fit.
 
-        Returns the positions its prompt ``token_ids`` reuses from the cache (a multiple of the block size;
-        the sequence computes from there on), or None when the pools are too full now.
+        Returns the positions its prompt ``token_ids`` reuses from ``tenant``'s cached blocks (a multiple of
+        the block size; the sequence computes from there on), or None when the pools are too full now. The
+        blocks it fills are registered for ``tenant`` alone.
         """
         if seq_id in self._seqs:
             raise KeyError(f"sequence {seq_id} already holds KV blocks")
         if self.layout.local_layers and not self.layout.window:
             raise ValueError("KVLayout.window is needed to admit sequences (KVLayout.plan sets it)")
         qg, ql = self.blocks_needed(n_positions)
-        k, keys = self._match(token_ids) if self.prefix_cache and token_ids else (0, [])
+        root = tenant_root(tenant)
+        k, keys = self._match(token_ids, root) if self.prefix_cache and token_ids else (0, [])
         pg = [self.global_pool.lookup(keys[j]) for j in range(k)] if self.layout.global_layers else []
         lo = self._first_read_block(k * self.layout.block_size) if self.layout.local_layers else k
         pl = {j: self.local_pool.lookup(keys[j]) for j in range(lo, k)}
@@ -301,17 +322,17 @@ class KVCacheManager:
         for j, b in pl.items():
             ring[j % ql] = b
         budget = cdiv(n_positions, self.layout.block_size)
-        self._seqs[seq_id] = _Seq(budget, qg, ql, list(pg), pl, ring, keys[:k])
+        self._seqs[seq_id] = _Seq(budget, qg, ql, list(pg), pl, ring, keys[:k], root)
         if token_ids:
             self._count(len(token_ids), k * self.layout.block_size)
         return k * self.layout.block_size
 
-    def _match(self, token_ids: Sequence[int]) -> tuple[int, list[bytes]]:
+    def _match(self, token_ids: Sequence[int], root: bytes) -> tuple[int, list[bytes]]:
         """(k, keys): the longest cached prefix of k blocks usable by a new sequence (global blocks 0..k-1
         and the local blocks of the last window before k*B), and the keys of the prompt's full blocks."""
         lay = self.layout
         limit = (len(token_ids) - 1) // lay.block_size  # the last prompt token is always computed
-        keys = prompt_keys(token_ids, lay.block_size, limit)
+        keys = prompt_keys(token_ids, lay.block_size, limit, root)
         kg = limit
         if lay.global_layers:
             kg = next((j for j, key in enumerate(keys) if self.global_pool.lookup(key) is None), limit)
@@ -384,7 +405,7 @@ class KVCacheManager:
             return
         s, bs = self._seqs[seq_id], self.layout.block_size
         for j in range(len(s.keys), n_written // bs):
-            key = block_key(s.keys[-1] if s.keys else ROOT_KEY, token_ids(j * bs, (j + 1) * bs))
+            key = block_key(s.keys[-1] if s.keys else s.root, token_ids(j * bs, (j + 1) * bs))
             s.keys.append(key)
             if j < len(s.glob):
                 self.global_pool.register(s.glob[j], key)
