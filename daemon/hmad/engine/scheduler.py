@@ -2,8 +2,9 @@
 
 Each ``step()``:
   1. retire   - drop cancelled requests, free their KV blocks;
-  2. admit    - move waiting requests (FIFO) to running while a sequence slot and their KV budget are free;
-                a prompt starting with cached blocks (engine/kvcache.py, prefix cache) skips their prefill;
+  2. admit    - move waiting requests to running while a sequence slot and their KV budget are free,
+                owners in turn, each owner's in order (engine/admission.py, which states the wait's bound);
+                a prompt starting with blocks its tenant cached (engine/kvcache.py) skips their prefill;
   3. plan     - one decode token for every decoding sequence, then prefill chunks of the others while the
                 step's token budget lasts; each takes the KV blocks its positions need;
   4. forward  - one batched forward pass, logits only for rows that produce a token;
@@ -61,6 +62,7 @@ from typing import Any
 
 import numpy as np
 
+from hmad.engine.admission import FairQueue
 from hmad.engine.batch import SAMPLE_DTYPE, SeqSlice, StepBatch
 from hmad.engine.draw_rows import DRAW_ROWS_MIN, draw_rows
 from hmad.engine.kvcache import KVCacheManager, KVLayout
@@ -131,7 +133,7 @@ class Scheduler:
         )
         model.backend.alloc_kv(self.layout)
         self.kv = KVCacheManager(self.layout, prefix_cache=self.cfg.prefix_cache)
-        self.waiting: collections.deque[Request] = collections.deque()
+        self.waiting = FairQueue()
         self.running: list[Request] = []
         self._cancelled: set[int] = set()
         self.eot = set(model.tokenizer.eot_ids)
@@ -330,22 +332,24 @@ class Scheduler:
         return out
 
     def _retire_cancelled(self) -> list[Event]:
+        if not self._cancelled:
+            return []
         events = []
         for r in [r for r in (*self.waiting, *self.running) if r.id in self._cancelled]:
             r.state, r.finish_reason, r.t_done = State.FINISHED, "cancelled", time.perf_counter()
             events.append(Event("cancelled", r.id, stats=r.stats()))
-        self.waiting = collections.deque(r for r in self.waiting if r.state is not State.FINISHED)
+        self.waiting.remove_if(lambda r: r.state is State.FINISHED)
         self._cancelled.clear()
         self._release_finished()
         return events
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.cfg.max_seqs:
-            req = self.waiting[0]
-            reused = self.kv.admit(req.id, req.n_positions, req.prompt_ids)
+            req = self.waiting.peek()
+            reused = self.kv.admit(req.id, req.n_positions, req.prompt_ids, req.tenant)
             if reused is None:
-                break  # FIFO: later requests wait behind the head rather than starve it
-            self.waiting.popleft()
+                break  # it keeps its turn: later requests wait behind it rather than starve it
+            self.waiting.pop()
             req.n_cached = req.n_reused = reused
             req.state = State.PREFILL
             self.running.append(req)
