@@ -259,7 +259,7 @@ def test_missing_config(tmp_path):
         ({"hidden_activation": "silu"}, "hidden_activation"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
         ({"layer_types": ["full_attention"] * 5}, "layer_types"),
-        ({"num_hidden_layers": "six"}, "bad config value"),
+        ({"num_hidden_layers": "six"}, "num_hidden_layers = 'six' is not an integer"),
     ],
 )
 def test_config_refused(tmp_path, change, match):
@@ -314,7 +314,8 @@ def test_bad_shape(tmp_path):
     name = "model.layers.1.self_attn.k_proj.weight"
     shard = d / index["weight_map"][name]
     rewrite_without(shard, replace={name: np.zeros((16, 64), np.float32)})
-    with raises_naming(shard, rf"{name} has shape \[16, 64\], expected \[32, 64\]"):
+    implied = "num_key_value_heads = 2, head_dim = 16, hidden_size = 64 in config.json imply"
+    with raises_naming(shard, rf"{name} has shape \[16, 64\], but {implied} \[32, 64\]"):
         read_hf_checkpoint(d)
 
 
@@ -322,7 +323,9 @@ def test_extra_layers_refused(tmp_path):
     d = hf_tiny.make_tiny_hf_checkpoint(tmp_path / "ck")
     extra = {"model.layers.6.mlp.up_proj.weight": np.zeros((4,), np.float32)}
     rewrite_without(d / "model.safetensors", replace=extra)
-    with raises_naming(d / "model.safetensors", "beyond num_hidden_layers"):
+    with raises_naming(
+        d / "model.safetensors", "num_hidden_layers = 6, but the file holds tensors of layers 0-6"
+    ):
         read_hf_checkpoint(d)
 
 

@@ -35,6 +35,8 @@ class ModelConfig:
     bos_id: int = 2
     eos_ids: list[int] = field(default_factory=lambda: [1])
     name: str = ""
+    #: the file's key for each field (``n_layers`` -> ``gemma3.block_count``), for messages that name them
+    source_keys: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.query_pre_attn_scalar is None:

@@ -17,6 +17,7 @@ from hmad.engine.kvcache import KVCacheManager, KVLayout
 from hmad.errors import ModelFormatError, ModelNotFoundError
 from hmad.model.config import ModelConfig
 from hmad.model.default import DEFAULT_NAME, resolve_default
+from hmad.model.hparams import check_layer_count, layer_indices, shape_problem
 from hmad.model.registry import get_architecture
 from hmad.model.tensors import WeightTensor
 from hmad.model.tokenizer import HFTokenizer, SpmTokenizer, Tokenizer
@@ -104,7 +105,8 @@ def read_model_files(path: Path) -> ModelFiles:
         from hmad.model.safetensors import read_hf_checkpoint
 
         ck = read_hf_checkpoint(path)
-        return ModelFiles(str(path), ck.config, ck.tensors, HFTokenizer.from_file(ck.tokenizer_path))
+        tok = _tokenizer(ck.tokenizer_path, lambda: HFTokenizer.from_file(ck.tokenizer_path))
+        return ModelFiles(str(path), ck.config, ck.tensors, tok)
     from hmad.model.gguf import read_gguf
 
     gf = read_gguf(path)
@@ -112,21 +114,45 @@ def read_model_files(path: Path) -> ModelFiles:
     if not isinstance(arch_name, str):
         raise ModelFormatError(path, "missing metadata key 'general.architecture'")
     config = get_architecture(arch_name).config_from_gguf(gf.metadata, str(path))
-    return ModelFiles(str(path), config, gf.tensors, SpmTokenizer.from_gguf_metadata(gf.metadata))
+    tok = _tokenizer(path, lambda: SpmTokenizer.from_gguf_metadata(gf.metadata))
+    return ModelFiles(str(path), config, gf.tensors, tok)
+
+
+def _tokenizer(path: Path | str, make: Callable[[], Tokenizer]) -> Tokenizer:
+    """``make()``, with any failure to build the tokenizer from the file as a ModelFormatError."""
+    try:
+        return make()
+    except ModelFormatError:
+        raise
+    except Exception as e:  # the tokenizer's own checks (a wrong tokenizer.ggml.model, a missing list...)
+        raise ModelFormatError(path, f"cannot build the tokenizer: {type(e).__name__}: {e}") from e
 
 
 def check_tensors(files: ModelFiles) -> None:
-    """Every tensor the architecture needs is present, with the shape the config implies."""
-    arch = get_architecture(files.config.arch)
-    missing = [n for n in arch.tensor_names(files.config) if n not in files.tensors]
+    """The model's numbers agree with what the file holds: the layer groups present are exactly the stated
+    layer count, every tensor the architecture needs is there with the shape the config implies, and the
+    tokenizer's ids fit the embedding table. (HF checkpoints were checked the same way when they were read.)
+    """
+    cfg, keys = files.config, files.config.source_keys
+    arch = get_architecture(cfg.arch)
+    if not Path(files.path).is_dir():
+        indices = layer_indices(files.tensors, "blk.")
+        check_layer_count(files.path, keys.get("n_layers", "n_layers"), cfg.n_layers, indices)
+    missing = [n for n in arch.tensor_names(cfg) if n not in files.tensors]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ModelFormatError(files.path, f"missing tensors: {', '.join(missing[:5])}{more}")
-    emb = files.tensors["token_embd.weight"]
-    cfg = files.config
-    if tuple(emb.shape) != (cfg.vocab_size, cfg.d_model):
+    for name in [*arch.tensor_names(cfg), "output.weight"]:
+        t = files.tensors.get(name)
+        problem = t is not None and shape_problem(cfg, name, t.shape, keys)
+        if problem:
+            raise ModelFormatError(files.path, problem)
+    n_tok = files.tokenizer.vocab_size
+    if n_tok > cfg.vocab_size:
         raise ModelFormatError(
-            files.path, f"token_embd.weight has shape {emb.shape}, expected ({cfg.vocab_size}, {cfg.d_model})"
+            files.path,
+            f"the tokenizer has {n_tok} tokens, more than the embedding's "
+            f"{keys.get('vocab_size', 'vocab_size')} = {cfg.vocab_size}",
         )
 
 

@@ -42,6 +42,7 @@ import numpy as np
 
 from hmad.errors import ModelFormatError
 from hmad.model.config import ModelConfig
+from hmad.model.hparams import Stated, check_hparams, check_layer_count, layer_indices, shape_problem
 from hmad.model.tensors import QType, WeightTensor
 
 #: safetensors dtype -> (QType, numpy dtype of the view); bf16 is viewed as its raw uint16 bits.
@@ -207,34 +208,40 @@ def text_config(raw: dict[str, Any], path: Path) -> dict[str, Any]:
     return {**TEXT_DEFAULTS, **{k: v for k, v in text.items() if v is not None or k in NULLABLE}}
 
 
+#: ModelConfig field -> Gemma3TextConfig key
+HF_KEYS = {
+    "n_layers": "num_hidden_layers",
+    "d_model": "hidden_size",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "d_ff": "intermediate_size",
+    "vocab_size": "vocab_size",
+    "context_length": "max_position_embeddings",
+    "rms_eps": "rms_norm_eps",
+    "sliding_window": "sliding_window",
+    "query_pre_attn_scalar": "query_pre_attn_scalar",
+    "bos_id": "bos_token_id",
+    "eos_ids": "eos_token_id",
+}
+
+
 def config_from_hf(c: dict[str, Any], path: Path) -> ModelConfig:
-    """Map Gemma3TextConfig keys onto ModelConfig, refusing what the forward pass does not implement."""
+    """Map Gemma3TextConfig keys onto ModelConfig, refusing what the forward pass does not implement; every
+    number is checked (hmad.model.hparams) before anything is sized by it."""
     refuse_unsupported(c, path)
-    n_layers = int(c["num_hidden_layers"])
-    (base_global, scale_global), base_local = rope_settings(c, path)
-    eos = c["eos_token_id"]
+    s: Stated = {f: (key, c[key]) for f, key in HF_KEYS.items()}
+    pattern_key = "_sliding_window_pattern" if c.get("_sliding_window_pattern") else "sliding_window_pattern"
+    s["sliding_window_pattern"] = (pattern_key, c[pattern_key])
+    s.update(rope_settings(c, path))
+    v = check_hparams(path, s)
     return ModelConfig(
         arch="gemma3",
         name=path.parent.name,
-        n_layers=n_layers,
-        d_model=int(c["hidden_size"]),
-        n_heads=int(c["num_attention_heads"]),
-        n_kv_heads=int(c["num_key_value_heads"]),
-        head_dim=int(c["head_dim"]),
-        d_ff=int(c["intermediate_size"]),
-        vocab_size=int(c["vocab_size"]),
-        context_length=int(c["max_position_embeddings"]),
-        rms_eps=float(c["rms_norm_eps"]),
-        rope_base_global=base_global,
-        rope_base_local=base_local,
-        rope_scale_global=scale_global,
-        sliding_window=int(c["sliding_window"]),
-        sliding_window_pattern=int(c.get("_sliding_window_pattern") or c["sliding_window_pattern"]),
-        query_pre_attn_scalar=float(c["query_pre_attn_scalar"]),
-        layer_is_global=layer_kinds(c, n_layers, path),
+        layer_is_global=layer_kinds(c, v["n_layers"], v["sliding_window_pattern"], path),
         tied_embeddings=bool(c["tie_word_embeddings"]),
-        bos_id=int(c["bos_token_id"]),
-        eos_ids=[int(e) for e in (eos if isinstance(eos, list) else [eos])],
+        source_keys={f: key for f, (key, _) in s.items()},
+        **v,
     )
 
 
@@ -253,8 +260,9 @@ def refuse_unsupported(c: dict[str, Any], path: Path) -> None:
         raise ModelFormatError(path, "sliding_window is null")
 
 
-def rope_settings(c: dict[str, Any], path: Path) -> tuple[tuple[float, float], float]:
-    """((global base, global linear scale), local base) from either config style.
+def rope_settings(c: dict[str, Any], path: Path) -> Stated:
+    """``rope_base_global``, ``rope_scale_global`` (linear) and ``rope_base_local`` as stated, from either
+    config style (checked by the caller).
 
     Old style (config.json files on the Hub): ``rope_theta`` (global), ``rope_local_base_freq`` (local),
     ``rope_scaling`` ``{"rope_type" | "type": "linear", "factor": f}`` applying to global layers only.
@@ -263,34 +271,59 @@ def rope_settings(c: dict[str, Any], path: Path) -> tuple[tuple[float, float], f
     """
     params = c.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:
-        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
-        base_global = float(full.get("rope_theta", c["rope_theta"]))
-        base_local = float(local.get("rope_theta", c["rope_local_base_freq"]))
-        if rope_scale(local, path) != 1.0:
+        full = _rope_dict(params.get("full_attention") or {}, "rope_parameters.full_attention", path)
+        local = _rope_dict(params.get("sliding_attention") or {}, "rope_parameters.sliding_attention", path)
+        if rope_scale(local, "rope_parameters.sliding_attention", path)[1] != 1.0:
             raise ModelFormatError(path, "rope scaling on sliding-window layers is not supported")
-        return (base_global, rope_scale(full, path)), base_local
-    scale = rope_scale(c["rope_scaling"] or {}, path)
-    return (float(c["rope_theta"]), scale), float(c["rope_local_base_freq"])
+        return {
+            "rope_base_global": (
+                "rope_parameters.full_attention.rope_theta",
+                full.get("rope_theta", c["rope_theta"]),
+            ),
+            "rope_base_local": (
+                "rope_parameters.sliding_attention.rope_theta",
+                local.get("rope_theta", c["rope_local_base_freq"]),
+            ),
+            "rope_scale_global": rope_scale(full, "rope_parameters.full_attention", path),
+        }
+    return {
+        "rope_base_global": ("rope_theta", c["rope_theta"]),
+        "rope_base_local": ("rope_local_base_freq", c["rope_local_base_freq"]),
+        "rope_scale_global": rope_scale(
+            _rope_dict(c["rope_scaling"] or {}, "rope_scaling", path), "rope_scaling", path
+        ),
+    }
 
 
-def rope_scale(spec: dict[str, Any], path: Path) -> float:
+def _rope_dict(spec: Any, key: str, path: Path) -> dict[str, Any]:
+    if not isinstance(spec, dict):
+        raise ModelFormatError(path, f"{key} = {spec!r} is not an object")
+    return spec
+
+
+def rope_scale(spec: dict[str, Any], key: str, path: Path) -> tuple[str, Any]:
+    """(key, linear factor) of a rope-scaling object; 1.0 for the default type."""
     kind = spec.get("rope_type", spec.get("type", "default"))
     if kind == "default":
-        return 1.0
+        return key, 1.0
     if kind != "linear":
         raise ModelFormatError(path, f"rope scaling type {kind!r} is not supported (only linear)")
-    return float(spec["factor"])
+    if "factor" not in spec:
+        raise ModelFormatError(path, f"{key} is linear but has no factor")
+    return f"{key}.factor", spec["factor"]
 
 
-def layer_kinds(c: dict[str, Any], n_layers: int, path: Path) -> list[bool]:
-    """layer_is_global from ``layer_types``, else from the sliding-window pattern (every p-th layer)."""
+def layer_kinds(c: dict[str, Any], n_layers: int, pattern: int, path: Path) -> list[bool]:
+    """layer_is_global from ``layer_types``, else from the sliding-window pattern (every p-th layer);
+    ``n_layers`` and ``pattern`` already checked."""
     types = c.get("layer_types")
     if types is None:
-        p = int(c.get("_sliding_window_pattern") or c["sliding_window_pattern"])
-        return [(i + 1) % p == 0 for i in range(n_layers)]
-    if len(types) != n_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        return [(i + 1) % pattern == 0 for i in range(n_layers)]
+    kinds = {"sliding_attention", "full_attention"}
+    if not isinstance(types, list) or len(types) != n_layers or not all(t in kinds for t in types):
+        shown = repr(types) if len(repr(types)) < 200 else repr(types)[:200] + "…"
         raise ModelFormatError(
-            path, f"layer_types must list {n_layers} of sliding_attention/full_attention, got {types!r}"
+            path, f"layer_types must list num_hidden_layers = {n_layers} of {sorted(kinds)}, got {shown}"
         )
     return [t == "full_attention" for t in types]
 
@@ -409,34 +442,13 @@ def hf_names(config: ModelConfig, prefix: str) -> dict[str, str]:
     return names
 
 
-def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """GGUF per-layer name (no ``blk.i.``) -> numpy shape (out, in)."""
-    D, F = c.d_model, c.d_ff
-    return {
-        "attn_norm": (D,),
-        "post_attention_norm": (D,),
-        "ffn_norm": (D,),
-        "post_ffw_norm": (D,),
-        "attn_q": (c.q_dim, D),
-        "attn_k": (c.kv_dim, D),
-        "attn_v": (c.kv_dim, D),
-        "attn_q_norm": (c.head_dim,),
-        "attn_k_norm": (c.head_dim,),
-        "attn_output": (D, c.q_dim),
-        "ffn_gate": (F, D),
-        "ffn_up": (F, D),
-        "ffn_down": (D, F),
-        "token_embd": (c.vocab_size, D),
-        "output_norm": (D,),
-        "output": (c.vocab_size, D),
-    }
-
-
 def canonical_tensors(
     raw: dict[str, SafetensorsFile], config: ModelConfig, directory: Path
 ) -> dict[str, WeightTensor]:
     """The text model's tensors under GGUF names, shape-checked; vision and unknown tensors are ignored."""
     prefix = text_prefix(raw, directory)
+    key = config.source_keys.get("n_layers", "num_hidden_layers")
+    check_layer_count(where(directory), key, config.n_layers, layer_indices(raw, f"{prefix}layers."))
     names = hf_names(config, prefix)
     head = next((n for n in LM_HEAD_NAMES if n in raw), None)
     if head is not None and not config.tied_embeddings:
@@ -447,32 +459,14 @@ def canonical_tensors(
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ModelFormatError(where(directory), f"missing tensors: {', '.join(missing[:3])}{more}")
-    check_layer_count(raw, prefix, config, directory)
-    shapes = expected_shapes(config)
     tensors = {}
     for gg, hf in names.items():
         t = raw[hf].tensor(hf, gg)
-        want = shapes[gg.split(".")[-2]]
-        if t.shape != want:
-            raise ModelFormatError(
-                t.source, f"tensor {hf} has shape {list(t.shape)}, expected {list(want)} from config.json"
-            )
+        problem = shape_problem(config, gg, t.shape, config.source_keys, hf, " in config.json")
+        if problem:
+            raise ModelFormatError(t.source, problem)
         tensors[gg] = t
     return tensors
-
-
-def check_layer_count(
-    raw: dict[str, SafetensorsFile], prefix: str, config: ModelConfig, directory: Path
-) -> None:
-    """A checkpoint with more layers than its config says is a mismatch, not something to drop silently."""
-    stem = f"{prefix}layers."
-    indices = {n: n[len(stem) :].split(".")[0] for n in raw if n.startswith(stem)}
-    extra = {n for n, i in indices.items() if i.isdigit() and int(i) >= config.n_layers}
-    if extra:
-        raise ModelFormatError(
-            where(directory),
-            f"tensor {min(extra)} is beyond num_hidden_layers = {config.n_layers} in config.json",
-        )
 
 
 def sanitize(tensors: dict[str, WeightTensor], config: ModelConfig) -> dict[str, WeightTensor]:
