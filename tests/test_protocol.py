@@ -481,16 +481,20 @@ def test_generate_request_validates_on_the_client_side():
     assert isinstance(info.value, ValueError) and info.value.code == P.BAD_REQUEST
 
 
-def test_socket_path(monkeypatch, tmp_path):
-    monkeypatch.setenv("HMAD_SOCKET", "/x/y.sock")
-    assert P.default_socket_path() == "/x/y.sock"
-    monkeypatch.delenv("HMAD_SOCKET")
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    monkeypatch.setattr(P.os.path, "isdir", lambda p: False)
-    assert P.default_socket_path() == str(tmp_path / "hmad" / "hmad.sock")
-    monkeypatch.setattr(P.os.path, "isdir", lambda p: p == "/run/hmad")
-    monkeypatch.setattr(P.os, "access", lambda p, mode: True)
-    assert P.default_socket_path() == "/run/hmad/hmad.sock"
+def test_socket_path(tmp_path):
+    """One rule for daemon and client: $HMAD_SOCKET, the system service's directory (root, or whoever may
+    enter it), $XDG_RUNTIME_DIR, then $TMPDIR (else /tmp)/hmad-<uid>."""
+    none = str(tmp_path / "no-such-dir")
+    xdg, tmp = {"XDG_RUNTIME_DIR": str(tmp_path)}, {"TMPDIR": "/var/tmp"}
+    assert P.default_socket_path({"HMAD_SOCKET": "/x/y.sock", **xdg}, euid=0) == "/x/y.sock"
+    assert P.default_socket_path(xdg, euid=0, system_dir=none) == none + "/hmad.sock"  # root makes it
+    assert P.default_socket_path(xdg, euid=1000, system_dir=str(tmp_path)) == str(tmp_path / "hmad.sock")
+    assert P.default_socket_path(xdg, euid=1000, system_dir=none) == str(tmp_path / "hmad" / "hmad.sock")
+    assert (
+        P.default_socket_path({"XDG_RUNTIME_DIR": "rel"}, euid=7, system_dir=none) == "/tmp/hmad-7/hmad.sock"
+    )
+    assert P.default_socket_path(tmp, euid=7, system_dir=none) == "/var/tmp/hmad-7/hmad.sock"
+    assert P.default_socket_path({}, euid=7, system_dir=none) == "/tmp/hmad-7/hmad.sock"
     assert P.endpoint("/run/hmad/hmad.sock") == "ipc:///run/hmad/hmad.sock"
     with pytest.raises(ValueError, match="107"):
         P.endpoint("/" + "x" * 200)

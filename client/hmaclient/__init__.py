@@ -12,6 +12,7 @@ from hmaclient.client import (
     RequestCancelled,
     RequestError,
     Result,
+    UnsafeSocket,
 )
 from hmaclient.protocol import PROTOCOL_VERSION, ProtocolError, default_socket_path
 
@@ -29,5 +30,6 @@ __all__ = [
     "RequestCancelled",
     "RequestError",
     "Result",
+    "UnsafeSocket",
     "default_socket_path",
 ]

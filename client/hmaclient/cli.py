@@ -13,7 +13,7 @@ answer one JSON value satisfying that JSON Schema (a file holding it, or its JSO
 "object"}'`` is any JSON object). Ctrl-C cancels the request.
 ``metrics`` prints the daemon's counters and histograms (requests by outcome, tokens, time to first token,
 batch sizes, KV blocks, memory); ``--prometheus`` as Prometheus text (needs prometheus_client: the
-``openai`` extra), ``--json`` as the families the daemon sent.
+``prometheus`` extra, ``pip install 'hmaclient[prometheus]'``), ``--json`` as the families the daemon sent.
 
 Exit codes: 0 ok, 1 the request failed (error reply, timeout), 2 usage, 3 hmad unreachable, 130 interrupted.
 """
@@ -207,7 +207,8 @@ def _metrics(client: Client, args: argparse.Namespace, out: TextIO) -> int:
             from hmaclient.prometheus import exposition
         except ImportError:
             return _fail(
-                "error: --prometheus needs prometheus_client (pip install 'hmad[openai]')", EXIT_USAGE
+                "error: --prometheus needs prometheus_client (pip install 'hmaclient[prometheus]')",
+                EXIT_USAGE,
             )
         out.write(exposition(client.metrics()))
         return EXIT_OK

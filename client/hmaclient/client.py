@@ -13,8 +13,10 @@ running.
 
 Errors: ``RequestError`` (the daemon's ``error`` reply: ``.code``, ``.message``), ``HmadTimeout`` (a
 ``TimeoutError``), ``DaemonUnreachable`` (a ``ConnectionError``: no socket file, or no answer to a ping
-within ``connect_timeout``), ``ConnectionLost`` (a ``DaemonUnreachable``: the daemon went away while a
-request ran). Bad parameters raise ``protocol.ProtocolError`` (a ``ValueError``) before anything is sent.
+within ``connect_timeout``), ``UnsafeSocket`` (a ``DaemonUnreachable``: the socket or a directory above it
+could be another user's, see ``hmaclient.safepath``; nothing was sent), ``ConnectionLost`` (a
+``DaemonUnreachable``: the daemon went away while a request ran). Bad parameters raise
+``protocol.ProtocolError`` (a ``ValueError``) before anything is sent.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from hmaclient import protocol as P
+from hmaclient import safepath
 
 log = logging.getLogger("hmaclient")
 
@@ -83,6 +86,17 @@ class DaemonUnreachable(HmaError, ConnectionError):
         super().__init__(
             f"hmad is not running at {path}: start it with `systemctl start hmad` or `hmad --foreground`"
             + (f" ({detail})" if detail else "")
+        )
+
+
+class UnsafeSocket(DaemonUnreachable):
+    """The socket, or a directory above it, could be another user's: the client refuses to connect there
+    (``hmaclient.safepath`` gives the rule)."""
+
+    def __init__(self, path: str, reason: str):
+        self.path, self.reason = path, reason
+        ConnectionError.__init__(
+            self, f"refusing hmad's socket {path}: {reason}, so another user could answer in hmad's place"
         )
 
 
@@ -240,18 +254,19 @@ class AsyncClient:
         return reply.families
 
     async def connect(self) -> None:
-        """Open the socket and check the daemon answers (once; again after a lost connection)."""
+        """Check the socket path is safe, open the socket and check the daemon answers (once; again after a
+        lost connection). Raises UnsafeSocket, DaemonUnreachable."""
         if self._closed:
             raise RuntimeError("this hmaclient is closed")
         if self._sock is None:
+            self._check_path()
             self._open()
         if self._reachable:
             return
         async with self._connect_lock:
             if self._reachable:
                 return
-            if not os.path.exists(self.path):
-                raise DaemonUnreachable(self.path, "no socket file there")
+            self._check_path()
             try:
                 await self._roundtrip(P.ping_request, P.Pong, self.connect_timeout)
             except HmadTimeout:
@@ -279,6 +294,19 @@ class AsyncClient:
             self._sock.close(linger=LINGER_MS)
 
     # -- socket and reader -----------------------------------------------------------------------------
+
+    def _check_path(self) -> None:
+        reason = safepath.unsafe_reason(self.path)
+        if reason is not None:
+            raise UnsafeSocket(self.path, reason)
+        try:
+            os.stat(self.path)
+        except PermissionError:
+            raise DaemonUnreachable(
+                self.path, "permission denied: is this user in the socket's group?"
+            ) from None
+        except OSError:
+            raise DaemonUnreachable(self.path, "no socket file there") from None
 
     def _open(self) -> None:
         self._loop = asyncio.get_running_loop()

@@ -5,7 +5,8 @@
     text = generate_latest(registry)
 
 Used by ``hmactl metrics --prometheus`` and the OpenAI gateway's ``/metrics``. prometheus_client is an
-optional dependency (the ``openai`` extra): import this module only where it is installed.
+optional dependency (hmaclient's ``prometheus`` extra, which hmad's ``openai`` extra brings): import this
+module only where it is installed.
 """
 
 from __future__ import annotations

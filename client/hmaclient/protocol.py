@@ -153,9 +153,11 @@ Limits (enforced in ``unpack`` before any field is looked at)
 
 Socket path
 ===========
-``default_socket_path()``: ``$HMAD_SOCKET``; else ``/run/hmad/hmad.sock`` when /run/hmad is a directory this
-user may enter (the systemd service's RuntimeDirectory); else ``$XDG_RUNTIME_DIR/hmad/hmad.sock``; else
-``<tempdir>/hmad-<uid>/hmad.sock``. ``endpoint(path)`` gives the ZeroMQ address.
+``default_socket_path()`` is the one rule, for the daemon and its clients alike: ``$HMAD_SOCKET``; else
+``/run/hmad/hmad.sock`` for root or when /run/hmad is a directory this user may enter (the systemd service's
+RuntimeDirectory); else ``$XDG_RUNTIME_DIR/hmad/hmad.sock``; else ``$TMPDIR`` (or /tmp)
+``/hmad-<uid>/hmad.sock``. ``endpoint(path)`` gives the ZeroMQ address. Before connecting, clients check who
+owns the socket and the directories above it (``hmaclient.safepath``).
 """
 
 from __future__ import annotations
@@ -163,7 +165,7 @@ from __future__ import annotations
 import math
 import os
 import re
-import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -187,6 +189,7 @@ MAX_ARRAY_LEN = 4 * 1024 * 1024  # token_ids of a long answer; requests are boun
 MAX_MAP_LEN = 1024
 MAX_CONTAINERS = 4096  # arrays + maps in one message (a request has at most MAX_MESSAGES + 2)
 MAX_IPC_PATH_BYTES = 107  # sockaddr_un.sun_path holds 108 bytes with the terminating NUL
+SYSTEM_SOCKET_DIR = "/run/hmad"  # the system service's RuntimeDirectory (systemd/hmad.service)
 
 # Error codes (stable strings).
 BAD_REQUEST = "bad_request"
@@ -884,17 +887,31 @@ def _is_family(f: Any) -> bool:
 # Where the daemon listens
 
 
-def default_socket_path() -> str:
-    """``$HMAD_SOCKET``, else /run/hmad/hmad.sock if /run/hmad is enterable, else the user's runtime dir."""
-    env = os.environ.get("HMAD_SOCKET")
-    if env:
-        return env
-    if os.path.isdir("/run/hmad") and os.access("/run/hmad", os.X_OK):
-        return "/run/hmad/hmad.sock"
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime:
-        return os.path.join(runtime, "hmad", "hmad.sock")
-    return os.path.join(tempfile.gettempdir(), f"hmad-{os.getuid()}", "hmad.sock")
+def default_socket_path(
+    env: Mapping[str, str] = os.environ, euid: int | None = None, system_dir: str = SYSTEM_SOCKET_DIR
+) -> str:
+    """Where hmad listens when no one says: the same answer for the daemon (it binds there) and a client.
+
+    1. ``$HMAD_SOCKET``, when set;
+    2. ``system_dir``/hmad.sock, for root (who makes the directory) or when ``system_dir`` is a directory this
+       user may enter: the system service's (systemd's ``RuntimeDirectory=hmad``, group hmad may enter);
+    3. ``$XDG_RUNTIME_DIR``/hmad/hmad.sock, when that is an absolute path (the user's own daemon);
+    4. ``$TMPDIR`` (absolute, else /tmp) /hmad-<euid>/hmad.sock. Anyone can create a name under /tmp first:
+       the daemon makes this directory 0700 and refuses one it does not own, and clients refuse a socket
+       whose directory another user owns (``hmaclient.safepath``).
+
+    A user who may enter /run/hmad and runs a daemon of their own gives it (and its clients) a path.
+    """
+    if env.get("HMAD_SOCKET"):
+        return env["HMAD_SOCKET"]
+    euid = os.geteuid() if euid is None else euid
+    if euid == 0 or (os.path.isdir(system_dir) and os.access(system_dir, os.X_OK)):
+        return os.path.join(system_dir, "hmad.sock")
+    xdg = env.get("XDG_RUNTIME_DIR", "")
+    if os.path.isabs(xdg):
+        return os.path.join(xdg, "hmad", "hmad.sock")
+    tmp = env.get("TMPDIR", "")
+    return os.path.join(tmp if os.path.isabs(tmp) else "/tmp", f"hmad-{euid}", "hmad.sock")
 
 
 def endpoint(path: str) -> str:
