@@ -10,7 +10,12 @@ after it arrives, where ``n`` is the number of other owners waiting then (each i
 ahead of it), however many requests any of them has queued. The scheduler admits whenever a sequence
 slot is free and the next request's KV blocks fit, and a request that does not fit yet holds its turn
 (those behind it wait rather than starve it), so in steps the wait is that of ``n + 1`` sequences
-finishing: each ends within its prompt's prefill plus ``max_tokens`` steps. With one owner this is FIFO.
+finishing: each ends within its prompt's prefill plus ``max_tokens`` steps. Once admitted, its prefill
+shares each step's token budget with the at most ``max_seqs - 1`` sequences admitted before it (decode
+tokens first, then prefill chunks in order of admission), so its first token follows within the steps
+their prompts take, however many requests wait. With one owner this is FIFO.
+
+Turns are per owner (connection), not per tenant (user): a user with several connections has several.
 """
 
 from __future__ import annotations
