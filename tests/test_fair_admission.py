@@ -17,6 +17,7 @@ from hmad.engine.admission import FairQueue
 from hmad.engine.request import Request
 from hmad.engine.sampling import SamplingParams
 from hmad.engine.scheduler import Scheduler, SchedulerConfig
+from hmad.engine.worker import EngineThread
 from hmad.model.loader import load_model
 
 N_NEW = 4
@@ -181,3 +182,41 @@ def test_cancelling_a_waiting_request_keeps_the_turns(tiny):
     assert kinds == {0: "done", 1: "done", 2: "done", 3: "cancelled", 4: "done"}
     assert order == [0, 4, 1, 2]
     assert len(s.waiting) == 0
+
+
+def test_a_full_queue_makes_room_for_an_owner_with_fewer_waiting():
+    q = FairQueue()
+    for i in range(4):
+        q.append(req(i, b"a"))
+    q.append(req(10, b"b"))
+    assert not q.can_make_room_for(b"a")  # the owner with the most waiting gains nothing
+    assert q.can_make_room_for(b"b") and q.can_make_room_for(b"c") and q.can_make_room_for(None)
+    assert q.make_room_for(b"c").id == 3  # a's newest gives its place
+    assert q.make_room_for(b"b").id == 2  # a: 2 waiting, b: 1
+    assert not q.can_make_room_for(b"b")  # a: 2, b: 1: no place goes back and forth
+    assert len(q) == 3 and drain(q) == [0, 10, 1]
+
+
+def test_scheduler_and_engine_thread_answer_busy_for_a_displaced_request(tiny):
+    """max_queue 4, all taken by owner a: a's fifth is refused busy; owner b's first two take the places of
+    a's newest two (they end busy through the engine thread's events); b's third is refused. The others
+    all run to their solo tokens."""
+    ps = prompts(tiny, 8, seed=3)
+    s = Scheduler(tiny, SchedulerConfig(**{**CFG, "max_queue": 4}))
+    engine = EngineThread(s, wake=lambda: None)
+    jobs = [(b"a", p) for p in ps[:5]] + [(b"b", p) for p in ps[5:]]
+    for i, (owner, p) in enumerate(jobs):
+        engine.submit(req(i, owner, p))
+    toks, ends = {}, {}
+    while True:
+        engine.turn()
+        while not engine.events.empty():
+            for ev in engine.events.get():
+                toks.setdefault(ev.request_id, []).extend(ev.token_ids)
+                if ev.terminal:
+                    ends[ev.request_id] = ev.kind if ev.kind != "error" else ev.error_code
+        if not s.has_work():
+            break
+    assert ends == {0: "done", 1: "done", 2: "busy", 3: "busy", 4: "busy", 5: "done", 6: "done", 7: "busy"}
+    for i in (0, 1, 5, 6):
+        assert toks[i] == solo(tiny, jobs[i][1]), f"request {i}"

@@ -10,7 +10,10 @@ after it arrives, where ``n`` is the number of other owners waiting then (each i
 ahead of it), however many requests any of them has queued. The scheduler admits whenever a sequence
 slot is free and the next request's KV blocks fit, and a request that does not fit yet holds its turn
 (those behind it wait rather than starve it), so in steps the wait is that of ``n + 1`` sequences
-finishing: each ends within its prompt's prefill plus ``max_tokens`` steps. Once admitted, its prefill
+finishing: each ends within its prompt's prefill plus ``max_tokens`` steps. A full queue does not break
+the bound: a request whose owner has fewer waiting than another owner by more than one takes the place of
+that owner's newest waiting request (``make_room_for``; the scheduler ends that one ``busy``), so one owner
+cannot keep the others out by filling the queue. Once admitted, its prefill
 shares each step's token budget with the at most ``max_seqs - 1`` sequences admitted before it (decode
 tokens first, then prefill chunks in order of admission), so its first token follows within the steps
 their prompts take, however many requests wait. With one owner this is FIFO.
@@ -76,6 +79,23 @@ class FairQueue:
                 self._ring[owner] = kept
             else:
                 del self._ring[owner]
+
+    def can_make_room_for(self, owner: bytes | None) -> bool:
+        """Whether, the queue being full, another owner gives up a place to one of ``owner``'s requests:
+        the owner with the most waiting, if it has more than one more than ``owner`` (so a place never
+        goes back and forth)."""
+        return self._yielder(owner) is not None
+
+    def make_room_for(self, owner: bytes | None) -> Request:
+        """Take out the newest request of the owner that gives up a place (``can_make_room_for``); that
+        owner keeps at least one waiting, and its place in the ring."""
+        req = self._yielder(owner).pop()
+        self._n -= 1
+        return req
+
+    def _yielder(self, owner: bytes | None) -> collections.deque[Request] | None:
+        most = max(self._ring.values(), key=len, default=())
+        return most if len(most) > len(self._ring.get(owner, ())) + 1 else None
 
     def owners(self) -> int:
         """Owners with a request waiting."""

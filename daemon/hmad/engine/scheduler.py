@@ -73,7 +73,8 @@ log = logging.getLogger("hmad.engine")
 
 
 class QueueFull(HmadError):
-    """The waiting queue is at its configured length: the caller should answer ``busy``."""
+    """The waiting queue is at its configured length and no other owner gives up a place
+    (engine/admission.py): the caller should answer ``busy``."""
 
 
 class RequestRejected(HmadError):
@@ -149,8 +150,9 @@ class Scheduler:
         self._t_collected = 0.0
 
     # -- requests in -----------------------------------------------------------------------------------
-    def submit(self, req: Request) -> None:
-        """Queue a request; raises RequestRejected (never fits) or QueueFull (try later)."""
+    def submit(self, req: Request) -> list[Event]:
+        """Queue a request; raises RequestRejected (never fits) or QueueFull (try later). Returns the
+        ``busy`` events of the requests it displaced from a full queue (engine/admission.py)."""
         req.params.max_tokens = max(1, min(req.params.max_tokens, self.context - len(req.prompt_ids)))
         if not req.prompt_ids:
             raise RequestRejected("empty prompt")
@@ -163,13 +165,24 @@ class Scheduler:
                 f"prompt + max_tokens ({req.n_positions} positions) exceeds the KV cache "
                 f"({self.cfg.kv_tokens} positions)"
             )
-        if len(self.waiting) >= self.cfg.max_queue:
+        full = len(self.waiting) >= self.cfg.max_queue
+        if full and not self.waiting.can_make_room_for(req.owner):
             raise QueueFull(f"{len(self.waiting)} requests waiting")
         try:
             req.start(self.model.tokenizer)
         except ValueError as e:
             raise RequestInvalid(str(e)) from None
+        events = self._make_room(req) if full else []
         self.waiting.append(req)
+        return events
+
+    def _make_room(self, req: Request) -> list[Event]:
+        """Another owner's newest waiting request leaves the full queue to ``req`` (engine/admission.py):
+        it ends ``busy``, as if the queue had been full when it came."""
+        r = self.waiting.make_room_for(req.owner)
+        r.state, r.finish_reason, r.t_done = State.FINISHED, "error", time.perf_counter()
+        msg = f"{self.cfg.max_queue} requests waiting; this one gave its place to another connection's"
+        return [Event("error", r.id, text=msg, error_code="busy")]
 
     def cancel(self, request_id: int) -> None:
         """Cancel at the next step boundary (a cancelled event is emitted then)."""

@@ -6,9 +6,11 @@ the engine and never blocks on compute. ``last_progress`` is the heartbeat the s
 ``WATCHDOG=1``: it moves at every step and every idle wait, and stops if a step hangs.
 
 Failures: a request the scheduler cannot take (an exception from ``submit``) gets its own ``error`` event;
-a failed step fails only its requests (engine/scheduler.py). An exception that leaves ``step()`` (the
-backend raised ``BackendUnusable``, or the scheduler's bookkeeping broke) is the engine's end: every
-request it holds gets ``error`` (internal), ``failed`` is set, and the service answers the rest and exits 1.
+a waiting request that gives its place in the full queue to another connection's (engine/admission.py)
+gets ``busy``; a failed step fails only its requests (engine/scheduler.py). An exception that leaves
+``step()`` (the backend raised ``BackendUnusable``, or the scheduler's bookkeeping broke) is the engine's
+end: every request it holds gets ``error`` (internal), ``failed`` is set, and the service answers the
+rest and exits 1.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ class EngineThread:
     def _apply(self, kind: str, arg) -> list[Event]:
         if kind == "submit":
             try:
-                self.scheduler.submit(arg)
+                return self.scheduler.submit(arg)  # busy events of requests it displaced (a full queue)
             except QueueFull as e:
                 return [Event("error", arg.id, error_code="busy", text=str(e))]
             except RequestRejected as e:
