@@ -4,18 +4,24 @@
                                   [--json out.json]
 
 It starts hmad itself (socket in a temp dir) and measures, through hmaclient's AsyncClient (N concurrent
-``generate`` calls on one event loop, as an app would):
+streamed requests on one event loop, as an app would), in this order (the state bench_peer.py measures
+llama-server in: idle, each shape warmed once before it is timed):
 - ``ready_s``: process start -> the first ``pong`` (READY: the model resident, the buckets recorded);
-- ``first_burst``: the largest level, sent the moment hmad is ready;
-- ``levels``: each level twice in a row, the second one reported (steady state): aggregate generated
-  tokens / wall time, the prompts' prefill included (``--prompt-tokens`` tokens each, the length
-  bench_peer.py gives llama-server; else ``--prompt-words`` words);
-- ``prefill``: one request at a time of a fresh ``--prefill``-token prompt and 1 new token, three times:
-  prompt tokens / the daemon's ``ttft_s`` (arrival to first token), the median (the peer's figure is
-  llama-server's own ``prompt_per_second``: bench_peer.py);
+- ``first_burst`` (``--first-burst``, on by default): the largest level, sent the moment hmad is ready;
+- ``prefill``: one untimed request, then one request at a time of a fresh ``--prefill``-token prompt and 1
+  new token, three times: prompt tokens / the daemon's ``ttft_s`` (arrival to first token: it includes the
+  prompt's tokenization and the first token's sampling, which llama-server's ``prompt_per_second`` does not),
+  the median;
+- ``levels``: each level twice in a row, the second one reported. Per level: ``decode_tok_s`` (the
+  requests' own decode rates, ``tokens_per_s`` of their ``done`` replies, summed: llama-server's
+  ``predicted_per_second`` is the peer's), ``wall_tok_s`` (generated tokens / wall time, the prompts'
+  prefill included; ``tok_s`` is the same figure under its old name), the client-side time to first token
+  (median, max). Prompts of ``--prompt-tokens`` tokens each (the length bench_peer.py gives llama-server),
+  else ``--prompt-words`` words;
 - ``step_profile_ms``: hmad's mean step and, of it, the forward pass (status ``step_ms`` and ``forward_ms``;
   the rest is host work: batch, sampling, detokenization, stop strings, events), over the last level's last
-  steps; then ``server_us_per_reply`` (the socket loop's pack + send) and ``ipc_rtt_us``.
+  steps; then ``ipc_rtt_us``.
+The GPU's clocks are sampled during every timed section (bench/gpu_clocks.py).
 With ``--engine``, hmad is stopped and the same prompts run in-process through ``generate()`` (one
 scheduler configuration, warmed once: what bench_vulkan_model.py's engine figures measure), and each level's
 ratio daemon / engine is reported.
@@ -43,6 +49,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "daemon")]
 
 from hmaclient import AsyncClient, Client  # noqa: E402
 from hmaclient import protocol as P  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_clocks import ClockLog, describe, max_clocks  # noqa: E402
 
 # one token each in the embedded model's vocabulary and in bench_vulkan_model.synthetic_vocab's
 WORDS = ("the", "of", "and", "to", "in", "is", "was", "there", "time")
@@ -82,21 +91,39 @@ SAMPLING = {
 }
 
 
+async def one_stream(c: AsyncClient, text: str, a) -> tuple[float, object]:
+    """One streamed request: (time to its first token at the client, its Result)."""
+    t0, ttft = time.perf_counter(), None
+    stream = c.stream(text, raw=True, max_tokens=a.gen, **SAMPLING[a.sampling])
+    async with stream:
+        async for _ in stream:
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+    return ttft or 0.0, stream.result
+
+
 async def burst(sock: str, n: int, a) -> dict:
+    """``n`` concurrent streamed requests: the decode rate (hmad's own), the wall rate, the TTFT."""
     texts = level_prompts(a, n, next(BURSTS))  # made before the clock starts (a tokenizer is loaded once)
     async with AsyncClient(sock, timeout=1800) as c:
-        t0 = time.perf_counter()
-        res = await asyncio.gather(
-            *(c.generate(text, raw=True, max_tokens=a.gen, **SAMPLING[a.sampling]) for text in texts)
-        )
-        wall = time.perf_counter() - t0
-    toks = sum(r.generated_tokens for r in res)
+        await c.connect()
+        with ClockLog(f"hmad {n} streams") as clk:
+            t0 = time.perf_counter()
+            res = await asyncio.gather(*(one_stream(c, text, a) for text in texts))
+            wall = time.perf_counter() - t0
+    toks = sum(r.generated_tokens for _, r in res)
+    ttft = [t for t, _ in res]
     return {
         "clients": n,
         "generated": toks,
-        "prompt_tokens_mean": statistics.mean(r.prompt_tokens for r in res),
+        "prompt_tokens_mean": statistics.mean(r.prompt_tokens for _, r in res),
         "wall_s": round(wall, 3),
-        "tok_s": round(toks / wall, 1),
+        "tok_s": round(toks / wall, 1),  # the wall rate under its old name
+        "wall_tok_s": round(toks / wall, 1),
+        "decode_tok_s": round(sum(r.tokens_per_s for _, r in res), 1),
+        "per_stream_decode_tok_s": round(statistics.mean(r.tokens_per_s for _, r in res), 2),
+        "ttft_s": {"median": statistics.median(ttft), "max": max(ttft)},
+        "clocks": clk.summary,
     }
 
 
@@ -128,15 +155,16 @@ def level_prompts(a, n: int, salt: int) -> list[str]:
 
 
 async def prefill(sock: str, prompts: list[str]) -> dict:
-    """Prompt tokens per second of the time to first token, one prompt at a time (the median)."""
+    """Prompt tokens per second of the daemon's time to first token, one prompt at a time (the median)."""
     rates, tokens = [], 0
     async with AsyncClient(sock, timeout=1800) as c:
-        for text in prompts:
-            r = await c.generate(text, raw=True, max_tokens=1, temperature=0)
-            rates.append(r.prompt_tokens / r.ttft_s)
-            tokens = r.prompt_tokens
+        with ClockLog("hmad prefill") as clk:
+            for text in prompts:
+                r = await c.generate(text, raw=True, max_tokens=1, temperature=0)
+                rates.append(r.prompt_tokens / r.ttft_s)
+                tokens = r.prompt_tokens
     median = round(statistics.median(rates), 1)
-    return {"tokens": tokens, "tok_s": median, "runs_tok_s": [round(x) for x in rates]}
+    return {"tokens": tokens, "tok_s": median, "runs_tok_s": [round(x) for x in rates], "clocks": clk.summary}
 
 
 def ipc_rtt_us(sock: str, n: int = 500) -> float:
@@ -168,26 +196,35 @@ def run_ready(a) -> dict:
 
 
 def run_daemon(a, levels: list[int]) -> dict:
+    """Ready, then (``--first-burst``) the largest level at once; the prefill (one untimed first: idle and
+    warmed, as bench_peer.py measures llama-server's); every level warmed once, then measured."""
     with tempfile.TemporaryDirectory() as tmp:
         proc, sock, ready = start(a, tmp)
         print(f"hmad ready in {ready:.2f} s", flush=True)
+        out: dict = {"ready_s": round(ready, 3)}
         try:
-            out = {"ready_s": round(ready, 3), "first_burst": asyncio.run(burst(sock, max(levels), a))}
-            print(f"first burst ({max(levels)} clients): {out['first_burst']['tok_s']} tok/s", flush=True)
+            if a.first_burst:
+                out["first_burst"] = asyncio.run(burst(sock, max(levels), a))
+                print(f"first burst ({max(levels)} clients): {out['first_burst']['tok_s']} tok/s", flush=True)
+            if a.prefill:
+                asyncio.run(prefill(sock, prompts_of_tokens(a.model, a.prefill, 1)))  # warm-up
+                out["prefill"] = pre = asyncio.run(prefill(sock, prompts_of_tokens(a.model, a.prefill, 3)))
+                print(f"prefill {pre['tokens']}: {pre['tok_s']} tok/s, {describe(pre['clocks'])}", flush=True)
             out["levels"] = {}
             for n in levels:
                 asyncio.run(burst(sock, n, a))
                 r = out["levels"][n] = asyncio.run(burst(sock, n, a))
-                print(f"{n} clients, steady: {r['tok_s']} tok/s", flush=True)
+                print(
+                    f"{n} clients, steady: decode {r['decode_tok_s']} tok/s, wall {r['wall_tok_s']} tok/s, "
+                    f"TTFT median {r['ttft_s']['median'] * 1e3:.0f} ms, {describe(r['clocks'])}",
+                    flush=True,
+                )
             with Client(sock) as c:  # the last level's steps: forward pass vs host work per step
                 st = c.status()
                 out["step_profile_ms"] = {"step": st["step_ms"], "forward": st["forward_ms"]}
                 print(f"per step: {st['step_ms']} ms, of which forward {st['forward_ms']} ms", flush=True)
                 piped = {k: st.get(k) for k in ("steps", "pipelined_steps", "draws_corrected")}
                 print(f"steps so far: {piped}", flush=True)
-            if a.prefill:
-                out["prefill"] = asyncio.run(prefill(sock, prompts_of_tokens(a.model, a.prefill, 3)))
-                print(f"prefill {out['prefill']['tokens']}: {out['prefill']['tok_s']} tok/s", flush=True)
             out["ipc_rtt_us"] = round(ipc_rtt_us(sock), 1)
             with Client(sock) as c:
                 out["status"] = c.status()
@@ -236,6 +273,12 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill figure (0: none)")
     ap.add_argument("--set", action="append", default=[], help="a config override for hmad (KEY=VALUE)")
     ap.add_argument("--engine", action="store_true", help="also the engine in-process, for the ratio")
+    ap.add_argument(
+        "--first-burst",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the largest level sent the moment hmad is ready (off: the state bench_peer.py measures in)",
+    )
     ap.add_argument("--ready-only", type=int, default=0, help="N: only start hmad N times, time READY")
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -257,6 +300,7 @@ def main() -> None:
         "backend": a.backend,
         "gen": a.gen,
         "sampling": a.sampling,
+        **max_clocks(),
         "daemon": run_daemon(a, levels),
     }
     out["device"] = out["daemon"]["status"].get("device")
@@ -266,8 +310,9 @@ def main() -> None:
             n: round(out["daemon"]["levels"][n]["tok_s"] / out["engine"][n]["tok_s"], 3) for n in levels
         }
         print(f"daemon / engine: {out['ratio_daemon_engine']}", flush=True)
-    first = out["daemon"]["first_burst"]["tok_s"] / out["daemon"]["levels"][max(levels)]["tok_s"]
-    out["ratio_first_burst_steady"] = round(first, 3)
+    if "first_burst" in out["daemon"]:
+        first = out["daemon"]["first_burst"]["tok_s"] / out["daemon"]["levels"][max(levels)]["tok_s"]
+        out["ratio_first_burst_steady"] = round(first, 3)
     print(json.dumps({k: v for k, v in out.items() if k != "daemon"} | {"ready_s": out["daemon"]["ready_s"]}))
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1, default=str))

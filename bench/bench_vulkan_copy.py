@@ -2,9 +2,11 @@
 """Vulkan memory bandwidth: the ceilings every decode/prefill bandwidth figure is reported against.
 
 For each variant (shaders/copy.comp and shaders/read.comp: vec4 loads, UNROLL in flight) and workgroup size,
-records ``--iters`` passes over ``--mib`` MiB into one command buffer with a timestamp after each, submits it
-(once to warm up, once measured) and reports GB/s = bytes moved / median GPU time per pass: 2 x the size for
-a copy (read + write), 1 x for a read (what a decode step does with its weights).
+records ``--iters`` passes over ``--mib`` MiB into one command buffer with a timestamp after each and reports
+GB/s = bytes moved / median GPU time per pass: 2 x the size for a copy (read + write), 1 x for a read (what a
+decode step does with its weights). A GPU idles at low clocks and a submit of a few milliseconds does not
+raise them, so the buffer is first submitted for ``--warm-s`` seconds untimed, then for ``--seconds`` timed,
+with the clocks sampled meanwhile (bench/gpu_clocks.py); the first submit's figure is kept as ``cold_GBps``.
 Also: the empty submit + fence round trip, and host writes into mapped memory through a numpy view.
 ``--memory host`` puts the source in the host-visible pool (dGPU system heap / APU GTT) to measure that path.
 ``--fill zero`` copies zeros instead of random bytes: GPUs that compress memory traffic (NVIDIA since
@@ -29,6 +31,9 @@ from hmad.backends.vulkan.device import Device  # noqa: E402
 from hmad.backends.vulkan.memory import create_buffer  # noqa: E402
 from hmad.backends.vulkan.pipelines import CommandRecorder, CopyPush, Kernel  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_clocks import ClockLog, describe, max_clocks  # noqa: E402
+
 
 def copy_ranges(src, dst, max_range: int) -> list[tuple[tuple, tuple, int]]:
     """Pair up bind ranges of src and dst (a copy bigger than maxStorageBufferRange is several dispatches)."""
@@ -38,7 +43,16 @@ def copy_ranges(src, dst, max_range: int) -> list[tuple[tuple, tuple, int]]:
     ]
 
 
-def bench_variant(dev, name, block, src, dst, iters) -> dict:
+def pass_times(rec, iters: int, pieces: int) -> np.ndarray:
+    """GPU nanoseconds of each of the ``iters`` passes of the last submit of ``rec``."""
+    t = rec.gpu_times()
+    return np.array([ns for _, ns in t["commands"]]).reshape(iters, pieces).sum(axis=1)
+
+
+def bench_variant(dev, name, block, src, dst, iters, warm_s: float = 0.0, seconds: float = 0.0) -> dict:
+    """GB/s of one variant: ``cold`` is the first submit of the variant (the clocks as the GPU had them);
+    then submits run for ``warm_s`` seconds untimed (clocks up), then for ``seconds`` timed, their passes'
+    median reported with the clocks sampled meanwhile (at least one timed submit either way)."""
     k = Kernel(dev, name, block_size=block)
     unroll = int(name.rsplit("_x", 1)[1]) if "_x" in name else 1
     moved = src.nbytes * (1 if name.startswith("read") else 2)  # read.comp: read only; copy: read + write
@@ -50,12 +64,20 @@ def bench_variant(dev, name, block, src, dst, iters) -> dict:
             groups = min(max_x, -(-(n // 16) // (block * unroll)))
             rec.dispatch(k, [a, b], CopyPush(n // 16), groups, "copy")
     rec.end()
-    rec.submit()  # warm-up
-    host_s = rec.submit()
-    t = rec.gpu_times()
-    per = np.array([ns for _, ns in t["commands"]]).reshape(iters, len(pieces)).sum(axis=1)
+    rec.submit()
+    cold = pass_times(rec, iters, len(pieces))
+    t_end = time.perf_counter() + warm_s
+    while time.perf_counter() < t_end:
+        rec.submit()
+    per, host_s = [], []
+    with ClockLog(f"vulkan {name}") as clk:
+        t_end = time.perf_counter() + seconds
+        while not per or time.perf_counter() < t_end:
+            host_s.append(rec.submit())
+            per.append(pass_times(rec, iters, len(pieces)))
     rec.close()
     k.close()
+    per = np.concatenate(per)
     med = float(np.median(per))
     return {
         "variant": name,
@@ -63,7 +85,10 @@ def bench_variant(dev, name, block, src, dst, iters) -> dict:
         "median_ms": med / 1e6,
         "GBps": moved / med,
         "best_GBps": moved / float(per.min()),
-        "host_GBps": moved * iters / (host_s * 1e9),
+        "cold_GBps": moved / float(np.median(cold)),
+        "host_GBps": moved * iters / (float(np.median(host_s)) * 1e9),
+        "passes": int(per.size),
+        "clocks": clk.summary,
     }
 
 
@@ -121,6 +146,8 @@ def main() -> int:
         "--memory", choices=["device", "host"], default="device", help="pool of the source buffer"
     )
     ap.add_argument("--fill", choices=["random", "zero"], default="random", help="what the source holds")
+    ap.add_argument("--warm-s", type=float, default=3.0, help="untimed submits first, clocks up (0: none)")
+    ap.add_argument("--seconds", type=float, default=1.0, help="timed submits for this long (0: one)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = Device(args.device)
@@ -128,15 +155,18 @@ def main() -> int:
     src = create_buffer(dev, nbytes, args.memory, "src")
     dst = create_buffer(dev, nbytes, "device", "dst")
     res = {"device": dev.describe(), "mib": args.mib, "memory": args.memory, "fill": args.fill, "runs": []}
+    res.update(date=time.strftime("%F"), warm_s=args.warm_s, seconds=args.seconds, **max_clocks())
     host_arr = source_bytes(nbytes, args.fill)
     res["host_write_mapped_GBps"] = fill_buffer(dev, src, host_arr)
     res["submit_round_trip_us"] = submit_round_trip(dev)
     for name in args.variants.split(","):
         for block in map(int, args.blocks.split(",")):
-            r = bench_variant(dev, name, block, src, dst, args.iters)
+            r = bench_variant(dev, name, block, src, dst, args.iters, args.warm_s, args.seconds)
             res["runs"].append(r)
             print(
-                f"{name:14s} block {block:4d}: {r['GBps']:8.1f} GB/s (best {r['best_GBps']:.1f})", flush=True
+                f"{name:14s} block {block:4d}: {r['GBps']:8.1f} GB/s (best {r['best_GBps']:.1f}, "
+                f"first submit {r['cold_GBps']:.1f}), {describe(r['clocks'])}",
+                flush=True,
             )
     check = create_buffer(dev, nbytes, "readback", "check")
     rec = CommandRecorder(dev).begin()

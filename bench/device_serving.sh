@@ -3,7 +3,9 @@
 # file, hmad's load profile, and the daemon's throughput beside its engine, per model shape. Results in $OUT.
 #   bash bench/device_serving.sh [write] [tests] [ready] [peer_load] [load_profile] [daemon_270m] [daemon_27b]
 #       [peer_270m] [peer_27b] [prefix] [determinism] [copy] [compare_270m] [compare_27b] [steps]
-#       [nopipe_270m] [nopipe_27b] [host_step] [sampled_270m] [sampled_27b]
+#       [nopipe_270m] [nopipe_27b] [host_step] [sampled_270m] [sampled_27b] [limits]
+# The like-for-like table of README and docs/performance.md: `bash bench/device_serving.sh write limits
+# compare_27b compare_270m` (limits first: compare_* reads its memory.json and copy.json).
 set -uo pipefail
 . bench/device_env.sh
 OUT=${OUT:-/tmp/out}
@@ -62,9 +64,17 @@ for n in ('270m', '27b'):
         timeout 400 python3 bench/bench_daemon.py --model /tmp/syn-$m.gguf --backend vulkan --engine \
             --json "$OUT/daemon_$m.json" 2>&1 | tail -12 | cut -c1-300
         ;;
-    copy)  # the copy ceiling of this GPU (bandwidth figures are given against it)
-        timeout 120 python3 bench/bench_vulkan_copy.py --mib 1024 --iters 20 --out "$OUT/copy.json" | tail -1
+    copy)  # the Vulkan copy and read ceilings, warm (clocks up) and the first submit's, random bytes and zeros
+        timeout 120 python3 bench/bench_vulkan_copy.py --mib 1024 --iters 20 --out "$OUT/copy.json" | tail -7
         timeout 120 python3 bench/bench_vulkan_copy.py --mib 1024 --iters 20 --fill zero | tail -1
+        ;;
+    limits)  # the memory's own bandwidth (cudaMemcpy, no kernel of ours) and the warm Vulkan read ceiling,
+        # each with the GPU's clocks: the limits every decode figure is given against
+        timeout 120 python3 bench/bench_memory_limit.py --json "$OUT/memory.json" | grep -v '^{'
+        timeout 150 python3 bench/bench_vulkan_copy.py --mib 1024 --iters 20 --variants read_vec4,read_vec4_x4,read_vec4_x8,copy_vec4_x4 \
+            --out "$OUT/copy.json" | tail -5
+        nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.draw,temperature.gpu \
+            --format=csv | tee "$OUT/gpu.csv"
         ;;
     steps)  # the engine's steps alone on both written files: prefill 512, decode at 1, 8, 32, the weights'
         # read rate against the read-only ceiling of random bytes, per-kernel GPU time
@@ -72,16 +82,18 @@ for n in ('270m', '27b'):
             --gguf 27b=/tmp/syn-27b.gguf --engine none --reps 10 --out "$OUT/steps.json" 2>&1 \
             | grep -E "ceiling|tok/s|GiB" | cut -c1-200
         ;;
-    compare_270m | compare_27b)  # hmad through the daemon beside llama-server on the same file: prefill 512,
-        # 1, 8 and 32 streams (issue 17's table; bench/compare_peer.py prints the ratios)
+    compare_270m | compare_27b)  # hmad through the daemon beside llama-server at its best on the same file:
+        # prefill 512, 1, 8 and 32 streams of 128-token prompts, both idle and warmed (bench/compare_peer.py
+        # pairs decode with decode, prefill with prefill, and prints the wall figures apart)
         m=${step#compare_}
-        # prompts of 128 tokens on both (the same work: bench_daemon.py --prompt-tokens, bench_peer.py --prompt-len)
         timeout 300 python3 bench/bench_peer.py --server-dir /tmp/peer/bin --gguf /tmp/syn-$m.gguf --prompt-len 128 \
-            --json "$OUT/peer_$m.json" 2>&1 | grep -E "ready|prefill|streams" | head -6
+            --ub-sweep 256,512,1024,2048 --json "$OUT/peer_$m.json" 2>&1 | grep -E "^llama-server" | cut -c1-250
         timeout 400 python3 bench/bench_daemon.py --model /tmp/syn-$m.gguf --backend vulkan --levels 1,8,32 \
-            --prompt-tokens 128 --json "$OUT/hmad_$m.json" 2>&1 | grep -E "ready|steady|prefill|per step" | cut -c1-200
+            --prompt-tokens 128 --no-first-burst --json "$OUT/hmad_$m.json" 2>&1 \
+            | grep -E "ready|steady|prefill|per step" | cut -c1-250
         python3 bench/compare_peer.py --hmad "$OUT/hmad_$m.json" --peer "$OUT/peer_$m.json" \
-            --copy "$OUT/copy.json" --weights-bytes "$(stat -c %s /tmp/syn-$m.gguf)"
+            --memory "$OUT/memory.json" --copy "$OUT/copy.json" --weights-bytes "$(stat -c %s /tmp/syn-$m.gguf)" \
+            --json "$OUT/compare_$m.json"
         ;;
     nopipe_270m | nopipe_27b)  # hmad with engine.pipeline off, as compare_* runs it (after compare_*: the
         # same llama-server figures; the ratios of both settings in one call)
