@@ -8,10 +8,11 @@ layers, K-quant rows of 256.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFWriter
+from gguf import GGUFValueType, GGUFWriter
 
 from hmad.model.quants import quantize_q4_0, quantize_q5_0, quantize_q8_0, random_blocks
 
@@ -72,10 +73,15 @@ def make_tiny_gguf(
     window: int = 8,
     rope_scale: float = 2.0,
     byte_tokens: bool = True,
+    metadata: dict[str, tuple[Any, GGUFValueType]] | None = None,
+    alignment: int | None = None,
 ) -> Path:
     """Write a random Gemma 3 GGUF; ``types`` maps tensor kinds (e.g. ``attn_q``) to quant types
     (default: F32 everywhere); ``byte_tokens=False``: a vocabulary without byte-fallback tokens
-    (``tiny_vocab``); returns the path."""
+    (``tiny_vocab``); ``metadata``: keys to add or overwrite, as (value, GGUF value type), after the usual
+    ones (weights keep the shapes of the arguments: a file whose metadata lies about them);
+    ``alignment``: the data alignment the file is written with (and states in ``general.alignment``);
+    returns the path."""
     rng = np.random.default_rng(seed)
     types = {**{k: Q.F32 for k in MIXED}, **(types or {})}
     tokens, scores, ttypes = tiny_vocab(byte_tokens)
@@ -105,6 +111,11 @@ def make_tiny_gguf(
     w.add_pad_token_id(0)
     w.add_add_bos_token(True)
     w.add_add_space_prefix(False)
+    if alignment is not None:
+        w.add_custom_alignment(alignment)
+    for key, (value, vtype) in (metadata or {}).items():
+        w.kv_data[0].pop(key, None)  # (add_key_value would log a warning for each overwrite)
+        w.add_key_value(key, value, vtype)
     vocab = len(tokens)
     w.add_tensor(
         "token_embd.weight",

@@ -153,7 +153,7 @@ def token_ids_in_vocab(path: str | Path, stated: Stated, v: dict[str, Any]) -> N
         for tid in [] if ids is None else ids if isinstance(ids, list) else [ids]:
             if tid >= n:
                 raise ModelFormatError(
-                    path, f"{_say(stated, field, tid)} is not a token id (the vocabulary has {n})"
+                    path, f"{_say(stated, field, tid)} is not a token id: {_say(stated, 'vocab_size', n)}"
                 )
 
 
