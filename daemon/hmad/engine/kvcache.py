@@ -131,7 +131,7 @@ def tenant_root(tenant: int | None) -> bytes:
     so no tenant's first block can share a hashed input with tenant None's."""
     if tenant is None:
         return ROOT_KEY
-    return hashlib.blake2b(b"hmad-tenant:%d" % tenant, digest_size=16).digest()
+    return hashlib.blake2b(b"hmad-tenant:" + str(tenant).encode(), digest_size=16).digest()
 
 
 def block_key(parent: bytes, token_ids: Sequence[int]) -> bytes:
