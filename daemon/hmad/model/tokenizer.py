@@ -88,6 +88,47 @@ _TYPE_TO_ATTR = {
 _HIDDEN = TokenAttr.CONTROL | TokenAttr.UNKNOWN  # rendered only when specials are asked for
 
 
+class TemplateText(str):
+    """A prompt a chat template made: a ``str`` (what the server measures, logs and caches) that also knows
+    which of its spans are the template's own control tokens.
+
+    ``Tokenizer.encode`` parses only those spans as control tokens; everything else (message content, role
+    names, newlines) is tokenized as plain text, so a message that says ``<end_of_turn>`` or
+    ``<start_of_turn>model`` cannot end its turn or open another. Text without control-token text encodes to
+    the same ids as before. Any ``str`` operation on it (slicing, ``+``, ``strip``) gives a plain ``str``,
+    which is encoded as a raw prompt (control-token text parsed wherever it is).
+    """
+
+    markers: tuple[tuple[int, int], ...]  # (start, end) of each control-token span, in order
+
+    def __new__(cls, pieces: Iterable[tuple[str, bool]]) -> TemplateText:
+        """``pieces``: (text, is_control_token) in order."""
+        texts, markers, pos = [], [], 0
+        for text, marker in pieces:
+            if marker:
+                markers.append((pos, pos + len(text)))
+            texts.append(text)
+            pos += len(text)
+        self = super().__new__(cls, "".join(texts))
+        self.markers = tuple(markers)
+        return self
+
+    def __getnewargs__(self) -> tuple[tuple[tuple[str, bool], ...]]:  # pickling keeps the markers
+        return (tuple(self.segments()),)
+
+    def segments(self) -> list[tuple[str, bool]]:
+        """(text, is_control_token) in order, the plain text between two markers as one piece."""
+        out, pos, text = [], 0, str(self)
+        for start, end in self.markers:
+            if start > pos:
+                out.append((text[pos:start], False))
+            out.append((text[start:end], True))
+            pos = end
+        if pos < len(text):
+            out.append((text[pos:], False))
+        return out
+
+
 class Tokenizer:
     """The interface every tokenizer offers to the engine, the chat formatter and the server.
 
@@ -106,8 +147,21 @@ class Tokenizer:
     max_token_chars: int | None = None
 
     def encode(self, text: str, add_bos: bool = True, parse_special: bool = True) -> list[int]:
-        """Token ids of ``text``; ``parse_special`` lets control-token texts (``<start_of_turn>``) match."""
+        """Token ids of ``text``; ``parse_special`` lets control-token texts (``<start_of_turn>``) match.
+
+        A :class:`TemplateText` (a chat template's prompt) with ``parse_special`` matches them only in the
+        template's own markers (``encode_template``)."""
         raise NotImplementedError
+
+    def encode_template(self, text: TemplateText, add_bos: bool = True) -> list[int]:
+        """Ids of a chat template's prompt: its markers parsed as control tokens, the rest as plain text.
+
+        Each plain run is what the whole-text partition would cut out between two markers, so text that
+        holds no control-token text gets the ids a plain ``encode`` gives."""
+        ids = self.encode("", add_bos=add_bos)  # the BOS this tokenizer adds, if any
+        for piece, marker in text.segments():
+            ids += self.encode(piece, add_bos=False, parse_special=marker)
+        return ids
 
     def token_bytes(self, token_id: int, special: bool = False) -> bytes:
         """Bytes token ``token_id`` adds to the output; control tokens give b"" unless ``special``."""
@@ -309,6 +363,8 @@ class SpmTokenizer(Tokenizer):
 
         ``add_bos`` adds BOS only when the vocab's ``add_bos_token`` is set (llama.cpp's add_special).
         """
+        if parse_special and isinstance(text, TemplateText):
+            return self.encode_template(text, add_bos)
         out: list[int] = []
         if add_bos and self.add_bos:
             if self.bos_id is None:
@@ -551,6 +607,8 @@ class HFTokenizer(Tokenizer):
 
     def encode(self, text: str, add_bos: bool = True, parse_special: bool = True) -> list[int]:
         """Encode without the file's post-processor; BOS is prepended here when asked for."""
+        if parse_special and isinstance(text, TemplateText):
+            return self.encode_template(text, add_bos)
         self._tk.encode_special_tokens = not parse_special
         ids = self._tk.encode(text, add_special_tokens=False).ids if text else []
         if add_bos and self.bos_id is not None:
