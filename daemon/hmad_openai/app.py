@@ -7,6 +7,9 @@
                                        (``hmad_openai_requests_total``) and ``hmad_up``
     GET  /health                       200 when hmad is ready, else 503 (loading, unreachable; no key needed)
 
+Every request must name a loopback address or an ``--allowed-host`` name in its Host header, and a POST
+must be ``Content-Type: application/json`` (``hmad_openai.guards``); the server cuts off slow request heads
+and bodies (``hmad_openai.deadlines``). Unknown paths and methods get OpenAI-style JSON errors (404, 405).
 With an API key set, every path but /health needs ``Authorization: Bearer <key>`` (else 401). A client that
 disconnects has its generation cancelled in hmad: a stream when the server sees the disconnect, a
 stream=false request through a watch on the connection while it waits.
@@ -28,8 +31,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from prometheus_client.registry import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -39,6 +43,7 @@ from hmaclient.client import AsyncClient, AsyncStream, HmaError, RequestError
 from hmaclient.prometheus import FamiliesCollector
 from hmad_openai import responses as R
 from hmad_openai.errors import OpenAIError, bad_request, from_exception
+from hmad_openai.guards import AllowedHosts, require_json
 from hmad_openai.schema import ChatRequest, CompletionRequest, parse
 
 log = logging.getLogger("hmad_openai")
@@ -54,12 +59,13 @@ ENDPOINTS = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/metrics"
 class Settings:
     """What ``hmad-openai`` is told: hmad's socket (None: hmaclient's default), the bearer token (None: no
     authentication), the model name to report (None: hmad's), the web origins whose pages may call the API
-    (CORS; none by default, "*" for any)."""
+    (CORS; none by default, "*" for any), the Host names answered besides the loopback ones ("*" for any)."""
 
     socket: str | None = None
     api_key: str | None = None
     model_name: str | None = None
     cors_origins: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
 
 
 class ClientGone(Exception):
@@ -169,12 +175,18 @@ async def health(request: Request) -> Response:
 
 
 async def _body(request: Request) -> bytes:
+    """The JSON body (415 for another Content-Type, 413 past MAX_BODY_BYTES; ClientGone if the client left
+    or was cut off by the body deadline)."""
+    require_json(request.headers.get("content-type"))
     chunks, n = [], 0
-    async for chunk in request.stream():
-        n += len(chunk)
-        if n > MAX_BODY_BYTES:
-            raise OpenAIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > MAX_BODY_BYTES:
+                raise OpenAIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone from None
     return b"".join(chunks)
 
 
@@ -243,6 +255,21 @@ def _error(e: Exception) -> OpenAIError:
         msg = f"response_format needs hmad's structured output (generate's json_schema): {err.message}"
         return bad_request(msg, "response_format", err.code)
     return err
+
+
+async def _no_route(request: Request, e: Exception) -> Response:
+    """Starlette's 404 (no such path) and 405 (method not allowed) as OpenAI-style JSON errors."""
+    assert isinstance(e, HTTPException)
+    what = "no such endpoint" if e.status_code == 404 else "method not allowed"
+    err = OpenAIError(
+        e.status_code, f"{what}: {request.method} {request.url.path}", code=_ROUTE_CODES.get(e.status_code)
+    )
+    response = err.response()
+    response.headers.update(e.headers or {})
+    return response
+
+
+_ROUTE_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
 async def _on_error(request: Request, e: Exception) -> Response:
@@ -318,7 +345,8 @@ def build_app(settings: Settings) -> Starlette:
     ]
     # Exception itself is left out: Starlette's handler of last resort answers 500 and logs the traceback.
     handled = (OpenAIError, HmaError, P.ProtocolError, ClientGone)
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=dict.fromkeys(handled, _on_error))
+    handlers: dict[Any, Any] = {**dict.fromkeys(handled, _on_error), HTTPException: _no_route}
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
     app.state.gateway = gw
     app.add_middleware(BearerAuth, key=settings.api_key)
     if settings.cors_origins:  # outside the key check: a browser's preflight carries no Authorization
@@ -328,5 +356,6 @@ def build_app(settings: Settings) -> Starlette:
             allow_methods=["GET", "POST"],
             allow_headers=["Authorization", "Content-Type"],
         )
-    app.add_middleware(CountRequests, counter=gw.requests)
+    app.add_middleware(AllowedHosts, allowed=settings.allowed_hosts)  # before CORS: every request
+    app.add_middleware(CountRequests, counter=gw.requests)  # outermost: refusals are counted too
     return app
