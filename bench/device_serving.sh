@@ -4,22 +4,34 @@
 #   bash bench/device_serving.sh [write] [tests] [ready] [peer_load] [load_profile] [daemon_270m] [daemon_27b]
 #       [peer_270m] [peer_27b] [prefix] [determinism] [copy] [compare_270m] [compare_27b] [steps]
 #       [nopipe_270m] [nopipe_27b] [host_step] [sampled_270m] [sampled_27b] [limits]
-# The like-for-like table of README and docs/performance.md: `bash bench/device_serving.sh write limits
-# compare_27b compare_270m` (limits first: compare_* reads its memory.json and copy.json).
+# The like-for-like table of README and docs/performance.md: `bash bench/device_serving.sh compare_27b
+# compare_270m` (each writes the synthetic files and runs `limits` first when they are missing).
+# At most 8 files come back from $OUT: run with OUT=/tmp/r and tar it into the real $OUT.
 set -uo pipefail
 . bench/device_env.sh
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/peer
 mkdir -p /tmp/peer/bin; [ -x /tmp/peer/bin/llama-server ] || tar xzf .peer/llama-server-bin.tar.gz -C /tmp/peer/bin
-for step in ${*:-write peer_load load_profile daemon_270m daemon_27b}; do
-    echo "== $step $(date +%T)"
-    case $step in
-    write)  # the synthetic 270M- and 27B-shaped files (bench_vulkan_model.write_model), page cache warmed
-        python3 -c "
+write_models() {  # the synthetic 270M- and 27B-shaped files (bench_vulkan_model.write_model), page cache warmed
+    python3 -c "
 import sys, time; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_vulkan_model import write_model
 for n in ('270m', '27b'):
     t = time.time(); write_model(Path(f'/tmp/syn-{n}.gguf'), n); print(n, 'written in', round(time.time() - t, 1), 's')"
-        cat /tmp/syn-27b.gguf > /dev/null; ls -la /tmp/syn-*.gguf
+    cat /tmp/syn-27b.gguf > /dev/null; ls -la /tmp/syn-*.gguf
+}
+limits() {  # the memory's own bandwidth (cudaMemcpy, no kernel of ours) and the warm Vulkan read ceiling,
+    # each with the GPU's clocks: the limits every decode figure is given against
+    timeout 120 python3 bench/bench_memory_limit.py --json "$OUT/memory.json" | grep -v '^{'
+    timeout 150 python3 bench/bench_vulkan_copy.py --mib 1024 --iters 20 \
+        --variants read_vec4,read_vec4_x4,read_vec4_x8,copy_vec4_x4 --out "$OUT/copy.json" | tail -5
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.draw,temperature.gpu \
+        --format=csv | tee "$OUT/gpu.csv"
+}
+for step in ${*:-write peer_load load_profile daemon_270m daemon_27b}; do
+    echo "== $step $(date +%T)"
+    case $step in
+    write)  # the synthetic files
+        write_models
         ;;
     peer_load)  # llama-server's load time on the 27B file, twice
         for i in 1 2; do
@@ -68,13 +80,8 @@ for n in ('270m', '27b'):
         timeout 120 python3 bench/bench_vulkan_copy.py --mib 1024 --iters 20 --out "$OUT/copy.json" | tail -7
         timeout 120 python3 bench/bench_vulkan_copy.py --mib 1024 --iters 20 --fill zero | tail -1
         ;;
-    limits)  # the memory's own bandwidth (cudaMemcpy, no kernel of ours) and the warm Vulkan read ceiling,
-        # each with the GPU's clocks: the limits every decode figure is given against
-        timeout 120 python3 bench/bench_memory_limit.py --json "$OUT/memory.json" | grep -v '^{'
-        timeout 150 python3 bench/bench_vulkan_copy.py --mib 1024 --iters 20 --variants read_vec4,read_vec4_x4,read_vec4_x8,copy_vec4_x4 \
-            --out "$OUT/copy.json" | tail -5
-        nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.draw,temperature.gpu \
-            --format=csv | tee "$OUT/gpu.csv"
+    limits)  # the memory's bandwidth and the Vulkan read ceiling, with clocks
+        limits
         ;;
     steps)  # the engine's steps alone on both written files: prefill 512, decode at 1, 8, 32, the weights'
         # read rate against the read-only ceiling of random bytes, per-kernel GPU time
@@ -86,6 +93,8 @@ for n in ('270m', '27b'):
         # prefill 512, 1, 8 and 32 streams of 128-token prompts, both idle and warmed (bench/compare_peer.py
         # pairs decode with decode, prefill with prefill, and prints the wall figures apart)
         m=${step#compare_}
+        [ -f /tmp/syn-$m.gguf ] || write_models
+        [ -f "$OUT/memory.json" ] || limits
         timeout 300 python3 bench/bench_peer.py --server-dir /tmp/peer/bin --gguf /tmp/syn-$m.gguf --prompt-len 128 \
             --ub-sweep 256,512,1024,2048 --json "$OUT/peer_$m.json" 2>&1 | grep -E "^llama-server" | cut -c1-250
         timeout 400 python3 bench/bench_daemon.py --model /tmp/syn-$m.gguf --backend vulkan --levels 1,8,32 \
