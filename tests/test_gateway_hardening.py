@@ -16,6 +16,7 @@ from test_openai_gateway import CLEAN_EXIT, Gateway
 from tiny_gguf import make_tiny_gguf
 
 from hmaclient import Client
+from hmad_openai import cli as gateway_cli
 from hmad_openai.guards import host_allowed
 
 HEADER_TIMEOUT_S, BODY_TIMEOUT_S = 1.0, 1.5
@@ -80,6 +81,19 @@ def _error(r: httpx.Response, status: int, code: str) -> str:
 def test_host_rule(host, ok):
     assert host_allowed(host, frozenset({"hmad.lan"})) is ok
     assert host_allowed(host, frozenset({"*"}))
+
+
+@pytest.mark.parametrize(
+    ("argv", "allowed"),
+    [
+        ([], ("127.0.0.1",)),  # the default --host
+        (["--host", "0.0.0.0"], ()),  # a wildcard: the names clients use are unknown, give them
+        (["--host", "::", "--allowed-host", "a.lan"], ("a.lan",)),
+        (["--host", "192.168.7.2", "--allowed-host", "a.lan"], ("a.lan", "192.168.7.2")),
+    ],
+)
+def test_allowed_hosts_are_the_flags_and_a_specific_listen_address(argv, allowed):
+    assert gateway_cli.allowed_hosts(gateway_cli.build_parser().parse_args(argv)) == allowed
 
 
 def test_loopback_and_allowed_hosts_are_served(gateway, daemon):

@@ -527,6 +527,7 @@ def test_embedded_model_chat(embedded_model_path, tmp_path):
         (["--api-key-file", "/nonexistent/key"], "No such file"),
         (["--api-key", "a", "--api-key-file", "b"], "not allowed with"),
         (["--host", "192.0.2.1"], "hmad-openai:"),  # TEST-NET-1: no address of this machine
+        (["--header-timeout", "0"], "a timeout is over 0 and at most 3600 seconds"),
     ],
 )
 def test_usage_errors_exit_2(argv, says):
