@@ -15,7 +15,8 @@ answer one JSON value satisfying that JSON Schema (a file holding it, or its JSO
 batch sizes, KV blocks, memory); ``--prometheus`` as Prometheus text (needs prometheus_client: the
 ``prometheus`` extra, ``pip install 'hmaclient[prometheus]'``), ``--json`` as the families the daemon sent.
 
-Exit codes: 0 ok, 1 the request failed (error reply, timeout), 2 usage, 3 hmad unreachable, 130 interrupted.
+Exit codes: 0 ok, 1 the request failed (error reply, timeout), 2 usage, 3 hmad unreachable (no daemon at
+the socket, or a socket another user could own: refused, see hmaclient.safepath), 130 interrupted.
 """
 
 from __future__ import annotations
