@@ -6,6 +6,7 @@ Offsets for the surgery come from gguf.GGUFReader run on the valid file (an inde
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -329,3 +330,57 @@ def test_random_byte_flips_never_escape(valid, tmp_path):
             pass
         except Exception as e:  # pragma: no cover - the failure being tested for
             pytest.fail(f"seed={seed} patches={patches}: {type(e).__name__}: {e}")
+
+
+# --- hyper-parameters and tokenizer metadata of a whole model (hmad.model.hparams via the loader) ---------
+
+
+def load_tiny(tmp_path: Path, metadata: dict) -> ModelFormatError:
+    """The ModelFormatError reading a tiny Gemma 3 GGUF with ``metadata`` ({key: (value, type)}) raises."""
+    from tiny_gguf import make_tiny_gguf
+
+    from hmad.model.loader import check_tensors, read_model_files
+
+    path = make_tiny_gguf(tmp_path / "m.gguf", n_layers=3, d_model=64, d_ff=64, metadata=metadata)
+    with pytest.raises(ModelFormatError) as e:
+        check_tensors(read_model_files(path))
+    assert e.value.path == str(path)
+    return e.value
+
+
+V = gguf.GGUFValueType
+
+
+@pytest.mark.parametrize(
+    ("metadata", "phrase"),
+    [
+        (
+            {"gemma3.block_count": (2, V.UINT32)},
+            "gemma3.block_count = 2, but the file holds tensors of layers 0-2",
+        ),
+        (
+            {"gemma3.block_count": (4, V.UINT32)},
+            "gemma3.block_count = 4, but the file holds tensors of layers 0-2",
+        ),
+        ({"gemma3.block_count": ("3", V.STRING)}, "gemma3.block_count = '3' is not an integer"),
+        ({"gemma3.block_count": (1 << 40, V.UINT64)}, "gemma3.block_count = 1099511627776 is out of range"),
+        ({"gemma3.attention.head_count": (3, V.UINT32)}, "head_count_kv = 2 does not divide"),
+        ({"gemma3.attention.value_length": (32, V.UINT32)}, "value_length = 32 differs from"),
+        (
+            {"gemma3.attention.sliding_window": (8192, V.UINT32)},
+            "sliding_window = 8192 is longer than the context",
+        ),
+        (
+            {"gemma3.feed_forward_length": (128, V.UINT32)},
+            "feed_forward_length = 128, gemma3.embedding_length = 64",
+        ),
+        ({"tokenizer.ggml.bos_token_id": (100000, V.UINT32)}, "bos_token_id = 100000 is not a token id"),
+        (
+            {"tokenizer.ggml.model": ("gpt2", V.STRING)},
+            "cannot build the tokenizer: ValueError: tokenizer.ggml.model",
+        ),
+        ({"gemma3.rope.freq_base": (math.nan, V.FLOAT32)}, "freq_base = nan is out of range: must be finite"),
+    ],
+)
+def test_hyperparameters_are_checked(tmp_path, metadata, phrase):
+    assert phrase in load_tiny(tmp_path, metadata).problem

@@ -172,7 +172,7 @@ class Worker:
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.proc.stdout, selectors.EVENT_READ)
 
-    def load(self, path: Path, what: str, timeout: float = 60.0) -> dict[str, Any]:
+    def load(self, path: Path, what: str, timeout: float = 20.0) -> dict[str, Any]:
         """The worker's answer for the model at ``path``; fails the test if it takes over ``timeout``."""
         self.proc.stdin.write(json.dumps({"path": str(path)}) + "\n")
         self.proc.stdin.flush()

@@ -423,3 +423,53 @@ def test_logits_match_live_transformers(tmp_path, tied):
     want = hf_tiny.transformers_logits(d, prompts)
     for k, got in enumerate(hmad_logits(d, prompts)):
         assert_logits_close(got, want[k], f"prompt {k} (tied={tied})")
+
+
+@pytest.mark.parametrize(
+    ("change", "drop", "match"),
+    [
+        ({"num_hidden_layers": 4294967295}, "layer_types", "num_hidden_layers = 4294967295 is out of range"),
+        (
+            {"num_hidden_layers": 5},
+            "layer_types",
+            "num_hidden_layers = 5, but the file holds tensors of layers 0-5",
+        ),
+        ({"num_hidden_layers": 7}, None, "layer_types must list num_hidden_layers = 7"),
+        ({"sliding_window_pattern": 0}, "layer_types", "sliding_window_pattern = 0 is out of range"),
+        ({"num_attention_heads": 0}, None, "num_attention_heads = 0 is out of range"),
+        ({"head_dim": 8}, None, "head_dim = 8"),
+        ({"query_pre_attn_scalar": 0}, None, "query_pre_attn_scalar = 0 is out of range"),
+        ({"rope_scaling": 2.0}, None, "rope_scaling = 2.0 is not an object"),
+        (
+            {"rope_scaling": {"rope_type": "linear", "factor": -2}},
+            None,
+            "rope_scaling.factor = -2 is out of range",
+        ),
+        ({"eos_token_id": [1, 512]}, None, "eos_token_id = 512 is not a token id: vocab_size = 512"),
+        ({"vocab_size": 500}, None, "vocab_size = 500, hidden_size = 64 in config.json imply [500, 64]"),
+    ],
+)
+def test_config_numbers_checked(tmp_path, change, drop, match):
+    d = hf_tiny.make_tiny_hf_checkpoint(tmp_path / "ck")
+    c = json.loads((d / "config.json").read_text())
+    c.pop(drop or "", None)
+    c.update(change)
+    (d / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ModelFormatError) as e:
+        read_hf_checkpoint(d)
+    assert match in e.value.problem
+
+
+def test_tokenizer_larger_than_the_embedding_refused(tmp_path):
+    from hmad.model.loader import check_tensors, read_model_files
+
+    d = hf_tiny.make_tiny_hf_checkpoint(tmp_path / "ck")
+    weights = load_file(str(d / "model.safetensors"))
+    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"][:500]
+    save_file(weights, str(d / "model.safetensors"))
+    c = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**c, "vocab_size": 500}))
+    with pytest.raises(
+        ModelFormatError, match="the tokenizer has 512 tokens, more than the embedding's vocab_size"
+    ):
+        check_tensors(read_model_files(d))
