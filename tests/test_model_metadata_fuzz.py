@@ -17,11 +17,13 @@ import os
 import selectors
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import hf_tiny
 import pytest
+from daemon_harness import Daemon
 from gguf import GGUFValueType as T
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -325,3 +327,23 @@ def test_hf_keys_together(hf_worker, changes, drop_layer_types):
     neutral = set(changes) <= HF_NEUTRAL - ({"sliding_window_pattern"} if drop_layer_types else set())
     neutral = neutral and all(v is not None for v in changes.values())  # null: the default
     check_answer(worker.load(d, what), list(changes), what, base, neutral)
+
+
+# --- the daemon ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("gemma3.block_count", (1 << 32) - 1), ("gemma3.attention.head_count", 0), ("gemma3.context_length", 0)],
+)
+def test_daemon_refuses_the_model_at_once(tmp_path, key, value):
+    """hmad given such a file exits 1 within seconds (before it ever serves), its log naming the key."""
+    path = write_gguf(tmp_path / "bad.gguf", {key: gguf_value(key, value)})
+    t0 = time.monotonic()
+    d = Daemon(path, tmp_path)
+    try:
+        rc = d.proc.wait(timeout=30)
+    finally:
+        d.stop()
+    assert rc == 1 and time.monotonic() - t0 < 30
+    assert f"{key} = {value}" in d.log_text(), d.log_text()
