@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -24,9 +25,10 @@ class Daemon:
         *sets: str,
         backend: str = "cpu",
         env: dict[str, str] | None = None,
+        nofile: tuple[int, int] | None = None,
     ):
         """``sets``: ``--set KEY=VALUE`` overrides; ``env``: extra environment variables (e.g. the test-only
-        HMAD_TEST_FAULT of hmad/faults.py)."""
+        HMAD_TEST_FAULT of hmad/faults.py); ``nofile``: the (soft, hard) open-file limit of the process."""
         self.socket = str(tmp / "run" / "hmad.sock")
         self.log_path = tmp / "hmad.log"
         cmd = [
@@ -47,7 +49,10 @@ class Daemon:
         env = {**os.environ, "HMAD_CONFIG": str(tmp / "none.yaml"), **(env or {})}
         (tmp / "none.yaml").write_text("{}\n")
         self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        limit = None if nofile is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, nofile))
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, preexec_fn=limit
+        )
 
     def wait_ready(self, timeout: float = 120.0) -> Daemon:
         """Until the daemon answers a ping with state ready, its model loaded (raises with its log if it
@@ -70,6 +75,16 @@ class Daemon:
                 return False
             reply = P.parse_reply(s.recv())
             return isinstance(reply, P.Pong) and reply.state == "ready"
+
+    def status(self, timeout: float = 5.0) -> dict:
+        """One ``status`` reply's map, on a connection of its own."""
+        with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as s:
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(P.endpoint(self.socket))
+            s.send(P.pack(P.status_request("harness")))
+            if not s.poll(int(timeout * 1000)):
+                raise TimeoutError(f"no status reply in {timeout} s")
+            return P.unpack(s.recv(), max_size=P.MAX_REPLY_BYTES)["status"]
 
     def rss_kib(self) -> int:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():

@@ -204,13 +204,15 @@ def test_flags_override_yaml(tmp_path):
     assert load_config(path, {"engine": {"max_seqs": 3}}, env=ENV).engine.step_tokens == 64  # merged
 
 
-def test_default_socket_path():
+def test_default_socket_path_is_the_clients_rule():
+    """One rule for daemon and clients: hmaclient.protocol.default_socket_path, $HMAD_SOCKET included."""
+    from hmaclient import protocol as P
+
     assert default_socket_path({}, euid=0) == "/run/hmad/hmad.sock"
-    assert default_socket_path({"XDG_RUNTIME_DIR": "/run/user/7"}, euid=7) == "/run/user/7/hmad/hmad.sock"
-    assert default_socket_path({"XDG_RUNTIME_DIR": "relative"}, euid=7) == "/tmp/hmad-7/hmad.sock"
-    assert default_socket_path({}, euid=7) == "/tmp/hmad-7/hmad.sock"
-    # systemd's RuntimeDirectory=hmad for the unprivileged hmad user: no XDG_RUNTIME_DIR there
-    assert default_socket_path({"RUNTIME_DIRECTORY": "/run/hmad"}, euid=990) == "/run/hmad/hmad.sock"
+    assert default_socket_path({"HMAD_SOCKET": "/x/h.sock"}, euid=7) == "/x/h.sock"
+    for env in ({}, {"XDG_RUNTIME_DIR": "/run/user/7"}, {"XDG_RUNTIME_DIR": "relative"}, {"TMPDIR": "/t"}):
+        assert default_socket_path(env, euid=7) == P.default_socket_path(env, euid=7)
+    assert load_config(overrides={}, env={"HMAD_SOCKET": "/y/h.sock"}).socket.path == "/y/h.sock"
 
 
 def test_parse_override():

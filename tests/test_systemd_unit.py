@@ -98,6 +98,8 @@ def test_lifecycle(service):
     assert one(service, "TimeoutStopSec") == "30"
     assert one(service, "Restart") == "on-failure"
     assert one(service, "RestartSec") == "2"
+    # connections are files: far above server.max_connections, so a flood cannot make libzmq abort
+    assert int(one(service, "LimitNOFILE")) >= 4 * 1024
     assert "multi-user.target" in parse_unit(UNIT.read_text())["Install"]["WantedBy"]
 
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from hmaclient import protocol as P
 from hmad.errors import HmadError
 
 if TYPE_CHECKING:
@@ -391,6 +392,16 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
+class ServerConfig:
+    """The socket's limits on its peers (docs/protocol.md, "Limits")."""
+
+    max_connections: int = _key(1024, _Int(1, 1 << 20))
+    max_in_flight_per_connection: int = _key(64, _Int(1, 1 << 20))
+    max_in_flight_per_uid: int = _key(128, _Int(1, 1 << 20))
+    max_reply_bytes: int = _key(256 << 20, _Bytes(1 << 20, 1 << 40))
+
+
+@dataclass(frozen=True)
 class ServiceConfig:
     drain_grace_s: float = _key(10.0, _Real(0.0))
     watchdog: bool = _key(True, _Bool())
@@ -463,6 +474,7 @@ class Config:
     socket: SocketConfig = _section(SocketConfig)
     engine: EngineConfig = _section(EngineConfig)
     limits: LimitsConfig = _section(LimitsConfig)
+    server: ServerConfig = _section(ServerConfig)
     service: ServiceConfig = _section(ServiceConfig)
     sampling: SamplingConfig = _section(SamplingConfig)
     cpu: CpuConfig = _section(CpuConfig)
@@ -519,22 +531,10 @@ def _schema(cls: type) -> list[tuple[dataclasses.Field, _Check | None, type | No
 
 
 def default_socket_path(env: Mapping[str, str] = os.environ, euid: int | None = None) -> str:
-    """Where the socket goes when the config does not say.
-
-    Under systemd with ``RuntimeDirectory=`` that directory (``$RUNTIME_DIRECTORY``); else as root
-    ``/run/hmad/hmad.sock``; else ``$XDG_RUNTIME_DIR/hmad/hmad.sock``; else ``/tmp/hmad-UID/hmad.sock`` (the
-    server must then create the directory 0700 and check that it owns it).
-    """
-    runtime_dir = env.get("RUNTIME_DIRECTORY", "").split(":")[0]
-    if os.path.isabs(runtime_dir):
-        return os.path.join(runtime_dir, "hmad.sock")
-    euid = os.geteuid() if euid is None else euid
-    if euid == 0:
-        return "/run/hmad/hmad.sock"
-    xdg = env.get("XDG_RUNTIME_DIR", "")
-    if os.path.isabs(xdg):
-        return os.path.join(xdg, "hmad", "hmad.sock")
-    return f"/tmp/hmad-{euid}/hmad.sock"
+    """Where the socket goes when the config does not say: the one rule daemon and clients share,
+    ``hmaclient.protocol.default_socket_path`` ($HMAD_SOCKET, /run/hmad, $XDG_RUNTIME_DIR/hmad, a private
+    directory under the temp directory)."""
+    return P.default_socket_path(env, euid)
 
 
 def find_config_file(path: str | None = None, env: Mapping[str, str] = os.environ) -> str | None:

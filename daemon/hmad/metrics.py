@@ -110,7 +110,8 @@ class Metrics:
         self, snapshot: dict[str, Any], server: dict[str, Any], memory: dict[str, int]
     ) -> list[dict]:
         """The ``metrics`` reply's families: the counters, then gauges from the engine's ``snapshot``, the
-        ``server``'s (in_flight, uptime_s, and info: a map of str such as model and backend) and the
+        ``server``'s (in_flight, uptime_s, connections, connections_refused, queued_reply_bytes, and info:
+        a map of str such as model and backend) and the
         backend's ``memory`` (bytes per heap and use)."""
         with self._lock:
             requests = [
@@ -136,6 +137,17 @@ class Metrics:
             _gauge("queued", "Requests waiting for a sequence slot or KV blocks", snapshot.get("queued", 0)),
             _gauge("in_flight", "Generations accepted and not yet ended", server.get("in_flight", 0)),
             _gauge("uptime_seconds", "Seconds since the daemon started serving", server.get("uptime_s", 0)),
+            _gauge("connections", "Client connections open", server.get("connections", 0)),
+            _counter(
+                "connections_refused",
+                "Connections closed at once, over server.max_connections",
+                server.get("connections_refused", 0),
+            ),
+            _gauge(
+                "queued_reply_bytes",
+                "Reply bytes queued for clients not reading yet (capped by server.max_reply_bytes)",
+                server.get("queued_reply_bytes", 0),
+            ),
             _family(
                 "info", "gauge", "What is served (value 1)", [{"labels": server.get("info", {}), "value": 1}]
             ),

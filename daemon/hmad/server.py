@@ -14,8 +14,15 @@ Guarantees:
 - every accepted request gets exactly one terminal reply (done, error or cancelled) and nothing after it;
 - a peer that has gone (ROUTER_MANDATORY raises EHOSTUNREACH) has its requests cancelled; the engine frees
   their slots and KV blocks at its next step;
-- a slow peer's replies queue in its own outbox (bounded) so it never stalls the others; a peer whose
-  outbox overflows has its requests cancelled;
+- a slow peer's replies queue in its own outbox so it never stalls the others; all outboxes together hold
+  at most ``max_reply_bytes``: past it, every peer over its share (the cap over the peers with replies
+  queued) is disconnected from the loop's side and its requests cancelled;
+- a peer whose connection ends (closed, killed, or silent past the heartbeat timeout: hmad/peers.py) has
+  its requests cancelled at once, whatever they are doing (waiting, prefilling, generating unstreamed);
+- connections past ``max_connections`` are closed; requests past ``max_in_flight_per_connection`` (one
+  connection) or ``max_in_flight_per_uid`` (every connection of one user) are refused ``busy``;
+- tokenizing, rendering and schema checks run on the intake thread (hmad/intake.py), never on the loop:
+  a generate is answered ``accepted`` (or its refusal) once that work is done;
 - while the model loads (no engine attached yet) the socket already answers: ``status`` shows the load's
   progress, ``ping`` says ``state: loading``, a ``generate`` gets ``error`` code ``loading``.
 - every reply carries the protocol version of the request it answers (a version-1 client never sees 2).
@@ -35,16 +42,20 @@ import zmq
 from hmaclient import protocol as P
 from hmad.engine.request import Event, Request
 from hmad.engine.sampling import SamplingParams
-from hmad.engine.structured import compile_schema
+from hmad.engine.structured import check_schema, compile_schema
 from hmad.engine.worker import EngineThread
 from hmad.errors import UnencodableText
+from hmad.intake import Intake
 from hmad.metrics import Metrics
 from hmad.model.chat import render_chat, render_prompt
+from hmad.peers import Peers
 
 log = logging.getLogger("hmad.server")
 
-OUTBOX_LIMIT = 65536  # frames queued for one peer before its requests are cancelled
 POLL_MS = 50
+BACKLOG = 32  # connections the kernel holds before hmad accepts them
+SNDHWM = 1000  # frames in one peer's zmq pipe; the rest wait in its outbox (counted in max_reply_bytes)
+FLUSH_AFTER_DRAIN_S = 1.0  # after the drain's deadline, replies still unsent this long are dropped
 
 
 @dataclass
@@ -55,6 +66,9 @@ class Route:
     client_id: object
     stream: bool
     v: int  # the request's protocol version, which every reply to it carries
+    uid: int | None = None  # the peer's user (SO_PEERCRED), None if unknown
+    preparing: bool = False  # on the intake thread, not yet accepted
+    cancel_asked: bool = False  # cancelled while preparing: answered ``cancelled`` once prepared
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
 
@@ -79,30 +93,43 @@ class Server:
         max_frame_bytes: int = P.MAX_FRAME_BYTES,
         status_extra=None,
         loading_status=None,
+        max_connections: int = 1024,
+        max_per_connection: int = 1 << 20,
+        max_per_uid: int = 1 << 20,
+        max_reply_bytes: int = 256 << 20,
     ):
         self.engine, self.model, self.defaults = engine, model, defaults
         self.loading_status = loading_status or (lambda: {})  # what status shows while engine is None
         self.max_in_flight = max_in_flight
+        self.max_per_connection, self.max_per_uid = max_per_connection, max_per_uid
+        self.max_reply_bytes = max_reply_bytes
         self.max_frame_bytes = max_frame_bytes
         self.status_extra = status_extra or (lambda: {})
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
-        self.sock.setsockopt(zmq.SNDHWM, 10000)
-        self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.setsockopt(zmq.SNDHWM, SNDHWM)
+        self.sock.setsockopt(zmq.LINGER, 0)  # at close, what a peer has not read is dropped
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_ivl_s * 1000))
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout_s * 1000))
         self.sock.setsockopt(zmq.HEARTBEAT_TTL, int(heartbeat_timeout_s * 1000))
+        self.sock.setsockopt(zmq.BACKLOG, BACKLOG)
+        self.peers = Peers(self.sock, max_connections)  # before bind: every connection is seen
         self.sock.bind(endpoint)
         self.wake_pull = ctx.socket(zmq.PULL)
         self.wake_pull.bind(f"inproc://hmad-wake-{id(self)}")
         self._wake_push = ctx.socket(zmq.PUSH)
         self._wake_push.connect(f"inproc://hmad-wake-{id(self)}")
+        self.intake = Intake(ctx, f"inproc://hmad-wake-{id(self)}")
         self.routes: dict[int, Route] = {}
         self.by_client: dict[tuple[bytes, object], int] = {}
+        self.per_peer: collections.Counter = collections.Counter()  # routes of each peer
+        self.per_uid: collections.Counter = collections.Counter()  # routes of each known uid
         self.outbox: dict[bytes, collections.deque] = collections.defaultdict(collections.deque)
+        self.outbox_bytes: collections.Counter = collections.Counter()  # bytes queued per peer
+        self.queued_bytes = 0  # all outboxes together
         self.next_rid = 1
-        self.draining = False
+        self.draining, self.drain_cancelled = False, False
         self.drain_deadline = 0.0
         self.started = time.time()
         self.counters = collections.Counter()
@@ -126,12 +153,15 @@ class Server:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.wake_pull, zmq.POLLIN)
+        poller.register(self.peers.monitor, zmq.POLLIN)
         while True:
             ready = dict(poller.poll(POLL_MS))
             if tick():  # after the poll: a signal that interrupted it is seen before any new request
                 break
             if self.wake_pull in ready:
                 self._drain_wake()
+            self._connections()
+            self._prepared()
             self._forward_events()
             if self.sock in ready:
                 self._read_requests()
@@ -146,18 +176,29 @@ class Server:
         except zmq.Again:
             pass
 
+    def _connections(self) -> None:
+        """Connections accepted and ended since the last turn: the ended ones' requests are cancelled."""
+        for peer in self.peers.on_monitor():
+            if peer in self.per_peer or peer in self.outbox:
+                log.info("peer %s disconnected: cancelling its requests", peer.hex())
+                self._peer_gone(peer)
+
     def _read_requests(self, budget: int = 256) -> None:
         for _ in range(budget):
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            if len(frames) != 2:
+            peer = frames[0].bytes
+            conn = self.peers.note(peer, frames[-1])
+            if len(frames) != 2:  # a DEALER's message is one frame
                 self.counters["bad_envelope"] += 1
-                continue  # a DEALER sends exactly one frame; anything else cannot be answered sanely
-            self._handle(frames[0], frames[1])
+                msg = f"a request is one frame; this message had {len(frames) - 1}"
+                self._send(peer, P.error(None, P.BAD_REQUEST, msg))
+                continue
+            self._handle(peer, frames[1].bytes, None if conn is None else conn.uid)
 
-    def _handle(self, peer: bytes, frame: bytes) -> None:
+    def _handle(self, peer: bytes, frame: bytes, uid: int | None = None) -> None:
         try:
             req = P.parse_request(frame, max_size=self.max_frame_bytes)
         except P.ProtocolError as e:
@@ -174,7 +215,10 @@ class Server:
         }[type(req)]
         first_rid = self.next_rid
         try:
-            handler(peer, req)
+            if handler == self._generate:
+                handler(peer, req, uid)
+            else:
+                handler(peer, req)
         except Exception as e:  # a bug or a failure of this request alone: its error, never the loop's end
             self._request_failed(peer, req, e, first_rid)
 
@@ -188,7 +232,8 @@ class Server:
         started = [rid for rid in range(first_rid, self.next_rid) if rid in self.routes]
         try:
             for rid in started:
-                self.engine.cancel(rid)
+                if not self.routes[rid].preparing:
+                    self.engine.cancel(rid)
                 self.metrics.request_ended("error", P.INTERNAL)
                 self._end(rid, reply)
             if not started:
@@ -199,7 +244,7 @@ class Server:
             log.exception("could not answer %s %r with an error", type(req).__name__, req.id)
 
     # -- request types ---------------------------------------------------------------------------------
-    def _generate(self, peer: bytes, req) -> None:
+    def _generate(self, peer: bytes, req, uid: int | None = None) -> None:
         key = (peer, req.id)
         if self.draining:
             return self._refuse(peer, req, P.SHUTTING_DOWN, "hmad is shutting down")
@@ -208,24 +253,83 @@ class Server:
             return self._refuse(peer, req, P.LOADING, msg)
         if req.id is not None and key in self.by_client:
             return self._refuse(peer, req, P.BAD_REQUEST, f"request id {req.id!r} is already active")
-        if len(self.routes) >= self.max_in_flight:
-            return self._refuse(peer, req, P.BUSY, f"{len(self.routes)} requests in flight; retry later")
-        try:
-            ids, params, grammar = self._prepare(req)
-        except PromptTooLong as e:
-            return self._refuse(peer, req, P.PROMPT_TOO_LONG, str(e))
-        except UnencodableText as e:
-            self.counters["unencodable"] += 1
-            return self._refuse(peer, req, P.BAD_REQUEST, str(e))
-        except ValueError as e:  # the chat template's, SamplingParams' or the schema's checks
-            return self._refuse(peer, req, P.BAD_REQUEST, str(e))
+        busy = self._over_limit(peer, uid)
+        if busy:
+            return self._refuse(peer, req, P.BUSY, busy)
         rid = self.next_rid
         self.next_rid += 1
-        self.routes[rid] = Route(peer, req.id, req.stream, req.v)
-        if req.id is not None:  # id-less requests cannot be cancelled by id
-            self.by_client[key] = rid
-        self._send(peer, P.accepted(req.id, rid, v=req.v))
-        self.engine.submit(Request(rid, ids, params, tag=key, grammar=grammar))
+        self._add_route(rid, Route(peer, req.id, req.stream, req.v, uid, preparing=True))
+        self.intake.submit(rid, lambda: self._prepare(req))  # accepted (or refused) once prepared
+
+    def _over_limit(self, peer: bytes, uid: int | None) -> str | None:
+        """Why a new request of this peer would be one too many in flight, or None."""
+        if len(self.routes) >= self.max_in_flight:
+            return f"{len(self.routes)} requests in flight; retry later"
+        if self.per_peer[peer] >= self.max_per_connection:
+            return (
+                f"this connection has {self.per_peer[peer]} requests in flight "
+                f"(server.max_in_flight_per_connection); retry when one ends"
+            )
+        if uid is not None and self.per_uid[uid] >= self.max_per_uid:
+            return (
+                f"user {uid} has {self.per_uid[uid]} requests in flight (server.max_in_flight_per_uid); "
+                f"retry when one ends"
+            )
+        return None
+
+    def _prepared(self) -> None:
+        """Requests the intake thread has prepared: accepted and queued in the engine, or refused."""
+        for rid, prepared, exc in self.intake.results():
+            route = self.routes.get(rid)
+            if route is None:  # its peer went away meanwhile
+                continue
+            route.preparing = False
+            try:
+                self._admit(rid, route, prepared, exc)
+            except Exception as e:  # noqa: BLE001 - that request's error, never the loop's end
+                log.exception("request %d could not be admitted", rid)
+                self.metrics.request_refused(P.INTERNAL)
+                self._end(rid, P.error(route.client_id, P.INTERNAL, f"{type(e).__name__}: {e}", v=route.v))
+
+    def _admit(self, rid: int, route: Route, prepared, exc: BaseException | None) -> None:
+        refusal = self._refusal(exc) if exc is not None else None
+        if refusal is None and route.cancel_asked:
+            refusal = "cancelled"
+        if refusal is None and self.draining:
+            refusal = (P.SHUTTING_DOWN, "hmad is shutting down")
+        if refusal == "cancelled":
+            self.metrics.request_ended("cancelled", "cancel")
+            return self._end(rid, P.cancelled(route.client_id, 0, v=route.v))
+        if refusal is not None:
+            self.metrics.request_refused(refusal[0])
+            return self._end(rid, P.error(route.client_id, *refusal, v=route.v))
+        ids, params, grammar = prepared
+        conn = self.peers.by_peer.get(route.peer)
+        log.info(
+            "request %d (id %r, %d prompt tokens) from uid %s pid %s",
+            rid,
+            route.client_id,
+            len(ids),
+            route.uid,
+            None if conn is None else conn.pid,
+        )
+        self._send(route.peer, P.accepted(route.client_id, rid, v=route.v))
+        request = Request(rid, ids, params, tag=(route.peer, route.client_id), grammar=grammar)
+        request.owner, request.tenant = route.peer, route.uid
+        self.engine.submit(request)
+
+    def _refusal(self, e: BaseException) -> tuple[str, str]:
+        """The (code, message) a request whose preparation raised ``e`` is refused with."""
+        if isinstance(e, PromptTooLong):
+            return P.PROMPT_TOO_LONG, str(e)
+        if isinstance(e, UnencodableText):
+            self.counters["unencodable"] += 1
+            return P.BAD_REQUEST, str(e)
+        if isinstance(e, ValueError):  # the chat template's, SamplingParams' or the schema's checks
+            return P.BAD_REQUEST, str(e)
+        log.error("preparing a request failed", exc_info=e)
+        self.counters["internal"] += 1
+        return P.INTERNAL, f"hmad failed on this request: {type(e).__name__}: {e}"
 
     def _prepare(self, req) -> tuple[list[int], SamplingParams, str | None]:
         """Prompt ids, sampling parameters and the json_schema's grammar; raises PromptTooLong,
@@ -233,6 +337,8 @@ class Server:
         params = SamplingParams(**{**vars(self.defaults), **req.sampling()})
         params.validate()
         grammar = None if req.json_schema is None else compile_schema(req.json_schema)
+        if grammar is not None:  # against this model's vocabulary: fails here, not mid-request
+            check_schema(grammar, self.model.tokenizer)
         if req.messages is not None:
             text = render_chat(req.messages)
         else:
@@ -258,6 +364,9 @@ class Server:
         rid = self.by_client.get((peer, req.id))
         if rid is None:  # (while loading there are no routes: every cancel lands here)
             return self._refuse(peer, req, P.NOT_FOUND, f"no active request with id {req.id!r}")
+        if self.routes[rid].preparing:
+            self.routes[rid].cancel_asked = True
+            return
         self.engine.cancel(rid)
 
     def _status(self, peer: bytes, req) -> None:
@@ -269,7 +378,11 @@ class Server:
     def _metrics(self, peer: bytes, req) -> None:
         """The counters, and what the engine and the backend report once they are there (the engine is
         attached after the server is made)."""
-        server = {"in_flight": len(self.routes), "uptime_s": round(time.time() - self.started, 3)}
+        server = {
+            "in_flight": len(self.routes),
+            "uptime_s": round(time.time() - self.started, 3),
+            **self.connection_status(),
+        }
         snapshot, memory = {}, {}
         if self.engine is not None and self.model is not None:
             backend = self.model.backend
@@ -288,6 +401,7 @@ class Server:
                 **self.loading_status(),
                 "uptime_s": round(time.time() - self.started, 1),
                 "draining": self.draining,
+                **self.connection_status(),
             }
         snap = dict(self.engine.snapshot)
         return {
@@ -315,7 +429,17 @@ class Server:
             "kv": snap.get("kv", {}),
             "uptime_s": round(time.time() - self.started, 1),
             "draining": self.draining,
+            **self.connection_status(),
             **self.status_extra(),
+        }
+
+    def connection_status(self) -> dict:
+        """Connections served and refused, replies queued for peers (status and metrics)."""
+        return {
+            "connections": len(self.peers),
+            "max_connections": self.peers.max_connections,
+            "connections_refused": self.peers.refused,
+            "queued_reply_bytes": self.queued_bytes,
         }
 
     # -- engine events -> replies ----------------------------------------------------------------------
@@ -373,21 +497,55 @@ class Server:
         code = ev.error_code if ev.error_code in P.ERROR_CODES else P.INTERNAL
         return P.error(route.client_id, code, ev.text, v=v)
 
-    def _end(self, rid: int, reply: dict | None) -> None:
+    def _add_route(self, rid: int, route: Route) -> None:
+        self.routes[rid] = route
+        if route.client_id is not None:  # id-less requests cannot be cancelled by id
+            self.by_client[(route.peer, route.client_id)] = rid
+        self.per_peer[route.peer] += 1
+        if route.uid is not None:
+            self.per_uid[route.uid] += 1
+
+    def _pop_route(self, rid: int) -> Route:
         route = self.routes.pop(rid)
-        self.by_client.pop((route.peer, route.client_id), None)
+        if self.by_client.get((route.peer, route.client_id)) == rid:
+            del self.by_client[(route.peer, route.client_id)]
+        for counter, key in ((self.per_peer, route.peer), (self.per_uid, route.uid)):
+            if key is not None:
+                counter[key] -= 1
+                if counter[key] <= 0:
+                    del counter[key]
+        return route
+
+    def _end(self, rid: int, reply: dict | None) -> None:
+        route = self._pop_route(rid)
         if reply is not None:
             self._send(route.peer, reply)
 
     # -- sending -----------------------------------------------------------------------------------------
     def _send(self, peer: bytes, msg: dict) -> None:
-        box = self.outbox[peer]
-        box.append(P.pack(msg))
-        if len(box) > OUTBOX_LIMIT:
-            log.warning("peer %s is not reading; cancelling its requests", peer.hex())
-            self._peer_gone(peer)
-            return
+        frame = P.pack(msg)
+        self.outbox[peer].append(frame)
+        self.outbox_bytes[peer] += len(frame)
+        self.queued_bytes += len(frame)
         self._flush(peer)
+        if self.queued_bytes > self.max_reply_bytes:
+            self._over_reply_cap()
+
+    def _over_reply_cap(self) -> None:
+        """The outboxes hold more than max_reply_bytes: drop every peer over its share (at least the
+        largest), cancelling its requests."""
+        share = self.max_reply_bytes / max(1, len(self.outbox_bytes))
+        largest = max(self.outbox_bytes, key=self.outbox_bytes.__getitem__)
+        for peer in [p for p, n in self.outbox_bytes.items() if n > share or p == largest]:
+            log.warning(
+                "peer %s is not reading (%d bytes of replies queued, over its share of "
+                "server.max_reply_bytes): dropping it and cancelling its requests",
+                peer.hex(),
+                self.outbox_bytes[peer],
+            )
+            self.counters["dropped_slow_peer"] += 1
+            self._peer_gone(peer)
+            self.peers.drop(peer)
 
     def _flush_outboxes(self) -> None:
         for peer in [p for p, box in self.outbox.items() if box]:
@@ -405,16 +563,28 @@ class Server:
                     raise
                 self._peer_gone(peer)
                 return
-            box.popleft()
+            self._forget_frame(peer, len(box.popleft()))
         del self.outbox[peer]
+
+    def _forget_frame(self, peer: bytes, n: int) -> None:
+        self.queued_bytes -= n
+        self.outbox_bytes[peer] -= n
+        if self.outbox_bytes[peer] <= 0:
+            del self.outbox_bytes[peer]
+
+    def _drop_outbox(self, peer: bytes) -> None:
+        self.outbox.pop(peer, None)
+        self.queued_bytes -= self.outbox_bytes.pop(peer, 0)
 
     def _peer_gone(self, peer: bytes) -> None:
         """The peer disconnected: cancel its requests (their terminal replies cannot be delivered)."""
-        self.outbox.pop(peer, None)
+        self._drop_outbox(peer)
+        if peer not in self.per_peer:
+            return
         for rid in [rid for rid, r in self.routes.items() if r.peer == peer]:
-            self.engine.cancel(rid)
-            route = self.routes.pop(rid)
-            self.by_client.pop((peer, route.client_id), None)
+            route = self._pop_route(rid)
+            if not route.preparing:  # (a preparing one finds no route when it is prepared)
+                self.engine.cancel(rid)
             self.counters["peer_gone"] += 1
             self.metrics.request_ended("cancelled", "disconnect")
 
@@ -422,7 +592,7 @@ class Server:
     def begin_drain(self, grace_s: float) -> None:
         """Stop accepting work; requests still running after ``grace_s`` are cancelled."""
         if not self.draining:
-            self.draining = True
+            self.draining, self.drain_cancelled = True, False
             self.drain_deadline = time.monotonic() + grace_s
 
     def _drained(self) -> bool:
@@ -433,13 +603,25 @@ class Server:
                 msg = "engine failure; see the daemon log"
                 self.metrics.request_ended("error", P.INTERNAL)
                 self._end(rid, P.error(route.client_id, P.INTERNAL, msg, v=route.v))
-        if self.routes and time.monotonic() >= self.drain_deadline:
-            for rid in list(self.routes):
-                self.engine.cancel(rid)
-            self.drain_deadline = float("inf")  # cancel once; wait for the cancelled replies
-        return not self.routes and not any(self.outbox.values())
+        now = time.monotonic()
+        if self.routes and now >= self.drain_deadline and not self.drain_cancelled:
+            for rid, route in self.routes.items():
+                if route.preparing:
+                    route.cancel_asked = True
+                else:
+                    self.engine.cancel(rid)
+            self.drain_cancelled = True  # cancel once; the engine answers each at its next step
+        if now < self.drain_deadline + FLUSH_AFTER_DRAIN_S:
+            return not self.routes and not any(self.outbox.values())
+        for rid in list(self.routes):  # the engine did not answer in time: answer here
+            route = self.routes[rid]
+            self.metrics.request_ended("cancelled", "shutdown")
+            self._end(rid, P.cancelled(route.client_id, 0, v=route.v))
+        return True  # what peers have not read is dropped (LINGER 0): none of them can hold shutdown
 
     def close(self) -> None:
-        self.sock.close()
+        self.intake.close()
+        self.peers.close()
+        self.sock.close(linger=0)
         self.wake_pull.close()
         self._wake_push.close()

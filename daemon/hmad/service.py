@@ -2,15 +2,22 @@
 
 systemd (Type=notify)             hmad
 ─────────────────────             ────
-                                  lock <socket>.lock (a second hmad on the same socket refuses to start);
+                                  raise the soft open-file limit to the hard one (LimitNOFILE=);
+                                  lock <socket>.lock, held open for the process's life (flock), and refuse
+                                  if a live daemon answers on the socket even so (a deleted lock file);
                                   bind the socket with its mode and group: status shows the load's progress
-STATUS=loading … EXTEND_TIMEOUT   load the model (a thread); keep extending the start timeout while it loads;
+STATUS=loading … EXTEND_TIMEOUT   load the model (a thread); extend the start timeout only while the load
+                                  reports progress (a stuck load lets TimeoutStartSec= fire); a stop signal
+                                  ends the load within LOAD_STOP_S whatever phase it is in;
                                   allocate the KV cache, record every step bucket
 READY=1                           the model is resident and ready: generations are served
 WATCHDOG=1 (every WatchdogSec/2)  only while the engine thread makes progress
 STOPPING=1                        SIGTERM/SIGINT: refuse new work, let running requests finish within
-                                  service.drain_grace_s, cancel the rest, each with its terminal reply
+                                  service.drain_grace_s, cancel the rest, each with its terminal reply;
+                                  peers that do not read cannot hold it (their replies are dropped)
                                   exit 0
+SIGHUP                            logged; nothing is reloaded (the model, the socket and the limits are
+                                  fixed for the process's life: restart to change them); never ends hmad
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import grp
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -36,12 +44,14 @@ from hmad.faults import fault_from_env
 from hmad.faults import install as install_fault
 from hmad.heap import map_large_buffers
 from hmad.model.loader import load_model, resolve_backend_name
+from hmad.peers import connection_cap, open_descriptors, raise_nofile_limit
 from hmad.server import Server
 
 log = logging.getLogger("hmad.service")
 
 EXTEND_EVERY_S = 10.0
 EXTEND_BY_US = 30_000_000
+LOAD_STOP_S = 3.0  # after a stop signal, how long a load that does not give up by itself is waited for
 
 
 class ServiceError(HmadError):
@@ -71,6 +81,7 @@ class Service:
         self.notify = Notifier()
         self.path = cfg.socket.path
         self.stop_signal: int | None = None
+        self.hup = False
         self.loading = threading.Event()
         self.stopping = False
         self.exit_code = 0
@@ -78,11 +89,15 @@ class Service:
         self.load: dict = {"phase": "starting"}  # what status shows while loading (load_status)
         self.loaded: Scheduler | None = None  # set by the load thread when done
         self.load_error: BaseException | None = None
+        self.progress_count = 0  # progress reports of the load (EXTEND_TIMEOUT_USEC follows them)
+        self.nofile = 0  # the open-file soft limit in force
         self.fault = None  # TEST-ONLY fault injection (hmad/faults.py), from HMAD_TEST_FAULT
 
     def run(self) -> int:
         fault = fault_from_env()  # TEST-ONLY (hmad/faults.py); a malformed value refuses to start
         map_large_buffers()  # request-sized buffers go back to the system (hmad/heap.py)
+        self.nofile = raise_nofile_limit()
+        self._install_signals()  # from the start: a SIGHUP never ends hmad, even while it locks or loads
         lock = self._lock()
         try:
             return self._run_locked(fault)
@@ -104,16 +119,21 @@ class Service:
             heartbeat_timeout_s=cfg.service.heartbeat_timeout_s,
             max_frame_bytes=cfg.limits.max_frame_bytes,
             loading_status=self.load_status,
+            max_connections=self._max_connections(),
+            max_per_connection=cfg.server.max_in_flight_per_connection,
+            max_per_uid=cfg.server.max_in_flight_per_uid,
+            max_reply_bytes=cfg.server.max_reply_bytes,
         )
         self._socket_permissions()
-        self._install_signals()
         loader = threading.Thread(target=self._load, name="hmad-load", daemon=True)
         loader.start()
         try:
             server.serve(tick=lambda: self._tick(server))
         finally:
             self.stopping = True  # a load still running gives up at its next progress report
-            loader.join()
+            loader.join(LOAD_STOP_S)
+            if loader.is_alive():  # stuck in one phase: a daemon thread, abandoned with the process
+                log.warning("the model load did not stop within %.0f s: abandoning it", LOAD_STOP_S)
             if server.engine is not None:
                 server.engine.stop()
             server.close()
@@ -126,8 +146,22 @@ class Service:
         return self.exit_code
 
     # -- start -----------------------------------------------------------------------------------------
+    def _max_connections(self) -> int:
+        """server.max_connections, or fewer if the open-file limit could not hold that many."""
+        cap = connection_cap(self.cfg.server.max_connections, self.nofile, open_descriptors())
+        if cap < self.cfg.server.max_connections:
+            log.warning(
+                "server.max_connections %d lowered to %d: the open-file limit is %d (raise LimitNOFILE=)",
+                self.cfg.server.max_connections,
+                cap,
+                self.nofile,
+            )
+        return cap
+
     def _lock(self):
-        """Hold ``<socket>.lock`` for the process's life; refuse if another hmad holds it."""
+        """Hold ``<socket>.lock`` (flock on the open file) for the process's life; refuse if another hmad
+        holds it, or if one answers on the socket all the same (its lock file was deleted): a daemon never
+        unlinks a socket a live daemon serves."""
         self._runtime_dir(os.path.dirname(self.path))
         f = open(self.path + ".lock", "a")  # noqa: SIM115 - held until run() ends
         try:
@@ -135,8 +169,13 @@ class Service:
         except BlockingIOError:
             f.close()
             raise ServiceError(f"another hmad is already serving at {self.path}") from None
-        if os.path.exists(self.path):
-            os.unlink(self.path)  # a stale socket of a process that is gone (it no longer holds the lock)
+        if socket_is_served(self.path):
+            f.close()
+            raise ServiceError(
+                f"another hmad is already serving at {self.path} (its lock file {self.path}.lock was removed)"
+            )
+        if os.path.lexists(self.path):
+            os.unlink(self.path)  # a stale socket of a process that is gone: nothing accepts on it
         return f
 
     @staticmethod
@@ -192,15 +231,21 @@ class Service:
         if self.stopping:
             raise LoadCancelled("stopped while loading")
         self.load["phase"] = msg
+        self.progress_count += 1
         if total:
             self.load["uploaded_bytes"], self.load["total_bytes"] = done, total
         log.info("%s", msg)
         self.notify(f"STATUS={msg}", f"EXTEND_TIMEOUT_USEC={EXTEND_BY_US}")
 
     def _extend_while_loading(self) -> None:
+        """EXTEND_TIMEOUT_USEC= every EXTEND_EVERY_S, but only after a progress report since the last one:
+        a load stuck in one phase stops extending, and systemd's start timeout fires."""
+        seen = self.progress_count
         while self.loading.wait(0) and not self.stopping:
-            self.notify(f"EXTEND_TIMEOUT_USEC={EXTEND_BY_US}")
             time.sleep(EXTEND_EVERY_S)
+            if self.progress_count != seen and self.loading.is_set() and not self.stopping:
+                seen = self.progress_count
+                self.notify(f"EXTEND_TIMEOUT_USEC={EXTEND_BY_US}")
 
     # -- serve -----------------------------------------------------------------------------------------
     def _start_serving(self, server: Server, scheduler: Scheduler) -> None:
@@ -233,12 +278,19 @@ class Service:
         def on_signal(signum, _frame):
             self.stop_signal = signum
 
+        def on_hup(_signum, _frame):
+            self.hup = True
+
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGHUP, on_hup)
 
     def _tick(self, server: Server) -> bool:
         """Called by the server loop: start serving once loaded; end the loop if the load failed or a stop
         signal came during it; start the drain once a stop signal arrived or the engine failed."""
+        if self.hup:
+            self.hup = False
+            log.info("SIGHUP: nothing to reload (restart hmad to change its model, socket or limits)")
         if server.engine is None:
             if self.load_error is not None:
                 return True
@@ -289,3 +341,16 @@ class Service:
                     "engine made no progress for %.1f s: withholding WATCHDOG=1",
                     time.monotonic() - engine.last_progress,
                 )
+
+
+def socket_is_served(path: str) -> bool:
+    """Whether a process accepts connections on Unix socket ``path`` now (a live daemon's socket)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(1.0)
+    try:
+        s.connect(path)
+        return True
+    except OSError:  # no file, not a socket, nobody listening (ECONNREFUSED)
+        return False
+    finally:
+        s.close()

@@ -83,6 +83,18 @@ def compile_schema(schema: dict[str, Any]) -> str:
     return grammar
 
 
+def check_schema(grammar: str, tokenizer: Tokenizer) -> None:
+    """Raise ValueError if ``grammar`` cannot run on ``tokenizer``'s vocabulary: a matcher is made and its
+    first mask computed here, at submission (a self-referencing ``$ref``, a pattern whose lexer explodes),
+    so such a schema is a ``bad_request``, never a failure in the middle of the request. The first call
+    for a tokenizer builds its vocabulary index (seconds: the server calls this off its socket loop)."""
+    try:
+        JsonConstraint(grammar, Vocabulary.of(tokenizer)).allowed()
+    except (RuntimeError, ValueError) as e:
+        why = str(e).removeprefix("json_schema cannot be used: ").splitlines()[0]
+        raise ValueError(f"json_schema cannot be used: {why}") from None
+
+
 class Vocabulary:
     """llguidance's view of one tokenizer: every token's bytes, the special ids, EOS = end-of-turn ids.
 
