@@ -9,7 +9,8 @@ systemd (Type=notify)             hmad
 STATUS=loading … EXTEND_TIMEOUT   load the model (a thread); extend the start timeout only while the load
                                   reports progress (a stuck load lets TimeoutStartSec= fire); a stop signal
                                   ends the load within LOAD_STOP_S whatever phase it is in;
-                                  allocate the KV cache, record every step bucket
+                                  allocate the KV cache, record every step bucket, index the
+                                  vocabulary for structured output (llguidance)
 READY=1                           the model is resident and ready: generations are served
 WATCHDOG=1 (every WatchdogSec/2)  only while the engine thread makes progress
 STOPPING=1                        SIGTERM/SIGINT: refuse new work, let running requests finish within
@@ -37,6 +38,7 @@ import zmq
 from hmaclient import protocol as P
 from hmad.backends.npu.status import npu_status
 from hmad.config import Config
+from hmad.engine import structured
 from hmad.engine.scheduler import Scheduler
 from hmad.engine.worker import EngineThread
 from hmad.errors import HmadError
@@ -214,6 +216,11 @@ class Service:
             scheduler.prepare()
             phases = model.info["load_phases_s"]
             phases["kv_and_prepare_s"] = round(time.perf_counter() - t0, 3)
+            if structured.available():  # seconds, holding the GIL: never while serving (the loop would wait)
+                t0 = time.perf_counter()
+                self._progress("indexing the vocabulary for structured output")
+                structured.Vocabulary.of(model.tokenizer)
+                phases["vocabulary_index_s"] = round(time.perf_counter() - t0, 3)
             model.backend.wait_resident()
             phases["ready_s"] = round(time.monotonic() - self.t0, 3)
             self._progress(f"ready: {model.config.name or model.path} on {model.backend.name}")
