@@ -3,16 +3,20 @@
 The queue alone, then a real Scheduler over a tiny random GGUF on the numpy backend (deterministic mode,
 so a request's tokens do not depend on its batch): one owner queues many requests, a second owner's
 request arriving later is admitted within the bound the module states, and every request's greedy tokens
-equal those of its run alone.
+equal those of its run alone. Last, a real daemon, where the owner is the connection.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import zmq
+from daemon_harness import Daemon
 from test_model_cpu import rand_ids
 from tiny_gguf import MIXED, make_tiny_gguf
 
+from hmaclient import Client
+from hmaclient import protocol as P
 from hmad.engine.admission import FairQueue
 from hmad.engine.request import Request
 from hmad.engine.sampling import SamplingParams
@@ -220,3 +224,45 @@ def test_scheduler_and_engine_thread_answer_busy_for_a_displaced_request(tiny):
     assert ends == {0: "done", 1: "done", 2: "busy", 3: "busy", 4: "busy", 5: "done", 6: "done", 7: "busy"}
     for i in (0, 1, 5, 6):
         assert toks[i] == solo(tiny, jobs[i][1]), f"request {i}"
+
+
+# -- through a real daemon -------------------------------------------------------------------------------
+
+
+def test_daemon_serves_a_second_connection_in_turn(tmp_path):
+    """One connection queues 10 generations of 32 tokens (one sequence at a time); a second connection's
+    request, sent once the first's first request runs, is served after 2 of the first's requests (the
+    running one and the one whose turn came first), not after all 10. The check allows 4: the second
+    connection's request may reach the engine a request or two late on a busy machine."""
+    path = make_tiny_gguf(tmp_path / "tiny.gguf", seed=5, types=MIXED)
+    d = Daemon(path, tmp_path, "engine.max_seqs=1", "engine.max_queue=64").wait_ready()
+    n = 10
+    try:
+        with zmq.Context() as ctx:
+            a = ctx.socket(zmq.DEALER)
+            a.setsockopt(zmq.LINGER, 0)
+            a.connect(P.endpoint(d.socket))
+            for i in range(n):
+                a.send(P.pack(P.generate_request(i, "the cat", raw=True, max_tokens=32, temperature=0)))
+            ended, started = set(), False
+            while not started:  # until a's first request produces a token
+                assert a.poll(30000), d.log_text()
+                m = P.unpack(a.recv(), max_size=P.MAX_REPLY_BYTES)
+                started = m["type"] == "token"
+                assert m["type"] in ("accepted", "token"), m
+            with Client(d.socket, timeout=60) as b:
+                r = b.generate("the dog", raw=True, max_tokens=2, temperature=0)
+                assert r.generated_tokens >= 1
+                while a.poll(0):  # a's replies so far: which of its requests ended before b's did
+                    m = P.unpack(a.recv(), max_size=P.MAX_REPLY_BYTES)
+                    if m["type"] in ("done", "error", "cancelled"):
+                        ended.add(m["id"])
+            assert len(ended) <= 4, f"{len(ended)} of the first connection's requests ended first"
+            while len(ended) < n:  # the rest are all served
+                assert a.poll(30000), d.log_text()
+                m = P.unpack(a.recv(), max_size=P.MAX_REPLY_BYTES)
+                if m["type"] in ("done", "error", "cancelled"):
+                    assert m["type"] == "done", m
+                    ended.add(m["id"])
+    finally:
+        assert d.stop() == 0, d.log_text()

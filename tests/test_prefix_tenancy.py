@@ -9,8 +9,17 @@ the numpy backend.
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import pytest
+from daemon_harness import Daemon
 from test_model_cpu import rand_ids
 from tiny_gguf import MIXED, make_tiny_gguf
 
@@ -100,3 +109,54 @@ def test_unknown_tenant_is_its_own_partition(tiny):
     got = run(tiny, [(ids, 0), (ids, None), (ids, None), (ids, 0)])
     assert [c for _, c in got] == [0, 0, 20, 20]
     assert len({tuple(t) for t, _ in got}) == 1
+
+
+# -- through a real daemon, as two users ------------------------------------------------------------------
+
+NOBODY = 65534
+# hmactl as nobody: the interpreter starts as root (it may live where nobody cannot read), then drops
+_AS_NOBODY = f"""
+import os, sys, shutil, asyncio, asyncio.unix_events, json, zmq.asyncio
+from hmaclient import cli
+cli.build_parser().format_help()  # argparse's lazy imports, while the files can still be read
+os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})
+sys.exit(cli.main(sys.argv[1:]))
+"""
+PROMPT = "the cat and the dog and the model of the world " * 6
+
+
+def query(socket: str, as_nobody: bool) -> dict:
+    """``hmactl query --json`` of PROMPT (greedy, raw, 4 tokens), run as root or as nobody."""
+    args = ["--socket", socket, "query", "--raw", "--json", "--max-tokens", "4", "--temperature", "0", PROMPT]
+    cmd = [sys.executable, *(["-c", _AS_NOBODY] if as_nobody else ["-m", "hmaclient.cli"]), *args]
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.fixture
+def shared_dir():
+    """A directory under /tmp every user may search (pytest's tmp_path is root's alone)."""
+    d = tempfile.mkdtemp(prefix="hmad-tenancy-", dir="/tmp")
+    os.chmod(d, 0o755)
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a client of another uid needs root to start it")
+def test_daemon_never_reveals_one_users_prefix_to_another(shared_dir):
+    """root sends a prompt, then nobody sends the same one: nobody's reports 0 cached tokens (it cannot tell
+    that root sent it) and gets the same tokens. Each user's second request reuses its own first's."""
+    model = make_tiny_gguf(shared_dir / "tiny.gguf", seed=5, types=MIXED)
+    (shared_dir / "run").mkdir(mode=0o755)
+    os.chmod(shared_dir / "run", 0o755)
+    d = Daemon(model, shared_dir, "socket.mode=0666").wait_ready()
+    try:
+        got = [query(d.socket, who) for who in (False, True, True, False)]
+    finally:
+        assert d.stop() == 0, d.log_text()
+    cached = [g["cached_tokens"] for g in got]
+    assert cached[:2] == [0, 0] and cached[2] > 0 and cached[3] > 0, cached
+    assert got[0]["prompt_tokens"] > 16  # at least one full block to share
+    assert len({tuple(g["token_ids"]) for g in got}) == 1
