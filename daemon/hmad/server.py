@@ -48,6 +48,7 @@ from hmad.errors import UnencodableText
 from hmad.intake import Intake
 from hmad.metrics import Metrics
 from hmad.model.chat import render_chat, render_prompt
+from hmad.outbox import Outboxes
 from hmad.peers import Peers
 
 log = logging.getLogger("hmad.server")
@@ -125,9 +126,7 @@ class Server:
         self.by_client: dict[tuple[bytes, object], int] = {}
         self.per_peer: collections.Counter = collections.Counter()  # routes of each peer
         self.per_uid: collections.Counter = collections.Counter()  # routes of each known uid
-        self.outbox: dict[bytes, collections.deque] = collections.defaultdict(collections.deque)
-        self.outbox_bytes: collections.Counter = collections.Counter()  # bytes queued per peer
-        self.queued_bytes = 0  # all outboxes together
+        self.outboxes = Outboxes(self.sock, max_reply_bytes)
         self.next_rid = 1
         self.draining, self.drain_cancelled = False, False
         self.drain_deadline = 0.0
@@ -179,7 +178,7 @@ class Server:
     def _connections(self) -> None:
         """Connections accepted and ended since the last turn: the ended ones' requests are cancelled."""
         for peer in self.peers.on_monitor():
-            if peer in self.per_peer or peer in self.outbox:
+            if peer in self.per_peer or peer in self.outboxes:
                 log.info("peer %s disconnected: cancelling its requests", peer.hex())
                 self._peer_gone(peer)
 
@@ -439,7 +438,7 @@ class Server:
             "connections": len(self.peers),
             "max_connections": self.peers.max_connections,
             "connections_refused": self.peers.refused,
-            "queued_reply_bytes": self.queued_bytes,
+            "queued_reply_bytes": self.outboxes.total,
         }
 
     # -- engine events -> replies ----------------------------------------------------------------------
@@ -523,62 +522,26 @@ class Server:
 
     # -- sending -----------------------------------------------------------------------------------------
     def _send(self, peer: bytes, msg: dict) -> None:
-        frame = P.pack(msg)
-        self.outbox[peer].append(frame)
-        self.outbox_bytes[peer] += len(frame)
-        self.queued_bytes += len(frame)
-        self._flush(peer)
-        if self.queued_bytes > self.max_reply_bytes:
-            self._over_reply_cap()
-
-    def _over_reply_cap(self) -> None:
-        """The outboxes hold more than max_reply_bytes: drop every peer over its share (at least the
-        largest), cancelling its requests."""
-        share = self.max_reply_bytes / max(1, len(self.outbox_bytes))
-        largest = max(self.outbox_bytes, key=self.outbox_bytes.__getitem__)
-        for peer in [p for p, n in self.outbox_bytes.items() if n > share or p == largest]:
+        if not self.outboxes.send(peer, P.pack(msg)):
+            self._peer_gone(peer)
+        for over in self.outboxes.over_share():
             log.warning(
                 "peer %s is not reading (%d bytes of replies queued, over its share of "
                 "server.max_reply_bytes): dropping it and cancelling its requests",
-                peer.hex(),
-                self.outbox_bytes[peer],
+                over.hex(),
+                self.outboxes.bytes[over],
             )
             self.counters["dropped_slow_peer"] += 1
-            self._peer_gone(peer)
-            self.peers.drop(peer)
+            self._peer_gone(over)
+            self.peers.drop(over)
 
     def _flush_outboxes(self) -> None:
-        for peer in [p for p, box in self.outbox.items() if box]:
-            self._flush(peer)
-
-    def _flush(self, peer: bytes) -> None:
-        box = self.outbox[peer]
-        while box:
-            try:
-                self.sock.send_multipart([peer, box[0]], zmq.NOBLOCK)
-            except zmq.Again:
-                return  # its pipe is full: keep the rest for later, serve the others
-            except zmq.ZMQError as e:
-                if e.errno != zmq.EHOSTUNREACH:
-                    raise
-                self._peer_gone(peer)
-                return
-            self._forget_frame(peer, len(box.popleft()))
-        del self.outbox[peer]
-
-    def _forget_frame(self, peer: bytes, n: int) -> None:
-        self.queued_bytes -= n
-        self.outbox_bytes[peer] -= n
-        if self.outbox_bytes[peer] <= 0:
-            del self.outbox_bytes[peer]
-
-    def _drop_outbox(self, peer: bytes) -> None:
-        self.outbox.pop(peer, None)
-        self.queued_bytes -= self.outbox_bytes.pop(peer, 0)
+        for peer in self.outboxes.flush_all():
+            self._peer_gone(peer)
 
     def _peer_gone(self, peer: bytes) -> None:
         """The peer disconnected: cancel its requests (their terminal replies cannot be delivered)."""
-        self._drop_outbox(peer)
+        self.outboxes.drop(peer)
         if peer not in self.per_peer:
             return
         for rid in [rid for rid, r in self.routes.items() if r.peer == peer]:
@@ -612,7 +575,7 @@ class Server:
                     self.engine.cancel(rid)
             self.drain_cancelled = True  # cancel once; the engine answers each at its next step
         if now < self.drain_deadline + FLUSH_AFTER_DRAIN_S:
-            return not self.routes and not any(self.outbox.values())
+            return not self.routes and not self.outboxes.pending()
         for rid in list(self.routes):  # the engine did not answer in time: answer here
             route = self.routes[rid]
             self.metrics.request_ended("cancelled", "shutdown")
