@@ -5,14 +5,17 @@ compiled and the vocabulary indexed for the first constrained request (the embed
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 import zmq
 from daemon_harness import Daemon
-from test_daemon import raw_socket, recv
+from test_daemon import raw_socket, recv, wait_idle
 
+from hmaclient import Client
 from hmaclient import protocol as P
 
 PING_BOUND_S = 0.1
@@ -88,3 +91,36 @@ def test_a_self_referencing_schema_is_a_bad_request_at_submission(hmad):
         reply = recv(s, 120)
     assert reply["type"] == "error" and reply["code"] == P.BAD_REQUEST, reply
     assert "json_schema cannot be used" in reply["message"]
+
+
+PREFILL_CHILD = """
+import sys, time, zmq
+from hmaclient import Client
+from hmaclient import protocol as P
+s = zmq.Context().socket(zmq.DEALER); s.connect(P.endpoint(sys.argv[1]))
+prompt = " ".join(f"item {i}" for i in range(3000))
+s.send(P.pack(P.generate_request("p", prompt=prompt, raw=True, max_tokens=100000, stream=False)))
+if not s.poll(120000):
+    sys.exit("no reply in 120 s")
+print(P.unpack(s.recv())["type"], flush=True)
+time.sleep(3600)
+"""
+
+
+def test_a_killed_client_prefilling_a_long_prompt_is_cancelled(hmad):
+    """Thousands of prompt tokens take several steps to prefill; the client is killed during them."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PREFILL_CHILD, hmad.socket], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "accepted"
+        with Client(hmad.socket, timeout=60) as c:
+            st = c.status()
+            assert st["in_flight"] == 1, st
+            proc.kill()
+            proc.wait()
+            st = wait_idle(c, timeout=5 + 10)  # heartbeat timeout (5 s) + one prefill step
+            assert st["kv"]["sequences"] == 0
+    finally:
+        proc.kill()
+        proc.wait()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from hmaclient.cli import json_schema_arg
@@ -148,11 +149,16 @@ def run_service(argv: list[str]) -> int:
         print(f"hmad: config error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=cfg.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    service = Service(cfg)
     try:
-        return Service(cfg).run()
+        code = service.run()
     except HmadError as e:
         logging.getLogger("hmad").error("%s", e)
         return 1
+    if service.abandoned_load:  # its thread may hold the interpreter: no finalization to wait on it
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

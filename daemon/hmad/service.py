@@ -84,6 +84,7 @@ class Service:
         self.path = cfg.socket.path
         self.stop_signal: int | None = None
         self.hup = False
+        self.abandoned_load = False  # a stuck load left running at exit: the process ends with os._exit
         self.loading = threading.Event()
         self.stopping = False
         self.exit_code = 0
@@ -136,6 +137,7 @@ class Service:
             loader.join(LOAD_STOP_S)
             if loader.is_alive():  # stuck in one phase: a daemon thread, abandoned with the process
                 log.warning("the model load did not stop within %.0f s: abandoning it", LOAD_STOP_S)
+                self.abandoned_load = True
             if server.engine is not None:
                 server.engine.stop()
             server.close()
