@@ -31,8 +31,8 @@ from hmad.backends.vulkan import kernels_matmul as km  # noqa: E402
 from hmad.backends.vulkan.device import Device  # noqa: E402
 from hmad.backends.vulkan.memory import Uploader, create_buffer  # noqa: E402
 from hmad.backends.vulkan.pipelines import CommandRecorder, Kernel, QuantizeQ8Push  # noqa: E402
-from hmad.model.quants import dequantize, random_blocks  # noqa: E402
-from hmad.model.tensors import QType  # noqa: E402
+from hmad.core.quants import dequantize, random_blocks  # noqa: E402
+from hmad.core.tensors import QType  # noqa: E402
 
 #: (name, weight type, K, N, GeGLU): the weights of one layer (bench_vulkan_model.py's synthetic types)
 SHAPES = [

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from test_model_cpu import fresh_cache
 
-from hmad.engine.batch import SeqSlice, StepBatch
+from hmad.core.batch import SeqSlice, StepBatch
 
 Step = list[tuple[int, int]]
 

@@ -18,10 +18,10 @@ import gguf.quants as gq
 import numpy as np
 import pytest
 
-from hmad.errors import ModelFormatError
+from hmad.core.errors import ModelFormatError
+from hmad.core.quants import random_blocks
+from hmad.core.tensors import QType
 from hmad.model.gguf import GGUFFile, optional, read_gguf, require, require_tensors
-from hmad.model.quants import random_blocks
-from hmad.model.tensors import QType
 
 ARRAY_TYPE = int(gguf.GGUFValueType.ARRAY)
 

@@ -17,7 +17,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from tiny_gguf import MIXED, make_tiny_gguf
 
-from hmad.engine.batch import SeqSlice, StepBatch
+from hmad.core.batch import SeqSlice, StepBatch
 from hmad.engine.generate import generate
 from hmad.engine.kvcache import KVCacheManager, KVLayout
 from hmad.engine.sampling import SamplingParams

@@ -113,9 +113,9 @@ def serve() -> None:
 
     import numpy as np
 
+    from hmad.core.errors import ModelFormatError
     from hmad.engine.generate import generate
     from hmad.engine.sampling import SamplingParams
-    from hmad.errors import ModelFormatError
     from hmad.model.loader import load_model
 
     out = os.fdopen(os.dup(1), "w")

@@ -16,11 +16,11 @@ from gguf import quants as gq
 
 from hmad.backends import ggml_numerics as ggml
 from hmad.backends.cpu import CpuBackend
-from hmad.engine.batch import SeqSlice, StepBatch
+from hmad.core.batch import SeqSlice, StepBatch
+from hmad.core.model_config import ModelConfig
+from hmad.core.quants import random_blocks
+from hmad.core.tensors import WeightTensor
 from hmad.engine.kvcache import KVLayout
-from hmad.model.config import ModelConfig
-from hmad.model.quants import random_blocks
-from hmad.model.tensors import WeightTensor
 
 SEED = np.random.SeedSequence().entropy
 RNG = np.random.default_rng(SEED)

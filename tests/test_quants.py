@@ -1,4 +1,4 @@
-"""hmad.model.quants against gguf.quants (the Python port of ggml's reference code), on fresh random blocks.
+"""hmad.core.quants against gguf.quants (the Python port of ggml's reference code), on fresh random blocks.
 
 Each test draws a new seed and puts it in its assert messages; set HMAD_TEST_SEED to replay one.
 Decoders must match gguf.quants bit for bit: both do the same float32 operations in the same order, so no
@@ -13,7 +13,7 @@ import gguf.quants as gq
 import numpy as np
 import pytest
 
-from hmad.model.quants import (
+from hmad.core.quants import (
     SUPPORTED_TYPES,
     dequantize,
     quantize_q4_0,
@@ -21,7 +21,7 @@ from hmad.model.quants import (
     quantize_q8_0,
     random_blocks,
 )
-from hmad.model.tensors import QType, block_layout
+from hmad.core.tensors import QType, block_layout
 
 QUANT_TYPES = [
     QType.Q8_0,
@@ -80,7 +80,7 @@ def test_dequantize_matches_gguf_on_arbitrary_bytes(qtype, seeded):
 @pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda q: q.name)
 def test_dequantize_spans_several_chunks(qtype, seeded, monkeypatch):
     """Row chunking (here 1 row per chunk, then 3) must not change a single value."""
-    import hmad.model.quants as quants
+    import hmad.core.quants as quants
 
     rng, seed = seeded
     shape = (11, 2 * block_layout(qtype)[0])

@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from hmad.errors import ModelFormatError
+from hmad.core.errors import ModelFormatError
+from hmad.core.tensors import QType
 from hmad.model.safetensors import (
     LAYER_NAMES,
     NORM_NAMES,
@@ -31,7 +32,6 @@ from hmad.model.safetensors import (
     read_hf_config,
     read_safetensors_header,
 )
-from hmad.model.tensors import QType
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf_tiny_reference.npz"
 REL_TOL = 1e-4  # of max |logit|; see the module docstring

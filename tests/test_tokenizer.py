@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hmad.errors import UnencodableText
+from hmad.core.errors import UnencodableText
 from hmad.model.tokenizer import HFTokenizer, SpmTokenizer, StreamDecoder, TokenAttr
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tokenizer_llamacpp.json"

@@ -14,7 +14,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType, GGUFWriter
 
-from hmad.model.quants import quantize_q4_0, quantize_q5_0, quantize_q8_0, random_blocks
+from hmad.core.quants import quantize_q4_0, quantize_q5_0, quantize_q8_0, random_blocks
 
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 WORDS = ["the", "and", "of", "to", "in", "is", "it", "that", "model", "hello", "world", "cat", "dog"]

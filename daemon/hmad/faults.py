@@ -19,7 +19,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from hmad.errors import BackendUnusable, HmadError
+from hmad.core.errors import BackendUnusable, HmadError
 
 log = logging.getLogger("hmad.faults")
 

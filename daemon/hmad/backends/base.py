@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from hmad.engine.batch import StepBatch
-from hmad.engine.kvcache import KVLayout
-from hmad.model.tensors import WeightTensor
+from hmad.core.batch import StepBatch
+from hmad.core.kv_layout import KVLayout
+from hmad.core.tensors import WeightTensor
 
 Act = Any  # a backend's activation array
 Weight = Any  # a backend's resident weight
@@ -27,7 +27,7 @@ class Backend(ABC):
 
     Failures: an exception from ``run`` (or from reading its result back) fails that step's requests only,
     and the next step runs as usual, so a backend must leave itself usable after raising. One that cannot
-    (its device is lost) raises ``hmad.errors.BackendUnusable`` (or a subclass, as the Vulkan backend's
+    (its device is lost) raises ``hmad.core.errors.BackendUnusable`` (or a subclass, as the Vulkan backend's
     ``DeviceLost``): the engine then answers every request and the daemon exits 1.
     """
 

@@ -23,10 +23,10 @@ import numpy as np
 from hmad.backends import ggml_numerics as ggml
 from hmad.backends import invariant
 from hmad.backends.base import Backend
-from hmad.engine.batch import StepBatch
-from hmad.engine.kvcache import KVLayout
-from hmad.model.quants import dequantize
-from hmad.model.tensors import WeightTensor
+from hmad.core.batch import StepBatch
+from hmad.core.kv_layout import KVLayout
+from hmad.core.quants import dequantize
+from hmad.core.tensors import WeightTensor
 
 _ROW_CHUNK = 8192  # rows dequantized at a time for weights outside the cache
 

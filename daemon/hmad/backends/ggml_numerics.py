@@ -30,7 +30,7 @@ import math
 
 import numpy as np
 
-from hmad.model.tensors import QType
+from hmad.core.tensors import QType
 
 _Q8_0_DOT = {QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0}
 _Q8_K_DOT = {QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K}

@@ -62,12 +62,12 @@ from typing import Any
 
 import numpy as np
 
+from hmad.core.batch import SAMPLE_DTYPE, SeqSlice, StepBatch
+from hmad.core.errors import BackendUnusable, HmadError
 from hmad.engine.admission import FairQueue
-from hmad.engine.batch import SAMPLE_DTYPE, SeqSlice, StepBatch
 from hmad.engine.draw_rows import DRAW_ROWS_MIN, draw_rows
 from hmad.engine.kvcache import KVCacheManager, KVLayout
 from hmad.engine.request import Event, Request, State
-from hmad.errors import BackendUnusable, HmadError
 
 log = logging.getLogger("hmad.engine")
 

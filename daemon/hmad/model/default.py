@@ -10,7 +10,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from hmad.errors import ModelNotFoundError
+from hmad.core.errors import ModelNotFoundError
 
 DEFAULT_NAME = "default"
 FILE_NAME = "gemma-3-270m-q4_k_m.gguf"

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hmad.backends.base import Act, Backend, Weight
-from hmad.engine.batch import StepBatch
-from hmad.model.config import ModelConfig
+from hmad.core.batch import StepBatch
+from hmad.core.model_config import ModelConfig
 
 LAYER_TENSORS = (
     "attn_norm",

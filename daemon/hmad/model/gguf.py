@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 from gguf import GGUFValueType
 
-from hmad.errors import ModelFormatError
-from hmad.model.quants import SUPPORTED_TYPES, row_bytes
-from hmad.model.tensors import PLAIN_TYPES, QType, WeightTensor
+from hmad.core.errors import ModelFormatError
+from hmad.core.quants import SUPPORTED_TYPES, row_bytes
+from hmad.core.tensors import PLAIN_TYPES, QType, WeightTensor
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)

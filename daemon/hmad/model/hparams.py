@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from hmad.errors import ModelFormatError
+from hmad.core.errors import ModelFormatError
 
 #: field -> (least, greatest) allowed integer
 INT_BOUNDS: dict[str, tuple[int, int]] = {

@@ -12,14 +12,14 @@ from typing import Any
 import numpy as np
 
 from hmad.backends.base import Backend
-from hmad.engine.batch import SeqSlice, StepBatch
+from hmad.core.batch import SeqSlice, StepBatch
+from hmad.core.errors import ModelFormatError, ModelNotFoundError
+from hmad.core.model_config import ModelConfig
+from hmad.core.tensors import WeightTensor
 from hmad.engine.kvcache import KVCacheManager, KVLayout
-from hmad.errors import ModelFormatError, ModelNotFoundError
-from hmad.model.config import ModelConfig
 from hmad.model.default import DEFAULT_NAME, resolve_default
 from hmad.model.hparams import check_layer_count, layer_indices, shape_problem
 from hmad.model.registry import get_architecture
-from hmad.model.tensors import WeightTensor
 from hmad.model.tokenizer import HFTokenizer, SpmTokenizer, Tokenizer
 
 log = logging.getLogger("hmad.model")

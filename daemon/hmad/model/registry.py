@@ -6,9 +6,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hmad.errors import ModelFormatError, UnsupportedArchitectureError
+from hmad.core.errors import ModelFormatError, UnsupportedArchitectureError
+from hmad.core.model_config import ModelConfig
 from hmad.model import gemma3
-from hmad.model.config import ModelConfig
 from hmad.model.hparams import check_hparams
 
 

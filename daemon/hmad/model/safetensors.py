@@ -40,10 +40,10 @@ from typing import Any
 
 import numpy as np
 
-from hmad.errors import ModelFormatError
-from hmad.model.config import ModelConfig
+from hmad.core.errors import ModelFormatError
+from hmad.core.model_config import ModelConfig
+from hmad.core.tensors import QType, WeightTensor
 from hmad.model.hparams import Stated, check_hparams, check_layer_count, layer_indices, shape_problem
-from hmad.model.tensors import QType, WeightTensor
 
 #: safetensors dtype -> (QType, numpy dtype of the view); bf16 is viewed as its raw uint16 bits.
 DTYPES: dict[str, tuple[QType, type]] = {

@@ -19,7 +19,7 @@ matters, in the order ``encode`` runs it:
    is emitted as its UTF-8 bytes through the ``<0xXX>`` byte tokens. A vocabulary without a byte token
    for one of those bytes (no ``<0xXX>`` and, for ASCII, no one-character token) cannot encode the text:
    llama.cpp's ``byte_to_token`` throws ``std::out_of_range`` there (``token_to_id.at``; no fallback to
-   UNK), and ``encode`` raises :class:`hmad.errors.UnencodableText` naming the character and the byte,
+   UNK), and ``encode`` raises :class:`hmad.core.errors.UnencodableText` naming the character and the byte,
    which the daemon answers as that request's ``bad_request``.
 
 Decoding follows ``token_to_piece``: NORMAL pieces get U+2581 turned back into spaces, USER_DEFINED
@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from hmad.errors import UnencodableText
+from hmad.core.errors import UnencodableText
 
 SPACE_MARK = "\u2581"  # "▁", SentencePiece's escaped space
 _ASCII_SPACE = " \t\n\v\f\r"  # C isspace() in the "C" locale, used by LSTRIP/RSTRIP

@@ -29,7 +29,7 @@ from hmad.backends.npu.kernels import CATALOGUE, KERNELS_FOR_OP, find_kernels
 from hmad.backends.npu.routing import Route, Router
 from hmad.backends.npu.xrt import NpuDevice, open_device
 from hmad.config import NPU_OPS
-from hmad.model.tensors import PLAIN_TYPES
+from hmad.core.tensors import PLAIN_TYPES
 
 log = logging.getLogger("hmad.npu")
 

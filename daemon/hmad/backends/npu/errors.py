@@ -5,7 +5,7 @@ Each carries a short ``reason`` for status (``hmactl status`` shows it where an 
 
 from __future__ import annotations
 
-from hmad.errors import HmadError
+from hmad.core.errors import HmadError
 
 
 class NpuError(HmadError):

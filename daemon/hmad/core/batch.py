@@ -1,0 +1,93 @@
+"""StepBatch: the per-step values one forward pass reads (tokens, positions, sequences, block tables).
+
+The forward pass is written over a flat batch of T tokens drawn from S sequences, vLLM-style: a decoding
+sequence adds 1 token, a prefilling one a chunk of its prompt. Backends never look at Python objects other
+than these arrays, so the Vulkan backend can copy them into one small host-visible buffer per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+#: a logit row's sampling as the device draws it (``StepBatch.sampling``; shaders/sample_topk.comp): the
+#: request's temperature (0: greedy), top_k, top_p, min_p, and the uniform its draw uses
+SAMPLE_DTYPE = np.dtype(
+    [("temperature", "<f4"), ("top_k", "<u4"), ("top_p", "<f4"), ("min_p", "<f4"), ("u", "<f4")]
+)
+
+
+@dataclass
+class SeqSlice:
+    """One sequence's part of a step: rows ``start:start+n`` of the flat batch, positions ``pos0:pos0+n``."""
+
+    seq_id: int
+    start: int
+    n: int
+    pos0: int
+    global_table: np.ndarray  # (n_blocks,) int32: block j holds positions [j*B, (j+1)*B) (may be shared)
+    local_table: np.ndarray  # (ring,) int32: position p lives in block local_table[(p // B) % ring]
+    # (valid for the positions this step writes or reads; engine/kvcache.py)
+
+    @property
+    def end_pos(self) -> int:
+        """One past the last position written this step (the sequence's cached length after the step)."""
+        return self.pos0 + self.n
+
+
+@dataclass
+class StepBatch:
+    """Everything the forward pass needs for one step, as plain arrays."""
+
+    tokens: np.ndarray  # (T,) int32
+    positions: np.ndarray  # (T,) int32
+    seqs: list[SeqSlice]
+    logit_rows: np.ndarray  # (S_out,) int32: rows of the flat batch whose logits the step returns
+    block_size: int = 16
+    meta: dict = field(default_factory=dict)
+    # (T,) int32 or None: a pipelined step's rows whose token the device takes from the step before it,
+    # from that step's ids row feed[t] (-1: the token in ``tokens``; Backend.launch_greedy)
+    feed: np.ndarray | None = None
+    # (S_out,) SAMPLE_DTYPE or None: how the device samples each logit row (Backend.launch_sampled)
+    sampling: np.ndarray | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @staticmethod
+    def build(
+        parts: list[tuple[SeqSlice, np.ndarray, bool]],
+        block_size: int,
+        feed: list[int] | None = None,
+        sampling: np.ndarray | None = None,
+    ) -> StepBatch:
+        """Assemble a batch from (slice without start, its token ids, wants logits of its last token);
+        ``feed``: per part, the previous step's ids row its one token comes from, or -1 (see ``feed``);
+        ``sampling``: per logit row (see ``sampling``)."""
+        tokens, positions, seqs, rows, start = [], [], [], [], 0
+        for s, toks, want in parts:
+            s.start, s.n = start, len(toks)
+            tokens.append(np.asarray(toks, dtype=np.int32))
+            positions.append(np.arange(s.pos0, s.pos0 + s.n, dtype=np.int32))
+            if want:
+                rows.append(start + s.n - 1)
+            seqs.append(s)
+            start += s.n
+        fed = None
+        if feed is not None and any(f >= 0 for f in feed):
+            fed = np.full(start, -1, np.int32)
+            for s, f in zip(seqs, feed, strict=True):
+                if f >= 0:
+                    assert s.n == 1, "a fed part is one decode token"
+                    fed[s.start] = f
+        return StepBatch(
+            tokens=np.concatenate(tokens) if tokens else np.zeros(0, np.int32),
+            positions=np.concatenate(positions) if positions else np.zeros(0, np.int32),
+            seqs=seqs,
+            logit_rows=np.asarray(rows, dtype=np.int32),
+            block_size=block_size,
+            feed=fed,
+            sampling=sampling,
+        )
