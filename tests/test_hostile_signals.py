@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -120,3 +121,41 @@ def test_each_request_is_logged_with_the_peers_credentials(tiny_path, tmp_path):
     finally:
         assert d.stop() == 0
     assert f"from uid {os.getuid()} pid {os.getpid()}" in d.log_text()
+
+
+def test_extend_timeout_is_sent_only_after_load_progress(tmp_path, monkeypatch):
+    """The start timeout is extended only while the load reports progress: a load stuck in one phase
+    stops extending, so systemd's TimeoutStartSec= can end it. The service's own extender thread, its
+    period shortened, speaking to a real datagram socket standing where systemd's would."""
+    import socket as so
+
+    from hmad import service as service_mod
+    from hmad.config import Config
+
+    listener = so.socket(so.AF_UNIX, so.SOCK_DGRAM)
+    listener.bind(str(tmp_path / "notify.sock"))
+    listener.settimeout(0.5)
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify.sock"))
+    monkeypatch.setattr(service_mod, "EXTEND_EVERY_S", 0.05)
+    svc = service_mod.Service(Config())
+    svc.loading.set()
+    extender = threading.Thread(target=svc._extend_while_loading, daemon=True)
+    extender.start()
+
+    def lines(for_s: float) -> list[str]:
+        out, deadline = [], time.monotonic() + for_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError):
+                out += listener.recv(4096).decode().split("\n")
+        return out
+
+    try:
+        assert not [x for x in lines(0.6) if x.startswith("EXTEND_TIMEOUT_USEC=")]  # stuck: no extension
+        svc._progress("reading")  # one progress report: its own line, then one extension from the thread
+        got = lines(0.6)
+        assert sum(x.startswith("EXTEND_TIMEOUT_USEC=") for x in got) == 2, got
+        assert "STATUS=reading" in got
+    finally:
+        svc.loading.clear()
+        extender.join(1)
+        listener.close()
