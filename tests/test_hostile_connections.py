@@ -102,3 +102,25 @@ def test_the_soft_open_file_limit_is_raised_to_the_hard_one(tiny_path, tmp_path)
         assert "server.max_connections 100000 lowered to" in d.log_text()
     finally:
         assert d.stop() == 0, d.log_text()
+
+
+def test_one_users_connections_are_capped(tiny_path, tmp_path):
+    """server.max_connections_per_uid 4: this user's fifth connection on is closed at once; once theirs
+    end, the user is served again."""
+    d = Daemon(tiny_path, tmp_path, "server.max_connections_per_uid=4").wait_ready()
+    try:
+        socks = flood(d.socket, 12)
+        deadline, closed = time.monotonic() + 15, set()
+        while time.monotonic() < deadline and len(closed) < len(socks) - 4:
+            closed |= {i for i, s in enumerate(socks) if i not in closed and closed_by_peer(s)}
+            time.sleep(0.1)
+        assert len(closed) == len(socks) - 4, f"{len(closed)} closed"
+        for s in socks:
+            s.close()
+        time.sleep(0.5)
+        with Client(d.socket, timeout=30) as c:
+            assert c.generate("the dog", max_tokens=3, temperature=0, raw=True).generated_tokens >= 1
+            assert c.status()["connections_refused"] == len(socks) - 4
+    finally:
+        assert d.stop() == 0, d.log_text()
+    assert "(server.max_connections_per_uid): refusing new connections" in d.log_text()

@@ -396,6 +396,7 @@ class ServerConfig:
     """The socket's limits on its peers (docs/protocol.md, "Limits")."""
 
     max_connections: int = _key(1024, _Int(1, 1 << 20))
+    max_connections_per_uid: int = _key(256, _Int(1, 1 << 20))
     max_in_flight_per_connection: int = _key(64, _Int(1, 1 << 20))
     max_in_flight_per_uid: int = _key(128, _Int(1, 1 << 20))
     max_reply_bytes: int = _key(256 << 20, _Bytes(1 << 20, 1 << 40))

@@ -6,16 +6,18 @@ names the descriptor it came in on (``SRCFD``) and its peer's credentials (``Pee
 fills from SO_PEERCRED on a Unix socket as ``host:uid:gid:pid``), so the server learns which routing id
 each connection carries and, when the connection goes, which requests to cancel.
 
-Past ``max_connections`` a new connection is shut down as soon as the loop sees it accepted (its client
-sees the connection end, and a ZMQ client reconnects later); those already served carry on. (Unbinding
-to stop accepting is no way out: libzmq closes every connection a listener accepted with it.) libzmq
-aborts the process when ``accept`` fails with EMFILE, so the cap is kept at half the descriptors the
-open-file limit leaves (``connection_cap``; the other half absorbs a burst accepted before the loop shuts
-it down), and the soft limit is raised to the hard one at start (``raise_nofile_limit``).
+Past ``max_connections``, or past ``max_per_uid`` connections of one user, a new connection is shut
+down as soon as the loop sees it accepted (its client sees the connection end, and a ZMQ client reconnects
+later); those already served carry on. (Unbinding to stop accepting is no way out: libzmq closes every
+connection a listener accepted with it.) libzmq aborts the process when ``accept`` fails with EMFILE, so
+the cap is kept at half the descriptors the open-file limit leaves (``connection_cap``; the other half
+absorbs a burst accepted before the loop shuts it down), and the soft limit is raised to the hard one at
+start (``raise_nofile_limit``).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -113,8 +115,10 @@ class Peers:
     """The connections of one ROUTER: ``monitor`` is polled by the socket loop, ``on_monitor`` returns
     the routing ids of connections that have gone."""
 
-    def __init__(self, sock: zmq.Socket, max_connections: int):
+    def __init__(self, sock: zmq.Socket, max_connections: int, max_per_uid: int | None = None):
         self.max_connections = max_connections
+        self.max_per_uid = max_per_uid or max_connections
+        self.per_uid: collections.Counter = collections.Counter()  # connections of each known uid
         addr = f"inproc://hmad-monitor-{id(self)}"
         sock.monitor(addr, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self.monitor = sock.context.socket(zmq.PAIR)
@@ -140,19 +144,27 @@ class Peers:
                 self._accepted(fd)
             else:
                 conn = self.conns.pop(fd, None)
+                if conn is not None and conn.uid is not None:
+                    self.per_uid[conn.uid] -= 1
                 if conn is not None and conn.peer is not None:
                     self.by_peer.pop(conn.peer, None)
                     gone.append(conn.peer)
 
     def _accepted(self, fd: int) -> None:
+        uid, pid = peer_credentials(fd) or (None, None)
         if len(self.conns) >= self.max_connections:
-            self.refused += 1
-            if self.refused == 1 or self.refused % 1000 == 0:
-                log.warning("%d connections open (server.max_connections): refusing new ones", len(self))
-            shut_down(fd)
+            why = f"{len(self)} connections open (server.max_connections)"
+        elif uid is not None and self.per_uid[uid] >= self.max_per_uid:
+            why = f"user {uid} has {self.per_uid[uid]} connections open (server.max_connections_per_uid)"
+        else:
+            self.conns[fd] = Conn(fd, uid, pid)
+            if uid is not None:
+                self.per_uid[uid] += 1
             return
-        creds = peer_credentials(fd)
-        self.conns[fd] = Conn(fd, *(creds or (None, None)))
+        self.refused += 1
+        if self.refused == 1 or self.refused % 1000 == 0:
+            log.warning("%s: refusing new connections", why)
+        shut_down(fd)
 
     def note(self, peer: bytes, frame: zmq.Frame) -> Conn | None:
         """The connection a message came in on, learning its routing id; None if it is not one served
@@ -169,6 +181,7 @@ class Peers:
                 creds = parse_peer_address(frame.get("Peer-Address"))
                 if creds is not None:
                     conn.uid, conn.pid = creds
+                    self.per_uid[conn.uid] += 1
         conn.peer = peer
         self.by_peer[peer] = conn
         return conn

@@ -19,8 +19,9 @@ Guarantees:
   queued) is disconnected from the loop's side and its requests cancelled;
 - a peer whose connection ends (closed, killed, or silent past the heartbeat timeout: hmad/peers.py) has
   its requests cancelled at once, whatever they are doing (waiting, prefilling, generating unstreamed);
-- connections past ``max_connections`` are closed; requests past ``max_in_flight_per_connection`` (one
-  connection) or ``max_in_flight_per_uid`` (every connection of one user) are refused ``busy``;
+- connections past ``max_connections`` (or ``max_connections_per_uid`` of one user) are closed;
+  requests past ``max_in_flight_per_connection`` (one connection) or ``max_in_flight_per_uid`` (every
+  connection of one user) are refused ``busy``;
 - tokenizing, rendering and schema checks run on the intake thread (hmad/intake.py), never on the loop:
   a generate is answered ``accepted`` (or its refusal) once that work is done;
 - while the model loads (no engine attached yet) the socket already answers: ``status`` shows the load's
@@ -95,6 +96,7 @@ class Server:
         status_extra=None,
         loading_status=None,
         max_connections: int = 1024,
+        max_connections_per_uid: int | None = None,
         max_per_connection: int = 1 << 20,
         max_per_uid: int = 1 << 20,
         max_reply_bytes: int = 256 << 20,
@@ -115,7 +117,8 @@ class Server:
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout_s * 1000))
         self.sock.setsockopt(zmq.HEARTBEAT_TTL, int(heartbeat_timeout_s * 1000))
         self.sock.setsockopt(zmq.BACKLOG, BACKLOG)
-        self.peers = Peers(self.sock, max_connections)  # before bind: every connection is seen
+        # before bind: every connection is seen
+        self.peers = Peers(self.sock, max_connections, max_connections_per_uid)
         self.sock.bind(endpoint)
         self.wake_pull = ctx.socket(zmq.PULL)
         self.wake_pull.bind(f"inproc://hmad-wake-{id(self)}")

@@ -123,6 +123,7 @@ class Service:
             max_frame_bytes=cfg.limits.max_frame_bytes,
             loading_status=self.load_status,
             max_connections=self._max_connections(),
+            max_connections_per_uid=cfg.server.max_connections_per_uid,
             max_per_connection=cfg.server.max_in_flight_per_connection,
             max_per_uid=cfg.server.max_in_flight_per_uid,
             max_reply_bytes=cfg.server.max_reply_bytes,
