@@ -17,10 +17,11 @@ import time
 
 import numpy as np
 
+from hmad.composition import load_model
 from hmad.engine.generate import generate
 from hmad.engine.sampling import SamplingParams
 from hmad.engine.scheduler import SchedulerConfig
-from hmad.model.loader import load_model, resolve_model_path
+from hmad.model.loader import resolve_model_path
 
 
 def prompt_ids(tokenizer, n: int) -> list[int]:

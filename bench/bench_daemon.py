@@ -236,10 +236,10 @@ def run_daemon(a, levels: list[int]) -> dict:
 
 def run_engine(a, levels: list[int]) -> dict:
     """The same prompts through generate() in-process: the engine alone, no socket, no client."""
+    from hmad.composition import load_model
     from hmad.engine.generate import generate
     from hmad.engine.sampling import SamplingParams
     from hmad.engine.scheduler import SchedulerConfig
-    from hmad.model.loader import load_model
 
     model = load_model(a.model, a.backend)
     cfg = SchedulerConfig(max_seqs=a.max_seqs, kv_tokens=32768)

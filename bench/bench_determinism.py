@@ -28,8 +28,8 @@ sys.path[:0] = [str(ROOT / "daemon"), str(ROOT / "bench")]
 
 from bench_vulkan_model import make_batch, write_model  # noqa: E402
 
+from hmad.composition import load_model  # noqa: E402
 from hmad.engine.kvcache import KVCacheManager, KVLayout  # noqa: E402
-from hmad.model.loader import load_model  # noqa: E402
 
 STEPS = {"decode_1": (1, 1), "decode_8": (8, 1), "decode_32": (32, 1), "prefill_512": (1, 512)}
 

@@ -21,12 +21,12 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon", "client")]
 
+from hmad.composition import load_model  # noqa: E402
 from hmad.engine import batch as batchmod  # noqa: E402
 from hmad.engine.request import Request  # noqa: E402
 from hmad.engine.sampling import SamplingParams  # noqa: E402
 from hmad.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from hmad.engine.worker import EngineThread  # noqa: E402
-from hmad.model.loader import load_model  # noqa: E402
 
 # (object attribute holding it, method, label)
 PHASES = [

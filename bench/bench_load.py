@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "daemon")]
 
+from hmad.composition import load_model  # noqa: E402
 from hmad.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from hmad.model.loader import load_model  # noqa: E402
 
 
 def main() -> int:

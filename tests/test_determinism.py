@@ -23,10 +23,10 @@ from tiny_gguf import MIXED, make_tiny_gguf
 
 from hmad.backends import invariant
 from hmad.backends.cpu import CpuBackend
+from hmad.composition import load_model
 from hmad.engine.generate import generate
 from hmad.engine.sampling import SamplingParams
 from hmad.engine.scheduler import SchedulerConfig
-from hmad.model.loader import load_model
 
 CASES = json.loads((Path(__file__).parent / "fixtures" / "llamacpp_greedy.json").read_text())["cases"]
 N_NEW = 16

@@ -17,12 +17,12 @@ from tiny_gguf import MIXED, make_tiny_gguf
 
 from hmaclient import Client
 from hmaclient import protocol as P
+from hmad.composition import load_model
 from hmad.engine.admission import FairQueue
 from hmad.engine.request import Request
 from hmad.engine.sampling import SamplingParams
 from hmad.engine.scheduler import Scheduler, SchedulerConfig
 from hmad.engine.worker import EngineThread
-from hmad.model.loader import load_model
 
 N_NEW = 4
 CFG = dict(max_seqs=2, step_tokens=64, max_chunk=16, block_size=4, kv_tokens=512, max_queue=64)

@@ -17,11 +17,11 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from tiny_gguf import MIXED, make_tiny_gguf
 
+from hmad.composition import load_model
 from hmad.core.batch import SeqSlice, StepBatch
-from hmad.engine.generate import generate
+from hmad.engine.generate import forward_full, generate
 from hmad.engine.kvcache import KVCacheManager, KVLayout
 from hmad.engine.sampling import SamplingParams
-from hmad.model.loader import load_model
 
 RTOL = 2e-5
 
@@ -129,12 +129,12 @@ def test_forward_matches_dense_reference(tiny):
     if tiny.backend.ggml:
         pytest.skip("ggml numerics round like llama.cpp; the dense reference is plain float")
     ids = rand_ids(np.random.default_rng(), 29, tiny.config.vocab_size)
-    close(tiny.forward_full(ids), dense_reference(tiny, ids))
+    close(forward_full(tiny, ids), dense_reference(tiny, ids))
 
 
 def test_chunked_prefill_and_decode_match_full(tiny):
     ids = rand_ids(np.random.default_rng(), 40, tiny.config.vocab_size)
-    full = tiny.forward_full(ids)
+    full = forward_full(tiny, ids)
     for chunk in (1, 3, 16):
         close(run_chunks(tiny, [ids], chunk)[0], full, tol(tiny))
 
@@ -144,7 +144,7 @@ def test_batch_of_sequences_matches_each_alone(tiny):
     seqs = [rand_ids(rng, n, tiny.config.vocab_size) for n in (5, 23, 12)]
     together = run_chunks(tiny, seqs, chunk=7)
     for ids, got in zip(seqs, together, strict=True):
-        close(got, tiny.forward_full(ids), tol(tiny))
+        close(got, forward_full(tiny, ids), tol(tiny))
 
 
 def test_sliding_window_layers_keep_only_their_window(tiny):
@@ -152,7 +152,7 @@ def test_sliding_window_layers_keep_only_their_window(tiny):
     ids = rand_ids(np.random.default_rng(), 60, tiny.config.vocab_size)
     layout = KVLayout.plan(tiny.config, 60, 1, max_chunk=2, block_size=4)
     assert layout.ring_blocks * 4 < 60  # the ring really wraps
-    close(run_chunks(tiny, [ids], chunk=2)[0], tiny.forward_full(ids), tol(tiny))
+    close(run_chunks(tiny, [ids], chunk=2)[0], forward_full(tiny, ids), tol(tiny))
 
 
 def test_generate_batched_equals_alone(tiny):
@@ -172,4 +172,4 @@ def test_quant_types_load(tmp_path):
         make_tiny_gguf(tmp_path / "k.gguf", seed=3, types=types), backend="cpu", numerics="f32"
     )
     ids = rand_ids(np.random.default_rng(), 11, model.config.vocab_size)
-    close(model.forward_full(ids), dense_reference(model, ids))
+    close(forward_full(model, ids), dense_reference(model, ids))

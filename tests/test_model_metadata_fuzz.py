@@ -113,10 +113,10 @@ def serve() -> None:
 
     import numpy as np
 
+    from hmad.composition import load_model
     from hmad.core.errors import ModelFormatError
-    from hmad.engine.generate import generate
+    from hmad.engine.generate import forward_full, generate
     from hmad.engine.sampling import SamplingParams
-    from hmad.model.loader import load_model
 
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # stray prints go to stderr, not into the answers
@@ -128,7 +128,7 @@ def serve() -> None:
         try:
             model = load_model(path, backend="cpu")
             res = generate(model, [PROMPT], SamplingParams(max_tokens=3, temperature=0.0))[0]
-            logits = model.forward_full(res.prompt_token_ids)
+            logits = forward_full(model, res.prompt_token_ids)
             answer.update(
                 tokens=res.token_ids,
                 prompt=res.prompt_token_ids,

@@ -13,10 +13,10 @@ from hmad.backends.npu.backend import NpuBackend
 from hmad.backends.npu.errors import NpuContextError, NpuUnavailable, NpuUnsupportedShape
 from hmad.backends.npu.routing import Route, Router
 from hmad.backends.npu.status import VULKAN_GRAPH_REASON, npu_status, vulkan_npu_status
+from hmad.composition import load_model, resolve_backend_name
 from hmad.config import ConfigError, load_config
-from hmad.engine.generate import generate
+from hmad.engine.generate import forward_full, generate
 from hmad.engine.sampling import SamplingParams
-from hmad.model.loader import load_model, resolve_backend_name
 
 TOKENS = list(range(262, 302))  # 40 tokens: one prefill step, every matmul >= min_rows
 
@@ -33,7 +33,7 @@ def float_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cpu_logits(quant_model):
-    return load_model(quant_model, backend="cpu").forward_full(TOKENS)
+    return forward_full(load_model(quant_model, backend="cpu"), TOKENS)
 
 
 def npu_model(path, fake_npu, **opts):
@@ -52,7 +52,7 @@ def ops_of(model) -> dict[str, str]:
 # -- the happy path ------------------------------------------------------------------------------------------
 def test_quantized_model_runs_int8_gemms_and_attention_on_the_npu(quant_model, cpu_logits, fake_npu):
     m = npu_model(quant_model, fake_npu)
-    logits = m.forward_full(TOKENS)
+    logits = forward_full(m, TOKENS)
     assert rel(logits, cpu_logits) < 0.03
     ops = ops_of(m)
     assert ops["gemm_int8"].startswith("npu (checked") and ops["attention_prefill"].startswith("npu (checked")
@@ -67,11 +67,11 @@ def test_quantized_model_runs_int8_gemms_and_attention_on_the_npu(quant_model, c
 
 def test_context_and_buffers_reused_across_requests(quant_model, fake_npu):
     m = npu_model(quant_model, fake_npu)
-    m.forward_full(TOKENS)
+    forward_full(m, TOKENS)
     contexts, bos, runs = list(fake_npu.state.contexts), len(fake_npu.state.bos), len(fake_npu.state.runs)
     assert sorted(contexts) == ["gemm_bf16", "gemm_int8", "softmax_bf16"]
     for _ in range(2):
-        m.forward_full(TOKENS[:35])
+        forward_full(m, TOKENS[:35])
     assert fake_npu.state.contexts == contexts and len(fake_npu.state.bos) == bos
     assert len(fake_npu.state.runs) > runs and fake_npu.state.device_opens == 1
     npu_model(quant_model, fake_npu)  # a second backend in the process: same device, same contexts
@@ -80,8 +80,8 @@ def test_context_and_buffers_reused_across_requests(quant_model, fake_npu):
 
 def test_float_model_runs_bf16_gemms(float_model, fake_npu):
     m = npu_model(float_model, fake_npu)
-    ref = load_model(float_model, backend="cpu").forward_full(TOKENS)
-    assert rel(m.forward_full(TOKENS), ref) < 0.01
+    ref = forward_full(load_model(float_model, backend="cpu"), TOKENS)
+    assert rel(forward_full(m, TOKENS), ref) < 0.01
     assert ops_of(m)["gemm_bf16"].startswith("npu (checked") and "not used yet" in ops_of(m)["gemm_int8"]
 
 
@@ -97,7 +97,7 @@ def test_greedy_output_equals_the_cpu_backend(quant_model, fake_npu):
 def test_small_matmuls_stay_on_the_cpu(quant_model, fake_npu):
     m = npu_model(quant_model, fake_npu, min_rows=32, ops=["gemm_int8"])
     runs = len(fake_npu.state.runs)
-    m.forward_full(TOKENS[:20])
+    forward_full(m, TOKENS[:20])
     assert len(fake_npu.state.runs) == runs  # 20 rows < min_rows: nothing went to the NPU
     assert ops_of(m)["attention_prefill"] == "cpu: not in npu.ops"
 
@@ -107,7 +107,7 @@ def test_idle_npu_is_warmed_up_while_the_cpu_works(quant_model, fake_npu):
     ctx = m.backend.offload.contexts["gemm_int8"]
     route = m.backend.offload.router.routes["gemm_int8"]
     ctx.last_run -= 10.0
-    m.forward_full(TOKENS)
+    forward_full(m, TOKENS)
     assert route.cpu_calls == 1 and route.npu_calls > 0  # the first matmul waited for nothing
 
 
@@ -116,7 +116,7 @@ def test_no_device_means_cpu_with_the_reason(quant_model, cpu_logits, fake_npu, 
     monkeypatch.setenv("HMAD_ACCEL_DIR", str(tmp_path / "empty"))
     fake_npu.fail()
     m = npu_model(quant_model, fake_npu)
-    np.testing.assert_array_equal(m.forward_full(TOKENS), cpu_logits)
+    np.testing.assert_array_equal(forward_full(m, TOKENS), cpu_logits)
     st = m.backend.npu_status()
     assert not st["used"] and st["reason"].startswith("NPU unavailable: no accel device node")
     assert all(v.startswith("cpu: NPU unavailable") for v in st["ops"].values())
@@ -132,7 +132,7 @@ def test_no_kernels_means_cpu_with_the_reason(quant_model, fake_npu, tmp_path):
 def test_context_limit(quant_model, cpu_logits, fake_npu):
     fake_npu.fail(context_limit=2)  # gemm_bf16 and gemm_int8 get theirs; softmax_bf16 is refused
     m = npu_model(quant_model, fake_npu)
-    assert rel(m.forward_full(TOKENS), cpu_logits) < 0.03
+    assert rel(forward_full(m, TOKENS), cpu_logits) < 0.03
     ops = ops_of(m)
     assert ops["attention_prefill"].startswith("cpu: NPU context refused: hw_context for softmax_bf16")
     assert ops["gemm_int8"].startswith("npu (checked")
@@ -148,23 +148,23 @@ def test_context_limit(quant_model, cpu_logits, fake_npu):
 )  # fmt: skip
 def test_npu_failing_mid_run_falls_back(quant_model, cpu_logits, fake_npu, failure, reason):
     m = npu_model(quant_model, fake_npu)
-    first = m.forward_full(TOKENS)  # every op checked on the NPU
+    first = forward_full(m, TOKENS)  # every op checked on the NPU
     setattr(fake_npu.state, failure, len(fake_npu.state.runs) + 1)
     if failure == "wrong_output_at":  # wrong output is caught on an op's first use: use a new shape
         m.backend.offload.router.routes["gemm_int8"].checked.clear()
         m.backend.offload.router.routes["attention_prefill"].checked.clear()
-    second = m.forward_full(TOKENS)
+    second = forward_full(m, TOKENS)
     ops = ops_of(m)
     assert reason in ops["gemm_int8"] and ops["gemm_int8"].startswith("cpu: ")
     assert rel(second, cpu_logits) < 0.03 and rel(first, cpu_logits) < 0.03
-    np.testing.assert_array_equal(m.forward_full(TOKENS), cpu_logits)  # all on the CPU now
+    np.testing.assert_array_equal(forward_full(m, TOKENS), cpu_logits)  # all on the CPU now
     assert fake_npu.state.misuse == []
 
 
 def test_wrong_output_on_first_use_returns_the_cpu_result(quant_model, cpu_logits, fake_npu):
     fake_npu.fail(wrong_output_at=1)
     m = npu_model(quant_model, fake_npu)
-    np.testing.assert_array_equal(m.forward_full(TOKENS), cpu_logits)
+    np.testing.assert_array_equal(forward_full(m, TOKENS), cpu_logits)
     assert all("first-use check" in ops_of(m)[op] for op in ("gemm_int8", "attention_prefill"))
 
 

@@ -12,9 +12,9 @@ from daemon_harness import Daemon
 from tiny_gguf import MIXED, make_tiny_gguf
 
 from hmaclient import Client
+from hmad.composition import load_model
 from hmad.engine.generate import generate
 from hmad.engine.sampling import SamplingParams
-from hmad.model.loader import load_model
 
 PROMPTS = [
     "hello world the cat and the dog is in the model of the world that is in the cat",

@@ -26,10 +26,10 @@ from test_model_cpu import rand_ids
 from tiny_gguf import MIXED, make_tiny_gguf
 
 from hmaclient import Client
+from hmad.composition import load_model
 from hmad.engine.request import Request
 from hmad.engine.sampling import SamplingParams
 from hmad.engine.scheduler import Scheduler, SchedulerConfig
-from hmad.model.loader import load_model
 
 B = 4
 ALIGNED = dict(step_tokens=B, max_chunk=B, block_size=B)

@@ -23,11 +23,11 @@ from daemon_harness import Daemon
 from test_model_cpu import rand_ids
 from tiny_gguf import MIXED, make_tiny_gguf
 
+from hmad.composition import load_model
 from hmad.engine.kvcache import ROOT_KEY, KVCacheManager, KVLayout, prompt_keys, tenant_root
 from hmad.engine.request import Request
 from hmad.engine.sampling import SamplingParams
 from hmad.engine.scheduler import Scheduler, SchedulerConfig
-from hmad.model.loader import load_model
 
 B = 4
 TENANTS = (None, 0, 1000, 1001)

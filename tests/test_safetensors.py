@@ -1,7 +1,7 @@
 """HF checkpoint loader (hmad.model.safetensors) and the forward pass against transformers' Gemma 3.
 
 The checkpoints are the tiny random ones of tests/hf_tiny.py (numpy only). The logits tests compare
-``load_model(dir).forward_full(ids)`` with transformers' Gemma3ForCausalLM: against the committed fixture
+``forward_full(load_model(dir), ids)`` with transformers' Gemma3ForCausalLM: against the committed fixture
 tests/fixtures/hf_tiny_reference.npz (made by tests/fixtures/make_hf_reference.py), and live on other random
 weights when torch + transformers are importable.
 
@@ -387,10 +387,11 @@ def test_tokenizer_file(tmp_path):
 
 
 def hmad_logits(directory: Path, prompts: list[list[int]]) -> list[np.ndarray]:
-    from hmad.model.loader import load_model
+    from hmad.composition import load_model
+    from hmad.engine.generate import forward_full
 
     model = load_model(directory, backend="cpu", numerics="f32")
-    return [model.forward_full(ids) for ids in prompts]
+    return [forward_full(model, ids) for ids in prompts]
 
 
 def assert_logits_close(got: np.ndarray, want: np.ndarray, what: str) -> None:

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from tiny_gguf import make_tiny_gguf, tiny_vocab
 
+from hmad.composition import load_model
 from hmad.engine.generate import generate
 from hmad.engine.sampling import SamplingParams
 from hmad.engine.structured import JsonConstraint, Vocabulary, compile_schema
-from hmad.model.loader import load_model
 from hmad.model.tokenizer import SpmTokenizer, TokenAttr
 
 

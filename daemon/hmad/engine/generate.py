@@ -11,6 +11,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from hmad.core.batch import SeqSlice, StepBatch
+from hmad.core.kv_layout import KVLayout
+from hmad.engine.kvcache import KVCacheManager
 from hmad.engine.request import Event, Request
 from hmad.engine.sampling import SamplingParams
 from hmad.engine.scheduler import Scheduler, SchedulerConfig
@@ -70,3 +75,18 @@ def _apply(res: Result, ev: Event) -> None:
         res.token_ids += ev.token_ids
     elif ev.terminal:
         res.finish_reason, res.stats = ev.finish_reason or ev.kind, ev.stats
+
+
+def forward_full(model, token_ids: list[int]) -> np.ndarray:
+    """Logits (T, V) of every position of one sequence, from an empty cache.
+
+    A test and debugging helper: it allocates its own KV pools, so not for use while an engine runs.
+    """
+    n = len(token_ids)
+    layout = KVLayout.plan(model.config, max_tokens=n, max_seqs=1, max_chunk=n)
+    model.backend.alloc_kv(layout)
+    blocks = KVCacheManager(layout).reserve(0, n)
+    s = SeqSlice(0, 0, n, 0, blocks.global_table, blocks.local_table)
+    batch = StepBatch.build([(s, token_ids, True)], layout.block_size)
+    batch.logit_rows = np.arange(n, dtype=np.int32)
+    return model.forward(batch)

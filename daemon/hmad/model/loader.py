@@ -1,9 +1,12 @@
-"""load_model: a model name, GGUF file or HF checkpoint directory -> a resident Model on a backend."""
+"""Model files -> what a model is before it is resident (``ModelFiles``), and the resident ``Model``.
+
+Putting a model on a backend (choosing the backend, uploading) is composition, one floor up:
+``hmad.composition.load_model``.
+"""
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,11 +15,10 @@ from typing import Any
 import numpy as np
 
 from hmad.backends.base import Backend
-from hmad.core.batch import SeqSlice, StepBatch
+from hmad.core.batch import StepBatch
 from hmad.core.errors import ModelFormatError, ModelNotFoundError
 from hmad.core.model_config import ModelConfig
 from hmad.core.tensors import WeightTensor
-from hmad.engine.kvcache import KVCacheManager, KVLayout
 from hmad.model.default import DEFAULT_NAME, resolve_default
 from hmad.model.hparams import check_layer_count, layer_indices, shape_problem
 from hmad.model.registry import get_architecture
@@ -71,19 +73,10 @@ class Model:
         return self.backend.topk(self.backend.run(self.net, batch))
 
     def forward_full(self, token_ids: list[int]) -> np.ndarray:
-        """Logits (T, V) of every position of one sequence, from an empty cache.
+        """Moved to ``hmad.engine.generate.forward_full(model, token_ids)`` (a transition alias)."""
+        from hmad.engine.generate import forward_full
 
-        A test and debugging helper: it allocates its own KV pools, so not for use while an engine runs.
-        """
-        n = len(token_ids)
-        layout = KVLayout.plan(self.config, max_tokens=n, max_seqs=1, max_chunk=n)
-        self.backend.alloc_kv(layout)
-        kv = KVCacheManager(layout)
-        blocks = kv.reserve(0, n)
-        s = SeqSlice(0, 0, n, 0, blocks.global_table, blocks.local_table)
-        batch = StepBatch.build([(s, token_ids, True)], layout.block_size)
-        batch.logit_rows = np.arange(n, dtype=np.int32)
-        return self.forward(batch)
+        return forward_full(self, token_ids)
 
 
 def resolve_model_path(spec: str | Path) -> Path:
@@ -156,87 +149,10 @@ def check_tensors(files: ModelFiles) -> None:
         )
 
 
-def resolve_backend_name(name: str, npu: dict[str, Any] | None = None) -> str:
-    """``auto`` -> ``vulkan`` when a Vulkan GPU is present (not a CPU driver: lavapipe), else ``npu`` when
-    an NPU and the kernels for ``npu`` (config section npu) are installed, else ``cpu``."""
-    if name != "auto":
-        return name
-    try:
-        from hmad.backends.vulkan.device import Device
+def __getattr__(name: str):
+    """The loading functions' old home: they moved to ``hmad.composition`` (a transition alias)."""
+    if name in ("load_model", "make_backend", "resolve_backend_name", "Progress"):
+        import hmad.composition
 
-        with Device() as dev:
-            if not dev.info.is_cpu:
-                return "vulkan"
-            log.info("backend auto: the Vulkan device is a CPU driver (%s)", dev.info.name)
-    except Exception as e:  # no loader, no driver, no suitable device: the CPU backend serves
-        log.info("backend auto: no usable Vulkan GPU (%s)", e)
-    from hmad.backends.npu.status import probe
-
-    usable, reason = probe(npu)
-    if usable or (npu or {}).get("enabled") is True:  # true: the npu backend fails loudly if it cannot
-        return "npu"
-    log.info("backend auto: no usable NPU (%s); using cpu", reason)
-    return "cpu"
-
-
-def make_backend(name: str, **opts) -> Backend:
-    """A backend by name: ``cpu``, ``vulkan``, ``npu``, or ``auto`` (see :func:`resolve_backend_name`)."""
-    name = resolve_backend_name(name, opts if name == "auto" else None)
-    if name == "cpu":
-        from hmad.backends.cpu import CpuBackend
-
-        return CpuBackend(**opts)
-    if name == "vulkan":
-        from hmad.backends.vulkan.backend import VulkanBackend
-
-        return VulkanBackend(**opts)
-    if name == "npu":
-        from hmad.backends.npu.backend import NpuBackend
-
-        return NpuBackend(**opts)
-    raise ValueError(f"backend {name!r} is not available (allowed: cpu, vulkan, npu, auto)")
-
-
-#: progress(message, done_bytes=None, total_bytes=None): what a load is doing; the byte counts while
-#: weights are uploaded (a backend that can tell)
-Progress = Callable[..., None]
-
-
-def load_model(
-    spec: str | Path,
-    backend: str | Backend = "cpu",
-    progress: Progress | None = None,
-    background: bool = False,
-    **backend_opts,
-) -> Model:
-    """Load a model and make its weights resident on ``backend``.
-
-    ``spec`` is ``default``, a GGUF file or an HF checkpoint directory. Corrupt files raise
-    ``ModelFormatError`` naming the file and the problem. ``model.info["load_phases_s"]`` says where the
-    time went (read, device, upload: what ``hmactl status`` shows). ``background``: return while a GPU
-    backend still uploads (the daemon records its steps meanwhile); ``backend.wait_resident()`` waits.
-    """
-    t0 = time.perf_counter()
-    phases: dict[str, float] = {}
-    path = resolve_model_path(spec)
-    note = progress or (lambda msg, *_: log.info("%s", msg))
-    note(f"reading {path}")
-    files = read_model_files(path)
-    check_tensors(files)
-    phases["read_s"] = time.perf_counter() - t0
-    ops = backend if isinstance(backend, Backend) else make_backend(backend, **backend_opts)
-    problem = ops.unsupported(files.config)
-    if problem:
-        if ops is not backend:
-            ops.close()
-        raise ModelFormatError(path, f"the {ops.name} backend cannot run this model: {problem}")
-    phases["device_s"] = time.perf_counter() - t0 - sum(phases.values())
-    note(f"uploading {len(files.tensors)} tensors to {ops.name}")
-    weights = ops.load_weights(files.tensors, progress=note, background=background)
-    net = get_architecture(files.config.arch).model_cls(files.config, weights, ops)
-    phases["allocate_s" if background else "upload_s"] = time.perf_counter() - t0 - sum(phases.values())
-    model = Model(str(path), files.config, files.tokenizer, ops, net, time.perf_counter() - t0)
-    model.info["load_phases_s"] = {k: round(v, 3) for k, v in phases.items()}
-    if not background:
-        note(f"model resident in {model.load_seconds:.1f} s")
-    return model
+        return getattr(hmad.composition, name)
+    raise AttributeError(name)
