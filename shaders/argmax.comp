@@ -3,7 +3,7 @@
 // only NaN gives 0xFFFFFFFF). A workgroup takes p.chunk columns of a row: each invocation scans a strided slice
 // keeping its best (value, index), then a shared-memory tree merges them. With one chunk a row (argmax_f32)
 // that is the answer; a long row takes two stages (backends/vulkan/backend.py, _argmax_tail), as one
-// workgroup reading a whole row is bound by its loads' latency (~180 µs for V = 262144 on an H200):
+// workgroup reading a whole row is bound by its loads' latency (docs/tuning.md):
 // - argmax_chunks_f32 (CHUNKS): each (row, chunk)'s best index and value into (S, n_chunks);
 // - argmax_merge_f32 (MERGE): each row's best of its chunks' (values, indices).
 // "Better" (larger, or equal with a lower index) is a total order on the non-NaN pairs, so any merge order

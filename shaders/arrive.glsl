@@ -6,7 +6,7 @@
 // (the host zeroes them when it allocates them, and at the start of every recorded step).
 // Cost: the arrival (a device-scope memory barrier, an atomic round trip) and a coherent load each wait on
 // L2, and on NVIDIA coherent loads do not overlap: a tail reads what the others wrote once, as vec4s spread
-// over the workgroup. Measured on an H200 (docs/performance.md, 2026-11-26): worth it only for a tail that
+// over the workgroup. Measured (docs/tuning.md): worth it only for a tail that
 // runs in many workgroups at once (matvec_qout.glsl); a serial tail in one workgroup (the residual step after
 // an output projection, the attention's reduce) cost more than the dispatch and barrier it saved. (The Vulkan
 // memory model's availability/visibility barriers, which would allow cached loads, miscompile on Mesa 22.3's

@@ -10,8 +10,8 @@
 // no workgroup barrier inside the key loop. At the end the subgroups' states merge through shared memory
 // (rescaled to the common max, added in subgroup order).
 // Variants: DPL (4 or 8: 32-wide subgroups or wider; 32: 8-wide) x MAX_GROUP (4, 8): registers for G heads.
-// KU keys per iteration: 4 with DPL 4 (H200, 27B at 32 streams: 11.2 -> 7.7 ms a step), else 1 (with DPL 8,
-// KU 4 measured 1.5x slower: 743 -> 1103 us a step for the 270M at 32 streams; too many registers).
+// KU keys per iteration: 4 with DPL 4, else 1 (with DPL 8, KU 4 measured slower: too many registers;
+// docs/tuning.md).
 // Host asserts: Dh <= DPL * S, G <= MAX_GROUP, BLOCK_SIZE / S <= MAX_SG.
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_KHR_shader_subgroup_arithmetic : require

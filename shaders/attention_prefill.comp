@@ -18,8 +18,8 @@
 // subgroup read the same shared-memory addresses. A score is the 8 lanes' partial dots summed by
 // subgroupShuffleXor. The online softmax (running max m, sum l) is per query vector, updated once per chunk;
 // keys outside [lo_t, pos_t] of the row (causal mask, sliding window, the other sub-tiles' ranges) score
-// -inf. (Two query vectors per invocation, each vec4 read from shared memory serving both, measured 1.35x
-// (27B) and 2.1x (270M) slower on an H200: more registers, fewer workgroups.)
+// -inf. (Two query vectors per invocation, each vec4 read from shared memory serving both, measured slower
+// (docs/tuning.md): more registers, fewer workgroups.)
 // Each (tile row, head, split) gets m = -inf, l = 0 (and zeros for acc) when none of its keys fell in the
 // split; attention_reduce ignores such splits.
 // Variants: DPL (8, 16, 32: Dh <= 8 DPL) x POOL_TYPE (float, float16_t); KC = 256 / DPL keys a chunk, so a
@@ -109,7 +109,7 @@ void main() {
     const uint tid = gl_LocalInvocationID.x, lv = tid % DV, key_step = BLOCK_SIZE / DV;
     for (uint base = c0; base < c1; base += KC) {
         // K and V of keys base .. base + KC - 1 (zeros past c1): invocation tid loads vec4 lv of keys
-        // tid / DV + n * key_step (a prefetch of the next chunk into registers measured no faster on an H200)
+        // tid / DV + n * key_step (a prefetch of the next chunk into registers measured no faster)
         for (uint jj = tid / DV; jj < KC; jj += key_step) {
             const uint j = base + jj;
             vec4 kd = vec4(0.0), vd = vec4(0.0);

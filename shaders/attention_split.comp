@@ -12,8 +12,8 @@
 //
 // One workgroup per (token, KV head, split): the n_splits splits cut [lo, pos] into runs of
 // per = max(ceil(len / n_splits), KT) keys (trailing splits may be empty). (At least 64 keys per split was
-// tried: 3x slower decode on an H200 at 512 positions, the tiles of one split run one after the other.) The G = H / Hkv query heads of the
-// KV head share each loaded K/V tile. Keys go KT at a time: for the scores, the workgroup is LANES-wide lane
+// tried: slower decode, the tiles of one split run one after the other; docs/tuning.md.) The G = H / Hkv
+// query heads of the KV head share each loaded K/V tile. Keys go KT at a time: for the scores, the workgroup is LANES-wide lane
 // groups, each taking whole keys (lanes over dims: coalesced loads of one key's row), partial dots reduced in
 // shared memory; then the online-softmax update (running max m and sum l per query head) and the output,
 // each invocation owning (head, dim) elements e = tid + i * BLOCK_SIZE of the G * Dh outputs.

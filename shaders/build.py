@@ -225,9 +225,10 @@ BUILD: list[tuple[str, str, dict[str, str]]] = [
         for t in ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K")
         for suffix, extra in MATVEC_VARIANTS
     ],
-    # ... tiled mat-mat of every type
+    # ... tiled mat-mat of every type, and the register-tiled one (CPU drivers)
     *[
-        (f"mul_mat_{t.lower()}", "mul_mat.comp", {f"TYPE_{t}": "1"})
+        (f"mul_mat{reg}_{t.lower()}", src, {f"TYPE_{t}": "1"})
+        for reg, src in (("", "mul_mat.comp"), ("_reg", "mul_mat_reg.comp"))
         for t in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K")
     ],
     # cooperative-matrix mat-mat (float16 tiles, float32 accumulators), per weight type and token tile

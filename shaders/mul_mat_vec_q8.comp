@@ -39,7 +39,7 @@ layout(binding = 4) readonly buffer WU { W_ELEM w_up[]; };
 #define MAX_T 8u  // the _t1 variants: 1 (decode at batch 1: fewer registers, more rows in flight)
 #endif
 #ifndef NR
-#define NR 2u  // rows per lane group (H200, 27B Q4_K shape: x3 56 -> 40 us at T = 1, 393 -> 235 us at T = 8)
+#define NR 2u  // rows per lane group (the faster default at the 27B Q4_K shape: docs/tuning.md)
 #endif
 #define UW (UNIT_W / 4u)      // lane words per unit
 #define UB (UNIT_W / 32u)     // x blocks per unit

@@ -10,7 +10,7 @@
 // split z at element z * T * y_stride, summed by split_reduce.comp: splitting K keeps enough workgroups in
 // flight when few tokens leave few output tiles (decode batches). The result goes through a per-subgroup
 // 16 x 16 float32 staging tile so partial tiles, row_offset and any y_stride need no alignment.
-// Loads are pipelined (2x the first version of this kernel at the 27B prefill shape on an H200):
+// Loads are pipelined (2x the first version of this kernel at the 27B prefill shape; docs/tuning.md):
 // - x comes in as float16 already divided by its row scale (row_scale.comp: a power of two that keeps
 //   Gemma's large activations within float16; the sums are multiplied back): a tile is a plain copy;
 // - the global loads of step s + 1 (x, and W raw: Q4_K as its 16-byte header + 8 bytes of quants per 16
@@ -33,17 +33,16 @@
 //   one barrier a step instead of two.
 // - WIDE (Q4_K): a W piece is 16 quant bytes (WIDE 1: 32 weights, the chunk's bytes 16g..16g+15) or 32
 //   (WIDE 2: the whole 64-weight chunk), loaded as uvec4s with its block's header, not 8 bytes (16
-//   weights): fewer loads, and fewer header reloads, per weight (H200, 27B layer: 13-23 % less time).
+//   weights): fewer loads, and fewer header reloads, per weight (docs/tuning.md).
 // Shared memory: NBUF (BN + BT) (BK + 8) 2 bytes of tiles (CoopmatLayout.shared_bytes); the write-out stages
 // each subgroup's 16 x 16 float32 results in the W tile, free after the last step: no shared memory of its own,
-// so more workgroups fit an SM (H200: 27 KiB a workgroup at 32x128_s1x4_w2 left room for 3, see
-// docs/performance.md).
+// so more workgroups fit an SM (docs/tuning.md, residency).
 // Bindings: 0 W, 1 xh (float16, rows x_stride halves apart, x_stride % 8 == 0), 2 y, 3 row scales.
 // Requires BLOCK_SIZE == NINV = 32 NSG with 32-wide subgroups, K % 32 == 0 (Q4_K: whole superblocks),
 // k_split % BK == 0, whole per-invocation counts (TF, NF, XPT, WPT: CoopmatLayout.problems).
 // Dispatch (ceil(T / BT), ceil(N / BN), splits): token tiles vary fastest, so the workgroups of all token
-// tiles of one W tile run together and W streams from memory once (a 27B matrix, 65 MB, does not stay in
-// the 50 MB L2 of an H200 across token tiles); x stays in L2.
+// tiles of one W tile run together and W streams from memory once (a 27B matrix, 65 MB, outgrows a large
+// GPU's L2 across token tiles); x stays in L2.
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
 #extension GL_KHR_shader_subgroup_basic : require

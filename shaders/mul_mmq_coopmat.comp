@@ -20,9 +20,7 @@
 // the int32 tiles of JB blocks (of all its MR fragments with FB) at a time, and its lanes apply the factors to
 // the (row, token) sums each keeps in registers. The next step's global loads are issued before the products
 // (in flight meanwhile). What bounds it is each batch's chain of products, store, barrier and factors, not
-// memory: H200, 27B shapes at 8 tokens (bench_vulkan_mmq.py), a layer's matmuls in 375 us with 16 x 16
-// products and one fragment's two blocks a store (~650 GB/s), 266 us with 16 x 8 products and FB (the x3
-// mat-vec: 525).
+// memory (bench_vulkan_mmq.py at the 27B shapes; the figures are in docs/tuning.md).
 // Bindings: 0 W (Q4_K), 1 XQ (uvec4), 2 XD (vec2), 3 y. Push: CoopMatPush (x_stride unused).
 // Requires 32-wide subgroups, K % 256 == 0, k_split % BK == 0, T <= TT * gl_NumWorkGroups.x.
 // Dispatch (ceil(T / TT), ceil(N / BN), splits).
@@ -145,7 +143,7 @@ void store(uint k0, uint tid, uint sg, uint lane) {
 }
 
 // The factors applied to JB tiles' sums (post): a lane owns one token (lr) and the rows lt + (32 / NB) e.
-// (Lanes owning a row and every other token, skipping the tokens past T, measured slower on an H200.)
+// (Lanes owning a row and every other token, skipping the tokens past T, measured slower.)
 void post(inout float a[EL], uint tile, uint g, uint j, uint i, uint lr, uint lt) {
     const vec2 x = xf[4u * (NB * i + lr) + j];
     [[unroll]] for (uint e = 0; e < EL; ++e) {

@@ -80,10 +80,11 @@ def test_mul_mat_vec(dev, kernels, gpu, t, variant):
         print(f"{k.name} K={kk} N={n} T={ntok}: {err:.1e}")
 
 
+@pytest.mark.parametrize("reg", ["", "_reg"])  # shared-memory tiles, register tiles (CPU drivers)
 @pytest.mark.parametrize("t", TYPES)
-def test_mul_mat(dev, kernels, gpu, t):
+def test_mul_mat(dev, kernels, gpu, t, reg):
     rng = np.random.default_rng(zlib.crc32(t.encode()))
-    k = kernels(f"mul_mat_{t}")
+    k = kernels(f"mul_mat{reg}_{t}")
     for kk, n, ntok in [(256, 67, 17), (512, 130, 64), (1024, 33, 3)]:
         err, _ = _run(dev, gpu, k, t, kk, n, ntok, rng)
         print(f"{k.name} K={kk} N={n} T={ntok}: {err:.1e}")
@@ -91,7 +92,8 @@ def test_mul_mat(dev, kernels, gpu, t):
 
 @pytest.mark.parametrize(
     "name",
-    ["mul_mat_vec_q4_k", "mul_mat_vec_q8_0_t1", "mul_mat_vec_q6_k", "mul_mat_q6_k", "mul_mat_q5_0"],
+    ["mul_mat_vec_q4_k", "mul_mat_vec_q8_0_t1", "mul_mat_vec_q6_k", "mul_mat_q6_k", "mul_mat_q5_0"]
+    + ["mul_mat_reg_q5_0"],
 )
 def test_weight_bound_as_several_ranges(dev, kernels, gpu, name):
     """W split over bind ranges of whole rows: one dispatch per range, each writing its own y columns."""

@@ -76,6 +76,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import threading
 import time
 import weakref
@@ -87,6 +88,7 @@ import numpy as np
 import vulkan as vk
 
 from hmad.backends.base import Backend
+from hmad.backends.vulkan import policy
 from hmad.backends.vulkan.device import Device, check, ffi, lib, new
 from hmad.backends.vulkan.kernels_matmul import (
     COOPMAT_TYPES,
@@ -537,8 +539,11 @@ class VulkanBackend(Backend):
         self.cands: list[BufferView | None] = [None, None]  # likewise, per parity, for the sample tails
         self.topk_groups = TOPK_GROUPS  # topk.comp's first-stage workgroups in all (read when recording)
         self.attention_min_keys = ATTENTION_MIN_KEYS
-        self.attention_target = ATTENTION_TARGET_GROUPS  # read when recording (bench --sweep)
-        self.attention_prefill_target = ATTENTION_PREFILL_TARGET_GROUPS
+        # the attention splits' workgroup targets (read when recording, bench --sweep): GPU-sized, fewer on
+        # a CPU implementation (policy.workgroup_target)
+        parallel = policy.parallel_groups(self.dev.info.type, len(os.sched_getaffinity(0)))
+        self.attention_target = policy.workgroup_target(ATTENTION_TARGET_GROUPS, parallel)
+        self.attention_prefill_target = policy.workgroup_target(ATTENTION_PREFILL_TARGET_GROUPS, parallel)
         self.attention_kl = True  # attention_decode_kl where it fits (bench_vulkan_model --no-attention-kl)
         # the prefill tiles' attention on cooperative matrices where the GEMM has them (attention_prefill_cm;
         # read when recording: bench_vulkan_model --sweep attention_cm=1,0)
@@ -577,6 +582,8 @@ class VulkanBackend(Backend):
         self._rec: CommandRecorder | None = None
         self._layout: StepMetaLayout | None = None
         self._t_b = 0  # the token bucket being recorded
+        # the many-token float mat-mat in registers, not shared-memory tiles (policy.matmul_registers)
+        self.matmul_registers = policy.matmul_registers("auto", self.dev.info.type)
         sub = self.dev.caps["subgroup_arithmetic"]
         self._vec_suffix = "_subgroup" if sub else ""
         self._norm = "rms_norm_f32_subgroup" if sub else "rms_norm_f32"
@@ -1257,7 +1264,7 @@ class VulkanBackend(Backend):
         (quantized W, ``_t1`` for one token, ``_geglu`` fused), mul_mat_vec (float W) or the tiled mat-mat."""
         t_name = _type_name(w.qtype, MATMUL_TYPES)
         if t > MATVEC_MAX_T:
-            return f"mul_mat_{t_name}"
+            return policy.matmul_kernel(t_name, self.matmul_registers)
         if w.qtype in UNIT_TYPES.values():
             return f"mul_mat_vec_{t_name}" + ("_geglu" if geglu else "") + _t1(t)
         return f"mul_mat_vec_{t_name}{self._vec_suffix}"

@@ -11,6 +11,9 @@ Variants (one per weight type ``<t>`` in :data:`MATMUL_TYPES`):
   subgroupAdd first in the ``_subgroup`` variant.
 - ``mul_mat_<t>`` (shaders/mul_mat.comp): any T (prefill); 64 × 64 output tiles, W tiles dequantized into
   shared memory; workgroup size fixed at 256.
+- ``mul_mat_reg_<t>`` (shaders/mul_mat_reg.comp): the same without shared memory or barriers, an
+  invocation's :data:`MATMUL_REG_ROWS` × :data:`MATMUL_REG_TOKENS` of y in registers (CPU drivers, where a
+  load costs far more than a product: :func:`hmad.backends.vulkan.policy.matmul_kernel`).
 - ``mul_mm_coopmat_<t>_<BT>x<BN>`` (shaders/mul_mm_coopmat.comp, <t> in :data:`COOPMAT_TYPES`): the same
   on VK_KHR_cooperative_matrix (float16 16×16×16 products, float32 accumulators; x as the float16 copy
   that row_scale.comp makes with its row scales), BT tokens × BN rows a workgroup, loads pipelined, K split
@@ -100,6 +103,9 @@ MATVEC_ROWS = 2  # rows of W per mat-vec workgroup (NUM_ROWS in mul_mat_vec.comp
 MATVEC_MAX_T = 8  # tokens per mat-vec dispatch (MAX_T)
 MATMUL_TILE = 64  # BN = BT of mul_mat.comp
 MATMUL_BLOCK = 256  # mul_mat.comp's fixed workgroup size
+MATMUL_REG_ROWS = 16  # rows of W per invocation of mul_mat_reg.comp (RN) ...
+MATMUL_REG_TOKENS = 16  # ... and tokens (RT): docs/tuning.md, "Large steps without cooperative matrices"
+MATMUL_REG_BLOCK = 64  # its workgroup size: small, so that a CPU driver's threads share few tiles evenly
 MATVEC_BLOCK = 128  # default mat-vec workgroup size (any power of two)
 #: mat-vec variants per type (mul_mat_vec_unit.comp, mul_mat_vec_q8.comp): suffix, defines
 UNIT_VARIANTS = (
@@ -155,6 +161,7 @@ def build_entries() -> list[tuple[str, str, dict[str, str]]]:
                 (f"mul_mat_vec_{t}{suffix}", "mul_mat_vec_unit.comp", {f"TYPE_{t.upper()}": "1", **extra})
             )
     out += [(f"mul_mat_{t}", "mul_mat.comp", {f"TYPE_{t.upper()}": "1"}) for t in MATMUL_TYPES]
+    out += [(f"mul_mat_reg_{t}", "mul_mat_reg.comp", {f"TYPE_{t.upper()}": "1"}) for t in MATMUL_TYPES]
     for t in COOPMAT_TYPES:
         for bt, bn in COOPMAT_TILES:
             d = {f"TYPE_{t.upper()}": "1", "BT": f"{bt}u", "BN": f"{bn}u"}
@@ -612,6 +619,7 @@ def kernel_specs(spec_type) -> dict:
         "mul_mat_vec.comp": (3, MatMulPush, MATVEC_BLOCK),
         "mul_mat_vec_unit.comp": (3, MatMulPush, UNIT_BLOCK),  # W, x, y (+ W_up: _geglu)
         "mul_mat.comp": (3, MatMulPush, MATMUL_BLOCK),
+        "mul_mat_reg.comp": (3, MatMulPush, MATMUL_REG_BLOCK),
         "mul_mm_coopmat.comp": (4, CoopMatPush, MATMUL_BLOCK),  # W, x float16, y, scales (block: layout)
     }
     specs = {}
@@ -713,6 +721,9 @@ def record_matmul(
         push = MatMulPush(k, rows, t, x_stride, y_stride, rb, row0)
         if vec:
             groups = kernel.groups_for(-(-rows // rows_per_group))
+        elif name.startswith("mul_mat_reg_"):
+            tiles = -(-rows // MATMUL_REG_ROWS) * -(-t // MATMUL_REG_TOKENS)
+            groups = kernel.groups_for(-(-tiles // kernel.block_size))
         else:
             groups = (-(-rows // MATMUL_TILE), -(-t // MATMUL_TILE), 1)
         rec.dispatch(kernel, [binds[0], x, y, *binds[1:]], push, groups)
@@ -720,7 +731,7 @@ def record_matmul(
 
 
 def _matmul_qtype(name: str) -> QType:
-    base = name.removeprefix("mul_mat_vec_").removeprefix("mul_mat_")
+    base = name.removeprefix("mul_mat_vec_").removeprefix("mul_mat_reg_").removeprefix("mul_mat_")
     return MATMUL_TYPES[base.split("_sub")[0].split("_geglu")[0].removesuffix("_t1")]
 
 
