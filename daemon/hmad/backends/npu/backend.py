@@ -26,9 +26,8 @@ from hmad.backends.npu.context import KernelContext
 from hmad.backends.npu.errors import NpuContextError, NpuError
 from hmad.backends.npu.host import prepare_weight
 from hmad.backends.npu.kernels import CATALOGUE, KERNELS_FOR_OP, find_kernels
-from hmad.backends.npu.routing import Route, Router
+from hmad.backends.npu.routing import NPU_OPS, Route, Router
 from hmad.backends.npu.xrt import NpuDevice, open_device
-from hmad.config import NPU_OPS
 from hmad.core.tensors import PLAIN_TYPES
 
 log = logging.getLogger("hmad.npu")

@@ -18,6 +18,9 @@ from hmad.backends.npu.errors import NpuError, NpuUnsupportedShape
 
 log = logging.getLogger("hmad.npu")
 
+#: the ops the NPU can take (config ``npu.ops`` chooses among them)
+NPU_OPS = ("attention_prefill", "gemm_int8", "gemm_bf16")
+
 #: first-use check: ||npu - cpu|| / ||cpu|| must not exceed this. int8: per-token/per-row quantization
 #: costs ~1% on random data (tests/test_npu_ops.py); bf16 inputs ~0.3%; attention rounds q, k, P, v to bf16.
 TOLERANCE = {"gemm_int8": 0.05, "gemm_bf16": 0.02, "attention_prefill": 0.03}

@@ -43,8 +43,8 @@ def probe(npu: Mapping[str, Any] | None = None) -> tuple[bool, str]:
     global _last_probe
     from hmad.backends.npu.errors import NpuError
     from hmad.backends.npu.kernels import KERNELS_FOR_OP, find_kernels
+    from hmad.backends.npu.routing import NPU_OPS
     from hmad.backends.npu.xrt import open_device
-    from hmad.config import NPU_OPS
 
     npu = npu or {}
     ops = tuple(npu.get("ops", NPU_OPS))
