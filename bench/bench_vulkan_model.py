@@ -31,6 +31,7 @@ import collections
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -191,13 +192,13 @@ def measure_steps(model, kv, layout, context: int, reps: int, ceiling: float, we
 
 
 def sweep(model, kv, layout, args, attr: str, values, ceiling: float, weight_bytes: int) -> dict:
-    """The steps (prefill 512, decode at DECODE_BATCHES sequences) with the backend attribute ``attr`` (fuse,
-    attention_kl, coopmat_layout, a setting under test) at each of ``values`` in turn, every bucket recorded
-    again per value; side by side in one process. The attribute is restored after."""
-    be, out, keep = model.backend, {}, getattr(model.backend, attr)
+    """The steps (prefill 512, decode at DECODE_BATCHES sequences) with the backend option ``attr`` (a field
+    of VulkanOptions: fuse, attention_kl, coopmat_layout, a setting under test) at each of ``values`` in
+    turn (``dataclasses.replace`` of the options, every bucket recorded again per value); side by side in
+    one process. The options are restored after."""
+    be, out, keep = model.backend, {}, model.backend.options
     for i, v in enumerate(values):
-        setattr(be, attr, v)
-        be._drop_graphs()
+        be.set_options(replace(keep, **{attr: v}))
         try:
             r = measure_steps(model, kv, layout, args.context, args.reps, ceiling, weight_bytes)
         except Exception as e:  # noqa: BLE001 - a value the device refuses (a kernel over its limits)
@@ -211,8 +212,7 @@ def sweep(model, kv, layout, args, attr: str, values, ceiling: float, weight_byt
             f"{r['decode_1']['of_ceiling']:.1%} of the read ceiling",
             flush=True,
         )
-    setattr(be, attr, keep)
-    be._drop_graphs()
+    be.set_options(keep)
     return out
 
 
@@ -261,7 +261,7 @@ def bench_model(name: str, args, ceiling: float) -> dict:
         kv_dtype=args.kv_dtype,
     )
     be = model.backend
-    be.attention_kl = not args.no_attention_kl
+    be.set_options(replace(be.options, attention_kl=not args.no_attention_kl))
     weight_bytes = be.weights_plan.pools["device"].used + be.weights_plan.pools["host"].used
     res |= {"device": be.device, "load_s": model.load_seconds, "weight_bytes": weight_bytes}
     res |= {"coopmat": be.coopmat, "coopmat_min_tokens": be.coopmat_min_t, "kv_dtype": be.kv_dtype}
@@ -324,7 +324,7 @@ def main() -> int:
         "--sweep",
         action="append",
         default=[],
-        help="attr=v1,v2,...: the steps with a backend attribute at each value (fuse=1,0; "
+        help="attr=v1,v2,...: the steps with a backend option (VulkanOptions field) at each value (fuse=1,0; "
         "coopmat_layout=none,64x128; attention_kl=1,0)",
     )
     ap.add_argument("--copy-mib", type=int, default=1024)

@@ -26,6 +26,7 @@ import json
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -150,7 +151,7 @@ def main() -> int:
     path = write_model(Path(args.dir) / f"stress-{args.model}.gguf", args.model)
     model = load_model(path, "vulkan", coopmat=args.coopmat)
     be = model.backend
-    be.step_timeout_s = args.step_timeout_s
+    be.set_options(replace(be.options, step_timeout_s=args.step_timeout_s))
     work = workloads(args.workloads, args.max_prompt, model.config.vocab_size, args.seed)
     cfgs = configs(args.max_prompt)
     first: dict[tuple[int, int], list] = {}

@@ -19,6 +19,7 @@ two backends then differ only by float32 summation order, far below the fixture 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -158,14 +159,12 @@ def test_fused_decode_kernels_at_one_token(pair):
     fused = run_chunks(vk, seq, 1)[0]
     rec = be.graphs[(1, 1)].rec
     labels, barriers = list(rec.labels), rec.barriers
-    be.fuse = False
-    be._drop_graphs()
+    be.set_options(replace(be.options, fuse=False))
     try:
         plain = run_chunks(vk, seq, 1)[0]
         plain_barriers = be.graphs[(1, 1)].rec.barriers
     finally:
-        be.fuse = True
-        be._drop_graphs()
+        be.set_options(replace(be.options, fuse=True))
     close(fused, run_chunks(cpu, seq, 1)[0], rtol_for(vk))
     np.testing.assert_array_equal(fused, plain)
     int8 = [lab for lab in labels if lab.startswith(("mul_mat_vec_x3_", "mul_mat_vec_q8x_"))]
@@ -194,8 +193,7 @@ def test_ffn_geglu_into_the_down_gemm_operand(tmp_path):
         seq = [rand_ids(np.random.default_rng(11), 80, vk.config.vocab_size)]
         runs = {}
         for on in (True, False):
-            be.geglu_xh = 1 if on else 0  # any step, or none
-            be._drop_graphs()
+            be.set_options(replace(be.options, geglu_xh=1 if on else 0))  # any step, or none
             logits = run_chunks(vk, seq, 40)[0]
             runs[on] = (logits, [lab for g in be.graphs.values() for lab in g.rec.labels])
     finally:
@@ -222,12 +220,11 @@ def test_split_sums_added_by_their_readers(tmp_path):
     try:
         if not (be.coopmat and be.mmq_k):
             pytest.skip(f"{be.dev.info.name}: no cooperative-matrix GEMMs")
-        be.mmq_min_weights = 0  # the tiny weights on the int8 GEMM too
+        be.set_options(replace(be.options, mmq_min_weights=0))  # the tiny weights on the int8 GEMM too
         seq = [rand_ids(np.random.default_rng(12), 80, vk.config.vocab_size)]
         runs = {}
         for fuse in (True, "norm_rope_kv+qout"):
-            be.fuse = fuse
-            be._drop_graphs()
+            be.set_options(replace(be.options, fuse=fuse))
             logits, labels = [], []
             for ids, chunk in ((seq, 40), ([seq[0][:24]], 6)):  # (a new KV layout per chunk: graphs dropped)
                 logits.append(run_chunks(vk, ids, chunk)[0])
@@ -257,15 +254,13 @@ def test_weight_prefetch_adds_no_barrier(pair):
     runs = {}
     try:
         for nbytes in (0, 64 << 10):
-            be.prefetch_bytes = nbytes
-            be._drop_graphs()
+            be.set_options(replace(be.options, prefetch_bytes=nbytes))
             decode = run_chunks(vk, seq, 1)[0]  # (a new KV layout per chunk size: its recordings dropped)
             one = be.graphs[(1, 1)].rec
             runs[nbytes] = (decode, list(one.labels), one.barriers, run_chunks(vk, seq, 9)[0])
             runs[nbytes] += (list(be.graphs[(16, 16)].rec.labels),)
     finally:
-        be.prefetch_bytes = keep
-        be._drop_graphs()
+        be.set_options(replace(be.options, prefetch_bytes=keep))
     (d0, labels0, barriers0, p0, _), (d1, labels1, barriers1, p1, nine) = runs[0], runs[64 << 10]
     np.testing.assert_array_equal(d0, d1)
     np.testing.assert_array_equal(p0, p1)

@@ -15,6 +15,7 @@ Q4_K model run it (its label in the recording) and give the logits of mmq="off" 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -259,7 +260,8 @@ def test_backend_runs_mmq_at_eight_tokens(tmp_path):
         out = {}
         for mmq in ("auto", "off"):
             vk = load_model(path, "vulkan", mmq=mmq)
-            vk.backend.mmq_min_weights = 0  # a tiny model's weights (the default takes big ones only)
+            # a tiny model's weights (the default takes big ones only)
+            vk.backend.set_options(replace(vk.backend.options, mmq_min_weights=0))
             try:
                 out[mmq] = run_chunks(vk, seqs, 1)
                 out[mmq + "_labels"] = {lab for g in vk.backend.graphs.values() for lab in g.rec.labels}

@@ -76,12 +76,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -91,13 +90,11 @@ from hmad.backends.base import Backend
 from hmad.backends.vulkan import policy
 from hmad.backends.vulkan.device import Device, check, ffi, lib, new
 from hmad.backends.vulkan.kernels_matmul import (
-    COOPMAT_TYPES,
     MATMUL_TYPES,
     MATVEC_MAX_T,
     UNIT_TYPES,
     coopmat_kernel_name,
     coopmat_q4k_layout,
-    coopmat_usable,
     q8_matvec_layout,
     record_coopmat,
     record_coopmat_geglu,
@@ -107,10 +104,7 @@ from hmad.backends.vulkan.kernels_matmul import (
     record_split_sums,
 )
 from hmad.backends.vulkan.kernels_mmq import (
-    MMQ_TARGET_GROUPS,
-    mmq_has_n8,
     mmq_pick,
-    mmq_usable,
     record_mmq,
     record_mmq_geglu,
 )
@@ -123,17 +117,12 @@ from hmad.backends.vulkan.memory import (
     create_buffer,
     plan_memory,
 )
+from hmad.backends.vulkan.options import FUSIONS, KV_DTYPES, VulkanOptions
 from hmad.backends.vulkan.pipelines import (
     ARGMAX_CHUNKS,
-    ATTENTION_DECODE_DPL,
-    ATTENTION_DECODE_GROUPS,
-    ATTENTION_DECODE_KL_GROUPS,
-    ATTENTION_PREFILL_CM_DH,
-    ATTENTION_PREFILL_DPL,
     ATTENTION_PREFILL_TILE,
     KERNELS,
     RESIDUAL_MAX_COLS,
-    TOPK_GROUPS,
     AddPush,
     ArgmaxPush,
     AttentionPrefillPush,
@@ -161,6 +150,10 @@ from hmad.backends.vulkan.pipelines import (
     topk_chunk,
     topk_chunks,
 )
+from hmad.backends.vulkan.policy import (
+    ATTENTION_MAX_SPLITS,
+    Q8_MAX_T,
+)
 from hmad.backends.vulkan.residency import probe_residency
 from hmad.backends.vulkan.stepmeta import StepMetaLayout
 from hmad.engine.batch import SeqSlice, StepBatch
@@ -173,77 +166,25 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # the embedding gather reads every type a weight is uploaded in (embed.comp: float and Q8_0 tables;
 # embed_dq.comp: the other block types through dequant.glsl), so no table is ever converted for it
 EMBED_TYPES = {q: name for name, q in MATMUL_TYPES.items()}
-#: vulkan.matvec: the decode-step matmul: x as three int8 planes (float32-exact), one (q8_1), or float32
-MATVEC_MODES = ("exact", "int8", "float")
-KV_DTYPES = {"float32": ("f32", 4), "float16": ("f16", 2)}
 MIB = 1 << 20
-# attention_split.comp: splits per (token, KV head) = clamp(TARGET_GROUPS / (tokens * KV heads), 1, MAX).
-# H200, 2026-11-28, bench_vulkan_model --sweep attention_target (two passes each; 27B-shaped at position 512:
-# 1024 -> batch 1 89-90 tok/s, 8 sequences 383-386, 16 808-812, 32 1,297-1,298; 256 -> 93, 405-406, 859-860,
-# 1,336-1,344; 512 and 128 between or equal; at position 4096: 1024 -> 84-85, 351-352, 678-680, 994-997;
-# 256 -> 91, 370-374, 720-723, 1,022-1,024; 270M at 16 and 32 sequences +7-12 %): fewer splits cost less in
-# partials written and reduced than they lose in parallel keys
-ATTENTION_TARGET_GROUPS = 256
-ATTENTION_MAX_SPLITS = 64
 # the attention kernels' limits: a head's values (a multiple of 4: vec4s) and query heads per KV head
 ATTENTION_MAX_HEAD_DIM = 256
 ATTENTION_MAX_GROUP = 8
-# attention_decode(_kl).comp: keys a split takes at least (bench_vulkan_model --sweep attention_min_keys=...)
-ATTENTION_MIN_KEYS = 32
-# attention_prefill.comp (the tiles of a step's prompt rows): splits for about this many workgroups, one per
-# 32 query vectors and split (H200, prefill 512, bench_vulkan_model --sweep, two passes each: 256 -> 27B 2,904
-# / 2,897 tok/s (one split, as before), 270M 80,799 / 79,784 (four splits; two before: ~76,000); 1024 -> 27B
-# 2,894 / 2,894, 270M 74,824 / 72,178; 4096 -> 2,675 / 45,651: more splits cost the reduce more than they
-# spread the long rows of a prompt's last tiles)
-ATTENTION_PREFILL_TARGET_GROUPS = 256
 # deterministic mode: the split count of every bucket (the partials are T x H x splits x (Dh + 4) floats: at
 # 512 tokens of the 27B, 136 MB)
 DETERMINISTIC_SPLITS = 16
 # attention_prefill.comp (tiles of a step's prefill rows, K/V chunks shared by a tile) in buckets of at least
 # this many rows, for sequences with at least this many rows in the step; the others keep the per-row kernels.
-# Not in decode-batch buckets (<= 32): its dispatch costs even when no row is in a tile (H200, 270M at 32
-# streams: 115 us a step, 6 us a layer)
+# Not in decode-batch buckets (<= 32): its dispatch costs even when no row is in a tile (docs/tuning.md)
 ATTENTION_TILE_MIN_BUCKET = 64
 ATTENTION_TILE_MIN_ROWS = 8
 # candidates per row of the on-device top-k (topk.comp): Gemma's top_k 64 plus up to 64 penalized tokens
 TOPK_CANDIDATES = 128
-# decode batches (coopmat_min_tokens..Q8_MAX_T tokens) use the cooperative-matrix mat-mat on weights of at
-# least this many elements (27B: 11M-115M; 270M: ≤ 1.3M, apart from the 168M output projection): H200,
-# 32 tokens, Q4_K: 163 µs for a 115M weight vs 4 × 144 µs through the 8-token int8 mat-vec
-COOPMAT_DECODE_MIN_WEIGHTS = 4 << 20
-# the coopmat GEMM's K split in steps over Q8_MAX_T tokens (prefill chunks): for about this many workgroups
-# (H200, 27B prefill 512, bench_vulkan_model --sweep, two passes: 1024 -> 2,846 / 2,845 tok/s, 512 -> 2,886 /
-# 2,886, 256 -> 2,719, unsplit 2,760; decode batches keep kernels_matmul.COOPMAT_TARGET_GROUPS)
-COOPMAT_PREFILL_TARGET_GROUPS = 512
-MMQ_MIN_WEIGHTS = 4 << 20  # weights (elements) the int8 GEMM takes at decode sizes (_mmq_for)
-# the fewest tokens of a step whose FFN writes its GeGLU as the down GEMM's operand (geglu_row_scale: one
-# workgroup a row, so few rows leave the GPU idle). H200, 27B-shaped, two passes each
-# (bench/results/2026-11-27-h200-geglu-xh.json), against split_reduce_geglu + row_scale: prefill 64 tokens
-# 2,279 / 2,294 tok/s against 2,259 / 2,272, 128: 3,165 / 3,169 against 3,145 / 3,151, 512: 4,136 / 4,137
-# against 4,062 / 4,062; at 16 and 32 tokens (decode batches) 741 / 739 and 1,212 / 1,219 against 746 / 745
-# and 1,214 / 1,219.
-GEGLU_XH_MIN_TOKENS = 64
 # the workgroup size of the kernels that take a row a workgroup (row_scale, geglu_row_scale), where the device
-# allows it: few rows (decode batches) leave few workgroups, each with a whole row to read. H200, 27B-shaped
-# (same file): row_scale at 1024 against 256, 16 sequences 758 / 756 tok/s against 744 / 743, 32 sequences
-# 1,228 / 1,230 against 1,213 / 1,207, prefill within noise; geglu_row_scale at 256 lost 4-5 % at 64 and 128
-# tokens (2,161 / 3,025 against 2,279 / 3,165 tok/s).
+# allows it: few rows (decode batches) leave few workgroups, each with a whole row to read (docs/tuning.md)
 ROW_BLOCK = 1024
-Q8_MAX_T = (
-    32  # steps of up to 32 tokens (decode batches) run the int8 mat-vec, MATVEC_MAX_T tokens a dispatch
-)
 # the arrival counters of the fused kernels' tails (shaders/arrive.glsl): a ring of ranges, one a dispatch
 COUNTER_BYTES = 256 << 10
-# vulkan.prefetch_bytes "auto" (None): weights read ahead at each announced matmul on a discrete GPU (whose
-# last-level cache holds them: 50 MB on an H100/H200), nothing on an integrated one (an APU's GPU cache is a
-# few MB: read ahead, they would be evicted before use). H200, 27B batch-1 step, two passes each
-# (bench/results/2026-11-26-h200-prefetch-sweep.json): 0 12.01 / 12.10 ms, 8 MiB 11.68 / 11.65, 16 MiB
-# 11.82 / 11.81, 32 MiB 11.92 / 11.92; the 270M's step within its noise.
-PREFETCH_AUTO_BYTES = 8 << 20
-#: the fused kernels ``fuse`` turns on: q/k norms + RoPE + the cache write (norm_rope_kv.comp); the down
-#: projection's int8 input from the GeGLU mat-vec (one token: matvec_qout.glsl); the q, k, v, o and down
-#: GEMMs' K-split partial sums added by the ops reading them (norm_rope_kv.comp, residual_norm.comp)
-FUSIONS = ("norm_rope_kv", "qout", "split_sums")
 
 
 def across_bus(dev: Device, view: BufferView) -> bool:
@@ -285,6 +226,10 @@ class VkWeight:
     view: BufferView
     qtype: QType
     shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.view.nbytes
 
 
 class _Buf:
@@ -449,6 +394,11 @@ class Launched:
     sampled: bool = False
 
 
+def _option(name: str) -> property:
+    """A read-only attribute of the backend that is its resolved option ``name``."""
+    return property(lambda self: getattr(self.options, name), doc=f"options.{name} (read-only)")
+
+
 class VulkanBackend(Backend):
     """The forward pass on a Vulkan device; see the module docstring for the recording scheme."""
 
@@ -460,48 +410,15 @@ class VulkanBackend(Backend):
     deterministic_auto = False
     topk_max = TOPK_CANDIDATES
 
-    def __init__(
-        self,
-        device: int | str | None = None,
-        device_local_bytes: int | None = None,
-        host_visible_bytes: int | None = None,
-        kv_dtype: str = "float32",
-        timestamps: bool = False,
-        matvec: str = "exact",
-        coopmat: str = "auto",
-        coopmat_min_tokens: int = 4,
-        mmq: str = "auto",
-        mmq_min_tokens: int = 3,
-        step_timeout_s: float = 600.0,
-        deterministic: bool | str = "auto",
-        fuse: bool = True,
-        prefetch_bytes: int | None = None,
-    ):
-        if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
-        if matvec not in MATVEC_MODES:
-            raise ValueError(f"matvec must be one of {MATVEC_MODES}, got {matvec!r}")
-        if coopmat not in ("auto", "off"):
-            raise ValueError(f"coopmat must be 'auto' or 'off', got {coopmat!r}")
-        self.matvec = matvec
-        # int8 planes of x on the int8 mat-vec path: 3 (exact), 1 (int8), 0 (float: not taken)
-        self.planes = {"exact": 3, "int8": 1}.get(matvec, 0)
-        self.dev = Device(device)
-        # the cooperative-matrix mat-mat where the device has it: see _coopmat_for
-        self.coopmat = coopmat == "auto" and coopmat_usable(self.dev.info)
-        self.coopmat_min_t = max(2, coopmat_min_tokens)
-        if mmq not in ("auto", "off"):
-            raise ValueError(f"mmq must be 'auto' or 'off', got {mmq!r}")
-        # the exact path's int8 cooperative-matrix GEMM: the device's int8 product K, or None (_mmq_for)
-        self.mmq_k = mmq_usable(self.dev.info, self.dev.limits) if mmq == "auto" else None
-        self.mmq_n8 = bool(self.mmq_k) and mmq_has_n8(self.dev.info, self.mmq_k)  # 16 x 8 products too
-        self.mmq_min_t = max(2, mmq_min_tokens)
-        self.mmq_min_weights = MMQ_MIN_WEIGHTS  # read when recording (a test of a tiny model lowers it)
-        self.mmq_target = MMQ_TARGET_GROUPS  # K split for about this many workgroups (bench: --sweep)
-        self.deterministic = self.resolve_deterministic(deterministic)  # read when recording
+    def __init__(self, options: VulkanOptions | None = None, **changes):
+        """``options`` (else the defaults) with ``changes`` (VulkanOptions' field names: the config's
+        vulkan section passes its keys this way); every auto resolved for the device (policy.resolve)."""
+        opts = replace(options, **changes) if options is not None else VulkanOptions(**changes)
+        self.dev = Device(opts.device)
+        self.caps = policy.caps_of(self.dev)
+        self.options = policy.resolve(opts, self.caps, self.deterministic_auto)
         self.device = self.dev.name
-        self.caps_bytes = (device_local_bytes, host_visible_bytes)
-        self.kv_dtype, self.timestamps = kv_dtype, timestamps
+        self.caps_bytes = (opts.device_local_bytes, opts.host_visible_bytes)
         self.max_range = self.dev.limits["maxStorageBufferRange"]
         self.align = max(256, self.dev.limits["minStorageBufferOffsetAlignment"])
         self.kernels: dict[str, Kernel] = {}
@@ -537,56 +454,78 @@ class VulkanBackend(Backend):
         self.readback: BufferView | None = None
         self.topk_buf: BufferView | None = None  # mapped: ids (rows, k) uint32, then values (rows, k)
         self.cands: list[BufferView | None] = [None, None]  # likewise, per parity, for the sample tails
-        self.topk_groups = TOPK_GROUPS  # topk.comp's first-stage workgroups in all (read when recording)
-        self.attention_min_keys = ATTENTION_MIN_KEYS
-        # the attention splits' workgroup targets (read when recording, bench --sweep): GPU-sized, fewer on
-        # a CPU implementation (policy.workgroup_target)
-        parallel = policy.parallel_groups(self.dev.info.type, len(os.sched_getaffinity(0)))
-        self.attention_target = policy.workgroup_target(ATTENTION_TARGET_GROUPS, parallel)
-        self.attention_prefill_target = policy.workgroup_target(ATTENTION_PREFILL_TARGET_GROUPS, parallel)
-        self.attention_kl = True  # attention_decode_kl where it fits (bench_vulkan_model --no-attention-kl)
-        # the prefill tiles' attention on cooperative matrices where the GEMM has them (attention_prefill_cm;
-        # read when recording: bench_vulkan_model --sweep attention_cm=1,0)
-        self.attention_cm = True
-        # the FFN's GeGLU straight into the down GEMM's float16 operand where gate, up and down run that GEMM,
-        # in steps of this many tokens or more (geglu_row_scale: a workgroup a row; 0: never; read when
-        # recording: bench_vulkan_model --sweep geglu_xh=...)
-        self.geglu_xh = GEGLU_XH_MIN_TOKENS
         # the workgroup size of row_scale and geglu_row_scale: ROW_BLOCK, or the device's most (a power of 2)
         most = self.dev.limits["maxComputeWorkGroupInvocations"]
         self.row_block = min(ROW_BLOCK, 1 << (most.bit_length() - 1))
-        # the Q4_K prefill GEMM's layout for every weight (a mul_mm_coopmat name suffix; None: the measured
-        # pick, coopmat_q4k_layout), read when recording (bench_vulkan_model --sweep coopmat_layout=...)
-        self.coopmat_layout: str | None = None
-        # ... and of decode batches (up to 32 tokens; None: coopmat_q4k_layout's pick)
-        self.coopmat_decode_layout: str | None = None
-        # the GEMM's K split: for whole waves of the kernel's measured residency (coopmat_waves; probed once a
-        # kernel: residency.py), else (False, or where the probe failed) for about this many workgroups a
-        # dispatch (bench: --sweep); decode batches' (None: kernels_matmul.COOPMAT_TARGET_GROUPS)
-        self.coopmat_waves = True
         self.residency: dict[str, int] = {}  # coopmat kernel -> workgroups resident at once (0: unknown)
-        self.coopmat_prefill_target = COOPMAT_PREFILL_TARGET_GROUPS
-        self.coopmat_decode_target: int | None = None
-        # the fused kernels of FUSIONS, read when recording: True, False, or (to measure them one by one,
-        # bench_vulkan_model --sweep) a "+"-joined subset of FUSIONS
-        self.fuse: bool | str = fuse
         # the fused tails' arrival counters (zero between uses), and the prefetches' few bytes of output
         self.counters = Ring(self.dev, COUNTER_BYTES, self.align, "arrival counters")
         self.sinks = Ring(self.dev, 64 << 10, self.align, "prefetch sinks")
-        if prefetch_bytes is None:  # auto
-            prefetch_bytes = PREFETCH_AUTO_BYTES if self.dev.info.type == "discrete" else 0
-        self.prefetch_bytes = prefetch_bytes  # read when recording (bench_vulkan_model --sweep)
-        self.step_timeout_s = step_timeout_s  # a step's fence not signalled by then: Timeout (a GPU hang)
         self.vocab = 0
         self.last_gpu_ns: float | None = None
         self._rec: CommandRecorder | None = None
         self._layout: StepMetaLayout | None = None
         self._t_b = 0  # the token bucket being recorded
-        # the many-token float mat-mat in registers, not shared-memory tiles (policy.matmul_registers)
-        self.matmul_registers = policy.matmul_registers("auto", self.dev.info.type)
-        sub = self.dev.caps["subgroup_arithmetic"]
-        self._vec_suffix = "_subgroup" if sub else ""
-        self._norm = "rms_norm_f32_subgroup" if sub else "rms_norm_f32"
+        self._norm = "rms_norm_f32_subgroup" if self.caps.subgroup_arithmetic else "rms_norm_f32"
+
+    def set_options(self, options: VulkanOptions) -> None:
+        """Record later graphs with ``options`` (resolved for the device; the device, memory caps and KV
+        dtype stay as constructed): every recording is dropped. Benchmarks sweep a knob this way."""
+        self.options = policy.resolve(options, self.caps, self.deterministic_auto)
+        self._drop_graphs()
+
+    # -- the options the recording code reads (resolved: policy.resolve) --------------------------------
+    matvec = _option("matvec")
+    planes = _option("planes")  # int8 planes of x on the int8 mat-vec path: 3, 1, or 0 (not taken)
+    kv_dtype = _option("kv_dtype")
+    timestamps = _option("timestamps")
+    fuse = _option("fuse")
+    prefetch_bytes = _option("prefetch_bytes")
+    step_timeout_s = _option("step_timeout_s")
+    mmq_min_weights = _option("mmq_min_weights")
+    mmq_target = _option("mmq_target")
+    topk_groups = _option("topk_groups")
+    attention_min_keys = _option("attention_min_keys")
+    attention_target = _option("attention_target")
+    attention_prefill_target = _option("attention_prefill_target")
+    attention_kl = _option("attention_kl")
+    attention_cm = _option("attention_cm")
+    geglu_xh = _option("geglu_xh")
+    coopmat_layout = _option("coopmat_layout")
+    coopmat_decode_layout = _option("coopmat_decode_layout")
+    coopmat_waves = _option("coopmat_waves")
+    coopmat_prefill_target = _option("coopmat_prefill_target")
+    coopmat_decode_target = _option("coopmat_decode_target")
+
+    @property
+    def deterministic(self) -> bool:
+        return self.options.deterministic
+
+    @deterministic.setter
+    def deterministic(self, on: bool) -> None:  # bench/bench_determinism.py sets it this way
+        self.set_options(replace(self.options, deterministic=on))
+
+    @property
+    def coopmat(self) -> bool:
+        """The cooperative-matrix GEMM at all (policy.coopmat_on)."""
+        return policy.coopmat_on(self.options, self.caps)
+
+    @property
+    def coopmat_min_t(self) -> int:
+        return max(2, self.options.coopmat_min_tokens)
+
+    @property
+    def mmq_k(self) -> int | None:
+        """The int8 GEMM's product K where the device has it and the options allow it, else None."""
+        return self.caps.mmq_k if self.options.mmq == "auto" else None
+
+    @property
+    def mmq_n8(self) -> bool:
+        return bool(self.mmq_k) and self.caps.mmq_n8
+
+    @property
+    def mmq_min_t(self) -> int:
+        return max(2, self.options.mmq_min_tokens)
 
     # -- residency -------------------------------------------------------------------------------------
     def load_weights(
@@ -748,7 +687,7 @@ class VulkanBackend(Backend):
                 if self.coopmat
                 else "off (device lacks it or config)",
                 "int8 gemm": self._mmq_status(),
-                "fused": [f for f in FUSIONS if self._fused(f)],
+                "fused": [f for f in FUSIONS if self.options.fused(f)],
                 "prefetch": f"{self.prefetch_bytes} bytes a matmul at decode"
                 if self.prefetch_bytes
                 else "off",
@@ -759,7 +698,7 @@ class VulkanBackend(Backend):
         }
 
     def _mmq_status(self) -> str:
-        """What ``hmactl status`` says of the int8 GEMM (_mmq_for)."""
+        """What ``hmactl status`` says of the int8 GEMM (policy.mmq_for)."""
         if not self.mmq_k:
             return "off (device lacks int8 cooperative matrices, or config)"
         if self.planes != 3 or self.deterministic:
@@ -773,8 +712,7 @@ class VulkanBackend(Backend):
     def set_timestamps(self, on: bool) -> None:
         """Record later graphs with (or without) a GPU timestamp after every command (profiling; it costs
         time per dispatch). Drops the existing recordings."""
-        self._drop_graphs()
-        self.timestamps = on
+        self.set_options(replace(self.options, timestamps=on))
 
     def close(self) -> None:
         with contextlib.suppress(Exception):  # an upload that failed: its error was the caller's to see
@@ -854,7 +792,9 @@ class VulkanBackend(Backend):
         rec = CommandRecorder(self.dev, timestamps=self.timestamps, max_commands=8192).begin(
             simultaneous=True
         )
-        if self._fused("qout"):  # the counters are zero already, unless a step was cut off mid-dispatch
+        if self.options.fused(
+            "qout"
+        ):  # the counters are zero already, unless a step was cut off mid-dispatch
             rec.fill(self.counters.whole(), 0, label="arrival counters")
         shape_batch = StepBatch(
             tokens=np.zeros(t_b, np.int32),
@@ -1199,16 +1139,25 @@ class VulkanBackend(Backend):
         assert w.shape[1] == k, f"{w.name}: shape {w.shape}, x has {k} columns"
         y = self._new((t, n))
         assert self._rec is not None, "VulkanBackend ops run only while recording (through run())"
-        if self._q8_path(t, w):
+        if policy.q8_path(self.options, self.caps, t, w):
             self._matvec_q8(x, [w], y, keep=keep)
             return y
-        if self._coopmat_for(t, w):
+        if policy.coopmat_for(self.options, self.caps, t, w):
             self._coopmat(x, w, y, keep=keep)
             return y
         if self.deterministic:
             self._matvec_chunks(x, w, y)
             return y
-        record_matmul(self._rec, self._kernel(self._matvec_name(t, w)), w.view, x.view, y.view, k, n, t)
+        record_matmul(
+            self._rec,
+            self._kernel(policy.matvec_name(self.options, self.caps, t, w)),
+            w.view,
+            x.view,
+            y.view,
+            k,
+            n,
+            t,
+        )
         return y
 
     def ffn(self, x: Act, gate: VkWeight, up: VkWeight, down: VkWeight) -> Act:
@@ -1216,7 +1165,7 @@ class VulkanBackend(Backend):
         goes straight into the float16 copy and row scales the down GEMM reads (geglu_row_scale.comp: what
         split_reduce_geglu then row_scale make, bit for bit, without the float32 GeGLU written and read)."""
         t = x.shape[0]
-        if not self._geglu_xh(t, gate, up, down):
+        if not policy.geglu_xh(self.options, self.caps, t, gate, up, down):
             return super().ffn(x, gate, up, down)
         f = self._new((t, gate.shape[0]))  # (T, F) never written: only its row scales and float16 copy are
         f.scale = self._new_row_scales(t, gate.shape[0])
@@ -1226,28 +1175,19 @@ class VulkanBackend(Backend):
     def matmuls_for_attention(self, x: Act, ws: list[VkWeight]) -> list[Act]:
         """matmuls whose K-split partial sums norm_rope_kv adds as it reads them (where normed_attention runs
         it): the three projections' split_reduce dispatches fewer."""
-        keep = self._fused("split_sums") and self._fused("norm_rope_kv")
+        keep = self.options.fused("split_sums") and self.options.fused("norm_rope_kv")
         return [self.matmul(x, w, keep=keep) for w in ws]
 
     def matmul_for_residual(self, x: Act, w: VkWeight) -> Act:
         """matmul whose K-split partial sums (the cooperative-matrix or int8 GEMM's, W in one bind range)
         residual_norm adds as it reads them: no split_reduce dispatch, and y's floats not written."""
-        return self.matmul(x, w, keep=self._fused("split_sums"))
-
-    def _geglu_xh(self, t: int, gate: VkWeight, up: VkWeight, down: VkWeight) -> bool:
-        """Whether :meth:`ffn` fuses the GeGLU into the down GEMM's operand: ``geglu_xh`` tokens or more,
-        gate and up alike, each in one bind range, and the three on the cooperative-matrix GEMM."""
-        n = gate.shape[0]
-        alike = gate.qtype == up.qtype and gate.shape == up.shape and down.shape[1] == n and n % 8 == 0
-        one_range = max(gate.view.nbytes, up.view.nbytes) <= self.max_range
-        coopmat = self._coopmat_for(t, gate) and self._coopmat_for(t, down)
-        return 0 < self.geglu_xh <= t and alike and one_range and coopmat
+        return self.matmul(x, w, keep=self.options.fused("split_sums"))
 
     def _matvec_chunks(self, x: Act, w: VkWeight, y: Act) -> None:
         """Deterministic mode's float path: the mat-vec of MATVEC_MAX_T tokens (never ``_t1``) for every
         row count, MATVEC_MAX_T rows a dispatch."""
         (t, k), n = x.shape, w.shape[0]
-        kern = self._kernel(self._matvec_name(MATVEC_MAX_T, w))
+        kern = self._kernel(policy.matvec_name(self.options, self.caps, MATVEC_MAX_T, w))
         align = self.dev.limits["minStorageBufferOffsetAlignment"]
         if t > MATVEC_MAX_T and any(b % align for b in (MATVEC_MAX_T * 4 * k, MATVEC_MAX_T * 4 * n)):
             raise ValueError(
@@ -1259,16 +1199,6 @@ class VulkanBackend(Backend):
             xv, yv = _rows(x.view, t0, tc, 4 * k), _rows(y.view, t0, tc, 4 * n)
             record_matmul(self._rec, kern, w.view, xv, yv, k, n, tc)
 
-    def _matvec_name(self, t: int, w: VkWeight, geglu: bool = False) -> str:
-        """The float kernel of a step of ``t`` tokens that no int8/coopmat path takes: the unit mat-vec
-        (quantized W, ``_t1`` for one token, ``_geglu`` fused), mul_mat_vec (float W) or the tiled mat-mat."""
-        t_name = _type_name(w.qtype, MATMUL_TYPES)
-        if t > MATVEC_MAX_T:
-            return policy.matmul_kernel(t_name, self.matmul_registers)
-        if w.qtype in UNIT_TYPES.values():
-            return f"mul_mat_vec_{t_name}" + ("_geglu" if geglu else "") + _t1(t)
-        return f"mul_mat_vec_{t_name}{self._vec_suffix}"
-
     def geglu_matmul(self, x: Act, gate: VkWeight, up: VkWeight) -> Act:
         """One mat-vec dispatch for both projections and the GeGLU (decode: int8 or float), else the
         plain ops."""
@@ -1276,23 +1206,25 @@ class VulkanBackend(Backend):
         n = gate.shape[0]
         if not (gate.qtype == up.qtype and gate.shape == up.shape):
             return super().geglu_matmul(x, gate, up)
-        if self._q8_path(t, gate):
+        if policy.q8_path(self.options, self.caps, t, gate):
             y = self._new((t, n))
-            if self._fused("qout") and self._fused_tail(t, gate):  # y's q8 form, too
+            if self.options.fused("qout") and policy.fused_tail(
+                self.options, self.caps, t, gate
+            ):  # y's q8 form, too
                 y.q8 = self._new_q8(t, n, self.planes)
                 tail = [y.q8[0].view, y.q8[1].view, self.counters.take(4 * n // 32), y.view]  # y again: vec4
                 self._matvec_q8(x, [gate, up], y, tail, suffix="_qo")
             else:
                 self._matvec_q8(x, [gate, up], y)
             return y
-        if self._coopmat_for(t, gate):
+        if policy.coopmat_for(self.options, self.caps, t, gate):
             y = self._new((t, n))
             self._coopmat(x, [gate, up], y)
             return y
         if self.deterministic or t > MATVEC_MAX_T or gate.qtype not in UNIT_TYPES.values():
             return super().geglu_matmul(x, gate, up)
         y = self._new((t, n))
-        kern = self._kernel(self._matvec_name(t, gate, geglu=True))
+        kern = self._kernel(policy.matvec_name(self.options, self.caps, t, gate, geglu=True))
         record_matmul(self._rec, kern, gate.view, x.view, y.view, k, n, t, w_up=up.view)
         return y
 
@@ -1304,7 +1236,7 @@ class VulkanBackend(Backend):
         (the chunks read the same weights back to back; no barrier between them). ``suffix`` "_qo": the
         one-token variant with that fused tail (``tail`` its bindings). ``keep``: as :meth:`matmul`'s, where
         the int8 GEMM takes the step."""
-        if not tail and self._mmq_for(x.shape[0], ws[0]):
+        if not tail and policy.mmq_for(self.options, self.caps, x.shape[0], ws[0]):
             self._mmq(x, ws, y, keep)
             return
         (t, k), n = x.shape, ws[0].shape[0]
@@ -1343,16 +1275,6 @@ class VulkanBackend(Backend):
             y.parts = (part, splits, held)
 
         return keep
-
-    def _mmq_for(self, t: int, w: VkWeight) -> bool:
-        """Whether an exact-path step of ``t`` tokens on ``w`` runs the int8 cooperative-matrix GEMM
-        (kernels_mmq.py): Q4_K weights of ``mmq_min_weights`` or more (MMQ_MIN_WEIGHTS; H200: the 270M's
-        0.6M-weight output projection on it took ~5 % more of an 8-token step), ``mmq_min_tokens`` or more
-        (fewer: the mat-vec is faster), a device with int8 products; not in batch-invariant mode (one
-        layout for every row count)."""
-        ok = self.mmq_k and self.planes == 3 and not self.deterministic and t >= self.mmq_min_t
-        big = math.prod(w.shape) >= self.mmq_min_weights
-        return bool(ok) and big and w.qtype == QType.Q4_K and w.shape[1] % 256 == 0
 
     def _mmq(self, x: Act, ws: list[VkWeight], y: Act, keep: bool = False) -> None:
         """y = x · Wᵀ (or the GeGLU of [gate, up]) on the int8 cooperative-matrix GEMM, x as its three
@@ -1425,48 +1347,6 @@ class VulkanBackend(Backend):
             self.residency[kern.name] = slots
         return slots
 
-    def _coopmat_steps(self, t: int) -> bool:
-        """Whether a step of ``t`` tokens may run the cooperative-matrix mat-mat (on some weight)."""
-        return self.coopmat and not self.deterministic and t >= self.coopmat_min_t
-
-    def _coopmat_for(self, t: int, w: VkWeight) -> bool:
-        """The cooperative-matrix mat-mat for steps over Q8_MAX_T tokens, and for decode batches of
-        ``coopmat_min_tokens`` or more on big weights (there it reads W once where the 8-token int8
-        mat-vec reads it per 8 tokens; on small weights its extra dispatches cost more: measured, see
-        docs/performance.md)."""
-        if not self._coopmat_steps(t) or w.qtype not in COOPMAT_TYPES.values():
-            return False
-        return t > Q8_MAX_T or math.prod(w.shape) >= COOPMAT_DECODE_MIN_WEIGHTS
-
-    def _q8_path(self, t: int, w: VkWeight) -> bool:
-        """Decode-sized steps (up to Q8_MAX_T tokens, unless _coopmat_for takes them) of a weight type the
-        int8 mat-vec reads (unless ``matvec="float"``); steps over MATVEC_MAX_T tokens need chunk offsets
-        the device can bind."""
-        n, k = w.shape
-        if self._coopmat_for(t, w):
-            return False
-        det = self.deterministic  # every row count, or none: whether it is taken must not depend on t
-        if not (self.planes and (det or t <= Q8_MAX_T) and w.qtype in UNIT_TYPES.values() and k % 64 == 0):
-            return False
-        align = self.dev.limits["minStorageBufferOffsetAlignment"]
-        step = MATVEC_MAX_T
-        aligned = all(b % align == 0 for b in (step * k * self.planes, step * k // 4, step * 4 * n))
-        return aligned if det else t <= step or aligned
-
-    def _fused(self, *parts: str) -> bool:
-        """Whether ``fuse`` takes any of these FUSIONS."""
-        if isinstance(self.fuse, str):
-            return any(p in self.fuse.split("+") for p in parts)
-        return bool(self.fuse)
-
-    def _fused_tail(self, t: int, w: VkWeight) -> bool:
-        """Whether a matmul of ``t`` tokens on ``w`` can run the one-token int8 mat-vec with a fused tail
-        (not in batch-invariant mode, which runs one layout for every row count, never the one-token ones): W
-        in one bind range, its output a whole number of 64-value groups."""
-        if not (t == 1 and not self.deterministic and self._q8_path(t, w)):
-            return False
-        return w.view.nbytes <= self.max_range and w.shape[0] % 64 == 0
-
     def _q8(self, x: Act) -> tuple[Act, Act]:
         """x's q8 form, one or three planes (quantized here on first use, then kept on the Act)."""
         if x.q8 is None:
@@ -1498,7 +1378,7 @@ class VulkanBackend(Backend):
             h.q8 = self._new_q8(t, d, self.planes)
             name += "_x3" if self.planes == 3 else "_q8"
             binds += [h.q8[0].view, h.q8[1].view]
-        if self._coopmat_steps(t) and d % 8 == 0:
+        if policy.coopmat_steps(self.options, self.caps, t) and d % 8 == 0:
             # the cooperative-matrix GEMM may follow: h's row scales and float16 copy (row_scale's) too
             h.scale = self._new_row_scales(t, d)
             name += "_xh"
@@ -1548,7 +1428,7 @@ class VulkanBackend(Backend):
     def normed_attention(self, q, k, v, wq, wk, eps: float, batch, rope, layer: int, window, scale: float):
         """The q and k norms, RoPE and the cache write in one dispatch (norm_rope_kv.comp: three dispatches
         and a barrier fewer), then the attention passes."""
-        if not self._fused("norm_rope_kv"):
+        if not self.options.fused("norm_rope_kv"):
             q, k, v = (self._summed(a) for a in (q, k, v))
             return super().normed_attention(q, k, v, wq, wk, eps, batch, rope, layer, window, scale)
         (t, h, dh), hkv = q.shape, k.shape[1]
@@ -1584,7 +1464,7 @@ class VulkanBackend(Backend):
         # * G * Dh floats.
         # With tiles, as many as the tiles want (a tile's workgroup per 32 query vectors and split, for about
         # attention_prefill_target workgroups: the long causal rows of a prompt's last tiles spread)
-        tiles = self._prefill_kernel(pool_t, dh, g) if meta.max_tiles else None
+        tiles = policy.prefill_kernel(self.options, self.caps, pool_t, dh, g) if meta.max_tiles else None
         splits = -(-self.attention_target // (t * hkv))
         if tiles:
             splits = max(splits, -(-self.attention_prefill_target // max(1, t * h // ATTENTION_PREFILL_TILE)))
@@ -1597,7 +1477,9 @@ class VulkanBackend(Backend):
             *(t, h, hkv, dh, h * dh, splits, lay.block_size, window or 0),
             *(meta.positions, meta.seq, info_off, scale, meta.tiled if tiles else 0, self.attention_min_keys),
         )
-        self._dispatch(self._attention_kernel(pool_t, dh, g), binds, push, t * hkv * splits)
+        self._dispatch(
+            policy.attention_kernel(self.options, self.caps, pool_t, dh, g), binds, push, t * hkv * splits
+        )
         if tiles:  # the tiles' rows (the kernel above skipped them), into the same partials
             push = AttentionPrefillPush(
                 *(meta.max_tiles, h, hkv, dh, h * dh, splits, lay.block_size, window or 0),
@@ -1615,40 +1497,6 @@ class VulkanBackend(Backend):
         else:
             self._dispatch("attention_reduce_f32", [part.view, o.view], reduce, t * h)
         return o
-
-    def _attention_kernel(self, pool_t: str, dh: int, g: int) -> str:
-        """attention_decode_kl (8 lanes per key) for heads of up to 128 dims and G <= 4 on a GPU with
-        subgroup shuffles, else attention_decode (a key's dims over the whole subgroup) with subgroup
-        arithmetic where a variant holds the head; else attention_split (also on CPU implementations such
-        as lavapipe, where the subgroup kernels' per-invocation arrays run ~4x slower)."""
-        sub = self.dev.info.subgroup.get("size") or 0
-        if self.dev.info.is_cpu or sub < 8 or 256 // sub > 32:
-            return f"attention_split_{pool_t}"
-        if self.attention_kl and self.dev.caps["subgroup_shuffle"] and sub % 8 == 0 and dh % 4 == 0:
-            mg = next((m for m in ATTENTION_DECODE_KL_GROUPS if g <= m), None)
-            if dh <= 128 and mg:
-                return f"attention_decode_kl_{pool_t}_g{mg}"
-        if self.dev.caps["subgroup_arithmetic"]:
-            dpl = next((d for d in ATTENTION_DECODE_DPL if dh <= d * sub), None)
-            mg = next((m for m in ATTENTION_DECODE_GROUPS if g <= m), None)
-            if dpl and mg:
-                return f"attention_decode_{pool_t}_dpl{dpl}_g{mg}"
-        return f"attention_split_{pool_t}"
-
-    def _prefill_kernel(self, pool_t: str, dh: int, g: int) -> str | None:
-        """attention_prefill's variant for this head shape: on cooperative matrices (attention_prefill_cm)
-        where the GEMM runs on them and a variant has the head dims, else the scalar one; None where the
-        device or the shape allows neither (8-lane shuffle clusters inside subgroups; G dividing the 32 rows
-        of a tile; Dh / 4 dividing 256)."""
-        sub = self.dev.info.subgroup.get("size") or 0
-        if not self.dev.caps["subgroup_shuffle"] or sub < 8 or sub % 8 or ATTENTION_PREFILL_TILE % g:
-            return None
-        if self.attention_cm and self.coopmat and dh in ATTENTION_PREFILL_CM_DH:
-            return f"attention_prefill_cm_{pool_t}_d{dh}"
-        if dh % 4 or 256 % (dh // 4):  # whole vec4s per invocation
-            return None
-        dpl = next((d for d in ATTENTION_PREFILL_DPL if dh <= 8 * d), None)
-        return f"attention_prefill_{pool_t}_dpl{dpl}" if dpl else None
 
     def geglu(self, gate: Act, up: Act) -> Act:
         t, f = gate.shape

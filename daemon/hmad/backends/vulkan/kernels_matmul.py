@@ -81,8 +81,7 @@ XH_ORDER = (0, 2, 1, 3, 4, 6, 5, 7)  # xh[t, 8g + i] = x[t, 8g + XH_ORDER[i]]: p
 COOPMAT_TILES = ((32, 64), (32, 128), (64, 64), (64, 128), (128, 128))  # (BT tokens, BN rows) variants
 COOPMAT_BK = 64  # K per step of mul_mm_coopmat.comp
 # Without a measured residency (split_k_waves), split K until a dispatch has about this many workgroups: one
-# wave of the decode-batch kernels on an H200 (528 resident; 27B layer at 32 tokens 315.5 -> 270.5 µs against
-# 1,024, bench/results/2026-11-27-h200-waves.json)
+# wave of the decode-batch kernels on the GPU it was tuned on (docs/tuning.md)
 COOPMAT_TARGET_GROUPS = 384
 COOPMAT_MIN_STEPS = 4  # ... but keep at least this many BK steps per split
 Q8_MATVEC_LANES = 32  # invocations per row (LANES in mul_mat_vec_q8.comp)
@@ -251,8 +250,8 @@ class CoopmatLayout:
 #: tile set; 64×128 is the prefill's): 4 subgroups each owning 64 × 64 of a 128 × 128 tile (16 products per
 #: 8 fragment loads from shared memory, against 4 per 4 at 64×128), the same with BK 32 and two tile sets,
 #: 4 subgroups of 32 × 64 on 64×128, and the first 128×128 grid (8 subgroups of 64 × 32) with BK 32 and two
-#: tile sets (48 KiB: exactly NVIDIA's limit); then (after the H200 ranked 128x128_s2x2 first at the big
-#: shapes, 2026-11-26) 8 subgroups of 64 × 64 on 256 tokens or 256 rows, and 128x128_s2x2 with BK 32.
+#: tile sets (48 KiB: exactly NVIDIA's limit); then 8 subgroups of 64 × 64 on 256 tokens or 256 rows, and
+#: 128x128_s2x2 with BK 32 (which ranked first at the big shapes: docs/tuning.md).
 COOPMAT_Q4K_VARIANTS = (
     CoopmatLayout(128, 128, 2, 2),
     CoopmatLayout(128, 128, 2, 2, 32, True),
@@ -306,21 +305,13 @@ def coopmat_usable(info) -> bool:
 
 
 #: "Big" Q4_K weights (elements; the 27B's gate, up and down projections) take the first layout of a
-#: COOPMAT_Q4K_LAYOUTS row: over 128 tokens 4 subgroups each owning 64 × 64 of a 128 × 128 tile (H200,
-#: 2026-11-26, bench/results/2026-11-26-h200-coopmat-variants.json, 512 tokens: gate/up 785 -> 692 us and down
-#: 802 -> 622 us against 64x128, while q (22M) 164 -> 174 and k/v (11M) 98 -> 126 lose).
+#: COOPMAT_Q4K_LAYOUTS row: over 128 tokens 4 subgroups each owning 64 × 64 of a 128 × 128 tile, which wins
+#: on big weights and loses on small ones (docs/tuning.md).
 COOPMAT_BIG_WEIGHTS = 64 << 20
 #: The Q4_K layouts by step size: (most tokens, layout of big weights, of the others), the first row that
 #: holds a step's token count; None: :func:`coopmat_tile`'s. They read W as whole 64-weight chunks (``_w2``:
-#: 32 quant bytes and the block header a piece). One 27B layer's matmuls on an H200 (2026-11-27,
-#: bench/results/2026-11-27-h200-coopmat-wide*.json, each layout timed twice in opposite orders): 16 tokens
-#: 345 -> 265 us (16x128 on 4 subgroups), 32 tokens 360 -> 312 (32x128 on 4 subgroups of 32 × 32), 512
-#: tokens 2,586 -> 2,161 (128x128_s2x2 on the big weights, 64x128_s2x2 on the others); at 64 and 128 tokens
-#: the big weights 64x128_s2x2 (gate 139 -> 122 us at 64), the others stay on 64x64 (within 5 %). With the K
-#: split for whole waves (split_k_waves; bench/results/2026-11-27-h200-waves.json, the steps' token buckets
-#: 64, 128, 256, 512): 64x128_s2x2 for all at 64 tokens (q 31.6 -> 28.3 us, o 34.8 -> 30.4; k/v 20.6 -> 21.6),
-#: 128x128_s2x2 for the big weights from 65 tokens (128 tokens: gate 178 -> 143 us, down 157 -> 125) and for
-#: the others past 128 (512 tokens: q, k, v, o 390 -> 351 us).
+#: 32 quant bytes and the block header a piece): the fastest per step size of one 27B layer's matmuls, with
+#: the K split for whole waves (split_k_waves); the per-layout times are in docs/tuning.md.
 COOPMAT_Q4K_LAYOUTS = (
     (16, "16x128_s1x4_w2", "16x128_s1x4_w2"),
     (32, "32x128_s1x4_w2", "32x128_s1x4_w2"),
@@ -341,11 +332,8 @@ def coopmat_q4k_layout(t: int, qtype: QType, n: int, k: int) -> str | None:
 
 def coopmat_tile(t: int, qtype: QType = QType.Q4_K) -> tuple[int, int]:
     """The (BT, BN) variant of mul_mm_coopmat for a step of ``t`` tokens of a ``qtype`` weight: the fastest
-    measured on an H200 at the 27B shapes (bench_vulkan_matmul.py, bench/results/2026-11-23-h200-pipe-*,
-    where the kernel is named mul_mm_pipe, and 2026-11-23-h200-q4k-decode-matmul-q4_k.json):
-    at 8..32 tokens 32x128 for Q4_K (88 us against 101 for 32x64 at 32 tokens) and 32x64 for the others;
-    at 512, 64x128 for Q4_K (850 us against 915 for 64x64) and 64x64 for the types decoded 8 weights at a
-    time (Q5_0: 1283 us against 1607)."""
+    measured at the 27B shapes (bench_vulkan_matmul.py; docs/tuning.md): at 8..32 tokens 32x128 for Q4_K
+    and 32x64 for the others; at 512, 64x128 for Q4_K and 64x64 for the types decoded 8 weights at a time."""
     if t <= 32:
         return (32, 128) if qtype == QType.Q4_K else (32, 64)
     return (64, 128) if t > 128 and qtype == QType.Q4_K else (64, 64)
@@ -387,11 +375,8 @@ def split_k_waves(
     of W (counted once: the writes leave as the workgroup ends and hold it up little), a cost of bandwidth,
     so spread over the slots (G / slots of it: a dispatch of a few tiles splits far, as latency, not
     bandwidth, bounds it). Of the K steps a split may take (``min_steps`` or more), the one of least
-    predicted time; ties to fewer splits. 27B shapes on an H200 (docs/performance.md, "ninth session"): at
-    32 tokens the gate projection's 168 tiles want 3 splits (504 workgroups, one wave of 528) where a
-    1,024-workgroup target gave 7 (1,176: three waves, the last a quarter full), 72.4 -> 60.7 µs; at 64 and
-    128 tokens, in the layouts COOPMAT_Q4K_LAYOUTS takes there, the picks are the fastest of the 7 split
-    counts measured on every shape."""
+    predicted time; ties to fewer splits. The picks at 32, 64 and 128 tokens of the 27B shapes are the
+    fastest of the split counts measured (docs/tuning.md)."""
     bt, bn = tile
     tiles = -(-n // bn) * -(-t // bt)
     steps = -(-k // bk)
@@ -661,14 +646,11 @@ def q8_matvec_suffixes() -> list[str]:
 
 def q8_matvec_layout(t: int, n: int, k: int, geglu: bool = False) -> str:
     """The layout (a :data:`Q8_LAYOUTS` suffix) of the int8 mat-vec for ``t`` tokens of an N × K weight:
-    the fastest measured on an H200 at the 27B and 270M layer shapes (bench/bench_vulkan_matvec_layouts.py,
-    bench/results/2026-11-23-h200-matvec-layouts.json). At one token 2 rows a lane group on one lane group
-    (its 40-45 % of the copy ceiling on the 27B shapes), unless that leaves under 128 workgroups (the 270M's
-    down projection, N = 640: 7.2 -> 5.6 us with K split over two lane groups). At 2..8 tokens, where the
-    per-token work bounds the kernel: 4 rows a lane group from N = 4096 (27B QKV 82 -> 62 us), and K
-    split over two lane groups when K >= 1024 and the workgroups would be under 512 (27B down projection
-    307 -> 165 us, output projection 62 -> 34 us). A GeGLU pair stays at 2 rows (its NR 4 variants are not
-    built; 27B gate/up at 8 tokens: 308 against 304 us)."""
+    the fastest measured at the 27B and 270M layer shapes (bench/bench_vulkan_matvec_layouts.py; the times
+    are in docs/tuning.md). At one token 2 rows a lane group on one lane group, unless that leaves under 128
+    workgroups (then K split over two lane groups). At 2..8 tokens, where the per-token work bounds the
+    kernel: 4 rows a lane group from N = 4096, and K split over two lane groups when K >= 1024 and the
+    workgroups would be under 512. A GeGLU pair stays at 2 rows (its NR 4 variants are not built)."""
     nr = 4 if t > 1 and n >= 4096 and not geglu else 2
     groups = n / (Q8_MATVEC_BLOCK // Q8_MATVEC_LANES * nr)
     split = groups < 128 if t == 1 else groups < 512 and k >= 1024

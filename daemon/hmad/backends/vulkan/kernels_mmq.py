@@ -12,12 +12,11 @@ blocks whose sums a subgroup stores and scales together, and ``_fb`` for all MR 
 Kernels with NB 8 (``_n8``) run 16 × 8 products where the device has them (NVIDIA does): at up to 8 tokens
 half the products and half the sums to scale. The backend runs it for exact-path steps of
 ``vulkan.mmq_min_tokens`` (default 3) tokens up to those the float16 GEMM takes, on big Q4_K weights
-(VulkanBackend._mmq_for). H200, 2026-11-26, 27B shapes at 8 tokens (bench/results/2026-11-26-h200-mmq*):
-a layer's matmuls in 266 us (m2n1k32j2_n8_fb) against the x3 mat-vec's 521-525; at 3 tokens 270 against
-302, at 2 even (269 against 264; m2n1k32j4_n8).
+(policy.mmq_for): about half the x3 mat-vec's time at 3-8 tokens of the 27B shapes, even at 2
+(docs/tuning.md).
 
-The float16 GEMM is faster at these sizes now (H200, 2026-11-28, 27B-shaped steps: 8 sequences 405 -> 469
-tok/s, 4 sequences 212 -> 246 with it), so ``coopmat_min_tokens`` defaults to 4 and this kernel runs only
+The float16 GEMM is faster at these sizes (docs/tuning.md), so ``coopmat_min_tokens`` defaults to 4 and
+this kernel runs only
 where a device lacks float16 cooperative matrices or the config asks for the exact arithmetic at up to 8
 sequences (``coopmat_min_tokens: 9``).
 """
@@ -47,10 +46,8 @@ MMQ_LAYOUTS += (
     (2, 1, 32, 4, 8, False),
     (2, 1, 32, 4, 8, True),
 )
-#: the layout the backend runs, per NB (tokens of a product), with the device's MK: (MR, NT, JB, FB). H200,
-#: 27B layers at 8 tokens (bench/results/2026-11-26-h200-mmq-n8.json, ...-mmq-fb.json): m2n1k32j2_n8_fb
-#: 266 us, m2n1k32j4_n8 275-277, m1n1k32j2_n8 280, m2n1k32j2_n8 301; 16 x 16 products: m2n1k32j2_fb 370,
-#: m2n1k32j2 375-384; the x3 mat-vec 521-525
+#: the layout the backend runs, per NB (tokens of a product), with the device's MK: (MR, NT, JB, FB), the
+#: fastest of the layouts built at the 27B shapes (docs/tuning.md)
 MMQ_PICK = {16: (2, 1, 2, True), 8: (2, 1, 2, True)}
 MMQ_BLOCK = 128  # 4 subgroups of 32
 MMQ_BK = 128  # K per step

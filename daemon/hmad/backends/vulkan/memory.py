@@ -257,8 +257,8 @@ def _does_not_fit(items: list[PlanItem], failed: PlanItem, pools: dict[str, Pool
 
 
 # -- device-side buffers -------------------------------------------------------------------------------------
-# Arena serial numbers: unlike VkBuffer handles, which drivers hand out again once a buffer is destroyed (an
-# H200 and lavapipe both do), a serial is never reused, so caches keyed by it cannot outlive their buffer.
+# Arena serial numbers: unlike VkBuffer handles, which drivers hand out again once a buffer is destroyed
+# (NVIDIA's and lavapipe both do), a serial is never reused: caches keyed by it cannot outlive their buffer.
 _SERIALS = itertools.count(1)
 
 
@@ -422,8 +422,8 @@ _copy_pool: ThreadPoolExecutor | None = None
 def host_copy(dst: np.ndarray, src: np.ndarray) -> None:
     """``dst[:] = src`` (uint8 arrays of one length), in pieces over a few threads when large.
 
-    One thread moves ~6.5 GB/s out of the page cache into mapped or staging memory (H100, 2026-11-25: 2.6 s
-    of a 27B load); numpy releases the GIL while it copies, so the pieces run in parallel."""
+    One thread's copy out of the page cache bounds a large model's load (docs/tuning.md); numpy releases
+    the GIL while it copies, so the pieces run in parallel."""
     global _copy_pool
     n = src.nbytes
     if n <= COPY_PIECE or COPY_THREADS == 1:

@@ -217,9 +217,8 @@ class CoopMatPeakPush(ctypes.Structure):
 
 TOPK_MAX = 256  # KMAX of topk.comp
 # topk.comp's first stage: about TOPK_GROUPS workgroups in all, TOPK_CHUNKS_RANGE a row, chunks of at least
-# TOPK_MIN_CHUNK columns; argmax.comp's: ARGMAX_CHUNKS a row (bench_vulkan_topk.py, H200: a top-k of one row
-# of 262,144 took 92-110 µs with 16-64 chunks, 947 with one; at 32 rows 320-1,010 µs with 4-32, 2,713-3,845
-# with one; the argmax 10-15 µs with 32-256 against 176 at one row)
+# TOPK_MIN_CHUNK columns; argmax.comp's: ARGMAX_CHUNKS a row: a row in chunks runs ~10x faster than one
+# workgroup reading it all (bench_vulkan_topk.py; docs/tuning.md)
 TOPK_GROUPS = 128
 TOPK_CHUNKS_RANGE = (4, 32)
 TOPK_MIN_CHUNK = 256
@@ -381,7 +380,7 @@ def _range_of(b: Binding) -> tuple[Any, int, int]:
 def _key_of(b: Binding) -> tuple[int, int, int]:
     """(arena serial, offset, nbytes) of a binding: what caches key on. Not the VkBuffer handle: a driver
     gives a destroyed buffer's handle to the next one, and a descriptor set cached under it would bind the
-    freed memory (the likely cause of an H200 step whose fence was never signalled)."""
+    freed memory (the likely cause of a step whose fence was never signalled)."""
     view, off, n = (b, 0, b.nbytes) if isinstance(b, BufferView) else b
     return view.arena.serial, view.offset + off, n
 

@@ -1,15 +1,15 @@
 """How many workgroups of a compute pipeline the device holds at once: its residency, measured.
 
 A dispatch runs in waves: every SM (CU) holds as many workgroups of the kernel as its registers, shared memory
-and warp slots allow, and the next ones start as those finish. Where a dispatch's workgroups all take about
-as long (the cooperative-matrix GEMM's do), a wave a quarter full costs nearly a whole one, so the K split of
-the GEMM is chosen for whole waves (kernels_matmul.split_k_waves). Vulkan tells neither the SM count on every
-device nor a pipeline's registers, nor which share of an SM's memory the driver gives shared memory (on an
-H200 a 27 KiB workgroup of 128 invocations and 107 registers fits 3 to an SM, not the 4 its registers allow;
-docs/performance.md, ninth session), so the residency is counted on the device: the kernel's probe mode
-(mul_mm_coopmat.comp, push K == 0) has each workgroup count itself in, note how many are in and not yet out,
-stay a while, and count itself out. The count is a lower bound that the first wave, all in long before any
-leaves, reaches; on another GPU than the one measured the split follows its own count.
+and warp slots allow, and the next ones start as those finish. Where a dispatch's workgroups all take about as
+long (the cooperative-matrix GEMM's do), a wave a quarter full costs nearly a whole one, so the K split of the
+GEMM is chosen for whole waves (kernels_matmul.split_k_waves). Vulkan tells neither the SM count on every
+device nor a pipeline's registers, nor which share of an SM's memory the driver gives shared memory (a
+workgroup can fit fewer to an SM than its registers allow: docs/tuning.md), so the residency is counted on the
+device: the kernel's probe mode (mul_mm_coopmat.comp, push K == 0) has each workgroup count itself in, note
+how many are in and not yet out, stay a while, and count itself out. The count is a lower bound that the first
+wave, all in long before any leaves, reaches; on another GPU than the one measured the split follows its own
+count.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from hmad.backends.vulkan.kernels_matmul import CoopMatPush
 from hmad.backends.vulkan.memory import create_buffer
 from hmad.backends.vulkan.pipelines import CommandRecorder, Kernel
 
-PROBE_GROUPS = 8192  # workgroups a probe dispatches: past any GPU's residency (an H200: a few hundred)
-PROBE_READS = 512  # coherent reads each stays for (~0.2 ms on an H200): the first wave fills long before
+PROBE_GROUPS = 8192  # workgroups a probe dispatches: past any GPU's residency (a few hundred on big GPUs)
+PROBE_READS = 512  # coherent reads each stays for (a fraction of a ms): the first wave fills long before
 
 
 def probe_residency(kernel: Kernel) -> int:

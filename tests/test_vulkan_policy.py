@@ -1,0 +1,147 @@
+"""Kernel choice without a GPU: hmad.backends.vulkan.policy over fake device capabilities and shapes.
+
+The cooperative-matrix and int8-GEMM paths that lavapipe cannot run are chosen here for NVIDIA- and
+RDNA3-like capabilities. ``test_choices_unchanged`` holds the whole table of choices (5 devices x 18 option
+sets x 7 weights x 12 step sizes, the fused paths, the attention kernels) to the digest of what the backend
+chose before the choices moved into policy.py: a refactor that changes any choice on any device fails it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from dataclasses import replace
+from types import SimpleNamespace as NS
+
+import pytest
+
+from hmad.backends.vulkan import policy
+from hmad.backends.vulkan.options import VulkanOptions
+from hmad.backends.vulkan.policy import DeviceCaps
+from hmad.model.tensors import QType
+
+DEVICES = {  # name -> (type, coopmat, mmq_k, mmq_n8, subgroup size, shuffle, arithmetic, offset align, range)
+    "nvidia": ("discrete", True, 32, True, 32, True, True, 16, (4 << 30) - 1),
+    "rdna3": ("integrated", True, 16, False, 64, True, True, 4, (4 << 30) - 1),
+    "intel": ("integrated", False, None, False, 16, True, True, 64, 1 << 30),
+    "old": ("discrete", False, None, False, 64, False, False, 256, 1 << 27),
+    "lavapipe": ("cpu", False, None, False, 8, True, True, 16, 1 << 27),
+}
+WEIGHTS = [
+    (QType.Q4_K, 21504, 5376),
+    (QType.Q4_K, 640, 1024),
+    (QType.Q5_0, 2048, 640),
+    (QType.Q8_0, 262144, 640),
+    (QType.Q6_K, 640, 2048),
+    (QType.F16, 256, 640),
+    (QType.F32, 64, 64),
+]
+TOKENS = (1, 2, 3, 4, 8, 9, 16, 32, 33, 64, 256, 512)
+OPTIONS = list(itertools.product(("exact", "int8", "float"), (False, True), (True, False, "split_sums")))
+BYTES_PER_WEIGHT = {
+    QType.Q4_K: 144 / 256,
+    QType.Q5_0: 22 / 32,
+    QType.Q8_0: 34 / 32,
+    QType.Q6_K: 210 / 256,
+    QType.F16: 2,
+    QType.F32: 4,
+}
+#: sha256 of the table the backend's methods made before the move (same grid, same serialization)
+DIGEST_BEFORE = "498c4be440746fe4c9615b3406d2a9f51663ef235d597e5751f4f62c7af38876"
+
+
+def caps(name: str, threads: int = 2) -> DeviceCaps:
+    typ, cm, mk, n8, sub, shuf, arith, align, rng = DEVICES[name]
+    return DeviceCaps(typ, cm, mk, n8, sub, shuf, arith, align, rng, threads)
+
+
+def weight(q: QType, n: int, k: int):
+    return NS(qtype=q, shape=(n, k), nbytes=int(n * k * BYTES_PER_WEIGHT[q]))
+
+
+def options(matvec="exact", deterministic=False, fuse=True, c: DeviceCaps | None = None) -> VulkanOptions:
+    o = VulkanOptions(matvec=matvec, deterministic=deterministic, fuse=fuse)
+    return policy.resolve(o, c or caps("nvidia"))
+
+
+def choices(o: VulkanOptions, c: DeviceCaps) -> list:
+    out = []
+    for (q, n, k), t in itertools.product(WEIGHTS, TOKENS):
+        w = weight(q, n, k)
+        out.append(
+            [
+                policy.q8_path(o, c, t, w),
+                policy.coopmat_for(o, c, t, w),
+                policy.mmq_for(o, c, t, w),
+                policy.fused_tail(o, c, t, w),
+                policy.matvec_name(o, c, t, w),
+                policy.coopmat_steps(o, c, t),
+            ]
+        )
+    g, u, d = weight(QType.Q4_K, 2048, 640), weight(QType.Q4_K, 2048, 640), weight(QType.Q4_K, 640, 2048)
+    out.append([policy.geglu_xh(o, c, t, g, u, d) for t in TOKENS])
+    out.append([o.fused(f) for f in ("norm_rope_kv", "qout", "split_sums")])
+    for pool, dh, grp in itertools.product(("f32", "f16"), (64, 128, 256), (1, 2, 4, 8)):
+        out.append([policy.attention_kernel(o, c, pool, dh, grp), policy.prefill_kernel(o, c, pool, dh, grp)])
+    return out
+
+
+def test_choices_unchanged():
+    table = {}
+    for d in DEVICES:
+        for m, det, f in OPTIONS:
+            c = caps(d)
+            table[f"{d}/{m}/{det}/{f}"] = choices(options(m, det, f, c), c)
+    blob = json.dumps(table, sort_keys=True).encode()
+    assert hashlib.sha256(blob).hexdigest() == DIGEST_BEFORE
+
+
+def test_prefill_on_coopmat_gpus_and_register_tiles_on_cpu():
+    big = weight(QType.Q4_K, 21504, 5376)
+    for name in ("nvidia", "rdna3"):
+        c = caps(name)
+        o = options(c=c)
+        assert policy.coopmat_for(o, c, 512, big) and not policy.q8_path(o, c, 512, big)
+        assert policy.prefill_kernel(o, c, "f32", 256, 4) == "attention_prefill_cm_f32_d256"
+    kernels = {"intel": "mul_mat_q4_k", "old": "mul_mat_q4_k", "lavapipe": "mul_mat_reg_q4_k"}
+    for name, kernel in kernels.items():
+        c = caps(name)
+        o = options(c=c)
+        assert not policy.coopmat_for(o, c, 512, big)
+        assert policy.matvec_name(o, c, 512, big) == kernel
+    c = caps("lavapipe")
+    assert policy.matvec_name(policy.resolve(VulkanOptions(matmul_registers="off"), c), c, 64, big) == (
+        "mul_mat_q4_k"
+    )
+
+
+def test_int8_gemm_where_the_device_has_it():
+    big = weight(QType.Q4_K, 21504, 5376)
+    c = caps("nvidia")
+    o = replace(options(c=c), coopmat_min_tokens=9)  # the float16 GEMM from 9 tokens: 3..8 on the int8 one
+    assert [policy.mmq_for(o, c, t, big) for t in (2, 3, 8)] == [False, True, True]
+    assert not policy.mmq_for(replace(o, mmq="off"), c, 8, big)
+    assert not policy.mmq_for(replace(o, matvec="int8"), c, 8, big)
+    assert not policy.mmq_for(o, caps("intel"), 8, big)
+
+
+def test_cpu_split_targets_follow_the_host_threads():
+    gpu, cpu = caps("nvidia"), caps("lavapipe", threads=2)
+    assert policy.resolve(VulkanOptions(), gpu).attention_target == policy.ATTENTION_TARGET_GROUPS
+    o = policy.resolve(VulkanOptions(), cpu)
+    assert o.attention_target == o.attention_prefill_target == 2 * policy.CPU_GROUPS_PER_THREAD
+    assert policy.resolve(VulkanOptions(attention_target=64), cpu).attention_target == 64  # a sweep's value
+    assert policy.resolve(VulkanOptions(), caps("lavapipe", threads=1000)).attention_target == 256
+
+
+def test_options_are_checked_and_frozen():
+    with pytest.raises(ValueError, match="matvec"):
+        VulkanOptions(matvec="fast")
+    with pytest.raises(ValueError, match="deterministic"):
+        VulkanOptions(deterministic="yes")
+    o = VulkanOptions()
+    with pytest.raises(AttributeError):
+        o.fuse = False  # type: ignore[misc]
+    assert replace(o, fuse="qout").fused("qout") and not replace(o, fuse="qout").fused("split_sums")
+    assert o.planes == 3 and replace(o, matvec="int8").planes == 1 and replace(o, matvec="float").planes == 0
