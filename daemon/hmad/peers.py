@@ -174,8 +174,8 @@ class Peers:
             return conn
         with contextlib.suppress(zmq.ZMQError):
             conn = self.conns.get(frame.get(zmq.SRCFD))
-        if conn is None:
-            return None
+        if conn is None or conn.peer is not None:  # not seen yet, or the record of an earlier connection
+            return None  # whose descriptor this one reuses (its events still on their way)
         if conn.uid is None:
             with contextlib.suppress(zmq.ZMQError):
                 creds = parse_peer_address(frame.get("Peer-Address"))

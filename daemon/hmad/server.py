@@ -193,6 +193,9 @@ class Server:
                 return
             peer = frames[0].bytes
             conn = self.peers.note(peer, frames[-1])
+            if conn is None:  # its connection's events may still be on their way: read them, look again
+                self._connections()
+                conn = self.peers.note(peer, frames[-1])
             if len(frames) != 2:  # a DEALER's message is one frame
                 self.counters["bad_envelope"] += 1
                 msg = f"a request is one frame; this message had {len(frames) - 1}"
