@@ -18,7 +18,7 @@ from hmad.config import (
     parse_bytes,
     parse_override,
 )
-from hmad.errors import HmadError
+from hmad.core.errors import HmadError
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {"XDG_RUNTIME_DIR": "/run/user/1000"}

@@ -1,5 +1,5 @@
-"""hmad.metrics: histogram buckets, request outcomes and the families of the ``metrics`` reply, without a
-daemon (test_hmactl.py and test_openai_gateway.py read them from a running one)."""
+"""hmad.engine.metrics: histogram buckets, request outcomes and the families of the ``metrics`` reply,
+without a daemon (test_hmactl.py and test_openai_gateway.py read them from a running one)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from hmaclient import protocol as P
 from hmaclient.prometheus import exposition
-from hmad.metrics import Histogram, Metrics, RateWindow
+from hmad.engine.metrics import Histogram, Metrics, RateWindow
 
 
 def test_histogram_buckets_are_cumulative_with_le_bounds():

@@ -28,6 +28,7 @@ import sys
 import time
 from typing import Any, TextIO
 
+from hmaclient.args import json_schema_arg
 from hmaclient.client import Client, DaemonUnreachable, HmadTimeout, HmaError, RequestError
 from hmaclient.protocol import ProtocolError, default_socket_path
 
@@ -109,27 +110,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         with contextlib.suppress(KeyboardInterrupt):
             client.close()
-
-
-def json_schema_arg(value: str) -> dict[str, Any]:
-    """``--json-schema``: the JSON text of a schema (it starts with ``{``) or a file holding it -> a dict.
-
-    Raises argparse.ArgumentTypeError (a usage error, exit 2) naming what is wrong.
-    """
-    text = value
-    if not value.lstrip().startswith("{"):
-        try:
-            with open(value, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise argparse.ArgumentTypeError(f"cannot read the schema file {value!r}: {e.strerror}") from None
-    try:
-        schema = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"the schema is not JSON: {e}") from None
-    if not isinstance(schema, dict):
-        raise argparse.ArgumentTypeError(f"a JSON Schema here is a JSON object, got {type(schema).__name__}")
-    return schema
 
 
 def _ping(client: Client, args: argparse.Namespace) -> tuple[Client, bool]:

@@ -749,7 +749,7 @@ def pong(id: Id, time: float, state: str = "ready", *, v: int = PROTOCOL_VERSION
 
 
 def metrics(id: Id, families: list[dict[str, Any]], *, v: int = PROTOCOL_VERSION) -> dict[str, Any]:
-    """``families`` as the module docstring describes them (hmad.metrics builds them)."""
+    """``families`` as the module docstring describes them (hmad.engine.metrics builds them)."""
     return {"v": v, "type": "metrics", "id": id, "metrics": families}
 
 

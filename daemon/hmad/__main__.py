@@ -19,8 +19,8 @@ import logging
 import os
 import sys
 
-from hmaclient.cli import json_schema_arg
-from hmad.errors import HmadError
+from hmaclient.args import json_schema_arg
+from hmad.core.errors import HmadError
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -81,9 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from hmad.composition import load_model
     from hmad.engine.generate import generate
     from hmad.engine.sampling import SamplingParams
-    from hmad.model.loader import load_model
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     params = SamplingParams(

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from hmaclient import protocol as P
-from hmad.errors import HmadError
+from hmad.backends.npu.routing import NPU_OPS  # the NPU backend owns its op list
+from hmad.core.errors import HmadError
 
 if TYPE_CHECKING:
     from hmad.engine.sampling import SamplingParams
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
 
 SYSTEM_CONFIG = "/etc/hmad/hmad.yaml"
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes with the terminating NUL
-NPU_OPS = ("attention_prefill", "gemm_int8", "gemm_bf16")
 
 
 class ConfigError(HmadError):

@@ -41,13 +41,13 @@ from dataclasses import dataclass, field
 import zmq
 
 from hmaclient import protocol as P
+from hmad.core.errors import UnencodableText
+from hmad.engine.metrics import Metrics
 from hmad.engine.request import Event, Request
 from hmad.engine.sampling import SamplingParams
 from hmad.engine.structured import check_schema, compile_schema
 from hmad.engine.worker import EngineThread
-from hmad.errors import UnencodableText
 from hmad.intake import Intake
-from hmad.metrics import Metrics
 from hmad.model.chat import render_chat, render_prompt
 from hmad.outbox import Outboxes
 from hmad.peers import Peers

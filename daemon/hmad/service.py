@@ -37,15 +37,15 @@ import zmq
 
 from hmaclient import protocol as P
 from hmad.backends.npu.status import npu_status
+from hmad.composition import load_model, resolve_backend_name
 from hmad.config import Config
+from hmad.core.errors import HmadError
 from hmad.engine import structured
 from hmad.engine.scheduler import Scheduler
 from hmad.engine.worker import EngineThread
-from hmad.errors import HmadError
 from hmad.faults import fault_from_env
 from hmad.faults import install as install_fault
 from hmad.heap import map_large_buffers
-from hmad.model.loader import load_model, resolve_backend_name
 from hmad.peers import connection_cap, open_descriptors, raise_nofile_limit
 from hmad.server import Server
 

@@ -21,9 +21,9 @@ import threading
 import time
 from collections.abc import Callable
 
+from hmad.engine.metrics import Metrics, RateWindow
 from hmad.engine.request import Event, Request
 from hmad.engine.scheduler import QueueFull, RequestInvalid, RequestRejected, Scheduler
-from hmad.metrics import Metrics, RateWindow
 
 log = logging.getLogger("hmad.engine")
 
