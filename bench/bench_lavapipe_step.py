@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "daemon")]
 
 from hmad.backends.vulkan.backend import bucket  # noqa: E402
-from hmad.engine.batch import SeqSlice, StepBatch  # noqa: E402
+from hmad.composition import load_model  # noqa: E402
+from hmad.core.batch import SeqSlice, StepBatch  # noqa: E402
 from hmad.engine.kvcache import KVCacheManager, KVLayout  # noqa: E402
-from hmad.model.loader import load_model  # noqa: E402
 
 
 def one_sequence(kv: KVCacheManager, layout: KVLayout, n_tok: int) -> StepBatch:

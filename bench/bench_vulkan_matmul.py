@@ -59,8 +59,8 @@ from hmad.backends.vulkan.kernels_matmul import (  # noqa: E402
 from hmad.backends.vulkan.memory import Uploader, create_buffer  # noqa: E402
 from hmad.backends.vulkan.pipelines import CommandRecorder, Kernel, QuantizeQ8Push  # noqa: E402
 from hmad.backends.vulkan.residency import probe_residency  # noqa: E402
-from hmad.model.quants import dequantize, random_blocks  # noqa: E402
-from hmad.model.tensors import QType  # noqa: E402
+from hmad.core.quants import dequantize, random_blocks  # noqa: E402
+from hmad.core.tensors import QType  # noqa: E402
 
 #: Gemma 3 27B's matmuls (N rows, K) and how many of each a layer has
 SHAPES_27B = {"gate/up": (21504, 5376), "down": (5376, 21504), "q": (4096, 5376), "k/v": (2048, 5376)}

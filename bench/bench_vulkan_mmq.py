@@ -31,8 +31,8 @@ from hmad.backends.vulkan import kernels_mmq as kq  # noqa: E402
 from hmad.backends.vulkan.device import Device  # noqa: E402
 from hmad.backends.vulkan.memory import BufferView, Uploader, create_buffer  # noqa: E402
 from hmad.backends.vulkan.pipelines import CommandRecorder, Kernel, QuantizeQ8Push  # noqa: E402
-from hmad.model.quants import dequantize, random_blocks  # noqa: E402
-from hmad.model.tensors import QType  # noqa: E402
+from hmad.core.quants import dequantize, random_blocks  # noqa: E402
+from hmad.core.tensors import QType  # noqa: E402
 
 #: (name, N, K) of the 27B's matmuls; a layer has q, k, v (fused as QKV: 8192 rows), o, gate, up, down
 SHAPES = [("qkv", 8192, 5376), ("o", 5376, 4096), ("gate", 21504, 5376), ("down", 5376, 21504)]

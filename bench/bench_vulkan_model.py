@@ -42,13 +42,13 @@ sys.path[:0] = [str(ROOT / "daemon"), str(ROOT / "bench")]
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf import GGUFWriter  # noqa: E402
 
-from hmad.engine.batch import SeqSlice, StepBatch  # noqa: E402
+from hmad.composition import load_model  # noqa: E402
+from hmad.core.batch import SeqSlice, StepBatch  # noqa: E402
+from hmad.core.quants import random_blocks  # noqa: E402
 from hmad.engine.generate import generate  # noqa: E402
 from hmad.engine.kvcache import KVCacheManager, KVLayout  # noqa: E402
 from hmad.engine.sampling import SamplingParams  # noqa: E402
 from hmad.engine.scheduler import SchedulerConfig  # noqa: E402
-from hmad.model.loader import load_model  # noqa: E402
-from hmad.model.quants import random_blocks  # noqa: E402
 
 SHAPES = {
     "270m": dict(n_layers=18, d=640, heads=4, kv_heads=1, head_dim=256, ffn=2048, vocab=262144, window=512),

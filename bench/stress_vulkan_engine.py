@@ -39,11 +39,11 @@ from bench_vulkan_model import make_batch, write_model  # noqa: E402
 from hmad.backends.vulkan.device import VulkanError  # noqa: E402
 from hmad.backends.vulkan.memory import Arena  # noqa: E402
 from hmad.backends.vulkan.pipelines import Kernel, _arenas_of, _handle_key, _key_of, _range_of  # noqa: E402
+from hmad.composition import load_model  # noqa: E402
 from hmad.engine.generate import generate  # noqa: E402
 from hmad.engine.kvcache import KVCacheManager, KVLayout  # noqa: E402
 from hmad.engine.sampling import SamplingParams  # noqa: E402
 from hmad.engine.scheduler import SchedulerConfig  # noqa: E402
-from hmad.model.loader import load_model  # noqa: E402
 
 
 def workloads(n: int, max_prompt: int, vocab: int, seed: int) -> list[dict]:

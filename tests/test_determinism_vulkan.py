@@ -22,7 +22,7 @@ from test_determinism import ALL, CASES, N_NEW, check_daemon, greedy_solo, greed
 from tiny_gguf import MIXED, make_tiny_gguf
 
 from hmaclient import Client
-from hmad.model.loader import load_model
+from hmad.composition import load_model
 
 pytestmark = pytest.mark.gpu
 

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from hmad.engine.generate import generate
+from hmad.composition import load_model
+from hmad.engine.generate import forward_full, generate
 from hmad.engine.sampling import SamplingParams
 from hmad.engine.scheduler import SchedulerConfig
-from hmad.model.loader import load_model
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "llamacpp_greedy.json").read_text())
 CASES = FIXTURE["cases"]
@@ -66,7 +66,7 @@ def test_first_generated_token_identical(results):
 def test_teacher_forced_argmax(model):
     total, wrong = 0, []
     for c in CASES:
-        logits = model.forward_full(c["prompt_ids"] + c["greedy_ids"])[len(c["prompt_ids"]) - 1 :]
+        logits = forward_full(model, c["prompt_ids"] + c["greedy_ids"])[len(c["prompt_ids"]) - 1 :]
         for i, want in enumerate(c["greedy_ids"]):
             total += 1
             got = int(logits[i].argmax())

@@ -27,13 +27,13 @@ import pytest
 from test_model_cpu import rand_ids, run_chunks
 from tiny_gguf import MIXED, make_tiny_gguf
 
+from hmad.composition import load_model, make_backend
+from hmad.core.errors import ModelFormatError
 from hmad.engine import scheduler as scheduler_module
 from hmad.engine.draw_rows import draw_rows
-from hmad.engine.generate import generate
+from hmad.engine.generate import forward_full, generate
 from hmad.engine.sampling import SamplingParams
 from hmad.engine.scheduler import Scheduler, SchedulerConfig
-from hmad.errors import ModelFormatError
-from hmad.model.loader import load_model, make_backend
 
 pytestmark = pytest.mark.gpu
 RTOL, RTOL_INT8 = 1e-4, 1e-2
@@ -81,7 +81,7 @@ def rtol_for(vk) -> float:
 def test_one_prefill_matches_cpu(pair):
     cpu, vk = pair
     ids = rand_ids(np.random.default_rng(0), 21, cpu.config.vocab_size)
-    close(vk.forward_full(ids), cpu.forward_full(ids), rtol_for(vk))
+    close(forward_full(vk, ids), forward_full(cpu, ids), rtol_for(vk))
 
 
 def test_batched_chunked_prefill_then_decode_matches_cpu(pair):
@@ -541,7 +541,7 @@ def test_weights_forced_into_the_host_heap(tmp_path):
             "device-local: weights" in k for k in mem
         )
         ids = rand_ids(np.random.default_rng(6), 9, cpu.config.vocab_size)
-        close(vk.forward_full(ids), cpu.forward_full(ids), rtol_for(vk))
+        close(forward_full(vk, ids), forward_full(cpu, ids), rtol_for(vk))
     finally:
         vk.backend.close()
 
@@ -565,7 +565,7 @@ def test_heads_the_attention_cannot_take_refuse_the_model_at_load(tmp_path, head
     finally:
         backend.close()
     cpu = load_model(path, "cpu", numerics="f32")  # the same file serves on the cpu backend
-    assert cpu.forward_full([2, 5, 9]).shape == (3, cpu.config.vocab_size)
+    assert forward_full(cpu, [2, 5, 9]).shape == (3, cpu.config.vocab_size)
 
 
 def test_heads_at_the_attention_limits_match_cpu(tmp_path):
@@ -575,7 +575,7 @@ def test_heads_at_the_attention_limits_match_cpu(tmp_path):
     vk = load_model(path, "vulkan")
     try:
         ids = rand_ids(np.random.default_rng(8), 40, cpu.config.vocab_size)
-        close(vk.forward_full(ids), cpu.forward_full(ids), rtol_for(vk))
+        close(forward_full(vk, ids), forward_full(cpu, ids), rtol_for(vk))
     finally:
         vk.backend.close()
 
@@ -618,7 +618,7 @@ def test_embedded_model_greedy_equals_cpu(embedded_pair):
         if g == w:
             continue
         n = next((j for j, (a, b) in enumerate(zip(g, w, strict=False)) if a != b), min(len(g), len(w)))
-        row = cpu.forward_full(prompts[i] + w[:n])[-1]
+        row = forward_full(cpu, prompts[i] + w[:n])[-1]
         top2 = np.sort(row)[-2:]
         margin = float(top2[1] - top2[0])
         print(

@@ -30,8 +30,8 @@ from gguf.quants import dequantize as gguf_dequantize
 from vk_harness import assert_x3_planes
 
 from hmad.backends.vulkan.kernels_matmul import q8_matvec_suffixes, q8_tail_suffixes
-from hmad.model.quants import random_blocks
-from hmad.model.tensors import QType, block_layout
+from hmad.core.quants import random_blocks
+from hmad.core.tensors import QType, block_layout
 
 pytestmark = pytest.mark.gpu
 Q8_TYPES = ["q8_0", "q4_0", "q5_0", "q4_k", "q6_k"]

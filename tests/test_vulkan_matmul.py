@@ -22,8 +22,8 @@ import pytest
 from gguf.quants import dequantize as gguf_dequantize
 from vk_harness import shader_build
 
-from hmad.model.quants import random_blocks
-from hmad.model.tensors import QType
+from hmad.core.quants import random_blocks
+from hmad.core.tensors import QType
 
 RTOL_SCALE = 1e-5
 TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q5_0", "q4_k", "q6_k"]

@@ -140,8 +140,8 @@ class Case:
     def __init__(self, dev, gpu, kernels, n, k, t_max, seed, weights=1):
         from hmad.backends.vulkan.kernels_matmul import weight_row_bytes
         from hmad.backends.vulkan.pipelines import CommandRecorder, QuantizeQ8Push
-        from hmad.model.quants import dequantize, random_blocks
-        from hmad.model.tensors import QType
+        from hmad.core.quants import dequantize, random_blocks
+        from hmad.core.tensors import QType
 
         rng = np.random.default_rng(seed)
         self.n, self.k, self.gpu = n, k, gpu
@@ -245,8 +245,8 @@ def test_backend_runs_mmq_at_eight_tokens(tmp_path):
 
     from hmad.backends.vulkan.device import Device
     from hmad.backends.vulkan.kernels_mmq import mmq_shape_k
-    from hmad.model.loader import load_model
-    from hmad.model.tensors import QType
+    from hmad.composition import load_model
+    from hmad.core.tensors import QType
 
     with Device() as d:
         if mmq_shape_k(d.info) is None:

@@ -27,11 +27,11 @@ from vk_harness import assert_x3_planes
 from hmad.backends.cpu import CpuBackend, CpuWeight
 from hmad.backends.vulkan.pipelines import ATTENTION_DECODE_DPL
 from hmad.backends.vulkan.stepmeta import NONE, StepMetaLayout, kv_slots
-from hmad.engine.batch import SAMPLE_DTYPE, SeqSlice, StepBatch
-from hmad.engine.kvcache import KVLayout
+from hmad.core.batch import SAMPLE_DTYPE, SeqSlice, StepBatch
+from hmad.core.kv_layout import KVLayout
+from hmad.core.quants import quantize_q8_0, random_blocks
+from hmad.core.tensors import QType, WeightTensor
 from hmad.engine.sampling import Sampler, SamplingParams
-from hmad.model.quants import quantize_q8_0, random_blocks
-from hmad.model.tensors import QType, WeightTensor
 
 REF = CpuBackend(numerics="f32")
 

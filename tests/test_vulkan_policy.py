@@ -19,7 +19,7 @@ import pytest
 from hmad.backends.vulkan import policy
 from hmad.backends.vulkan.options import VulkanOptions
 from hmad.backends.vulkan.policy import DeviceCaps
-from hmad.model.tensors import QType
+from hmad.core.tensors import QType
 
 DEVICES = {  # name -> (type, coopmat, mmq_k, mmq_n8, subgroup size, shuffle, arithmetic, offset align, range)
     "nvidia": ("discrete", True, 32, True, 32, True, True, 16, (4 << 30) - 1),

@@ -31,7 +31,7 @@ from hmad.backends.vulkan.memory import (
     host_copy,
     plan_memory,
 )
-from hmad.errors import BackendUnusable
+from hmad.core.errors import BackendUnusable
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB, GIB = 1 << 20, 1 << 30

@@ -72,12 +72,6 @@ class Model:
         on the device (only the candidates come back); backends with ``topk_max`` > 0."""
         return self.backend.topk(self.backend.run(self.net, batch))
 
-    def forward_full(self, token_ids: list[int]) -> np.ndarray:
-        """Moved to ``hmad.engine.generate.forward_full(model, token_ids)`` (a transition alias)."""
-        from hmad.engine.generate import forward_full
-
-        return forward_full(self, token_ids)
-
 
 def resolve_model_path(spec: str | Path) -> Path:
     """``default`` -> the embedded model; otherwise an existing .gguf file or HF checkpoint directory."""
@@ -147,12 +141,3 @@ def check_tensors(files: ModelFiles) -> None:
             f"the tokenizer has {n_tok} tokens, more than the embedding's "
             f"{keys.get('vocab_size', 'vocab_size')} = {cfg.vocab_size}",
         )
-
-
-def __getattr__(name: str):
-    """The loading functions' old home: they moved to ``hmad.composition`` (a transition alias)."""
-    if name in ("load_model", "make_backend", "resolve_backend_name", "Progress"):
-        import hmad.composition
-
-        return getattr(hmad.composition, name)
-    raise AttributeError(name)

@@ -156,9 +156,9 @@ from hmad.backends.vulkan.policy import (
 )
 from hmad.backends.vulkan.residency import probe_residency
 from hmad.backends.vulkan.stepmeta import StepMetaLayout
-from hmad.engine.batch import SeqSlice, StepBatch
-from hmad.engine.kvcache import KVLayout
-from hmad.model.tensors import QType, WeightTensor
+from hmad.core.batch import SeqSlice, StepBatch
+from hmad.core.kv_layout import KVLayout
+from hmad.core.tensors import QType, WeightTensor
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import vulkan as vk
 
-from hmad.errors import BackendUnusable, HmadError
+from hmad.core.errors import BackendUnusable, HmadError
 
 ffi, lib = vk.ffi, vk.lib
 

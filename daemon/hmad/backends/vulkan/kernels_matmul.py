@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hmad.model.tensors import QType, block_layout
+from hmad.core.tensors import QType, block_layout
 
 u32 = ctypes.c_uint32
 

@@ -36,7 +36,7 @@ from hmad.backends.vulkan.kernels_matmul import (
     split_k,
     weight_row_bytes,
 )
-from hmad.model.tensors import QType
+from hmad.core.tensors import QType
 
 #: (MR, NT, MK, JB, NB, FB) built (shaders/build.py's MMQ_LAYOUTS)
 MMQ_LAYOUTS = ((2, 1, 32, 2, 16, True), (2, 1, 32, 2, 8, True), (2, 1, 16, 2, 16, True))

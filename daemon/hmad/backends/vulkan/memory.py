@@ -35,7 +35,7 @@ import numpy as np
 import vulkan as vk
 
 from hmad.backends.vulkan.device import Device, MemoryHeap, MemoryType, check, ffi, lib, new
-from hmad.errors import HmadError
+from hmad.core.errors import HmadError
 
 DEVICE_LOCAL, HOST_VISIBLE, HOST_COHERENT, HOST_CACHED = 1, 2, 4, 8
 MIB = 1 << 20

@@ -32,7 +32,7 @@ from hmad.backends.vulkan.pipelines import (
     ATTENTION_PREFILL_TILE,
     TOPK_GROUPS,
 )
-from hmad.model.tensors import QType
+from hmad.core.tensors import QType
 
 # -- tuned constants (docs/tuning.md has the sweep behind each) -----
 #: steps of up to this many tokens (decode batches) run the int8 mat-vec, MATVEC_MAX_T tokens a dispatch

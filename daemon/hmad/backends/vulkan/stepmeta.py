@@ -1,4 +1,4 @@
-"""Step metadata: the per-step values of a :class:`~hmad.engine.batch.StepBatch` as one uint32 array.
+"""Step metadata: the per-step values of a :class:`~hmad.core.batch.StepBatch` as one uint32 array.
 
 The recorded forward pass keeps one host-visible buffer of this layout per batch-size bucket; each step the
 host writes :meth:`StepMetaLayout.pack` into it and replays. The layout is fixed by the bucket's capacities
@@ -46,7 +46,7 @@ from functools import cached_property
 
 import numpy as np
 
-from hmad.engine.batch import SAMPLE_DTYPE, StepBatch
+from hmad.core.batch import SAMPLE_DTYPE, StepBatch
 
 NONE = 0xFFFFFFFF
 HEADER_WORDS = 8
