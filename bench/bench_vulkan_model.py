@@ -348,7 +348,8 @@ def main() -> int:
     src = create_buffer(dev, args.copy_mib << 20, "device", "src")
     dst = create_buffer(dev, args.copy_mib << 20, "device", "dst")
     bc.fill_buffer(dev, src, bc.source_bytes(src.nbytes, "random"))  # weights are data: zeros move faster
-    runs = [bc.bench_variant(dev, v, 256, src, dst, 10) for v in bc.VARIANTS]
+    # warm (clocks up) and timed for a while: a cold GPU's first submit reads at a third of the rate
+    runs = [bc.bench_variant(dev, v, 256, src, dst, 10, warm_s=2.0, seconds=0.5) for v in bc.VARIANTS]
     res: dict = {"copy": runs, **bc.ceilings(runs), "date": time.strftime("%Y-%m-%d"), "models": {}}
     ceiling = res["read_ceiling_GBps"]  # a decode step reads its weights
     src.arena.close()
