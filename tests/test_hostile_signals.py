@@ -159,3 +159,30 @@ def test_extend_timeout_is_sent_only_after_load_progress(tmp_path, monkeypatch):
         svc.loading.clear()
         extender.join(1)
         listener.close()
+
+
+def test_sigterm_ends_a_load_stuck_in_one_phase(tiny_path, tmp_path):
+    """A load that never reports progress again (HMAD_TEST_FAULT=load:stall: a hung disk or driver) cannot
+    hold the process: SIGTERM ends it within the load's stop wait plus a little, the socket is gone, and no
+    EXTEND_TIMEOUT_USEC keeps systemd waiting meanwhile (the load reported no progress)."""
+    d = Daemon(tiny_path, tmp_path, env={"HMAD_TEST_FAULT": "load:stall"})
+    deadline = time.monotonic() + 60
+    while not (os.path.exists(d.socket) and d.status(timeout=2).get("state") == "loading"):
+        assert d.proc.poll() is None, d.log_text()
+        assert time.monotonic() < deadline, d.log_text()
+        time.sleep(0.1)
+    time.sleep(1.0)  # well inside the stall
+    assert d.proc.poll() is None, d.log_text()
+    t0 = time.monotonic()
+    d.proc.send_signal(signal.SIGTERM)
+    try:
+        d.proc.wait(15)
+    except subprocess.TimeoutExpired:
+        d.proc.kill()
+        pytest.fail(f"hmad still running 15 s after SIGTERM during a stuck load:\n{d.log_text()}")
+    took = time.monotonic() - t0
+    d.stop()
+    text = d.log_text()
+    assert took < 10, (took, text)
+    assert "the model load stalls" in text and "abandoning it" in text, text
+    assert not os.path.exists(d.socket)

@@ -43,7 +43,7 @@ from hmad.core.errors import HmadError
 from hmad.engine import structured
 from hmad.engine.scheduler import Scheduler
 from hmad.engine.worker import EngineThread
-from hmad.faults import fault_from_env
+from hmad.faults import fault_from_env, stall_forever
 from hmad.faults import install as install_fault
 from hmad.heap import map_large_buffers
 from hmad.peers import connection_cap, open_descriptors, raise_nofile_limit
@@ -201,6 +201,8 @@ class Service:
         self.loading.set()
         threading.Thread(target=self._extend_while_loading, daemon=True).start()
         try:
+            if self.fault is not None and self.fault.stalls_load:
+                stall_forever()  # TEST-ONLY: a load hung in one phase
             backend = resolve_backend_name(
                 cfg.backend, cfg.backend_options("npu")
             )  # auto: vulkan, npu or cpu
@@ -212,7 +214,7 @@ class Service:
                 background=True,
                 **cfg.backend_options(backend),
             )
-            if self.fault is not None:
+            if self.fault is not None and not self.fault.stalls_load:
                 install_fault(model.backend, self.fault)
             t0 = time.perf_counter()
             scheduler = Scheduler(model, cfg.scheduler_config())  # while the weights upload
