@@ -5,10 +5,9 @@ once such a buffer is freed it raises that threshold to the buffer's size (up to
 mmap threshold"), and from then on serves buffers of that size from the heap, where the holes they leave
 between long-lived objects are kept. In hmad such buffers are shaped by the requests (frames up to the
 frame limit, a step's logits at 1 MiB a row on the numpy backend, numpy temporaries), so the heap's
-high-water mark crept up with the mix of requests seen: 1,000 fuzzed requests on the embedded 270M
-(tests/test_fuzz_requests.py, 2026-11-25) left the daemon 19.8 MiB larger than after its warm-up with
-glibc's default, 0.8 MiB larger with hmad fixing the threshold at 1 MiB here (fixing it also turns the
-dynamic raising off). Elsewhere than glibc (musl, macOS) nothing is changed.
+high-water mark crept up with the mix of requests seen. hmad fixes the threshold at 1 MiB here (fixing it
+also turns the dynamic raising off); the measurement behind it is in docs/tuning.md. Elsewhere than glibc
+(musl, macOS) nothing is changed.
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ BATCH_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 class RateWindow:
     """A running total's rate over the last ``span_s`` seconds, O(1) a sample: the engine takes one every
-    step (a list rebuilt each step cost ~0.25 ms a step at 500 steps a second: the 270M's whole per-token
-    gap between the daemon and its engine, H200 2026-11-26)."""
+    step, so a per-step list rebuild would cost a small model's whole per-token host budget
+    (docs/tuning.md)."""
 
     def __init__(self, span_s: float = 10.0):
         self.span_s = span_s
