@@ -12,45 +12,17 @@ import ast
 import sys
 from pathlib import Path
 
-ALLOWED = {
-    "core": {"core"},
-    "backends": {"backends", "core"},
-    "model": {"model", "backends", "core"},
-    "engine": {"engine", "model", "backends", "core"},
-}
-
-
-def floor(module: str) -> str:
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 and parts[1] in ALLOWED else "process"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_layers import ALLOWED, floor, imports, module_name  # noqa: E402  (the rule in one place)
 
 
 def daemon_modules(root: Path) -> dict[str, Path]:
     pkg = root / "daemon" / "hmad"
-    mods = {}
-    for p in pkg.rglob("*.py"):
-        parts = list(p.relative_to(pkg).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        mods[".".join(["hmad", *parts])] = p
-    return mods
-
-
-def imported(path: Path, module: str) -> list[str]:
-    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-    out = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out += [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = package[: len(package) - node.level + 1] if node.level else []
-            name = ".".join(base + ([node.module] if node.module else []))
-            out += [name] + [f"{name}.{a.name}" for a in node.names]
-    return out
+    return {module_name(p, pkg, "hmad"): p for p in pkg.rglob("*.py")}
 
 
 def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
-    return {m: {n for n in imported(p, m) if n in mods} for m, p in mods.items()}
+    return {m: {n for n in imports(p, m) if n in mods} for m, p in mods.items()}
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
