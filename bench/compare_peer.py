@@ -37,59 +37,44 @@ def row(figure: str, kind: str, ours: float, theirs: float, higher_is_better: bo
     return {"figure": figure, "kind": kind, "hmad": ours, "llama_server": theirs, "ratio": ratio}
 
 
+def sections(hmad: dict, peer: dict) -> list[tuple[str, dict, dict]]:
+    """(name, hmad's, llama-server's) for every timed section both runs measured: the prefill, then each
+    streams level in order."""
+    d = hmad["daemon"]
+    out = [("prefill", d["prefill"], peer["prefill"])] if "prefill" in d and "prefill" in peer else []
+    for n, r in sorted(d["levels"].items(), key=lambda kv: int(kv[0])):
+        if f"streams_{n}" in peer:
+            out.append((f"{n} streams", r, peer[f"streams_{n}"]))
+    return out
+
+
 def rows(hmad: dict, peer: dict) -> list[dict]:
     """The like-for-like pairs both runs measured: prefill, decode per level, then the wall figures."""
-    d = hmad["daemon"]
-    out = []
-    if "prefill" in d and "prefill" in peer:
-        out.append(
-            row(
-                f"prefill {peer['prefill']['tokens']}",
-                "prefill",
-                d["prefill"]["tok_s"],
-                peer["prefill"]["tok_s"],
-            )
-        )
-    levels = [
-        (n, r, peer[f"streams_{n}"])
-        for n, r in sorted(d["levels"].items(), key=lambda kv: int(kv[0]))
-        if f"streams_{n}" in peer
+    both = sections(hmad, peer)
+    levels = [(name, ours, theirs) for name, ours, theirs in both if name != "prefill"]
+    out = [
+        row(f"prefill {theirs['tokens']}", "prefill", ours["tok_s"], theirs["tok_s"])
+        for name, ours, theirs in both
+        if name == "prefill"
     ]
-    for n, ours, theirs in levels:
+    for name, ours, theirs in levels:
         if "decode_tok_s" in ours and "decode_tok_s" in theirs:
-            out.append(row(f"{n} streams", "decode", ours["decode_tok_s"], theirs["decode_tok_s"]))
-    for n, ours, theirs in levels:
-        out.append(row(f"{n} streams: generated / wall", "wall", ours["wall_tok_s"], theirs["wall_tok_s"]))
+            out.append(row(name, "decode", ours["decode_tok_s"], theirs["decode_tok_s"]))
+    for name, ours, theirs in levels:
+        out.append(row(f"{name}: generated / wall", "wall", ours["wall_tok_s"], theirs["wall_tok_s"]))
         if "ttft_s" in ours and "ttft_s" in theirs:
-            out.append(
-                row(
-                    f"{n} streams: TTFT median (s)",
-                    "wall",
-                    ours["ttft_s"]["median"],
-                    theirs["ttft_s"]["median"],
-                    higher_is_better=False,
-                )
-            )
-    out.append(row("ready (s)", "wall", d["ready_s"], peer["ready_s"], higher_is_better=False))
+            median = (ours["ttft_s"]["median"], theirs["ttft_s"]["median"])
+            out.append(row(f"{name}: TTFT median (s)", "wall", *median, higher_is_better=False))
+    out.append(row("ready (s)", "wall", hmad["daemon"]["ready_s"], peer["ready_s"], higher_is_better=False))
     return out
 
 
 def clocks(hmad: dict, peer: dict) -> list[str]:
     """One line per timed section: its GPU clocks on each side."""
-    d = hmad["daemon"]
-    lines = []
-    if "prefill" in d and "prefill" in peer:
-        lines.append(
-            f"prefill: hmad {describe(d['prefill'].get('clocks'))}; "
-            f"llama-server {describe(peer['prefill'].get('clocks'))}"
-        )
-    for n, r in sorted(d["levels"].items(), key=lambda kv: int(kv[0])):
-        if f"streams_{n}" in peer:
-            lines.append(
-                f"{n} streams: hmad {describe(r.get('clocks'))}; "
-                f"llama-server {describe(peer[f'streams_{n}'].get('clocks'))}"
-            )
-    return lines
+    return [
+        f"{name}: hmad {describe(ours.get('clocks'))}; llama-server {describe(theirs.get('clocks'))}"
+        for name, ours, theirs in sections(hmad, peer)
+    ]
 
 
 def bandwidth(decode_1: float, weights_bytes: int, memory: dict | None, copy: dict | None) -> list[str]:
