@@ -66,25 +66,27 @@ class Daemon:
             time.sleep(0.1)
         raise TimeoutError(f"hmad not ready in {timeout} s:\n{self.log_text()}")
 
-    def ping(self, timeout: float = 2.0) -> bool:
+    def _ask(self, request: dict, timeout: float) -> bytes | None:
+        """One request on a connection of its own: the reply's frame, None if none came in ``timeout``."""
         with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as s:
             s.setsockopt(zmq.LINGER, 0)
             s.connect(P.endpoint(self.socket))
-            s.send(P.pack(P.ping_request("harness")))
-            if not s.poll(int(timeout * 1000)):
-                return False
-            reply = P.parse_reply(s.recv())
-            return isinstance(reply, P.Pong) and reply.state == "ready"
+            s.send(P.pack(request))
+            return s.recv() if s.poll(int(timeout * 1000)) else None
+
+    def ping(self, timeout: float = 2.0) -> bool:
+        frame = self._ask(P.ping_request("harness"), timeout)
+        if frame is None:
+            return False
+        reply = P.parse_reply(frame)
+        return isinstance(reply, P.Pong) and reply.state == "ready"
 
     def status(self, timeout: float = 5.0) -> dict:
         """One ``status`` reply's map, on a connection of its own."""
-        with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as s:
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(P.endpoint(self.socket))
-            s.send(P.pack(P.status_request("harness")))
-            if not s.poll(int(timeout * 1000)):
-                raise TimeoutError(f"no status reply in {timeout} s")
-            return P.unpack(s.recv(), max_size=P.MAX_REPLY_BYTES)["status"]
+        frame = self._ask(P.status_request("harness"), timeout)
+        if frame is None:
+            raise TimeoutError(f"no status reply in {timeout} s")
+        return P.unpack(frame, max_size=P.MAX_REPLY_BYTES)["status"]
 
     def rss_kib(self) -> int:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
