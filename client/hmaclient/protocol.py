@@ -44,16 +44,9 @@ Requests (client -> daemon)
     raw                 bool                default false. With ``prompt``: false wraps the prompt in the chat
                                             template as one user turn (plus the generation prompt); true sends
                                             the text to the tokenizer as is. Must be false with ``messages``.
-    max_tokens          int                 1..MAX_TOKENS_LIMIT; default: the daemon's
-    temperature         float | int         0..100; 0 = greedy; default: the daemon's
-    top_k               int                 >= 0 (0 = off)
-    top_p               float | int         (0, 1] (1 = off)
-    min_p               float | int         [0, 1] (0 = off)
-    repetition_penalty  float | int         > 0, <= 100 (1 = off)
-    repeat_last_n       int                 0..MAX_TOKENS_LIMIT: tokens the penalty looks back over (0 = off)
-    seed                int | nil           0..2^64-1; nil or absent = fresh entropy
-    stop                list of str         <= MAX_STOP_STRINGS strings of 1..MAX_STOP_CHARS characters;
-                                            generation ends before the first occurrence, which is never sent
+    the sampling fields (types, ranges and defaults: hmaclient.sampling.FIELDS, listed here from it;
+    "default" is the daemon's built-in one, which its config's ``sampling:`` section may change):
+{SAMPLING_TABLE}
     stream              bool                default true: ``token`` messages as text is produced.
                                             false: no ``token`` messages; ``done`` carries text and token_ids
     json_schema         map                 since version 2. A JSON Schema the answer must satisfy: sampling
@@ -62,8 +55,8 @@ Requests (client -> daemon)
                                             daemon cannot compile is refused (bad_request naming the
                                             problem), as is any json_schema when the daemon lacks its
                                             grammar library. See ``done.schema_complete``.
-    An absent sampling field (or nil) means "the daemon's default" (its config, else SamplingParams').
-    Floats must be finite; bools are not numbers.
+    An absent sampling field (or nil) means "the daemon's default" (its config's ``sampling:`` section).
+    An int field takes ints only, a number field ints or finite floats; bools are not numbers.
 
 ``cancel``    stop a generation of this connection
     id                  str | int           required: the id the ``generate`` carried
@@ -162,760 +155,92 @@ owns the socket and the directories above it (``hmaclient.safepath``).
 
 from __future__ import annotations
 
-import math
-import os
-import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
-
-import msgpack
-
-PROTOCOL_VERSION = 2  # the newest version this module speaks
-SUPPORTED_VERSIONS = frozenset({1, 2})
-
-MAX_FRAME_BYTES = 4 * 1024 * 1024  # a request frame
-MAX_REPLY_BYTES = 64 * 1024 * 1024  # a reply frame (done with stream=false carries a whole answer)
-MAX_PROMPT_CHARS = 1024 * 1024  # prompt, or the sum of the messages' contents, in characters
-MAX_MESSAGES = 1024
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
-MAX_ID_CHARS = 128
-MAX_TOKENS_LIMIT = 1_000_000
-MAX_TEMPERATURE = 100.0
-MAX_REPETITION_PENALTY = 100.0
-MAX_DEPTH = 32  # a json_schema nests (properties -> schema -> items -> ...)
-MAX_ARRAY_LEN = 4 * 1024 * 1024  # token_ids of a long answer; requests are bounded by their frame anyway
-MAX_MAP_LEN = 1024
-MAX_CONTAINERS = 4096  # arrays + maps in one message (a request has at most MAX_MESSAGES + 2)
-MAX_IPC_PATH_BYTES = 107  # sockaddr_un.sun_path holds 108 bytes with the terminating NUL
-SYSTEM_SOCKET_DIR = "/run/hmad"  # the system service's RuntimeDirectory (systemd/hmad.service)
-
-# Error codes (stable strings).
-BAD_REQUEST = "bad_request"
-UNSUPPORTED_VERSION = "unsupported_version"
-UNKNOWN_TYPE = "unknown_type"
-TOO_LARGE = "too_large"
-BUSY = "busy"
-PROMPT_TOO_LONG = "prompt_too_long"
-SHUTTING_DOWN = "shutting_down"
-LOADING = "loading"  # the model is still loading (retry later; ``ping`` says when it is ready)
-NOT_FOUND = "not_found"
-INTERNAL = "internal"
-ERROR_CODES = frozenset(
-    {
-        BAD_REQUEST,
-        UNSUPPORTED_VERSION,
-        UNKNOWN_TYPE,
-        TOO_LARGE,
-        BUSY,
-        PROMPT_TOO_LONG,
-        SHUTTING_DOWN,
-        LOADING,
-        NOT_FOUND,
-        INTERNAL,
-    }
+# This module is the spec and the one import point; the code lives by what it owns:
+# hmaclient.framing (envelope, limits, frames), .request (requests), .reply (replies), .paths (the
+# socket path) and .sampling (the sampling fields).
+from hmaclient import sampling
+from hmaclient.framing import (  # noqa: F401
+    ADDED_IN,
+    BAD_REQUEST,
+    BUSY,
+    ERROR_CODES,
+    FINISH_REASONS,
+    INTERNAL,
+    LOADING,
+    MAX_ARRAY_LEN,
+    MAX_CONTAINERS,
+    MAX_DEPTH,
+    MAX_FRAME_BYTES,
+    MAX_ID_CHARS,
+    MAX_MAP_LEN,
+    MAX_MESSAGES,
+    MAX_PROMPT_CHARS,
+    MAX_REPETITION_PENALTY,
+    MAX_REPLY_BYTES,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+    MAX_TOKENS_LIMIT,
+    METRIC_TYPES,
+    NOT_FOUND,
+    PROMPT_TOO_LONG,
+    PROTOCOL_VERSION,
+    REPLY_TYPES,
+    REQUEST_TYPES,
+    ROLES,
+    SHUTTING_DOWN,
+    SUPPORTED_VERSIONS,
+    TERMINAL_TYPES,
+    TOO_LARGE,
+    UNKNOWN_TYPE,
+    UNSUPPORTED_VERSION,
+    Id,
+    ProtocolError,
+    pack,
+    required_version,
+    unpack,
+)
+from hmaclient.paths import (  # noqa: F401
+    MAX_IPC_PATH_BYTES,
+    SYSTEM_SOCKET_DIR,
+    default_socket_path,
+    endpoint,
+)
+from hmaclient.reply import (  # noqa: F401
+    Accepted,
+    Cancelled,
+    Done,
+    Error,
+    Metrics,
+    Pong,
+    Reply,
+    Status,
+    Token,
+    accepted,
+    cancelled,
+    done,
+    error,
+    metrics,
+    parse_reply,
+    pong,
+    status,
+    token,
+)
+from hmaclient.request import (  # noqa: F401
+    SAMPLING_FIELDS,
+    CancelRequest,
+    GenerateRequest,
+    MetricsRequest,
+    PingRequest,
+    Request,
+    StatusRequest,
+    cancel_request,
+    generate_request,
+    metrics_request,
+    parse_request,
+    ping_request,
+    status_request,
+    validate_request,
 )
 
-FINISH_REASONS = frozenset({"stop", "length"})
-ROLES = frozenset({"system", "user", "model", "assistant"})
-REQUEST_TYPES = frozenset({"generate", "cancel", "status", "ping", "metrics"})
-
-# What each version added: (request type, field) -> version, with field None for a whole request type.
-# A message whose v is older than an entry it uses is refused, naming the field and the version.
-ADDED_IN: dict[tuple[str, str | None], int] = {
-    ("generate", "json_schema"): 2,
-    ("metrics", None): 2,
-}
-REPLY_TYPES = frozenset({"accepted", "token", "done", "error", "cancelled", "status", "pong", "metrics"})
-METRIC_TYPES = frozenset({"counter", "gauge", "histogram"})
-TERMINAL_TYPES = frozenset({"done", "error", "cancelled"})
-
-Id = str | int | None
-
-_INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
-
-
-class ProtocolError(ValueError):
-    """A frame or message breaks the protocol: ``code`` in ERROR_CODES; ``id`` the request's when known;
-    ``v`` the version to answer in (the message's when it is a supported one, else 1).
-
-    The daemon answers with ``error(e.id, e.code, e.message, v=e.v)``, i.e. ``e.reply()``.
-    """
-
-    def __init__(self, code: str, message: str, id: Id = None, v: int = 1):
-        super().__init__(f"{code}: {message}")
-        self.code, self.message, self.id, self.v = code, message, id, v
-
-    def reply(self) -> dict[str, Any]:
-        return error(self.id, self.code, self.message, v=self.v)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Frames
-
-
-def pack(msg: dict[str, Any]) -> bytes:
-    """One message -> one frame. Adds ``v`` when missing (the lowest version the message needs); the
-    caller's dict is not modified."""
-    if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
-        raise TypeError(f"a message is a dict with a str 'type', got {msg!r:.80}")
-    if "v" not in msg:
-        msg = {"v": required_version(msg), **msg}
-    return msgpack.packb(msg, use_bin_type=True)
-
-
-def unpack(frame: bytes, max_size: int = MAX_FRAME_BYTES) -> Any:
-    """One frame -> one msgpack object, within every limit listed in the module docstring.
-
-    Raises ProtocolError (``too_large`` for a limit, ``bad_request`` for anything malformed); never
-    allocates more than a small multiple of ``len(frame)``.
-    """
-    n = len(frame)
-    if n > max_size:
-        raise ProtocolError(TOO_LARGE, f"frame of {n} bytes is over the limit of {max_size}")
-    count = _ContainerCount()
-    try:
-        obj = msgpack.unpackb(
-            frame,
-            raw=False,
-            strict_map_key=True,
-            ext_hook=_refuse_ext,
-            object_hook=count,
-            list_hook=count,
-            max_str_len=n,
-            max_bin_len=n,
-            max_array_len=min(MAX_ARRAY_LEN, n),
-            max_map_len=min(MAX_MAP_LEN, n // 2),
-            max_ext_len=n,
-        )
-    except ProtocolError:
-        raise
-    except msgpack.ExtraData:
-        raise ProtocolError(
-            BAD_REQUEST, "trailing bytes after the message: one msgpack object per frame"
-        ) from None
-    except msgpack.StackError:
-        raise ProtocolError(TOO_LARGE, f"nesting deeper than {MAX_DEPTH}") from None
-    except (ValueError, TypeError, OverflowError, UnicodeDecodeError) as e:
-        raise _unpack_error(e, n) from None
-    if type(obj) not in _SCALARS:
-        _check_tree(obj)
-    return obj
-
-
-def _unpack_error(e: Exception, n: int) -> ProtocolError:
-    """A declared length over a protocol limit is too_large; one the frame cannot even hold is malformed."""
-    over = re.match(r"(\d+) exceeds max_(\w+)_len", str(e))
-    if over and int(over.group(1)) <= (n // 2 if over.group(2) == "map" else n):  # the protocol's limit bit
-        return ProtocolError(TOO_LARGE, f"{over.group(2)} of {over.group(1)} items is over the limit")
-    if over:
-        return ProtocolError(
-            BAD_REQUEST,
-            f"invalid msgpack: a {over.group(2)} header declares "
-            f"{over.group(1)} items in a frame of {n} bytes",
-        )
-    return ProtocolError(BAD_REQUEST, f"invalid msgpack: {e}")
-
-
-class _ContainerCount:
-    """msgpack hook called as each array or map is completed: stops the unpack past MAX_CONTAINERS.
-
-    Bounds the work a frame can cause (a 4 MiB frame could otherwise hold ~2M tiny arrays).
-    """
-
-    def __init__(self) -> None:
-        self.n = 0
-
-    def __call__(self, container: Any) -> Any:
-        self.n += 1
-        if self.n > MAX_CONTAINERS:
-            raise ProtocolError(TOO_LARGE, f"more than {MAX_CONTAINERS} arrays and maps in one message")
-        return container
-
-
-def _refuse_ext(code: int, data: bytes) -> Any:
-    raise ProtocolError(BAD_REQUEST, f"msgpack ext type {code} is not allowed")
-
-
-# msgpack decodes to exactly these types (never subclasses), so ``type(x) in`` is exact and fast.
-_SCALARS = frozenset({str, int, float, bool, type(None), bytes})
-
-
-def _check_tree(obj: Any) -> None:
-    """Iteratively: nesting <= MAX_DEPTH, map keys are str, only plain msgpack types (no Timestamp).
-
-    ``set(map(type, ...))`` runs in C: a 4 MiB frame of small scalars is checked in milliseconds.
-    """
-    stack = [(obj, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if type(node) is dict:
-            if set(map(type, node)) - {str}:
-                bad = next(k for k in node if type(k) is not str)
-                raise ProtocolError(BAD_REQUEST, f"map keys must be str, got {type(bad).__name__}")
-            children = node.values()
-        elif type(node) is list:
-            children = node
-        else:  # msgpack.Timestamp: decoded without ext_hook
-            raise ProtocolError(BAD_REQUEST, f"msgpack type {type(node).__name__} is not allowed")
-        if depth > MAX_DEPTH:
-            raise ProtocolError(TOO_LARGE, f"nesting deeper than {MAX_DEPTH}")
-        if not set(map(type, children)) <= _SCALARS:
-            stack.extend((c, depth + 1) for c in children if type(c) not in _SCALARS)
-
-
-def _message(frame: bytes, max_size: int) -> tuple[dict[str, Any], Id]:
-    """unpack + the envelope: a map with a supported ``v`` and a str ``type``; returns it and its valid id."""
-    msg = unpack(frame, max_size)
-    if not isinstance(msg, dict):
-        raise ProtocolError(BAD_REQUEST, f"a message is a msgpack map, got {_kind(msg)}")
-    mid = msg.get("id")
-    mid = mid if _valid_id(mid) else None
-    v = msg.get("v")
-    if "v" not in msg or not isinstance(v, int) or isinstance(v, bool):
-        raise ProtocolError(BAD_REQUEST, "field 'v' (protocol version, int) is missing or not an int", mid)
-    if v not in SUPPORTED_VERSIONS:
-        speaks = ", ".join(map(str, sorted(SUPPORTED_VERSIONS)))
-        raise ProtocolError(
-            UNSUPPORTED_VERSION, f"protocol version {v} is not supported (this side speaks {speaks})", mid
-        )
-    if not isinstance(msg.get("type"), str):
-        raise ProtocolError(BAD_REQUEST, "field 'type' (str) is missing or not a str", mid, v)
-    return msg, mid
-
-
-def required_version(msg: dict[str, Any]) -> int:
-    """The lowest protocol version that has the message's type and every field it carries, nil or not
-    (see ADDED_IN)."""
-    mtype = msg.get("type")
-    return max([ADDED_IN.get((mtype, None), 1), *(ADDED_IN.get((mtype, k), 1) for k in msg)])
-
-
-def _check_version(msg: dict[str, Any], mid: Id) -> None:
-    """Refuse a type or field newer than the message's own ``v``, naming it and the version it needs."""
-    v, mtype = msg["v"], msg["type"]
-    need = ADDED_IN.get((mtype, None), 1)
-    if need > v:
-        raise ProtocolError(
-            BAD_REQUEST, f"request type {mtype!r} needs protocol version {need}, not {v}", mid
-        )
-    for k in msg:
-        need = ADDED_IN.get((mtype, k), 1)
-        if need > v:
-            raise ProtocolError(
-                BAD_REQUEST, f"field {k!r} of {mtype} needs protocol version {need}, not {v}", mid
-            )
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Requests
-
-
-@dataclass
-class GenerateRequest:
-    """A validated ``generate``. Sampling fields left None mean "the daemon's default".
-
-    ``v`` (every request has it): the version the message came in, which its replies carry.
-    """
-
-    id: Id = None
-    prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
-    raw: bool = False
-    stream: bool = True
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    repeat_last_n: int | None = None
-    seed: int | None = None
-    stop: list[str] | None = None
-    json_schema: dict[str, Any] | None = None
-    v: int = field(default=1, compare=False)
-
-    def sampling(self) -> dict[str, Any]:
-        """The sampling fields the client gave, as ``SamplingParams`` keyword arguments (None left out)."""
-        return {k: getattr(self, k) for k in SAMPLING_FIELDS if getattr(self, k) is not None}
-
-
-@dataclass
-class CancelRequest:
-    id: Id
-    v: int = field(default=1, compare=False)
-
-
-@dataclass
-class StatusRequest:
-    id: Id = None
-    v: int = field(default=1, compare=False)
-
-
-@dataclass
-class PingRequest:
-    id: Id = None
-    v: int = field(default=1, compare=False)
-
-
-@dataclass
-class MetricsRequest:
-    id: Id = None
-    v: int = field(default=2, compare=False)
-
-
-Request = GenerateRequest | CancelRequest | StatusRequest | PingRequest | MetricsRequest
-
-
-def _real(lo: float, hi: float, lo_open: bool = False):
-    def check(name: str, v: Any) -> str | None:
-        if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
-            return f"{name} must be a finite number, got {_kind(v)}"
-        if not ((lo < v) if lo_open else (lo <= v)) or v > hi:
-            return f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}"
-        return None
-
-    return check
-
-
-def _int(lo: int, hi: int):
-    def check(name: str, v: Any) -> str | None:
-        if not isinstance(v, int) or isinstance(v, bool):
-            return f"{name} must be an int, got {_kind(v)}"
-        if not lo <= v <= hi:
-            return f"{name} must be in [{lo}, {hi}], got {v!r}"
-        return None
-
-    return check
-
-
-# name -> check(name, value) -> error text or None. None values are "not given" and skip the check.
-_SAMPLING_CHECKS = {
-    "max_tokens": _int(1, MAX_TOKENS_LIMIT),
-    "temperature": _real(0.0, MAX_TEMPERATURE),
-    "top_k": _int(0, 2**31 - 1),
-    "top_p": _real(0.0, 1.0, lo_open=True),
-    "min_p": _real(0.0, 1.0),
-    "repetition_penalty": _real(0.0, MAX_REPETITION_PENALTY, lo_open=True),
-    "repeat_last_n": _int(0, MAX_TOKENS_LIMIT),
-    "seed": _int(0, _UINT64_MAX),
-}
-_REAL_FIELDS = frozenset({"temperature", "top_p", "min_p", "repetition_penalty"})
-SAMPLING_FIELDS = (*_SAMPLING_CHECKS, "stop")
-_ENVELOPE = ("v", "type", "id")
-_FIELDS = {
-    "generate": frozenset(
-        {*_ENVELOPE, "prompt", "messages", "raw", "stream", "json_schema", *SAMPLING_FIELDS}
-    ),
-    "cancel": frozenset(_ENVELOPE),
-    "status": frozenset(_ENVELOPE),
-    "ping": frozenset(_ENVELOPE),
-    "metrics": frozenset(_ENVELOPE),
-}
-
-
-def parse_request(frame: bytes, max_size: int = MAX_FRAME_BYTES) -> Request:
-    """One frame from a client -> a validated request. Raises ProtocolError (with ``id`` when known, and
-    ``v`` the version to answer in)."""
-    msg, mid = _message(frame, max_size)
-    try:
-        return validate_request(msg, mid)
-    except ProtocolError as e:
-        e.v = msg["v"]  # _message checked it is a supported version
-        raise
-
-
-def validate_request(msg: dict[str, Any], mid: Id = None) -> Request:
-    """Check an unpacked request map against the schema (the client runs this before sending, too)."""
-    mtype = msg["type"]
-    if mtype not in _FIELDS:
-        raise ProtocolError(
-            UNKNOWN_TYPE, f"unknown request type {mtype!r:.64} (known: {sorted(_FIELDS)})", mid
-        )
-    unknown = [k for k in msg if k not in _FIELDS[mtype]]
-    if unknown:
-        names = ", ".join(repr(k[:64]) for k in unknown[:8])
-        raise ProtocolError(BAD_REQUEST, f"unknown field(s) in {mtype}: {names}", mid)
-    _check_version(msg, mid)
-    if msg.get("id") is not None and not _valid_id(msg["id"]):
-        raise ProtocolError(BAD_REQUEST, _ID_RULE + f", got {_kind(msg['id'])}")
-    v = msg["v"]
-    if mtype == "generate":
-        return _generate(msg, mid)
-    if mtype == "cancel":
-        if msg.get("id") is None:
-            raise ProtocolError(BAD_REQUEST, "cancel needs the 'id' of the generation to cancel")
-        return CancelRequest(mid, v)
-    return {"status": StatusRequest, "ping": PingRequest, "metrics": MetricsRequest}[mtype](mid, v)
-
-
-def _generate(msg: dict[str, Any], mid: Id) -> GenerateRequest:
-    def fail(text: str, code: str = BAD_REQUEST) -> ProtocolError:
-        return ProtocolError(code, text, mid)
-
-    req = GenerateRequest(id=mid, v=msg["v"])
-    for name in ("raw", "stream"):
-        if msg.get(name) is not None:
-            if not isinstance(msg[name], bool):
-                raise fail(f"{name} must be a bool, got {_kind(msg[name])}")
-            setattr(req, name, msg[name])
-    prompt, messages = msg.get("prompt"), msg.get("messages")
-    if (prompt is None) == (messages is None):
-        raise fail("give exactly one of 'prompt' (str) and 'messages' (list)")
-    if prompt is not None:
-        if not isinstance(prompt, str):
-            raise fail(f"prompt must be a str, got {_kind(prompt)}")
-        if len(prompt) > MAX_PROMPT_CHARS:
-            raise fail(
-                f"prompt of {len(prompt)} characters is over the limit of {MAX_PROMPT_CHARS}", TOO_LARGE
-            )
-        req.prompt = prompt
-    else:
-        if req.raw:
-            raise fail("raw=true applies to 'prompt' only; 'messages' always use the chat template")
-        problem, code = _check_messages(messages)
-        if problem:
-            raise fail(problem, code)
-        req.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-    for name, check in _SAMPLING_CHECKS.items():
-        value = msg.get(name)
-        if value is not None:
-            problem = check(name, value)
-            if problem:
-                raise fail(problem)
-            setattr(req, name, float(value) if name in _REAL_FIELDS else value)
-    if msg.get("stop") is not None:
-        problem = _check_stop(msg["stop"])
-        if problem:
-            raise fail(problem)
-        req.stop = list(msg["stop"])
-    if msg.get("json_schema") is not None:
-        if not isinstance(msg["json_schema"], dict):
-            raise fail(f"json_schema must be a map (a JSON Schema object), got {_kind(msg['json_schema'])}")
-        req.json_schema = msg["json_schema"]
-    return req
-
-
-def _check_messages(messages: Any) -> tuple[str | None, str]:
-    if not isinstance(messages, list) or not messages:
-        return f"messages must be a non-empty list, got {_kind(messages)}", BAD_REQUEST
-    if len(messages) > MAX_MESSAGES:
-        return f"{len(messages)} messages is over the limit of {MAX_MESSAGES}", TOO_LARGE
-    total = 0
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or set(m) != {"role", "content"}:
-            return f"messages[{i}] must be a map with exactly 'role' and 'content'", BAD_REQUEST
-        if not isinstance(m["role"], str) or m["role"] not in ROLES:
-            return f"messages[{i}].role must be one of {sorted(ROLES)}, got {m['role']!r:.64}", BAD_REQUEST
-        if not isinstance(m["content"], str):
-            return f"messages[{i}].content must be a str, got {_kind(m['content'])}", BAD_REQUEST
-        if m["role"] == "system" and i != 0:
-            return "a 'system' message may only come first", BAD_REQUEST
-        total += len(m["content"])
-    if total > MAX_PROMPT_CHARS:
-        return f"messages of {total} characters are over the limit of {MAX_PROMPT_CHARS}", TOO_LARGE
-    return None, BAD_REQUEST
-
-
-def _check_stop(stop: Any) -> str | None:
-    if not isinstance(stop, list):
-        return f"stop must be a list of str, got {_kind(stop)}"
-    if len(stop) > MAX_STOP_STRINGS:
-        return f"stop has {len(stop)} strings, over the limit of {MAX_STOP_STRINGS}"
-    for i, s in enumerate(stop):
-        if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS:
-            return f"stop[{i}] must be a str of 1..{MAX_STOP_CHARS} characters"
-    return None
-
-
-_ID_RULE = f"id must be a str of 1..{MAX_ID_CHARS} characters or an int in [-2^63, 2^64)"
-
-
-def _valid_id(v: Any) -> bool:
-    if isinstance(v, str):
-        return 1 <= len(v) <= MAX_ID_CHARS
-    return isinstance(v, int) and not isinstance(v, bool) and _INT64_MIN <= v <= _UINT64_MAX
-
-
-def _kind(v: Any) -> str:
-    return "nil" if v is None else type(v).__name__
-
-
-# Request builders (the client's side). Each returns the message map, validated as the daemon will.
-
-
-def generate_request(
-    id: Id, prompt: str | None = None, messages: list[dict[str, str]] | None = None, **fields: Any
-) -> dict[str, Any]:
-    """A ``generate`` map; ``fields`` are raw, stream, json_schema and the sampling fields. None values are
-    left out; ``v`` is the lowest version that has every field used."""
-    msg = {"type": "generate", "id": id, "prompt": prompt, "messages": messages, **fields}
-    msg = {k: v for k, v in msg.items() if v is not None}
-    msg = {"v": required_version(msg), **msg}
-    validate_request(msg, id)
-    return msg
-
-
-def cancel_request(id: Id) -> dict[str, Any]:
-    return _stamped({"type": "cancel", "id": id}, id)
-
-
-def status_request(id: Id = None) -> dict[str, Any]:
-    return _stamped({"type": "status"}, id)
-
-
-def ping_request(id: Id = None) -> dict[str, Any]:
-    return _stamped({"type": "ping"}, id)
-
-
-def metrics_request(id: Id = None) -> dict[str, Any]:
-    return _stamped({"type": "metrics"}, id)
-
-
-def _stamped(msg: dict[str, Any], id: Id) -> dict[str, Any]:
-    """With ``id`` (when given) and ``v``: the lowest version the message needs."""
-    if id is not None:
-        msg["id"] = id
-    return {"v": required_version(msg), **msg}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Replies: builders (the daemon's side)
-
-
-# Every builder takes ``v``: the version of the request it answers (see Versions).
-
-
-def accepted(id: Id, rid: int, *, v: int = PROTOCOL_VERSION) -> dict[str, Any]:
-    return {"v": v, "type": "accepted", "id": id, "rid": rid}
-
-
-def token(id: Id, text: str, token_ids: list[int], *, v: int = PROTOCOL_VERSION) -> dict[str, Any]:
-    return {"v": v, "type": "token", "id": id, "text": text, "token_ids": list(token_ids)}
-
-
-def done(
-    id: Id,
-    finish_reason: str,
-    prompt_tokens: int,
-    generated_tokens: int,
-    ttft_s: float,
-    tokens_per_s: float,
-    total_s: float,
-    text: str | None = None,
-    token_ids: list[int] | None = None,
-    *,
-    v: int = PROTOCOL_VERSION,
-    **extra: Any,
-) -> dict[str, Any]:
-    """``text`` and ``token_ids`` only with stream=false. ``extra`` fields (e.g. schema_complete) go out as
-    they are."""
-    msg = {
-        "v": v,
-        "type": "done",
-        "id": id,
-        "finish_reason": finish_reason,
-        "prompt_tokens": prompt_tokens,
-        "generated_tokens": generated_tokens,
-        "ttft_s": float(ttft_s),
-        "tokens_per_s": float(tokens_per_s),
-        "total_s": float(total_s),
-        **extra,
-    }
-    if text is not None:
-        msg["text"] = text
-    if token_ids is not None:
-        msg["token_ids"] = list(token_ids)
-    return msg
-
-
-def error(id: Id, code: str, message: str, *, v: int = PROTOCOL_VERSION) -> dict[str, Any]:
-    if code not in ERROR_CODES:
-        raise ValueError(f"unknown error code {code!r}")
-    return {"v": v, "type": "error", "id": id, "code": code, "message": message}
-
-
-def cancelled(id: Id, generated_tokens: int, *, v: int = PROTOCOL_VERSION) -> dict[str, Any]:
-    return {"v": v, "type": "cancelled", "id": id, "generated_tokens": generated_tokens}
-
-
-def status(id: Id, info: dict[str, Any], *, v: int = PROTOCOL_VERSION) -> dict[str, Any]:
-    return {"v": v, "type": "status", "id": id, "status": info}
-
-
-def pong(id: Id, time: float, state: str = "ready", *, v: int = PROTOCOL_VERSION) -> dict[str, Any]:
-    return {"v": v, "type": "pong", "id": id, "time": float(time), "state": state}
-
-
-def metrics(id: Id, families: list[dict[str, Any]], *, v: int = PROTOCOL_VERSION) -> dict[str, Any]:
-    """``families`` as the module docstring describes them (hmad.engine.metrics builds them)."""
-    return {"v": v, "type": "metrics", "id": id, "metrics": families}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Replies: parsed (the client's side)
-
-
-@dataclass
-class Accepted:
-    id: Id
-    rid: int
-
-
-@dataclass
-class Token:
-    id: Id
-    text: str
-    token_ids: list[int]
-
-
-@dataclass
-class Done:
-    id: Id
-    finish_reason: str
-    prompt_tokens: int
-    generated_tokens: int
-    ttft_s: float
-    tokens_per_s: float
-    total_s: float
-    text: str | None = None
-    token_ids: list[int] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)  # fields this version does not know
-
-
-@dataclass
-class Error:
-    id: Id
-    code: str
-    message: str
-
-
-@dataclass
-class Cancelled:
-    id: Id
-    generated_tokens: int
-
-
-@dataclass
-class Status:
-    id: Id
-    info: dict[str, Any]
-
-
-@dataclass
-class Pong:
-    id: Id
-    time: float
-    state: str = "ready"  # "loading" while the daemon loads its model
-
-
-@dataclass
-class Metrics:
-    id: Id
-    families: list[dict[str, Any]]
-
-
-Reply = Accepted | Token | Done | Error | Cancelled | Status | Pong | Metrics
-
-_NUM = (int, float)
-# type -> (class, {field: accepted types}) for the required fields; optional ones are handled below.
-_REPLY_SCHEMA: dict[str, tuple[type, dict[str, tuple[type, ...] | type]]] = {
-    "accepted": (Accepted, {"rid": int}),
-    "token": (Token, {"text": str, "token_ids": list}),
-    "done": (
-        Done,
-        {
-            "finish_reason": str,
-            "prompt_tokens": int,
-            "generated_tokens": int,
-            "ttft_s": _NUM,
-            "tokens_per_s": _NUM,
-            "total_s": _NUM,
-        },
-    ),
-    "error": (Error, {"code": str, "message": str}),
-    "cancelled": (Cancelled, {"generated_tokens": int}),
-    "status": (Status, {"status": dict}),
-    "pong": (Pong, {"time": _NUM}),
-    "metrics": (Metrics, {"metrics": list}),
-}
-
-
-def parse_reply(frame: bytes, max_size: int = MAX_REPLY_BYTES) -> Reply:
-    """One frame from the daemon -> a reply dataclass. Unknown fields are ignored (``Done.extra`` keeps them).
-
-    Unknown error codes are passed through as they are (a newer daemon may add codes).
-    """
-    msg, mid = _message(frame, max_size)
-    mtype = msg["type"]
-    if mtype not in _REPLY_SCHEMA:
-        raise ProtocolError(UNKNOWN_TYPE, f"unknown reply type {mtype!r:.64}", mid)
-    cls, required = _REPLY_SCHEMA[mtype]
-    for name, types in required.items():
-        if not isinstance(msg.get(name), types) or isinstance(msg.get(name), bool):
-            raise ProtocolError(
-                BAD_REQUEST, f"{mtype} reply: field {name!r} missing or of the wrong type", mid
-            )
-    values = {name: msg[name] for name in required}
-    if mtype == "status":
-        return Status(mid, msg["status"])
-    if mtype == "pong":
-        state = msg.get("state")
-        return Pong(mid, values["time"], state if isinstance(state, str) else "ready")
-    if mtype == "metrics":
-        return Metrics(mid, [f for f in msg["metrics"] if _is_family(f)])
-    if mtype == "done":
-        known = {"v", "type", "id", "text", "token_ids", *required}
-        extra = {k: v for k, v in msg.items() if k not in known}
-        return Done(mid, **values, text=msg.get("text"), token_ids=msg.get("token_ids"), extra=extra)
-    return cls(mid, **values)
-
-
-def _is_family(f: Any) -> bool:
-    """A metric family a client can show (others, e.g. of a type a newer daemon added, are dropped)."""
-    return (
-        isinstance(f, dict)
-        and isinstance(f.get("name"), str)
-        and f.get("type") in METRIC_TYPES
-        and isinstance(f.get("samples"), list)
-        and all(isinstance(s, dict) and isinstance(s.get("labels", {}), dict) for s in f["samples"])
-    )
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Where the daemon listens
-
-
-def default_socket_path(
-    env: Mapping[str, str] = os.environ, euid: int | None = None, system_dir: str = SYSTEM_SOCKET_DIR
-) -> str:
-    """Where hmad listens when no one says: the same answer for the daemon (it binds there) and a client.
-
-    1. ``$HMAD_SOCKET``, when set;
-    2. ``system_dir``/hmad.sock, for root (who makes the directory) or when ``system_dir`` is a directory this
-       user may enter: the system service's (systemd's ``RuntimeDirectory=hmad``, group hmad may enter);
-    3. ``$XDG_RUNTIME_DIR``/hmad/hmad.sock, when that is an absolute path (the user's own daemon);
-    4. ``$TMPDIR`` (absolute, else /tmp) /hmad-<euid>/hmad.sock. Anyone can create a name under /tmp first:
-       the daemon makes this directory 0700 and refuses one it does not own, and clients refuse a socket
-       whose directory another user owns (``hmaclient.safepath``).
-
-    A user who may enter /run/hmad and runs a daemon of their own gives it (and its clients) a path.
-    """
-    if env.get("HMAD_SOCKET"):
-        return env["HMAD_SOCKET"]
-    euid = os.geteuid() if euid is None else euid
-    if euid == 0 or (os.path.isdir(system_dir) and os.access(system_dir, os.X_OK)):
-        return os.path.join(system_dir, "hmad.sock")
-    xdg = env.get("XDG_RUNTIME_DIR", "")
-    if os.path.isabs(xdg):
-        return os.path.join(xdg, "hmad", "hmad.sock")
-    tmp = env.get("TMPDIR", "")
-    return os.path.join(tmp if os.path.isabs(tmp) else "/tmp", f"hmad-{euid}", "hmad.sock")
-
-
-def endpoint(path: str) -> str:
-    """The ZeroMQ address of a socket path: ``ipc://`` + path (which must fit a Unix socket address)."""
-    if len(os.fsencode(path)) > MAX_IPC_PATH_BYTES:
-        raise ValueError(f"socket path is over {MAX_IPC_PATH_BYTES} bytes (a Unix socket limit): {path}")
-    return "ipc://" + path
+__doc__ = (__doc__ or "").replace("{SAMPLING_TABLE}", sampling.table())

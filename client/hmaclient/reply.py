@@ -1,0 +1,218 @@
+"""Replies of the hmad wire protocol (its spec: ``hmaclient.protocol``): the builders the daemon answers
+with, and the typed replies a client parses them into (leniently: unknown fields are ignored).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hmaclient.framing import (
+    BAD_REQUEST,
+    ERROR_CODES,
+    MAX_REPLY_BYTES,
+    METRIC_TYPES,
+    PROTOCOL_VERSION,
+    UNKNOWN_TYPE,
+    Id,
+    ProtocolError,
+    _message,
+)
+
+# Every builder takes ``v``: the version of the request it answers (see Versions).
+
+
+def accepted(id: Id, rid: int, *, v: int = PROTOCOL_VERSION) -> dict[str, Any]:
+    return {"v": v, "type": "accepted", "id": id, "rid": rid}
+
+
+def token(id: Id, text: str, token_ids: list[int], *, v: int = PROTOCOL_VERSION) -> dict[str, Any]:
+    return {"v": v, "type": "token", "id": id, "text": text, "token_ids": list(token_ids)}
+
+
+def done(
+    id: Id,
+    finish_reason: str,
+    prompt_tokens: int,
+    generated_tokens: int,
+    ttft_s: float,
+    tokens_per_s: float,
+    total_s: float,
+    text: str | None = None,
+    token_ids: list[int] | None = None,
+    *,
+    v: int = PROTOCOL_VERSION,
+    **extra: Any,
+) -> dict[str, Any]:
+    """``text`` and ``token_ids`` only with stream=false. ``extra`` fields (e.g. schema_complete) go out as
+    they are."""
+    msg = {
+        "v": v,
+        "type": "done",
+        "id": id,
+        "finish_reason": finish_reason,
+        "prompt_tokens": prompt_tokens,
+        "generated_tokens": generated_tokens,
+        "ttft_s": float(ttft_s),
+        "tokens_per_s": float(tokens_per_s),
+        "total_s": float(total_s),
+        **extra,
+    }
+    if text is not None:
+        msg["text"] = text
+    if token_ids is not None:
+        msg["token_ids"] = list(token_ids)
+    return msg
+
+
+def error(id: Id, code: str, message: str, *, v: int = PROTOCOL_VERSION) -> dict[str, Any]:
+    if code not in ERROR_CODES:
+        raise ValueError(f"unknown error code {code!r}")
+    return {"v": v, "type": "error", "id": id, "code": code, "message": message}
+
+
+def cancelled(id: Id, generated_tokens: int, *, v: int = PROTOCOL_VERSION) -> dict[str, Any]:
+    return {"v": v, "type": "cancelled", "id": id, "generated_tokens": generated_tokens}
+
+
+def status(id: Id, info: dict[str, Any], *, v: int = PROTOCOL_VERSION) -> dict[str, Any]:
+    return {"v": v, "type": "status", "id": id, "status": info}
+
+
+def pong(id: Id, time: float, state: str = "ready", *, v: int = PROTOCOL_VERSION) -> dict[str, Any]:
+    return {"v": v, "type": "pong", "id": id, "time": float(time), "state": state}
+
+
+def metrics(id: Id, families: list[dict[str, Any]], *, v: int = PROTOCOL_VERSION) -> dict[str, Any]:
+    """``families`` as the module docstring describes them (hmad.engine.metrics builds them)."""
+    return {"v": v, "type": "metrics", "id": id, "metrics": families}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Replies: parsed (the client's side)
+
+
+@dataclass
+class Accepted:
+    id: Id
+    rid: int
+
+
+@dataclass
+class Token:
+    id: Id
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class Done:
+    id: Id
+    finish_reason: str
+    prompt_tokens: int
+    generated_tokens: int
+    ttft_s: float
+    tokens_per_s: float
+    total_s: float
+    text: str | None = None
+    token_ids: list[int] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # fields this version does not know
+
+
+@dataclass
+class Error:
+    id: Id
+    code: str
+    message: str
+
+
+@dataclass
+class Cancelled:
+    id: Id
+    generated_tokens: int
+
+
+@dataclass
+class Status:
+    id: Id
+    info: dict[str, Any]
+
+
+@dataclass
+class Pong:
+    id: Id
+    time: float
+    state: str = "ready"  # "loading" while the daemon loads its model
+
+
+@dataclass
+class Metrics:
+    id: Id
+    families: list[dict[str, Any]]
+
+
+Reply = Accepted | Token | Done | Error | Cancelled | Status | Pong | Metrics
+
+_NUM = (int, float)
+# type -> (class, {field: accepted types}) for the required fields; optional ones are handled below.
+_REPLY_SCHEMA: dict[str, tuple[type, dict[str, tuple[type, ...] | type]]] = {
+    "accepted": (Accepted, {"rid": int}),
+    "token": (Token, {"text": str, "token_ids": list}),
+    "done": (
+        Done,
+        {
+            "finish_reason": str,
+            "prompt_tokens": int,
+            "generated_tokens": int,
+            "ttft_s": _NUM,
+            "tokens_per_s": _NUM,
+            "total_s": _NUM,
+        },
+    ),
+    "error": (Error, {"code": str, "message": str}),
+    "cancelled": (Cancelled, {"generated_tokens": int}),
+    "status": (Status, {"status": dict}),
+    "pong": (Pong, {"time": _NUM}),
+    "metrics": (Metrics, {"metrics": list}),
+}
+
+
+def parse_reply(frame: bytes, max_size: int = MAX_REPLY_BYTES) -> Reply:
+    """One frame from the daemon -> a reply dataclass. Unknown fields are ignored (``Done.extra`` keeps them).
+
+    Unknown error codes are passed through as they are (a newer daemon may add codes).
+    """
+    msg, mid = _message(frame, max_size)
+    mtype = msg["type"]
+    if mtype not in _REPLY_SCHEMA:
+        raise ProtocolError(UNKNOWN_TYPE, f"unknown reply type {mtype!r:.64}", mid)
+    cls, required = _REPLY_SCHEMA[mtype]
+    for name, types in required.items():
+        if not isinstance(msg.get(name), types) or isinstance(msg.get(name), bool):
+            raise ProtocolError(
+                BAD_REQUEST, f"{mtype} reply: field {name!r} missing or of the wrong type", mid
+            )
+    values = {name: msg[name] for name in required}
+    if mtype == "status":
+        return Status(mid, msg["status"])
+    if mtype == "pong":
+        state = msg.get("state")
+        return Pong(mid, values["time"], state if isinstance(state, str) else "ready")
+    if mtype == "metrics":
+        return Metrics(mid, [f for f in msg["metrics"] if _is_family(f)])
+    if mtype == "done":
+        known = {"v", "type", "id", "text", "token_ids", *required}
+        extra = {k: v for k, v in msg.items() if k not in known}
+        return Done(mid, **values, text=msg.get("text"), token_ids=msg.get("token_ids"), extra=extra)
+    return cls(mid, **values)
+
+
+def _is_family(f: Any) -> bool:
+    """A metric family a client can show (others, e.g. of a type a newer daemon added, are dropped)."""
+    return (
+        isinstance(f, dict)
+        and isinstance(f.get("name"), str)
+        and f.get("type") in METRIC_TYPES
+        and isinstance(f.get("samples"), list)
+        and all(isinstance(s, dict) and isinstance(s.get("labels", {}), dict) for s in f["samples"])
+    )

@@ -1,0 +1,235 @@
+"""Requests of the hmad wire protocol (its spec: ``hmaclient.protocol``): the typed requests, the check
+that turns a request map into one (the daemon runs it on every frame, the client before sending), and the
+builders a client sends.
+
+The sampling fields' types, ranges and defaults are ``hmaclient.sampling``'s; this module only applies them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hmaclient import sampling
+from hmaclient.framing import (
+    _ID_RULE,
+    BAD_REQUEST,
+    MAX_FRAME_BYTES,
+    MAX_MESSAGES,
+    MAX_PROMPT_CHARS,
+    ROLES,
+    TOO_LARGE,
+    UNKNOWN_TYPE,
+    Id,
+    ProtocolError,
+    _check_version,
+    _kind,
+    _message,
+    _valid_id,
+    required_version,
+)
+
+
+@dataclass
+class GenerateRequest:
+    """A validated ``generate``. Sampling fields left None mean "the daemon's default".
+
+    ``v`` (every request has it): the version the message came in, which its replies carry.
+    """
+
+    id: Id = None
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    raw: bool = False
+    stream: bool = True
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    repeat_last_n: int | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    json_schema: dict[str, Any] | None = None
+    v: int = field(default=1, compare=False)
+
+    def sampling(self) -> dict[str, Any]:
+        """The sampling fields the client gave, as ``SamplingParams`` keyword arguments (None left out)."""
+        return {k: getattr(self, k) for k in SAMPLING_FIELDS if getattr(self, k) is not None}
+
+
+@dataclass
+class CancelRequest:
+    id: Id
+    v: int = field(default=1, compare=False)
+
+
+@dataclass
+class StatusRequest:
+    id: Id = None
+    v: int = field(default=1, compare=False)
+
+
+@dataclass
+class PingRequest:
+    id: Id = None
+    v: int = field(default=1, compare=False)
+
+
+@dataclass
+class MetricsRequest:
+    id: Id = None
+    v: int = field(default=2, compare=False)
+
+
+Request = GenerateRequest | CancelRequest | StatusRequest | PingRequest | MetricsRequest
+
+
+SAMPLING_FIELDS = sampling.NAMES  # the sampling fields of a generate, stop included
+_ENVELOPE = ("v", "type", "id")
+_FIELDS = {
+    "generate": frozenset(
+        {*_ENVELOPE, "prompt", "messages", "raw", "stream", "json_schema", *SAMPLING_FIELDS}
+    ),
+    "cancel": frozenset(_ENVELOPE),
+    "status": frozenset(_ENVELOPE),
+    "ping": frozenset(_ENVELOPE),
+    "metrics": frozenset(_ENVELOPE),
+}
+
+
+def parse_request(frame: bytes, max_size: int = MAX_FRAME_BYTES) -> Request:
+    """One frame from a client -> a validated request. Raises ProtocolError (with ``id`` when known, and
+    ``v`` the version to answer in)."""
+    msg, mid = _message(frame, max_size)
+    try:
+        return validate_request(msg, mid)
+    except ProtocolError as e:
+        e.v = msg["v"]  # _message checked it is a supported version
+        raise
+
+
+def validate_request(msg: dict[str, Any], mid: Id = None) -> Request:
+    """Check an unpacked request map against the schema (the client runs this before sending, too)."""
+    mtype = msg["type"]
+    if mtype not in _FIELDS:
+        raise ProtocolError(
+            UNKNOWN_TYPE, f"unknown request type {mtype!r:.64} (known: {sorted(_FIELDS)})", mid
+        )
+    unknown = [k for k in msg if k not in _FIELDS[mtype]]
+    if unknown:
+        names = ", ".join(repr(k[:64]) for k in unknown[:8])
+        raise ProtocolError(BAD_REQUEST, f"unknown field(s) in {mtype}: {names}", mid)
+    _check_version(msg, mid)
+    if msg.get("id") is not None and not _valid_id(msg["id"]):
+        raise ProtocolError(BAD_REQUEST, _ID_RULE + f", got {_kind(msg['id'])}")
+    v = msg["v"]
+    if mtype == "generate":
+        return _generate(msg, mid)
+    if mtype == "cancel":
+        if msg.get("id") is None:
+            raise ProtocolError(BAD_REQUEST, "cancel needs the 'id' of the generation to cancel")
+        return CancelRequest(mid, v)
+    return {"status": StatusRequest, "ping": PingRequest, "metrics": MetricsRequest}[mtype](mid, v)
+
+
+def _generate(msg: dict[str, Any], mid: Id) -> GenerateRequest:
+    def fail(text: str, code: str = BAD_REQUEST) -> ProtocolError:
+        return ProtocolError(code, text, mid)
+
+    req = GenerateRequest(id=mid, v=msg["v"])
+    for name in ("raw", "stream"):
+        if msg.get(name) is not None:
+            if not isinstance(msg[name], bool):
+                raise fail(f"{name} must be a bool, got {_kind(msg[name])}")
+            setattr(req, name, msg[name])
+    prompt, messages = msg.get("prompt"), msg.get("messages")
+    if (prompt is None) == (messages is None):
+        raise fail("give exactly one of 'prompt' (str) and 'messages' (list)")
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise fail(f"prompt must be a str, got {_kind(prompt)}")
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise fail(
+                f"prompt of {len(prompt)} characters is over the limit of {MAX_PROMPT_CHARS}", TOO_LARGE
+            )
+        req.prompt = prompt
+    else:
+        if req.raw:
+            raise fail("raw=true applies to 'prompt' only; 'messages' always use the chat template")
+        problem, code = _check_messages(messages)
+        if problem:
+            raise fail(problem, code)
+        req.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    for name in SAMPLING_FIELDS:
+        value = msg.get(name)
+        if value is not None:  # nil: the daemon's default
+            problem = sampling.problem(name, value)
+            if problem:
+                raise fail(problem)
+            setattr(req, name, sampling.stored(name, value))
+    if msg.get("json_schema") is not None:
+        if not isinstance(msg["json_schema"], dict):
+            raise fail(f"json_schema must be a map (a JSON Schema object), got {_kind(msg['json_schema'])}")
+        req.json_schema = msg["json_schema"]
+    return req
+
+
+def _check_messages(messages: Any) -> tuple[str | None, str]:
+    if not isinstance(messages, list) or not messages:
+        return f"messages must be a non-empty list, got {_kind(messages)}", BAD_REQUEST
+    if len(messages) > MAX_MESSAGES:
+        return f"{len(messages)} messages is over the limit of {MAX_MESSAGES}", TOO_LARGE
+    total = 0
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or set(m) != {"role", "content"}:
+            return f"messages[{i}] must be a map with exactly 'role' and 'content'", BAD_REQUEST
+        if not isinstance(m["role"], str) or m["role"] not in ROLES:
+            return f"messages[{i}].role must be one of {sorted(ROLES)}, got {m['role']!r:.64}", BAD_REQUEST
+        if not isinstance(m["content"], str):
+            return f"messages[{i}].content must be a str, got {_kind(m['content'])}", BAD_REQUEST
+        if m["role"] == "system" and i != 0:
+            return "a 'system' message may only come first", BAD_REQUEST
+        total += len(m["content"])
+    if total > MAX_PROMPT_CHARS:
+        return f"messages of {total} characters are over the limit of {MAX_PROMPT_CHARS}", TOO_LARGE
+    return None, BAD_REQUEST
+
+
+# Request builders (the client's side). Each returns the message map, validated as the daemon will.
+
+
+def generate_request(
+    id: Id, prompt: str | None = None, messages: list[dict[str, str]] | None = None, **fields: Any
+) -> dict[str, Any]:
+    """A ``generate`` map; ``fields`` are raw, stream, json_schema and the sampling fields. None values are
+    left out; ``v`` is the lowest version that has every field used."""
+    msg = {"type": "generate", "id": id, "prompt": prompt, "messages": messages, **fields}
+    msg = {k: v for k, v in msg.items() if v is not None}
+    msg = {"v": required_version(msg), **msg}
+    validate_request(msg, id)
+    return msg
+
+
+def cancel_request(id: Id) -> dict[str, Any]:
+    return _stamped({"type": "cancel", "id": id}, id)
+
+
+def status_request(id: Id = None) -> dict[str, Any]:
+    return _stamped({"type": "status"}, id)
+
+
+def ping_request(id: Id = None) -> dict[str, Any]:
+    return _stamped({"type": "ping"}, id)
+
+
+def metrics_request(id: Id = None) -> dict[str, Any]:
+    return _stamped({"type": "metrics"}, id)
+
+
+def _stamped(msg: dict[str, Any], id: Id) -> dict[str, Any]:
+    """With ``id`` (when given) and ``v``: the lowest version the message needs."""
+    if id is not None:
+        msg["id"] = id
+    return {"v": required_version(msg), **msg}

@@ -1,0 +1,176 @@
+"""The sampling fields of a ``generate``: one definition of each (name, type, bounds, default, help).
+
+Everyone reads this table, so a bound or a default is written once: the wire check
+(``hmaclient.protocol``), the flags of ``hmactl query`` and ``hmad generate`` (:func:`add_flags`), the
+daemon's engine (``hmad.engine.sampling.SamplingParams``, validated there with pydantic), its YAML config's
+``sampling:`` section and the OpenAI gateway's ranges. Standard library only: the client distribution
+needs nothing but pyzmq and msgpack.
+
+Two values per field, each stated once:
+
+- ``default``: what a request that leaves the field out gets (the daemon's built-in ``sampling:`` config,
+  which a YAML file may change; what ``hmad generate`` uses without flags);
+- ``off``: the value at which the knob does nothing (a bare ``SamplingParams()`` of the engine).
+
+Types are strict: an ``int`` field takes ints only, a ``real`` field ints or floats (finite); bools are
+neither. ``None`` (nil, null, absent) means "the default"; for ``seed`` the default itself is None: fresh
+entropy per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from typing import Any
+
+MAX_TOKENS_LIMIT = 1_000_000  # max_tokens and repeat_last_n
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 100.0
+MAX_TOP_K = 2**31 - 1
+MAX_SEED = 2**64 - 1
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
+@dataclass(frozen=True)
+class SamplingField:
+    """One field. ``kind``: "int", "real" (stored as float) or "strings" (a list of str, stop).
+
+    int / real: ``lo`` <= value <= ``hi`` (``lo_open``: lo < value). strings: at most ``hi`` strings of 1 to
+    ``MAX_STOP_CHARS`` characters. ``nullable``: None is a value of its own (seed: fresh entropy).
+    """
+
+    name: str
+    kind: str
+    lo: float
+    hi: float
+    default: Any
+    off: Any
+    help: str
+    lo_open: bool = False
+    nullable: bool = False
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+# Gemma 3's recommended sampling is the default: temperature 1.0, top_k 64, top_p 0.95, min_p 0.
+# max_tokens: 512, the daemon's default since its config existed (the answers its clients already get).
+FIELDS: tuple[SamplingField, ...] = (
+    SamplingField("max_tokens", "int", 1, MAX_TOKENS_LIMIT, 512, 512, "most tokens to generate"),
+    SamplingField("temperature", "real", 0.0, MAX_TEMPERATURE, 1.0, 1.0, "0 = greedy"),
+    SamplingField("top_k", "int", 0, MAX_TOP_K, 64, 0, "keep the k most likely tokens (0 = off)"),
+    SamplingField("top_p", "real", 0.0, 1.0, 0.95, 1.0, "nucleus: the smallest set of this mass (1 = off)",
+                  lo_open=True),
+    SamplingField("min_p", "real", 0.0, 1.0, 0.0, 0.0, "drop tokens under min_p x the top one's (0 = off)"),
+    SamplingField("repetition_penalty", "real", 0.0, MAX_REPETITION_PENALTY, 1.0, 1.0,
+                  "divide repeated tokens' logits by this (1 = off)", lo_open=True),
+    SamplingField("repeat_last_n", "int", 0, MAX_TOKENS_LIMIT, 64, 64,
+                  "tokens the penalty looks back over (0 = off)"),
+    SamplingField("seed", "int", 0, MAX_SEED, None, None, "random seed: the same seed gives the same answer",
+                  nullable=True),
+    SamplingField("stop", "strings", 1, MAX_STOP_STRINGS, (), (),
+                  "stop before this string, which is never sent (repeatable)"),
+)  # fmt: skip
+BY_NAME: dict[str, SamplingField] = {f.name: f for f in FIELDS}
+NAMES: tuple[str, ...] = tuple(BY_NAME)
+DEFAULTS: dict[str, Any] = {f.name: f.default for f in FIELDS}
+OFF: dict[str, Any] = {f.name: f.off for f in FIELDS}
+
+
+def bound(x: float) -> str:
+    """A bound as people read it: 2^64-1 rather than its 20 digits, 0.95 rather than 0.9500."""
+    if isinstance(x, int) and x >= 2**31 - 1 and (x + 1) & x == 0:
+        return f"2^{(x + 1).bit_length() - 1}-1"
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def describe_range(kind: str, lo: float | None, hi: float | None, lo_open: bool = False) -> str:
+    """What an int or real field allows, as error messages say it: "an integer from 1 to 1024", "a number
+    in (0, 1]", "a number >= 0". The config's messages use it too."""
+    if kind == "int":
+        if hi is None:
+            return f"an integer >= {bound(lo)}" if lo is not None else "an integer"
+        return f"an integer from {bound(lo)} to {bound(hi)}"
+    if lo is not None and hi is not None:
+        return f"a number in {'(' if lo_open else '['}{bound(lo)}, {bound(hi)}]"
+    if lo is not None:
+        return f"a number {'>' if lo_open else '>='} {bound(lo)}"
+    return "a number"
+
+
+def describe(f: SamplingField) -> str:
+    """What field ``f`` allows ("an integer from 0 to 2^64-1, or null (fresh entropy)")."""
+    if f.kind == "strings":
+        return f"a list of at most {f.hi} strings of 1 to {MAX_STOP_CHARS} characters"
+    text = describe_range(f.kind, f.lo, f.hi, f.lo_open)
+    return text + ", or null (fresh entropy)" if f.nullable else text
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def allows(f: SamplingField, v: Any) -> bool:
+    """Whether ``v`` is a value of ``f`` (None only when the field is nullable)."""
+    if v is None:
+        return f.nullable
+    if f.kind == "strings":
+        return (
+            isinstance(v, list | tuple)
+            and len(v) <= f.hi
+            and all(isinstance(s, str) and 1 <= len(s) <= MAX_STOP_CHARS for s in v)
+        )
+    real = _is_int(v) or (isinstance(v, float) and math.isfinite(v))
+    return (_is_int(v) if f.kind == "int" else real) and (f.lo < v if f.lo_open else f.lo <= v) and v <= f.hi
+
+
+def problem(name: str, v: Any) -> str | None:
+    """None when ``v`` is a value of field ``name``, else "<name> must be <what>, got <v>" (the wire's and
+    the engine's message; the gateway reads the field from its first word)."""
+    f = BY_NAME[name]
+    if allows(f, v):
+        return None
+    return f"{name} must be {describe(f)}, got {_show(v)}"
+
+
+def _show(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def stored(name: str, v: Any) -> Any:
+    """A checked value as it is kept: reals as float, stop as a list."""
+    kind = BY_NAME[name].kind
+    if v is None:
+        return None
+    return float(v) if kind == "real" else list(v) if kind == "strings" else v
+
+
+def table(indent: int = 4) -> str:
+    """The fields as the protocol's docstring lists them: name, what it allows, default, help."""
+    rows = []
+    for f in FIELDS:
+        shown = "fresh entropy" if f.default is None else bound(f.default) if f.default != () else "none"
+        rows.append(f"{' ' * indent}{f.name:<19} {describe(f)}; default {shown}: {f.help}")
+    return "\n".join(rows)
+
+
+def add_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] = NAMES) -> None:
+    """One ``--flag`` per field (``--max-tokens``, ...), defaulting to None: "not given", which means the
+    field's default (the daemon's, or :data:`DEFAULTS` offline). The help shows range and default."""
+    for name in names:
+        f = BY_NAME[name]
+        shown = "fresh entropy" if f.default is None else bound(f.default)
+        text = f"{f.help}; {describe(f)} (default: {shown})"
+        if f.kind == "strings":
+            parser.add_argument(f.flag, action="append", metavar="STR", help=f"{f.help} (at most {f.hi})")
+        else:
+            parser.add_argument(f.flag, type=int if f.kind == "int" else float, metavar="N", help=text)
+
+
+def from_args(args: argparse.Namespace, names: tuple[str, ...] = NAMES) -> dict[str, Any]:
+    """The fields given on a command line built by :func:`add_flags` (flags not given left out)."""
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
