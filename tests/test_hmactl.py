@@ -88,10 +88,32 @@ def test_usage_errors_exit_2(argv, capsys):
 
 
 def test_out_of_range_values_exit_2_before_connecting(sock_path, capsys):
-    assert cli.main(["--socket", sock_path, "query", "--temperature", "-1", "hi"]) == 2
-    assert "temperature" in capsys.readouterr().err
-    assert cli.main(["--socket", sock_path, "query", "--top-p", "0", "--json", "hi"]) == 2
+    """A sampling flag out of its range (hmaclient.sampling) is a usage error naming field and range."""
+    for flag, value, says in [
+        ("--temperature", "-1", "temperature must be a number in [0, 100], got -1.0"),
+        ("--top-p", "0", "top_p must be a number in (0, 1], got 0.0"),
+        ("--max-tokens", "0", "max_tokens must be an integer from 1 to 1000000, got 0"),
+        ("--stop", "", "a stop string has 1 to 256 characters"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            cli.main(["--socket", sock_path, "query", flag, value, "--json", "hi"])
+        assert info.value.code == 2 and says in capsys.readouterr().err
+    assert cli.main(["--socket", sock_path, "query", *["--stop", "s"] * 17, "hi"]) == 2  # the wire's check
+    assert "stop must be a list of at most 16 strings" in capsys.readouterr().err
     assert cli.main(["--socket", "/tmp/" + "x" * 200, "status"]) == 2
+
+
+def test_query_flags_are_the_sampling_fields():
+    """hmactl query and hmad generate build their flags from the one table, with its ranges and defaults."""
+    from hmaclient import sampling
+    from hmad.__main__ import build_parser
+
+    query = cli.build_parser().parse_args(["query", "x"])
+    offline = build_parser().parse_args(["generate", "x"])
+    for f in sampling.FIELDS:
+        assert getattr(query, f.name) is None and getattr(offline, f.name) is None  # not given: the default
+    text = " ".join(cli.build_parser()._subparsers._group_actions[0].choices["query"].format_help().split())
+    assert "a number in (0, 1] (default: 0.95)" in text and "(default: 512)" in text
 
 
 @pytest.mark.parametrize("argv", [["status"], ["status", "--json"], ["ping"], ["query", "hi"]])

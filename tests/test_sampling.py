@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
+from tiny_gguf import make_tiny_gguf
 
-from hmad.engine.sampling import Sampler, SamplingParams, _draw, _nucleus
+from hmaclient import sampling as fields
+from hmad.composition import load_model
+from hmad.engine.generate import generate
+from hmad.engine.sampling import Sampler, SamplingParams, _draw, _nucleus, sampling_model
 
 V_BIG = 262144
 
@@ -299,19 +304,21 @@ def test_bad_logits_shape_raises():
 @pytest.mark.parametrize(
     "kw, message",
     [
-        ({"temperature": -0.1}, "temperature must be >= 0, got -0.1"),
-        ({"temperature": float("nan")}, "temperature must be >= 0"),
-        ({"top_k": -1}, "top_k must be an int >= 0, got -1"),
-        ({"top_k": 2.5}, "top_k must be an int >= 0, got 2.5"),
-        ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
-        ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
-        ({"min_p": -0.2}, r"min_p must be in \[0, 1\], got -0.2"),
-        ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0, got 0.0"),
-        ({"repeat_last_n": -1}, "repeat_last_n must be an int >= 0, got -1"),
-        ({"seed": -3}, "seed must be an int >= 0 or None, got -3"),
-        ({"max_tokens": 0}, "max_tokens must be an int >= 1, got 0"),
-        ({"max_tokens": True}, "max_tokens must be an int >= 1, got True"),
-        ({"stop": ["ok", ""]}, "stop must be a list of non-empty strings"),
+        ({"temperature": -0.1}, r"temperature must be a number in \[0, 100\], got -0.1"),
+        ({"temperature": 100.5}, r"temperature must be a number in \[0, 100\], got 100.5"),  # as on the wire
+        ({"temperature": float("nan")}, r"temperature must be a number in \[0, 100\]"),
+        ({"top_k": -1}, "top_k must be an integer from 0 to 2\\^31-1, got -1"),
+        ({"top_k": 2.5}, "top_k must be an integer from 0 to 2\\^31-1, got 2.5"),
+        ({"top_p": 1.5}, r"top_p must be a number in \(0, 1\], got 1.5"),
+        ({"top_p": 0.0}, r"top_p must be a number in \(0, 1\], got 0.0"),
+        ({"min_p": -0.2}, r"min_p must be a number in \[0, 1\], got -0.2"),
+        ({"repetition_penalty": 0.0}, r"repetition_penalty must be a number in \(0, 100\], got 0.0"),
+        ({"repeat_last_n": -1}, "repeat_last_n must be an integer from 0 to 1000000, got -1"),
+        ({"seed": -3}, r"seed must be an integer from 0 to 2\^64-1, or null \(fresh entropy\), got -3"),
+        ({"max_tokens": 0}, "max_tokens must be an integer from 1 to 1000000, got 0"),
+        ({"max_tokens": True}, "max_tokens must be an integer from 1 to 1000000, got True"),
+        ({"stop": ["ok", ""]}, "stop must be a list of at most 16 strings of 1 to 256 characters"),
+        ({"stop": ["s"] * 17}, "stop must be a list of at most 16 strings"),
     ],
 )
 def test_validate_names_field_and_range(kw, message):
@@ -329,7 +336,7 @@ def test_from_dict_builds_and_validates():
     p = SamplingParams.from_dict({"temperature": 0, "top_k": 40, "seed": 1, "stop": "\n\n"})
     assert p.temperature == 0 and p.top_k == 40 and p.seed == 1 and p.stop == ["\n\n"]
     assert SamplingParams.from_dict({"stop": ("a", "b")}).stop == ["a", "b"]
-    with pytest.raises(ValueError, match="top_p must be in"):
+    with pytest.raises(ValueError, match=r"top_p must be a number in \(0, 1\], got 2"):
         SamplingParams.from_dict({"top_p": 2})
 
 
@@ -338,9 +345,46 @@ def test_from_dict_refuses_unknown_keys_by_name():
         SamplingParams.from_dict({"top_q": 0.5, "typo": 1, "top_k": 3})
 
 
-def test_sampler_validates_its_params():
-    with pytest.raises(ValueError, match="top_p"):
-        Sampler(SamplingParams(top_p=0))
+def test_defaults_come_from_the_one_table():
+    """SamplingParams() is a bare sampler: every knob at the table's "off" value, max_tokens its default."""
+    p = SamplingParams()
+    assert {f.name: getattr(p, f.name) for f in fields.FIELDS} == {**fields.OFF, "stop": []}
+    assert p.max_tokens == fields.DEFAULTS["max_tokens"] == 512
+
+
+EDGES = [None, True, False, -1, 0, 0.0, 0.5, 1, 1.0, 1.5, 2, 64, 100, 100.0, 100.5, 2**31 - 1, 2**31,
+         10**6, 10**6 + 1, 2**64 - 1, 2**64, float("nan"), float("inf"), "1", [], ["a"], ["a", ""],
+         ["x" * 256], ["x" * 257], ["s"] * 16, ["s"] * 17, ("a",)]  # fmt: skip
+
+
+@pytest.mark.parametrize("f", fields.FIELDS, ids=lambda f: f.name)
+def test_the_wire_check_and_the_engines_pydantic_model_agree(f):
+    """The client's dependency-free check (hmaclient.sampling.allows) and the daemon's pydantic model are
+    both built from the one table: on every edge they accept exactly the same values."""
+    model = sampling_model("Check", fields.OFF)
+    for value in EDGES:
+        try:
+            model.model_validate({f.name: value})
+            accepted = True
+        except ValidationError:
+            accepted = False
+        if isinstance(value, tuple):
+            accepted = f.kind == "strings"  # msgpack and YAML give lists; a tuple is the Python caller's
+        assert fields.allows(f, value) == accepted, (f.name, value)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return load_model(make_tiny_gguf(tmp_path_factory.mktemp("m") / "tiny.gguf", seed=7), backend="cpu")
+
+
+def test_validate_runs_once_per_generation(monkeypatch, tiny_model):
+    """generate() validates each request's params once; the Sampler trusts them (it used to check again)."""
+    calls = []
+    real = SamplingParams.validate
+    monkeypatch.setattr(SamplingParams, "validate", lambda self: (calls.append(self), real(self))[1])
+    generate(tiny_model, ["a", "b"], SamplingParams(temperature=0, max_tokens=2))
+    assert len(calls) == 2
 
 
 # --- candidates (the GPU top-k path) ----------------------------------------------------------------------

@@ -217,6 +217,7 @@ def test_hmad_generate_with_a_json_schema(tmp_path):
     model = make_tiny_gguf(tmp_path / "tiny.gguf", seed=3)
     schema = json.dumps({"type": "array", "items": {"enum": ["cat", "dog"]}, "minItems": 2, "maxItems": 2})
     cmd = [sys.executable, "-m", "hmad", "generate", "--model", str(model), "--max-tokens", "60"]
+    cmd += ["--temperature", "0"]  # greedy: hmad generate samples as the daemon does by default
     run = subprocess.run([*cmd, "--json-schema", schema, "--json", "the"], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout.splitlines()[-1])

@@ -4,11 +4,13 @@
     hmactl [--socket PATH] [--timeout S] ping [--wait S]
     hmactl [--socket PATH] [--timeout S] metrics [--json | --prometheus]
     hmactl [--socket PATH] [--timeout S] query [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
-           [--min-p P] [--repetition-penalty R] [--seed S] [--stop STR]... [--raw]
+           [--min-p P] [--repetition-penalty R] [--repeat-last-n N] [--seed S] [--stop STR]... [--raw]
            [--json-schema FILE_OR_JSON] [--json] PROMPT|-
 
 ``query`` streams the answer to stdout as it arrives (``-`` reads the prompt from stdin; ``--raw`` skips the
-chat template); with ``--json`` it prints one JSON object at the end instead. ``--json-schema`` makes the
+chat template); with ``--json`` it prints one JSON object at the end instead. Its sampling flags are
+hmaclient.sampling's fields (``hmactl query --help`` shows each one's range and default); one not given
+takes the daemon's default. ``--json-schema`` makes the
 answer one JSON value satisfying that JSON Schema (a file holding it, or its JSON text; ``'{"type":
 "object"}'`` is any JSON object). Ctrl-C cancels the request.
 ``metrics`` prints the daemon's counters and histograms (requests by outcome, tokens, time to first token,
@@ -28,6 +30,7 @@ import sys
 import time
 from typing import Any, TextIO
 
+from hmaclient import sampling
 from hmaclient.args import json_schema_arg
 from hmaclient.client import Client, DaemonUnreachable, HmadTimeout, HmaError, RequestError
 from hmaclient.protocol import ProtocolError, default_socket_path
@@ -55,14 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     shown.add_argument("--json", action="store_true", help="print the metric families as JSON")
     shown.add_argument("--prometheus", action="store_true", help="print them in Prometheus' text format")
     q = sub.add_parser("query", help="generate an answer, streamed to stdout")
-    q.add_argument("--max-tokens", type=int)
-    q.add_argument("--temperature", type=float, help="0 = greedy")
-    q.add_argument("--top-k", type=int)
-    q.add_argument("--top-p", type=float)
-    q.add_argument("--min-p", type=float)
-    q.add_argument("--repetition-penalty", type=float)
-    q.add_argument("--seed", type=int)
-    q.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable)")
+    sampling.add_flags(q)  # --max-tokens, --temperature, ...: hmaclient.sampling's fields
     q.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     q.add_argument(
         "--json-schema",
@@ -141,14 +137,7 @@ def _fail(message: str, code: int) -> int:
 def _query(client: Client, args: argparse.Namespace, out: TextIO) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     params: dict[str, Any] = {
-        "max_tokens": args.max_tokens,
-        "temperature": args.temperature,
-        "top_k": args.top_k,
-        "top_p": args.top_p,
-        "min_p": args.min_p,
-        "repetition_penalty": args.repetition_penalty,
-        "seed": args.seed,
-        "stop": args.stop,
+        **sampling.from_args(args),  # the flags given; the daemon's defaults for the rest
         "raw": True if args.raw else None,
         "json_schema": args.json_schema,
     }

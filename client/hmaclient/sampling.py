@@ -160,15 +160,41 @@ def table(indent: int = 4) -> str:
 
 def add_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] = NAMES) -> None:
     """One ``--flag`` per field (``--max-tokens``, ...), defaulting to None: "not given", which means the
-    field's default (the daemon's, or :data:`DEFAULTS` offline). The help shows range and default."""
+    field's default (the daemon's, or :data:`DEFAULTS` offline). The help shows range and default; a value
+    out of range is a usage error (exit 2) naming the field, as the wire would."""
     for name in names:
         f = BY_NAME[name]
         shown = "fresh entropy" if f.default is None else bound(f.default)
-        text = f"{f.help}; {describe(f)} (default: {shown})"
         if f.kind == "strings":
-            parser.add_argument(f.flag, action="append", metavar="STR", help=f"{f.help} (at most {f.hi})")
+            text = f"{f.help}: at most {f.hi}, of 1 to {MAX_STOP_CHARS} characters"
+            parser.add_argument(f.flag, action="append", type=_flag_type(f), metavar="STR", help=text)
         else:
-            parser.add_argument(f.flag, type=int if f.kind == "int" else float, metavar="N", help=text)
+            allowed = describe_range(f.kind, f.lo, f.hi, f.lo_open)  # a flag is never null
+            text = f"{f.help}; {allowed} (default: {shown})"
+            parser.add_argument(f.flag, type=_flag_type(f), metavar="N", help=text)
+
+
+def _flag_type(f: SamplingField) -> Any:
+    """argparse's ``type`` for field ``f``: the text -> the value, or ArgumentTypeError with the wire's
+    message (for stop: one string; the count is checked with the request)."""
+
+    def parse(text: str) -> Any:
+        if f.kind == "strings":
+            ok = 1 <= len(text) <= MAX_STOP_CHARS
+            if not ok:
+                raise argparse.ArgumentTypeError(f"a stop string has 1 to {MAX_STOP_CHARS} characters")
+            return text
+        try:
+            value = int(text) if f.kind == "int" else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{f.name} must be {describe(f)}, got {text!r}") from None
+        wrong = problem(f.name, value)
+        if wrong:
+            raise argparse.ArgumentTypeError(wrong)
+        return value
+
+    parse.__name__ = f.name  # argparse names the type in some messages
+    return parse
 
 
 def from_args(args: argparse.Namespace, names: tuple[str, ...] = NAMES) -> dict[str, Any]:

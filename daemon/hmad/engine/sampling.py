@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
-import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
+import pydantic
+
+from hmaclient import sampling as fields  # the one table of the sampling fields
 
 # Top-p buckets weights by 1/8 octave; float32 weights below 2^-150 are 0, so 8 * 151 buckets plus
 # one for zeros cover them all.
@@ -48,18 +49,43 @@ _DRAW_BLOCK = 1024
 _F32_MAX = np.float32(np.finfo(np.float32).max)
 
 
+def sampling_model(name: str, defaults: Mapping[str, Any], **config: Any) -> type[pydantic.BaseModel]:
+    """A pydantic model of the sampling fields, built from their one table (``hmaclient.sampling``):
+    strict types (an int field takes ints only, a number field ints or finite floats; no bools) within the
+    table's bounds, with ``defaults``. ``config``: more model options (the YAML config's section is frozen
+    and refuses unknown keys)."""
+
+    def annotation(f: fields.SamplingField) -> Any:
+        if f.kind == "strings":
+            text = Annotated[str, pydantic.Field(min_length=1, max_length=fields.MAX_STOP_CHARS)]
+            return Annotated[list[text], pydantic.Field(max_length=int(f.hi))]
+        lo = {"gt" if f.lo_open else "ge": f.lo}
+        kind = int if f.kind == "int" else float
+        typ = Annotated[kind, pydantic.Field(**lo, le=f.hi, allow_inf_nan=False)]
+        return typ | None if f.nullable else typ
+
+    spec = {f.name: (annotation(f), defaults[f.name]) for f in fields.FIELDS}
+    options = pydantic.ConfigDict(strict=True, extra="forbid", **config)
+    return pydantic.create_model(name, __config__=options, **spec)
+
+
+_CHECK = sampling_model("SamplingCheck", fields.OFF)
+
+
 @dataclass
 class SamplingParams:
-    """What a request asks of the sampler; each knob's "off" value is its default."""
+    """What a request asks of the sampler. Each field's default is its "off" value from the one table of
+    the sampling fields (``hmaclient.sampling``: a bare sampler), max_tokens the table's default; the
+    daemon's defaults for requests are its config's ``sampling:`` section."""
 
-    temperature: float = 1.0  # 0 => greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1.0 = off
-    min_p: float = 0.0  # 0 = off
-    repetition_penalty: float = 1.0  # 1.0 = off
-    repeat_last_n: int = 64  # window of prompt+generated tokens the penalty looks at; 0 = off
-    seed: int | None = None  # None => fresh entropy
-    max_tokens: int = 256
+    temperature: float = fields.OFF["temperature"]  # 0 => greedy
+    top_k: int = fields.OFF["top_k"]  # 0 = off
+    top_p: float = fields.OFF["top_p"]  # 1.0 = off
+    min_p: float = fields.OFF["min_p"]  # 0 = off
+    repetition_penalty: float = fields.OFF["repetition_penalty"]  # 1.0 = off
+    repeat_last_n: int = fields.OFF["repeat_last_n"]  # prompt+generated tokens the penalty sees; 0 = off
+    seed: int | None = fields.OFF["seed"]  # None => fresh entropy
+    max_tokens: int = fields.OFF["max_tokens"]
     stop: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -88,31 +114,15 @@ class SamplingParams:
         return params
 
     def validate(self) -> None:
-        """Raise ValueError naming the first field out of range, with the allowed range and the value."""
-        _check_real("temperature", self.temperature, lambda v: v >= 0, ">= 0")
-        _check_int("top_k", self.top_k, lambda v: v >= 0, ">= 0")
-        _check_real("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
-        _check_real("min_p", self.min_p, lambda v: 0 <= v <= 1, "in [0, 1]")
-        _check_real("repetition_penalty", self.repetition_penalty, lambda v: v > 0, "> 0")
-        _check_int("repeat_last_n", self.repeat_last_n, lambda v: v >= 0, ">= 0")
-        if self.seed is not None:
-            _check_int("seed", self.seed, lambda v: v >= 0, ">= 0 or None")
-        _check_int("max_tokens", self.max_tokens, lambda v: v >= 1, ">= 1")
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-
-
-def _check_real(name: str, value: Any, in_range: Callable[[float], bool], allowed: str) -> None:
-    # bool is an int in Python; True is never a meaningful temperature, so refuse it.
-    real = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-    if not (real and in_range(value)):
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
-
-
-def _check_int(name: str, value: Any, in_range: Callable[[int], bool], allowed: str) -> None:
-    is_int = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if not (is_int and in_range(value)):
-        raise ValueError(f"{name} must be an int {allowed}, got {value!r}")
+        """Raise ValueError naming the first field out of range, with what it allows and the value (the
+        wire's wording: "top_p must be a number in (0, 1], got 1.5"). The daemon runs it once per request,
+        before the request reaches the engine; ``Sampler`` trusts it."""
+        try:
+            _CHECK.model_validate(dataclasses.asdict(self))
+        except pydantic.ValidationError as e:
+            name = str(e.errors()[0]["loc"][0])
+            value = getattr(self, name)
+            raise ValueError(fields.problem(name, value) or f"{name}: {e.errors()[0]['msg']}") from None
 
 
 class Sampler:
@@ -122,7 +132,8 @@ class Sampler:
     """
 
     def __init__(self, params: SamplingParams):
-        params.validate()
+        """``params`` validated (``SamplingParams.validate``, which the daemon and ``generate`` run at the
+        edge, once per request)."""
         self.params = params
         # Resolve a None seed to concrete entropy now, so the seed used can be logged and replayed.
         self.seed: int = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy)
