@@ -25,27 +25,12 @@ from __future__ import annotations
 
 import re
 
-from hmad.backends.vulkan.kernels_matmul import (
-    CoopMatPush,
-    SplitReducePush,
-    _reduce_groups,
-    check_part,
-    part_scratch,
-    record_split_sums,
-    row_ranges,
-    split_k,
-    weight_row_bytes,
-)
+from hmad.backends.vulkan.kernels_matmul import row_ranges, weight_row_bytes
+from hmad.backends.vulkan.push import CoopMatPush, SplitReducePush
+from hmad.backends.vulkan.splitk import check_part, part_scratch, record_split_sums, reduce_groups, split_k
+from hmad.backends.vulkan.variants import MMQ_LAYOUTS, mmq_kernel_name
 from hmad.core.tensors import QType
 
-#: (MR, NT, MK, JB, NB, FB) built (shaders/build.py's MMQ_LAYOUTS)
-MMQ_LAYOUTS = ((2, 1, 32, 2, 16, True), (2, 1, 32, 2, 8, True), (2, 1, 16, 2, 16, True))
-MMQ_LAYOUTS += (
-    (2, 1, 32, 2, 16, False),
-    (1, 1, 32, 2, 8, False),
-    (2, 1, 32, 4, 8, False),
-    (2, 1, 32, 4, 8, True),
-)
 #: the layout the backend runs, per NB (tokens of a product), with the device's MK: (MR, NT, JB, FB), the
 #: fastest of the layouts built at the 27B shapes (docs/tuning.md)
 MMQ_PICK = {16: (2, 1, 2, True), 8: (2, 1, 2, True)}
@@ -56,12 +41,6 @@ MMQ_MIN_STEPS = 4  # ... keeping at least this many steps a split
 _NAME = re.compile(
     r"mul_mmq_coopmat_q4_k_m(?P<mr>\d+)n(?P<nt>\d+)k(?P<mk>\d+)j(?P<jb>\d+)(?:_n(?P<nb>8))?(?P<fb>_fb)?"
 )
-
-
-def mmq_kernel_name(mr: int, nt: int, mk: int, jb: int, nb: int = 16, fb: bool = False) -> str:
-    return (
-        f"mul_mmq_coopmat_q4_k_m{mr}n{nt}k{mk}j{jb}" + ("" if nb == 16 else f"_n{nb}") + ("_fb" if fb else "")
-    )
 
 
 def mmq_layout(name: str) -> tuple[int, int, int, int, int, bool]:
@@ -132,14 +111,6 @@ def mmq_pick(mk: int, t: int = 16, n8: bool = False) -> str:
         return mmq_kernel_name(mr, nt, mk, jb, 8, fb)
     mr, nt, jb, fb = MMQ_PICK[16]
     return mmq_kernel_name(mr, nt, mk, jb, 16, fb)
-
-
-def mmq_kernel_specs(spec_type) -> dict:
-    """name -> ``spec_type(source, n_buffers, push struct, block)``: W, XQ, XD, y."""
-    return {
-        mmq_kernel_name(*lay): spec_type("mul_mmq_coopmat.comp", 4, CoopMatPush, MMQ_BLOCK)
-        for lay in MMQ_LAYOUTS
-    }
 
 
 def mmq_splits(
@@ -226,5 +197,5 @@ def record_mmq_geglu(
         for wb, pb in zip((wg, wu), parts, strict=True):
             rec.dispatch(kernel, [wb, xq, xd, pb], push, groups)
         push = SplitReducePush(rows, t, splits, n, row0)
-        rec.dispatch(reduce_kernel, [parts[0], y, parts[1]], push, _reduce_groups(reduce_kernel, t, rows))
+        rec.dispatch(reduce_kernel, [parts[0], y, parts[1]], push, reduce_groups(reduce_kernel, t, rows))
     return 3 * len(pieces)
