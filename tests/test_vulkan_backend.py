@@ -29,7 +29,7 @@ from tiny_gguf import MIXED, make_tiny_gguf
 
 from hmad.composition import load_model, make_backend
 from hmad.core.errors import ModelFormatError
-from hmad.engine import scheduler as scheduler_module
+from hmad.engine import tokens as scheduler_module  # draw_rows, as the scheduler calls it
 from hmad.engine.draw_rows import draw_rows
 from hmad.engine.generate import forward_full, generate
 from hmad.engine.sampling import SamplingParams

@@ -6,10 +6,11 @@ Each ``step()``:
                 owners in turn, each owner's in order (engine/admission.py, which states the wait's bound);
                 a prompt starting with blocks its tenant cached (engine/kvcache.py) skips their prefill;
   3. plan     - one decode token for every decoding sequence, then prefill chunks of the others while the
-                step's token budget lasts; each takes the KV blocks its positions need;
+                step's token budget lasts; each takes the KV blocks its positions need (engine/planning.py);
   4. forward  - one batched forward pass, logits only for rows that produce a token;
   5. commit   - blocks the step filled are registered in the prefix cache;
-  6. sample   - per request: [json mask] -> sampler -> stream decoder -> stop strings -> limits; events out;
+  6. sample   - per request: [json mask] -> sampler -> stream decoder -> stop strings -> limits; events out
+                (engine/tokens.py, which makes every request's events, its one terminal event included);
   7. release  - finished requests give their blocks back (full ones stay cached until evicted).
 Requests join and leave between steps; nothing a request does changes another's tokens.
 
@@ -43,12 +44,6 @@ rows at once where there are a few, engine/draw_rows.py, to the same tokens), an
 request's: where the device's differs (a rounding edge: float32 there, float64 here), the row that the
 device's token fed in step n + 1 is dropped and its position computed again in the next step
 (``draws_corrected`` counts them). So a request gets the same tokens pipelined or not, alone or in any mix.
-
-Structured output: a request with a grammar (``Request.constraint``) needs its whole logits row, so a step
-holding one reads the full rows back (``model.forward``) rather than the on-device argmax or top-k. Its
-mask sets every token the grammar forbids to -inf before the sampler runs; end-of-turn is allowed only once
-the JSON is complete, and the answer ends ("stop") as soon as the grammar allows nothing more. Running out
-of max_tokens first ends it with "length" and ``schema_complete: false`` in its stats.
 """
 
 from __future__ import annotations
@@ -62,12 +57,13 @@ from typing import Any
 
 import numpy as np
 
-from hmad.core.batch import SAMPLE_DTYPE, SeqSlice, StepBatch
+from hmad.core.batch import StepBatch
 from hmad.core.errors import BackendUnusable, HmadError
 from hmad.engine.admission import FairQueue
-from hmad.engine.draw_rows import DRAW_ROWS_MIN, draw_rows
 from hmad.engine.kvcache import KVCacheManager, KVLayout
+from hmad.engine.planning import Part, StepPlanner, device_sampling, greedy_ok
 from hmad.engine.request import Event, Request, State
+from hmad.engine.tokens import TokenTaker, cancelled, fail
 
 log = logging.getLogger("hmad.engine")
 
@@ -98,9 +94,6 @@ class SchedulerConfig:
     pipeline: bool = True  # launch the next greedy step before reading this one's ids (module docstring)
 
 
-Part = tuple[Request, SeqSlice, list[int], bool]  # request, its slice, its input ids, wants logits
-
-
 @dataclass
 class Flight:
     """A launched step whose ids are not read yet (Pipelining)."""
@@ -123,7 +116,8 @@ class Flight:
 
 
 class Scheduler:
-    """Owns the running set, the waiting queue and the KV block tables; drives ``model.forward``."""
+    """Owns the running set, the waiting queue and the KV block tables; drives ``model.forward``. What goes
+    into a step is ``planner``'s (engine/planning.py); what its tokens do, ``tokens``' (engine/tokens.py)."""
 
     def __init__(self, model, cfg: SchedulerConfig | None = None):
         self.model, self.cfg = model, cfg or SchedulerConfig()
@@ -134,20 +128,24 @@ class Scheduler:
         )
         model.backend.alloc_kv(self.layout)
         self.kv = KVCacheManager(self.layout, prefix_cache=self.cfg.prefix_cache)
+        self.planner = StepPlanner(model, self.kv, self.cfg.step_tokens, self.cfg.max_chunk, self.context)
+        self.tokens = TokenTaker(set(model.tokenizer.eot_ids), self.context)
         self.waiting = FairQueue()
         self.running: list[Request] = []
         self._cancelled: set[int] = set()
-        self.eot = set(model.tokenizer.eot_ids)
         self.recent_batches: collections.deque[int] = collections.deque(maxlen=32)
         self.recent_step_s: collections.deque[float] = collections.deque(maxlen=32)
         self.recent_forward_s: collections.deque[float] = collections.deque(maxlen=32)
-        self.recent_mask_s: collections.deque[float] = collections.deque(maxlen=256)  # per masked token
         self.steps = 0
-        self.tokens_out = 0
         self.flight: Flight | None = None  # the step launched and not yet collected (Pipelining)
         self.pipelined_steps = 0
         self.draws_corrected = 0  # device-drawn tokens the host's draw replaced (Pipelining)
         self._t_collected = 0.0
+
+    @property
+    def tokens_out(self) -> int:
+        """Tokens generated since start."""
+        return self.tokens.tokens_out
 
     # -- requests in -----------------------------------------------------------------------------------
     def submit(self, req: Request) -> list[Event]:
@@ -180,9 +178,8 @@ class Scheduler:
         """Another owner's newest waiting request leaves the full queue to ``req`` (engine/admission.py):
         it ends ``busy``, as if the queue had been full when it came."""
         r = self.waiting.make_room_for(req.owner)
-        r.state, r.finish_reason, r.t_done = State.FINISHED, "error", time.perf_counter()
         msg = f"{self.cfg.max_queue} requests waiting; this one gave its place to another connection's"
-        return [Event("error", r.id, text=msg, error_code="busy")]
+        return fail(r, msg, "busy")
 
     def cancel(self, request_id: int) -> None:
         """Cancel at the next step boundary (a cancelled event is emitted then)."""
@@ -202,7 +199,7 @@ class Scheduler:
         self._admit()
         if self.flight is not None:
             return events + self._step_pipelined()
-        parts = self._plan()
+        parts = self.planner.plan(self.running, {})
         if parts and self._pipelining():
             events += self._launch(parts, None)
             if self.flight is not None:
@@ -223,35 +220,76 @@ class Scheduler:
         self._release_finished()
         return events
 
+    def _retire_cancelled(self) -> list[Event]:
+        if not self._cancelled:
+            return []
+        events = [cancelled(r) for r in (*self.waiting, *self.running) if r.id in self._cancelled]
+        self.waiting.remove_if(lambda r: r.state is State.FINISHED)
+        self._cancelled.clear()
+        self._release_finished()
+        return events
+
+    def _admit(self) -> None:
+        """Waiting requests join the running set while a slot is free and their KV fits, in turn
+        (engine/admission.py)."""
+        while self.waiting and len(self.running) < self.cfg.max_seqs:
+            req = self.waiting.peek()
+            reused = self.kv.admit(req.id, req.n_positions, req.prompt_ids, req.tenant)
+            if reused is None:
+                break  # it keeps its turn: later requests wait behind it rather than starve it
+            self.waiting.pop()
+            req.n_cached = req.n_reused = reused
+            req.state = State.PREFILL
+            self.running.append(req)
+
+    def _forward_and_sample(self, parts: list[Part]) -> list[Event]:
+        batch = StepBatch.build([(s, toks, want) for _, s, toks, want in parts], self.layout.block_size)
+        wanting = [r for r, _, _, want in parts if want]
+        if self.planner.greedy_on_device(wanting):
+            return self.tokens.take_ids(wanting, self._forward(self.model.forward_argmax, batch))  # (S_out,)
+        if self.planner.topk_on_device(wanting):
+            return self.tokens.sample_candidates(
+                wanting, *self._forward(self.model.forward_topk, batch)
+            )  # (S_out, M)
+        return self.tokens.sample(wanting, self._forward(self.model.forward, batch))  # logits (S_out, V)
+
+    def _forward(self, fn, batch: StepBatch):
+        """``fn(batch)``, timed: the forward pass (device work and its wait) apart from the host work."""
+        t0 = time.perf_counter()
+        out = fn(batch)
+        self.recent_forward_s.append(time.perf_counter() - t0)
+        return out
+
+    def _fail_step(self, reqs: list[Request], e: Exception) -> list[Event]:
+        """Step ``self.steps`` raised: every request in it ends with an error, those that had finished while
+        it was being sampled too (the step's events are lost with the exception)."""
+        log.exception("step %d failed; failing its %d request(s): %s", self.steps, len(reqs), e)
+        msg = f"the forward pass of step {self.steps} failed: {type(e).__name__}: {e}"
+        return [ev for r in reqs for ev in fail(r, msg)]
+
+    def _commit(self, parts: list[Part]) -> None:
+        """Register in the prefix cache the blocks each part's step filled (its slice's positions are
+        written)."""
+        for r, s, _, _ in parts:
+            self.kv.commit(r.id, s.end_pos, r.token_ids)
+
+    def _release_finished(self) -> None:
+        for r in self.running:
+            if r.state is State.FINISHED:
+                self.kv.release(r.id)
+        self.running = [r for r in self.running if r.state is not State.FINISHED]
+
     # -- pipelining (module docstring) ------------------------------------------------------------------
     def _pipelining(self) -> bool:
         """Whether the next step may be launched before the one in flight is read."""
-        return (
-            self.cfg.pipeline
-            and getattr(self.model.backend, "pipelined", False)
-            and bool(self.running)
-            and all(self._on_device(r) for r in self.running)
-        )
-
-    def _on_device(self, r: Request) -> bool:
-        """Whether the device can pick ``r``'s tokens in a pipelined step (module docstring)."""
-        if self._greedy_ok(r):
-            return True
-        be, p = self.model.backend, r.params
-        return (
-            self.cfg.max_chunk > 1  # the local ring has room to redo a position (KVCacheManager.prepare)
-            and getattr(be, "sample_on_device", False)
-            and r.constraint is None
-            and p.repetition_penalty == 1.0
-            and 0 < p.top_k <= getattr(be, "topk_max", 0)
-        )
+        return self.planner.can_pipeline(self.running, self.cfg.pipeline)
 
     def _step_pipelined(self) -> list[Event]:
         """Launch the next step (if it can go ahead unread), then collect the one in flight."""
         flight, self.flight = self.flight, None
         events = []
         if self._pipelining():
-            parts = self._plan(flight)
+            parts = self.planner.plan(self.running, flight.feeds())
             if parts:
                 events += self._launch(parts, flight)
         events += self._collect(flight)
@@ -264,11 +302,11 @@ class Scheduler:
         rows = prev.feeds() if prev else {}
         feed = [rows.get(r.id, -1) for r, *_ in parts] if rows else None
         wanting = [r for r, _, _, want in parts if want]
-        sampled = not all(self._greedy_ok(r) for r in wanting)
+        sampled = not all(greedy_ok(r) for r in wanting)
         self.steps += 1
         self.recent_batches.append(len(parts))
         try:
-            sampling = self._device_sampling(wanting, rows) if sampled else None
+            sampling = device_sampling(wanting, rows) if sampled else None
             batch = StepBatch.build(
                 [(s, t, w) for _, s, t, w in parts], self.layout.block_size, feed, sampling
             )
@@ -280,18 +318,6 @@ class Scheduler:
         self.flight = Flight(parts, wanting, launched, time.perf_counter(), sampled)
         self.pipelined_steps += bool(prev)
         return []
-
-    @staticmethod
-    def _device_sampling(wanting: list[Request], fed: dict[int, int]) -> np.ndarray:
-        """Each logit row's sampling for the device; a request fed from the step in flight has that step's
-        draw still to make on the host, so its row takes the uniform after it."""
-        out = np.zeros(len(wanting), SAMPLE_DTYPE)
-        for i, r in enumerate(wanting):
-            p = r.params
-            if p.temperature > 0:
-                u = r.sampler.upcoming(1 if r.id in fed else 0)
-                out[i] = (p.temperature, p.top_k, p.top_p, p.min_p, u)
-        return out
 
     def _collect(self, f: Flight) -> list[Event]:
         """Read a launched step's ids and take them; requests cancelled or failed since it was launched are
@@ -307,197 +333,42 @@ class Scheduler:
             return self._fail_step([r for r, *_ in live], e)
         now = time.perf_counter()
         self.recent_forward_s.append(now - t0)  # the wait for the device
-        events = self._take_drawn(f, ids, *cands) if cands else self._take_ids(f.wanting, ids, f.dropped)
+        if cands:
+            events = self._take_drawn(f, ids, *cands)
+        else:
+            events = self.tokens.take_ids(f.wanting, ids, f.dropped)
         self._commit([p for p in live if p[0].id not in f.dropped])
         self.recent_step_s.append(now - max(f.t0, self._t_collected))  # collect to collect while busy
         self._t_collected = time.perf_counter()
         return events
-
-    def _commit(self, parts: list[Part]) -> None:
-        """Register in the prefix cache the blocks each part's step filled (its slice's positions are
-        written)."""
-        for r, s, _, _ in parts:
-            self.kv.commit(r.id, s.end_pos, r.token_ids)
-
-    def _forward_and_sample(self, parts: list[Part]) -> list[Event]:
-        batch = StepBatch.build([(s, toks, want) for _, s, toks, want in parts], self.layout.block_size)
-        wanting = [r for r, _, _, want in parts if want]
-        if self._greedy_on_device(wanting):
-            return self._take_ids(wanting, self._forward(self.model.forward_argmax, batch))  # (S_out,) ids
-        if self._topk_on_device(wanting):
-            return self._sample_candidates(
-                wanting, *self._forward(self.model.forward_topk, batch)
-            )  # (S_out, M)
-        return self._sample(wanting, self._forward(self.model.forward, batch))  # logits (S_out, V)
-
-    def _fail_step(self, reqs: list[Request], e: Exception) -> list[Event]:
-        """Step ``self.steps`` raised: every request in it ends with an error, those that had finished while
-        it was being sampled too (the step's events are lost with the exception)."""
-        log.exception("step %d failed; failing its %d request(s): %s", self.steps, len(reqs), e)
-        msg = f"the forward pass of step {self.steps} failed: {type(e).__name__}: {e}"
-        return [ev for r in reqs for ev in self._fail(r, msg)]
-
-    def _forward(self, fn, batch: StepBatch):
-        """``fn(batch)``, timed: the forward pass (device work and its wait) apart from the host work."""
-        t0 = time.perf_counter()
-        out = fn(batch)
-        self.recent_forward_s.append(time.perf_counter() - t0)
-        return out
-
-    def _retire_cancelled(self) -> list[Event]:
-        if not self._cancelled:
-            return []
-        events = []
-        for r in [r for r in (*self.waiting, *self.running) if r.id in self._cancelled]:
-            r.state, r.finish_reason, r.t_done = State.FINISHED, "cancelled", time.perf_counter()
-            events.append(Event("cancelled", r.id, stats=r.stats()))
-        self.waiting.remove_if(lambda r: r.state is State.FINISHED)
-        self._cancelled.clear()
-        self._release_finished()
-        return events
-
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.cfg.max_seqs:
-            req = self.waiting.peek()
-            reused = self.kv.admit(req.id, req.n_positions, req.prompt_ids, req.tenant)
-            if reused is None:
-                break  # it keeps its turn: later requests wait behind it rather than starve it
-            self.waiting.pop()
-            req.n_cached = req.n_reused = reused
-            req.state = State.PREFILL
-            self.running.append(req)
-
-    def _plan(self, flight: Flight | None = None) -> list[Part]:
-        """(request, slice, input ids, wants logits) for this step, decode first, within the budget. With a
-        ``flight``, the sequences it gives a token decode it (the id is a placeholder 0: the device feeds
-        it), except those that token ends by length."""
-        budget = self.cfg.step_tokens
-        parts = []
-        fed = flight.feeds() if flight else {}
-        order = sorted(self.running, key=lambda r: r.state is not State.DECODE and r.id not in fed)
-        for r in order:
-            if budget <= 0:
-                break
-            if r.id in fed and not self._goes_on(r):
-                continue
-            toks = [0] if r.id in fed else r.next_input(min(self.cfg.max_chunk, budget))
-            # a fed row of a sampling request may be computed again a position back (_redo_fed_row)
-            keep = int(r.id in fed and not self._greedy_ok(r))
-            tables = self.kv.prepare(r.id, r.n_cached, len(toks), keep_back=keep)
-            s = SeqSlice(r.id, 0, len(toks), r.n_cached, tables.global_table, tables.local_table)
-            done_prompt = (
-                r.id in fed or r.state is State.DECODE or r.n_cached + len(toks) == len(r.prompt_ids)
-            )
-            parts.append((r, s, toks, done_prompt))
-            budget -= len(toks)
-        for r, _, toks, _ in parts:
-            r.n_cached += len(toks)
-        return parts
-
-    def _goes_on(self, r: Request) -> bool:
-        """Whether the token the step in flight gives ``r`` leaves room for another (max_tokens, context)."""
-        n = len(r.output_ids) + 1
-        return n < r.params.max_tokens and len(r.prompt_ids) + n < self.context
-
-    def _sample(self, reqs: list[Request], logits: np.ndarray) -> list[Event]:
-        events = []
-        for r, row in zip(reqs, logits, strict=True):
-            events += self._guarded(r, lambda r=r, row=row: self._sample_one(r, row))
-        return events
-
-    def _sample_one(self, r: Request, row: np.ndarray) -> list[Event]:
-        if r.constraint is not None:  # structured output: the tokens its grammar forbids go to -inf
-            t0 = time.perf_counter()
-            row = r.constraint.mask(row)
-            self.recent_mask_s.append(time.perf_counter() - t0)
-        tok = r.sampler.sample(row, r.prompt_ids + r.output_ids)
-        r.state = State.DECODE
-        return self._accept_token(r, tok)
-
-    def _sample_candidates(self, reqs: list[Request], ids: np.ndarray, vals: np.ndarray) -> list[Event]:
-        events = []
-        for r, i, v, tok in zip(reqs, ids, vals, self._drawn_together(reqs, ids, vals), strict=True):
-            events += self._guarded(r, lambda r=r, i=i, v=v, tok=tok: self._take_candidate(r, i, v, tok=tok))
-        return events
-
-    @staticmethod
-    def _drawn_together(reqs: list[Request], ids: np.ndarray, vals: np.ndarray) -> list[int | None]:
-        """The host's draws from rows of candidates (S, M) that ``draw_rows`` takes at once, None for the
-        others (and for all when there are too few rows for it to pay, or it fails): the same tokens."""
-        if len(reqs) < DRAW_ROWS_MIN:
-            return [None] * len(reqs)
-        try:
-            return draw_rows([r.sampler for r in reqs], ids, vals)
-        except Exception:
-            log.exception("drawing %d rows together failed; drawing them one by one", len(reqs))
-            return [None] * len(reqs)
-
-    def _take_candidate(
-        self,
-        r: Request,
-        ids: np.ndarray,
-        vals: np.ndarray,
-        device_tok: int | None = None,
-        tok: int | None = None,
-    ) -> list[Event]:
-        """The host's draw from ``r``'s candidates (``tok``: made already, by ``_drawn_together``);
-        ``device_tok``: the token a pipelined step drew from them on the device and fed on (redone where it
-        differs: ``_redo_fed_row``)."""
-        if tok is None:
-            tok = r.sampler.sample_candidates(ids, vals, r.prompt_ids + r.output_ids)
-        if device_tok is not None and tok != device_tok:
-            self._redo_fed_row(r)
-        r.state = State.DECODE
-        return self._accept_token(r, tok)
-
-    def _guarded(self, r: Request, work) -> list[Event]:
-        """``work()``'s events; if it raises (sampler, decoder, stop matcher), only ``r`` ends, with an error
-        (the token events it produced before raising are dropped with it)."""
-        try:
-            return work()
-        except Exception as e:
-            log.exception("request %d failed while taking its token", r.id)
-            return self._fail(r, f"taking the next token failed: {type(e).__name__}: {e}")
-
-    def _topk_on_device(self, reqs: list[Request]) -> bool:
-        """Whether every token of this step can be sampled from the backend's on-device top-k candidates
-        (each request's sampler needs at most that many: engine/sampling.py, "Candidates")."""
-        m = getattr(self.model.backend, "topk_max", 0)
-        if not (reqs and m) or any(r.constraint for r in reqs):
-            return False
-        needs = [r.sampler.candidates_needed(r.prompt_ids + r.output_ids) for r in reqs]
-        return all(n is not None and n <= m for n in needs)
-
-    def _greedy_on_device(self, reqs: list[Request]) -> bool:
-        """Whether the backend can pick every token of this step itself (all greedy, no penalty)."""
-        return (
-            bool(reqs)
-            and getattr(self.model.backend, "greedy_on_device", False)
-            and all(self._greedy_ok(r) for r in reqs)
-        )
-
-    @staticmethod
-    def _greedy_ok(r: Request) -> bool:
-        """Whether the device's argmax is ``r``'s token (greedy, no penalty, no grammar)."""
-        return r.params.temperature == 0 and r.params.repetition_penalty == 1.0 and r.constraint is None
 
     def _take_drawn(self, f: Flight, ids: np.ndarray, cids: np.ndarray, cvals: np.ndarray) -> list[Event]:
         """A ``sampled`` flight's tokens: the host's own draw from each row's candidates (module docstring,
         "Which tokens the device picks"); where it differs from the device's, the row the device's token fed
         in the step launched since is dropped, and that position is computed again."""
         live = [i for i, r in enumerate(f.wanting) if r.state is not State.FINISHED and r.id not in f.dropped]
-        drawn = self._drawn_together([f.wanting[i] for i in live], cids[live], cvals[live])
+        drawn = self.tokens.drawn_together([f.wanting[i] for i in live], cids[live], cvals[live])
         events = []
         for i, tok in zip(live, drawn, strict=True):
             r = f.wanting[i]
-            events += self._guarded(
-                r, lambda r=r, i=i, tok=tok: self._take_candidate(r, cids[i], cvals[i], int(ids[i]), tok)
+            events += self.tokens.guarded(
+                r, lambda r=r, i=i, tok=tok: self._take_checked(r, cids[i], cvals[i], int(ids[i]), tok)
             )
         return events
 
+    def _take_checked(
+        self, r: Request, ids: np.ndarray, vals: np.ndarray, device_tok: int, tok: int | None
+    ) -> list[Event]:
+        """The host's draw from ``r``'s candidates, against ``device_tok``, the token the device drew from
+        them and fed on (redone where it differs: ``_redo_fed_row``)."""
+        tok = self.tokens.draw(r, ids, vals, tok)
+        if tok != device_tok:
+            self._redo_fed_row(r)
+        return self.tokens.take(r, tok)
+
     def _redo_fed_row(self, r: Request) -> None:
         """The device fed ``r`` a token the host did not draw: drop its row in the step in flight (if it has
-        one) and give its position back to the next plan (whose window blocks ``_plan`` kept held)."""
+        one) and give its position back to the next plan (whose window blocks the plan kept held)."""
         self.draws_corrected += 1
         if self.flight is not None and r.id in self.flight.rows:
             if not self.kv.can_rewrite(r.id, r.n_cached - 1):
@@ -507,58 +378,9 @@ class Scheduler:
             self.flight.dropped.add(r.id)
             r.n_cached -= 1
 
-    def _take_ids(self, reqs: list[Request], ids: np.ndarray, dropped: set[int] = frozenset()) -> list[Event]:
-        events = []
-        for r, tok in zip(reqs, ids.tolist(), strict=True):
-            # a pipelined step's row of a request that ended, or whose row is redone, meanwhile
-            if r.state is State.FINISHED or r.id in dropped:
-                continue
-            r.state = State.DECODE
-            events += self._guarded(r, lambda r=r, tok=tok: self._accept_token(r, int(tok)))
-        return events
-
-    def _accept_token(self, r: Request, tok: int) -> list[Event]:
-        now = time.perf_counter()
-        r.t_first = r.t_first or now
-        if tok in self.eot:
-            return self._finish(r, "stop", self._flush(r, [], ""))
-        r.output_ids.append(tok)
-        self.tokens_out += 1
-        if r.constraint is not None:
-            r.constraint.accept(tok)
-        text, hit = r.stops.feed(r.decoder.feed(tok))
-        if hit:
-            return self._finish(r, "stop", [Event("token", r.id, text, [tok])] if text else [])
-        if r.constraint is not None and r.constraint.stopped:  # the JSON is whole: nothing may follow
-            return self._finish(r, "stop", self._flush(r, [tok], text))
-        if len(r.output_ids) >= r.params.max_tokens or len(r.prompt_ids) + len(r.output_ids) >= self.context:
-            return self._finish(r, "length", self._flush(r, [tok], text))
-        return [Event("token", r.id, text, [tok])]
-
-    @staticmethod
-    def _flush(r: Request, ids: list[int], text: str) -> list[Event]:
-        """The last token event: ``text`` plus whatever the decoder and stop matcher still hold."""
-        held, hit = r.stops.feed(r.decoder.flush())
-        text += held + ("" if hit else r.stops.flush())
-        return [Event("token", r.id, text, ids)] if text or ids else []
-
-    def _finish(self, r: Request, reason: str, events: list[Event]) -> list[Event]:
-        r.state, r.finish_reason, r.t_done = State.FINISHED, reason, time.perf_counter()
-        return [*events, Event("done", r.id, finish_reason=reason, stats=r.stats())]
-
-    def _fail(self, r: Request, message: str) -> list[Event]:
-        """End one request with an ``internal`` error; the others go on."""
-        r.state, r.finish_reason, r.t_done = State.FINISHED, "error", time.perf_counter()
-        return [Event("error", r.id, text=message, error_code="internal")]
-
-    def _release_finished(self) -> None:
-        for r in self.running:
-            if r.state is State.FINISHED:
-                self.kv.release(r.id)
-        self.running = [r for r in self.running if r.state is not State.FINISHED]
-
     # -- status ----------------------------------------------------------------------------------------
     def status(self) -> dict:
+        mask_s = self.tokens.recent_mask_s
         return {
             "running": len(self.running),
             "queued": len(self.waiting),
@@ -573,6 +395,6 @@ class Scheduler:
             "pipelined_steps": self.pipelined_steps,
             # of the tokens drawn on the device in pipelined steps, those the host's own draw replaced
             "draws_corrected": self.draws_corrected,
-            "json_mask_ms": round(1e3 * sum(self.recent_mask_s) / max(1, len(self.recent_mask_s)), 4),
+            "json_mask_ms": round(1e3 * sum(mask_s) / max(1, len(mask_s)), 4),
             "kv": self.kv.usage(),
         }

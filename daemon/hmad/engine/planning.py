@@ -1,0 +1,118 @@
+"""Step planning: which sequences and chunks go into a step, and where its tokens are picked.
+
+``StepPlanner.plan`` gives one decode token to every decoding sequence first, then prefill chunks (at most
+``max_chunk`` tokens each) to the others in order of admission, while the step's ``step_tokens`` budget
+lasts; each part takes the KV blocks its positions need (``KVCacheManager.prepare``). A pipelined plan
+(engine/scheduler.py, "Pipelining") also decodes the sequences the step in flight gives a token, their
+input fed on the device, except those that token ends by length.
+
+Where the tokens are picked (engine/scheduler.py, "Which tokens the device picks"): by the device's argmax
+when every request of the step is greedy (``greedy_ok``); from the device's top-k candidates when every
+request's sampler needs at most ``topk_max`` of them; else from full logits rows on the host.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hmad.core.batch import SAMPLE_DTYPE, SeqSlice
+from hmad.engine.kvcache import KVCacheManager
+from hmad.engine.request import Request, State
+
+Part = tuple[Request, SeqSlice, list[int], bool]  # request, its slice, its input ids, wants logits
+
+
+def greedy_ok(r: Request) -> bool:
+    """Whether the device's argmax is ``r``'s token (greedy, no penalty, no grammar)."""
+    return r.params.temperature == 0 and r.params.repetition_penalty == 1.0 and r.constraint is None
+
+
+def device_sampling(wanting: list[Request], fed: dict[int, int]) -> np.ndarray:
+    """Each logit row's sampling for the device; a request fed from the step in flight has that step's
+    draw still to make on the host, so its row takes the uniform after it."""
+    out = np.zeros(len(wanting), SAMPLE_DTYPE)
+    for i, r in enumerate(wanting):
+        p = r.params
+        if p.temperature > 0:
+            u = r.sampler.upcoming(1 if r.id in fed else 0)
+            out[i] = (p.temperature, p.top_k, p.top_p, p.min_p, u)
+    return out
+
+
+class StepPlanner:
+    """Plans each step over the running set, within the token budget (module docstring)."""
+
+    def __init__(self, model, kv: KVCacheManager, step_tokens: int, max_chunk: int, context: int):
+        self.model, self.kv = model, kv
+        self.step_tokens, self.max_chunk, self.context = step_tokens, max_chunk, context
+
+    def plan(self, running: list[Request], fed: dict[int, int]) -> list[Part]:
+        """(request, slice, input ids, wants logits) for this step, decode first, within the budget. The
+        sequences in ``fed`` (request id -> its row in the step in flight) decode the token that step gives
+        them (the id is a placeholder 0: the device feeds it), except those that token ends by length."""
+        budget = self.step_tokens
+        parts = []
+        order = sorted(running, key=lambda r: r.state is not State.DECODE and r.id not in fed)
+        for r in order:
+            if budget <= 0:
+                break
+            if r.id in fed and not self._goes_on(r):
+                continue
+            toks = [0] if r.id in fed else r.next_input(min(self.max_chunk, budget))
+            # a fed row of a sampling request may be computed again a position back (_redo_fed_row)
+            keep = int(r.id in fed and not greedy_ok(r))
+            tables = self.kv.prepare(r.id, r.n_cached, len(toks), keep_back=keep)
+            s = SeqSlice(r.id, 0, len(toks), r.n_cached, tables.global_table, tables.local_table)
+            done_prompt = (
+                r.id in fed or r.state is State.DECODE or r.n_cached + len(toks) == len(r.prompt_ids)
+            )
+            parts.append((r, s, toks, done_prompt))
+            budget -= len(toks)
+        for r, _, toks, _ in parts:
+            r.n_cached += len(toks)
+        return parts
+
+    def _goes_on(self, r: Request) -> bool:
+        """Whether the token the step in flight gives ``r`` leaves room for another (max_tokens, context)."""
+        n = len(r.output_ids) + 1
+        return n < r.params.max_tokens and len(r.prompt_ids) + n < self.context
+
+    # -- where the tokens are picked -------------------------------------------------------------------
+    def can_pipeline(self, running: list[Request], enabled: bool) -> bool:
+        """Whether the next step may be launched before the one in flight is read."""
+        return (
+            enabled
+            and getattr(self.model.backend, "pipelined", False)
+            and bool(running)
+            and all(self._on_device(r) for r in running)
+        )
+
+    def _on_device(self, r: Request) -> bool:
+        """Whether the device can pick ``r``'s tokens in a pipelined step."""
+        if greedy_ok(r):
+            return True
+        be, p = self.model.backend, r.params
+        return (
+            self.max_chunk > 1  # the local ring has room to redo a position (KVCacheManager.prepare)
+            and getattr(be, "sample_on_device", False)
+            and r.constraint is None
+            and p.repetition_penalty == 1.0
+            and 0 < p.top_k <= getattr(be, "topk_max", 0)
+        )
+
+    def greedy_on_device(self, reqs: list[Request]) -> bool:
+        """Whether the backend can pick every token of this step itself (all greedy, no penalty)."""
+        return (
+            bool(reqs)
+            and getattr(self.model.backend, "greedy_on_device", False)
+            and all(greedy_ok(r) for r in reqs)
+        )
+
+    def topk_on_device(self, reqs: list[Request]) -> bool:
+        """Whether every token of this step can be sampled from the backend's on-device top-k candidates
+        (each request's sampler needs at most that many: engine/sampling.py, "Candidates")."""
+        m = getattr(self.model.backend, "topk_max", 0)
+        if not (reqs and m) or any(r.constraint for r in reqs):
+            return False
+        needs = [r.sampler.candidates_needed(r.prompt_ids + r.output_ids) for r in reqs]
+        return all(n is not None and n <= m for n in needs)

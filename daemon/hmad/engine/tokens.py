@@ -1,0 +1,156 @@
+"""Taking each request's next token, and ending requests: the one place a request's events are made.
+
+A step's output reaches a request here in one of three forms: a logits row (the host samples it), a row
+of on-device top-k candidates (the host draws from them), or an id the device picked (greedy). Each token
+then goes through ``TokenTaker.accept``: end of turn, the stream decoder, stop strings, the grammar, and the
+limits (max_tokens, the context). Every request ends through ``finish``, ``fail`` or ``cancelled`` below,
+each setting it FINISHED and making its one terminal event (done | error | cancelled); the scheduler
+never emits one for a request that is FINISHED already, so each accepted request gets exactly one.
+
+Failures: an exception while sampling, decoding or stop-matching one request's token ends that request
+alone with an ``error`` event (code internal); the token events it produced before raising are dropped
+(``TokenTaker.guarded``).
+
+Structured output: a request with a grammar (``Request.constraint``) needs its whole logits row, so a step
+holding one reads the full rows back (``model.forward``) rather than the on-device argmax or top-k. Its
+mask sets every token the grammar forbids to -inf before the sampler runs; end-of-turn is allowed only once
+the JSON is complete, and the answer ends ("stop") as soon as the grammar allows nothing more. Running out
+of max_tokens first ends it with "length" and ``schema_complete: false`` in its stats.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from hmad.engine.draw_rows import DRAW_ROWS_MIN, draw_rows
+from hmad.engine.request import Event, Request, State
+
+log = logging.getLogger("hmad.engine")
+
+
+def ended(r: Request, reason: str) -> None:
+    """Mark ``r`` FINISHED with ``reason`` (its terminal event is the caller's to make)."""
+    r.state, r.finish_reason, r.t_done = State.FINISHED, reason, time.perf_counter()
+
+
+def finish(r: Request, reason: str, events: list[Event]) -> list[Event]:
+    """End ``r`` normally (``stop`` or ``length``): its last token events, then ``done``."""
+    ended(r, reason)
+    return [*events, Event("done", r.id, finish_reason=reason, stats=r.stats())]
+
+
+def fail(r: Request, message: str, code: str = "internal") -> list[Event]:
+    """End one request with an ``error`` (``internal`` unless said otherwise); the others go on."""
+    ended(r, "error")
+    return [Event("error", r.id, text=message, error_code=code)]
+
+
+def cancelled(r: Request) -> Event:
+    """End a cancelled request: its ``cancelled`` event."""
+    ended(r, "cancelled")
+    return Event("cancelled", r.id, stats=r.stats())
+
+
+class TokenTaker:
+    """Turns a step's output into each request's token and events (module docstring)."""
+
+    def __init__(self, eot: set[int], context: int):
+        self.eot, self.context = eot, context
+        self.tokens_out = 0  # tokens generated since start (status)
+        self.recent_mask_s: collections.deque[float] = collections.deque(maxlen=256)  # per masked token
+
+    # -- the three forms of a step's output -------------------------------------------------------------
+    def sample(self, reqs: list[Request], logits: np.ndarray) -> list[Event]:
+        """Host sampling from each request's logits row (S_out, V)."""
+        events = []
+        for r, row in zip(reqs, logits, strict=True):
+            events += self.guarded(r, lambda r=r, row=row: self._sample_one(r, row))
+        return events
+
+    def _sample_one(self, r: Request, row: np.ndarray) -> list[Event]:
+        if r.constraint is not None:  # structured output: the tokens its grammar forbids go to -inf
+            t0 = time.perf_counter()
+            row = r.constraint.mask(row)
+            self.recent_mask_s.append(time.perf_counter() - t0)
+        tok = r.sampler.sample(row, r.prompt_ids + r.output_ids)
+        return self.take(r, tok)
+
+    def sample_candidates(self, reqs: list[Request], ids: np.ndarray, vals: np.ndarray) -> list[Event]:
+        """The host's draw from each request's on-device candidates (S_out, M)."""
+        events = []
+        for r, i, v, tok in zip(reqs, ids, vals, self.drawn_together(reqs, ids, vals), strict=True):
+            events += self.guarded(r, lambda r=r, i=i, v=v, tok=tok: self.take(r, self.draw(r, i, v, tok)))
+        return events
+
+    def take_ids(self, reqs: list[Request], ids: np.ndarray, dropped: set[int] = frozenset()) -> list[Event]:
+        """The device's picks (S_out,), one per request."""
+        events = []
+        for r, tok in zip(reqs, ids.tolist(), strict=True):
+            # a pipelined step's row of a request that ended, or whose row is redone, meanwhile
+            if r.state is State.FINISHED or r.id in dropped:
+                continue
+            events += self.guarded(r, lambda r=r, tok=tok: self.take(r, int(tok)))
+        return events
+
+    @staticmethod
+    def draw(r: Request, ids: np.ndarray, vals: np.ndarray, tok: int | None = None) -> int:
+        """The host's draw from ``r``'s candidates (``tok``: made already, by ``drawn_together``)."""
+        return r.sampler.sample_candidates(ids, vals, r.prompt_ids + r.output_ids) if tok is None else tok
+
+    @staticmethod
+    def drawn_together(reqs: list[Request], ids: np.ndarray, vals: np.ndarray) -> list[int | None]:
+        """The host's draws from rows of candidates (S, M) that ``draw_rows`` takes at once, None for the
+        others (and for all when there are too few rows for it to pay, or it fails): the same tokens."""
+        if len(reqs) < DRAW_ROWS_MIN:
+            return [None] * len(reqs)
+        try:
+            return draw_rows([r.sampler for r in reqs], ids, vals)
+        except Exception:
+            log.exception("drawing %d rows together failed; drawing them one by one", len(reqs))
+            return [None] * len(reqs)
+
+    def guarded(self, r: Request, work: Callable[[], list[Event]]) -> list[Event]:
+        """``work()``'s events; if it raises (sampler, decoder, stop matcher), only ``r`` ends, with an error
+        (the token events it produced before raising are dropped with it)."""
+        try:
+            return work()
+        except Exception as e:
+            log.exception("request %d failed while taking its token", r.id)
+            return fail(r, f"taking the next token failed: {type(e).__name__}: {e}")
+
+    # -- one token -------------------------------------------------------------------------------------
+    def take(self, r: Request, tok: int) -> list[Event]:
+        """``r``'s prompt is cached: ``tok`` is its next token."""
+        r.state = State.DECODE
+        return self.accept(r, tok)
+
+    def accept(self, r: Request, tok: int) -> list[Event]:
+        """``tok`` through end of turn, decoder, stop strings, grammar and limits: its events."""
+        now = time.perf_counter()
+        r.t_first = r.t_first or now
+        if tok in self.eot:
+            return finish(r, "stop", self._flush(r, [], ""))
+        r.output_ids.append(tok)
+        self.tokens_out += 1
+        if r.constraint is not None:
+            r.constraint.accept(tok)
+        text, hit = r.stops.feed(r.decoder.feed(tok))
+        if hit:
+            return finish(r, "stop", [Event("token", r.id, text, [tok])] if text else [])
+        if r.constraint is not None and r.constraint.stopped:  # the JSON is whole: nothing may follow
+            return finish(r, "stop", self._flush(r, [tok], text))
+        if len(r.output_ids) >= r.params.max_tokens or len(r.prompt_ids) + len(r.output_ids) >= self.context:
+            return finish(r, "length", self._flush(r, [tok], text))
+        return [Event("token", r.id, text, [tok])]
+
+    @staticmethod
+    def _flush(r: Request, ids: list[int], text: str) -> list[Event]:
+        """The last token event: ``text`` plus whatever the decoder and stop matcher still hold."""
+        held, hit = r.stops.feed(r.decoder.flush())
+        text += held + ("" if hit else r.stops.flush())
+        return [Event("token", r.id, text, ids)] if text or ids else []
