@@ -10,7 +10,8 @@ from tiny_gguf import make_tiny_gguf
 from hmaclient import sampling as fields
 from hmad.composition import load_model
 from hmad.engine.generate import generate
-from hmad.engine.sampling import Sampler, SamplingParams, _draw, _nucleus, sampling_model
+from hmad.engine.sampling import Sampler, SamplingParams, _draw, _nucleus
+from hmad.engine.sampling_schema import sampling_model
 
 V_BIG = 262144
 

@@ -16,18 +16,23 @@ Refused with a 400 that says why (rather than silently ignored, since they chang
 1, non-zero presence_penalty / frequency_penalty (hmad has the multiplicative repetition_penalty instead),
 logprobs / top_logprobs, a non-empty logit_bias, tools and function calls, echo, best_of > 1, suffix, token
 id prompts, non-text content parts. Fields this module does not name (user, metadata, store, ...) are ignored.
-Ranges are checked by hmaclient as hmad checks them (temperature 0..100, top_p (0, 1], seed 0..2^64-1, ...).
+The sampling fields' types and ranges are hmad's own (hmaclient.sampling, as pydantic types from
+hmad.engine.sampling_schema): one out of range is a 400 naming it in the wire's words ("top_p must be a
+number in (0, 1], got 1.5").
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
+from hmaclient import sampling
+from hmad.engine.sampling_schema import field_type
 from hmad_openai.errors import OpenAIError, bad_request
 
-_SAMPLING = ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "repeat_last_n")
+# OpenAI's names that are hmad's sampling fields (stop, a str or a list, is translated by hand)
+_SAMPLING = tuple(name for name in sampling.NAMES if name != "stop")
 
 
 class _Body(BaseModel):
@@ -49,12 +54,18 @@ class ResponseFormat(_Body):
     json_schema: JsonSchemaSpec | None = None
 
 
-class _Common(_Body):
+# The sampling fields with hmad's types and ranges; absent or null: the daemon's default.
+_SamplingBody = create_model(
+    "_SamplingBody",
+    __base__=_Body,
+    **{name: (field_type(sampling.BY_NAME[name]) | None, None) for name in _SAMPLING},
+)
+
+_MaxTokens = field_type(sampling.BY_NAME["max_tokens"])  # max_completion_tokens is max_tokens
+
+
+class _Common(_SamplingBody):
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -63,11 +74,6 @@ class _Common(_Body):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
-    # hmad's own sampling knobs (llama-server accepts the same names)
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    repeat_last_n: int | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -78,8 +84,6 @@ class _Common(_Body):
         do."""
         self._refuse_unsupported()
         out = {k: getattr(self, k) for k in _SAMPLING if getattr(self, k) is not None}
-        if self.max_tokens is not None:
-            out["max_tokens"] = self.max_tokens
         if self.stop is not None:
             out["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         schema = self._json_schema()
@@ -115,7 +119,7 @@ class Message(_Body):
 
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: _MaxTokens | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
@@ -204,4 +208,8 @@ def parse(model: type[_Body], body: bytes) -> Any:
             raise bad_request(f"the body is not valid JSON: {err['msg']}") from None
         if err["type"] == "model_type":
             raise bad_request("the body must be a JSON object") from None
+        field = "max_tokens" if loc == "max_completion_tokens" else loc
+        if field in sampling.BY_NAME:  # the wire's words, with the name the body used
+            text = sampling.problem(field, err["input"]) or f"{field}: {err['msg']}"
+            raise OpenAIError(400, text.replace(field, loc, 1), param=loc) from None
         raise OpenAIError(400, f"{loc}: {err['msg']}", param=loc or None) from None

@@ -33,12 +33,13 @@ import collections
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Any
 
 import numpy as np
 import pydantic
 
 from hmaclient import sampling as fields  # the one table of the sampling fields
+from hmad.engine.sampling_schema import message, sampling_model
 
 # Top-p buckets weights by 1/8 octave; float32 weights below 2^-150 are 0, so 8 * 151 buckets plus
 # one for zeros cover them all.
@@ -47,26 +48,6 @@ _NUCLEUS_LAST_BUCKET = 8 * 151
 # The two-level draw splits the weights into blocks of this many entries (256 blocks at V = 262144).
 _DRAW_BLOCK = 1024
 _F32_MAX = np.float32(np.finfo(np.float32).max)
-
-
-def sampling_model(name: str, defaults: Mapping[str, Any], **config: Any) -> type[pydantic.BaseModel]:
-    """A pydantic model of the sampling fields, built from their one table (``hmaclient.sampling``):
-    strict types (an int field takes ints only, a number field ints or finite floats; no bools) within the
-    table's bounds, with ``defaults``. ``config``: more model options (the YAML config's section is frozen
-    and refuses unknown keys)."""
-
-    def annotation(f: fields.SamplingField) -> Any:
-        if f.kind == "strings":
-            text = Annotated[str, pydantic.Field(min_length=1, max_length=fields.MAX_STOP_CHARS)]
-            return Annotated[list[text], pydantic.Field(max_length=int(f.hi))]
-        lo = {"gt" if f.lo_open else "ge": f.lo}
-        kind = int if f.kind == "int" else float
-        typ = Annotated[kind, pydantic.Field(**lo, le=f.hi, allow_inf_nan=False)]
-        return typ | None if f.nullable else typ
-
-    spec = {f.name: (annotation(f), defaults[f.name]) for f in fields.FIELDS}
-    options = pydantic.ConfigDict(strict=True, extra="forbid", **config)
-    return pydantic.create_model(name, __config__=options, **spec)
 
 
 _CHECK = sampling_model("SamplingCheck", fields.OFF)
@@ -117,12 +98,11 @@ class SamplingParams:
         """Raise ValueError naming the first field out of range, with what it allows and the value (the
         wire's wording: "top_p must be a number in (0, 1], got 1.5"). The daemon runs it once per request,
         before the request reaches the engine; ``Sampler`` trusts it."""
+        values = dataclasses.asdict(self)
         try:
-            _CHECK.model_validate(dataclasses.asdict(self))
+            _CHECK.model_validate(values)
         except pydantic.ValidationError as e:
-            name = str(e.errors()[0]["loc"][0])
-            value = getattr(self, name)
-            raise ValueError(fields.problem(name, value) or f"{name}: {e.errors()[0]['msg']}") from None
+            raise ValueError(message(e, values)[1]) from None
 
 
 class Sampler:
