@@ -51,7 +51,7 @@ def test_defaults():
     cfg = load_config(env=ENV)
     assert cfg.source is None
     assert cfg.model == "default" and cfg.backend == "auto" and cfg.log_level == "info"
-    assert cfg.socket == config_mod.SocketConfig(default_socket_path(ENV), 0o660, None)
+    assert cfg.socket == config_mod.SocketConfig(path=default_socket_path(ENV), mode=0o660, group=None)
     assert (cfg.engine.max_seqs, cfg.engine.kv_tokens, cfg.engine.max_queue) == (16, 32768, 256)
     assert cfg.limits.max_frame_bytes == 4 * 1024 * 1024
     assert cfg.service.heartbeat_timeout_s == 5.0 and cfg.service.watchdog is True
@@ -59,24 +59,41 @@ def test_defaults():
     assert (s.temperature, s.top_k, s.top_p, s.min_p, s.max_tokens) == (1.0, 64, 0.95, 0.0, 512)
     assert cfg.cpu.weight_cache_bytes == 16 << 30
     assert cfg.npu.enabled == "auto" and cfg.npu.ops == ("attention_prefill", "gemm_int8", "gemm_bf16")
-    assert dataclasses.replace(cfg, socket=dataclasses.replace(cfg.socket, path=None)) == Config()
+    assert cfg.model_copy(update={"socket": cfg.socket.model_copy(update={"path": None})}) == Config()
 
 
 def _ids(v) -> str:
     return v if isinstance(v, str) else ""
 
 
-def _keys(cls=Config, prefix=""):
-    for f, check, section in config_mod._schema(cls):
-        if section is None:
-            yield prefix + f.name, check, f.default
-        else:
-            yield from _keys(section, f"{prefix}{f.name}.")
+def _keys():
+    """(dotted key, section class, its leaf name) of every config key."""
+    for name in ("model", "backend", "log_level"):
+        yield name, Config, name
+    for section, cls in config_mod._SECTIONS.items():
+        for leaf in cls.model_fields:
+            yield f"{section}.{leaf}", cls, leaf
 
 
-@pytest.mark.parametrize("key, check, default", list(_keys()), ids=_ids)
-def test_each_default_passes_its_own_check(key, check, default):
-    assert check.parse(check.show(default)) == default
+@pytest.mark.parametrize("key, cls, leaf", list(_keys()), ids=_ids)
+def test_each_default_passes_its_own_check_and_says_what_it_allows(key, cls, leaf):
+    """A default, written out as to_dict writes it, loads back; every key's type says what it allows."""
+    shown = cls().model_dump(mode="json")[leaf]
+    assert getattr(cls.model_validate({leaf: shown}), leaf) == getattr(cls(), leaf)
+    assert cls.model_fields[leaf].description
+
+
+def test_sampling_section_is_the_one_table():
+    """Keys, ranges and built-in defaults of sampling: are hmaclient.sampling's, in its words."""
+    from hmaclient import sampling
+
+    assert Config().sampling.model_dump() == {**sampling.DEFAULTS, "stop": []}
+    for f in sampling.FIELDS:
+        bad = "hot" if f.kind != "strings" else ["ok", ""]
+        assert _error(**{f"sampling.{f.name}": bad}).startswith(
+            f"sampling.{f.name}: must be {sampling.describe(f)}"
+        )
+    assert "a number in [0, 100]" in _error(**{"sampling.temperature": 100.5})  # capped as on the wire
 
 
 def test_sections_mirror_the_classes_they_configure():
@@ -85,11 +102,21 @@ def test_sections_mirror_the_classes_they_configure():
     from hmad.engine.scheduler import SchedulerConfig
 
     def names(cls):
-        return [f.name for f in dataclasses.fields(cls)]
+        return (
+            list(cls.model_fields)
+            if hasattr(cls, "model_fields")
+            else [f.name for f in dataclasses.fields(cls)]
+        )
 
     # engine.deterministic goes to the backend (backend_options), every other engine key to the scheduler
     assert names(config_mod.EngineConfig) == [*names(SchedulerConfig), "deterministic"]
-    assert names(config_mod.SamplingConfig) == names(SamplingParams)
+    assert sorted(names(config_mod.SamplingConfig)) == sorted(names(SamplingParams))
+    from hmad.backends.vulkan.options import VulkanOptions
+
+    assert set(names(config_mod.VulkanConfig)) < set(names(VulkanOptions))  # its defaults are VulkanOptions'
+    assert Config().vulkan.model_dump() == {
+        k: getattr(VulkanOptions(), k) for k in names(config_mod.VulkanConfig)
+    }
     cpu_keys = {*names(config_mod.CpuConfig), "deterministic"}
     assert cpu_keys == set(inspect.signature(CpuBackend).parameters)
     from hmad.backends.npu.backend import NpuBackend  # the CPU backend with NPU offload: both sections
@@ -142,6 +169,15 @@ def test_example_config_equals_the_defaults():
 
     assert shape(yaml.safe_load(path.read_text())) == shape(Config().to_dict())  # every key written out
     assert load_config(str(path), env=ENV) == load_config(env=ENV)
+
+
+def test_example_sampling_comments_say_the_tables_ranges():
+    """etc/hmad.yaml's sampling comments give each field's range in hmaclient.sampling's words."""
+    from hmaclient import sampling
+
+    text = " ".join((REPO / "etc" / "hmad.yaml").read_text().replace("#", " ").split())
+    for f in sampling.FIELDS:
+        assert sampling.describe(f).replace(" (fresh entropy)", "") in text, f.name
 
 
 def test_every_example_key_has_a_comment_with_its_default():
@@ -245,11 +281,11 @@ BAD_VALUES = [
     ("service.drain_grace_s", -1, ["a number >= 0", "got -1"]),
     ("service.heartbeat_ivl_s", 0, ["a number > 0", "got 0"]),
     ("service.heartbeat_ivl_s", float("nan"), ["a number > 0", "got nan"]),
-    ("sampling.temperature", "hot", ["a number >= 0"]),
+    ("sampling.temperature", "hot", ["a number in [0, 100]"]),
     ("sampling.top_p", 0, ["a number in (0, 1]"]),
     ("sampling.min_p", 1.5, ["a number in [0, 1]"]),
-    ("sampling.seed", -3, ["an integer >= 0, or null"]),
-    ("sampling.stop", ["", "x"], ["a list of non-empty strings"]),
+    ("sampling.seed", -3, ["an integer from 0 to 2^64-1, or null"]),
+    ("sampling.stop", ["", "x"], ["a list of at most 16 strings of 1 to 256 characters"]),
     ("limits.max_frame_bytes", "2GiB", ["a byte size from 1KiB to 1GiB", "= 2147483648 bytes"]),
     ("limits.max_frame_bytes", "lots", ["a byte size", "units B, KiB, MiB, GiB, TiB", "got 'lots'"]),
     ("cpu.weight_cache_bytes", "8G", ["a byte size", "got '8G'"]),

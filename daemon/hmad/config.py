@@ -5,8 +5,10 @@ exists, else none. Overrides are a dict of dotted keys (``{"engine.max_seqs": 32
 section name with a mapping works too. ``etc/hmad.yaml`` documents every key, and a test keeps it equal to the
 defaults written here.
 
-Every value is checked; a bad one raises ``ConfigError`` naming the dotted key, what is allowed, what was
-given and where it came from::
+Each section is a pydantic model (strict types, frozen); a section that configures a class takes its keys and
+defaults from it (engine: SchedulerConfig, vulkan: VulkanOptions, sampling: the one table of the sampling
+fields, hmaclient.sampling). Every value is checked; a bad one raises ``ConfigError`` naming the dotted key,
+what is allowed, what was given and where it came from (one place words pydantic's errors so: _explain)::
 
     engine.max_seqs: must be an integer from 1 to 1024, got 'many' (in /etc/hmad/hmad.yaml)
     unknown key 'engine.max_seq' (allowed: max_seqs, step_tokens, ...; did you mean 'max_seqs'?) (in ...)
@@ -19,23 +21,38 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import os
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    ValidationError,
+    create_model,
+)
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError
 
 from hmaclient import protocol as P
+from hmaclient import sampling as sampling_fields
+from hmaclient.sampling import describe_range
 from hmad.backends.npu.routing import NPU_OPS  # the NPU backend owns its op list
+from hmad.backends.vulkan.options import MATVEC_MODES, VulkanOptions
 from hmad.core.errors import HmadError
+from hmad.engine.sampling_schema import sampling_model
+from hmad.engine.scheduler import SchedulerConfig
 
 if TYPE_CHECKING:
     from hmad.engine.sampling import SamplingParams
-    from hmad.engine.scheduler import SchedulerConfig
 
 SYSTEM_CONFIG = "/etc/hmad/hmad.yaml"
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes with the terminating NUL
@@ -50,9 +67,11 @@ class ConfigError(HmadError):
         super().__init__(f"{text} ({origin})" if origin else text)
 
 
-# --- value checks ---------------------------------------------------------------------------------------
-# Each check turns a raw YAML/override value into the stored value or raises _Bad; the loader adds the key,
-# the allowed values (``describe``) and the value given. ``show`` turns a stored value back into plain data.
+# --- key types -----------------------------------------------------------------------------------------
+# A key's type is a pydantic type (strict: YAML's true is no integer, 16.0 no int) whose Field description
+# says what it allows; pydantic checks the value, and ``_explain`` turns its first error into the message.
+# Where pydantic has no type (byte sizes, socket modes, ...), a check function returns the stored value or
+# raises _Bad with a hint for the message.
 
 
 class _Bad(Exception):
@@ -63,168 +82,102 @@ class _Bad(Exception):
         self.hint = hint
 
 
-class _Check:
-    def describe(self) -> str:
-        raise NotImplementedError
+def _rule(tp: Any, says: str, *extra: Any) -> Any:
+    """Type ``tp`` with pydantic constraints or validators ``extra``; ``says``: what it allows."""
+    return Annotated[(tp, *extra, Field(description=says))]
 
-    def parse(self, v: Any) -> Any:
-        raise NotImplementedError
 
-    def show(self, v: Any) -> Any:
-        return v
+def _says(tp: Any) -> str:
+    return next(m.description for m in tp.__metadata__ if isinstance(m, FieldInfo) and m.description)
+
+
+def _int(lo: int, hi: int | None = None) -> Any:
+    return _rule(int, describe_range("int", lo, hi), Field(ge=lo, le=hi))
+
+
+def _real(lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> Any:
+    low = {} if lo is None else {"gt" if lo_open else "ge": lo}
+    return _rule(float, describe_range("real", lo, hi, lo_open), Field(**low, le=hi, allow_inf_nan=False))
+
+
+def _one_of(*words: str) -> Any:
+    """One of a few words; case-insensitive, stored in lower case."""
+    lower = BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)
+    return _rule(Literal[words], "one of " + ", ".join(words), lower)
+
+
+def _tristate(v: Any) -> Any:
+    words = {"auto": "auto", "true": True, "false": False}
+    return words.get(v.lower(), v) if isinstance(v, str) else v
+
+
+def _power_of_two(v: int) -> int:
+    if v & (v - 1):
+        raise PydanticCustomError("hmad", "", {"hint": ""})
+    return v
+
+
+_BOOL = _rule(bool, "true or false")
+_TRISTATE = _rule(Literal["auto"] | bool, "one of auto, true, false", BeforeValidator(_tristate))
+
+
+def _custom(tp: Any, says: str, check: Callable[[Any], Any], show: Callable[[Any], Any] | None = None) -> Any:
+    """A key pydantic has no type for: ``check`` returns the stored value or raises _Bad; ``show`` turns a
+    stored value back into plain data (to_dict)."""
+
+    def validate(v: Any) -> Any:
+        try:
+            return check(v)
+        except _Bad as bad:
+            raise PydanticCustomError("hmad", "{hint}", {"hint": bad.hint}) from None
+
+    extra = [PlainValidator(validate)] + ([PlainSerializer(show, when_used="json")] if show else [])
+    return _rule(tp, says, *extra)
+
+
+def _or_null(tp: Any, null_means: str) -> Any:
+    return Annotated[tp | None, Field(description=f"{_says(tp)}, or null ({null_means})")]
 
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)  # YAML true is a bool, and bool is an int
 
 
-@dataclass(frozen=True)
-class _Int(_Check):
-    lo: int
-    hi: int | None = None
-
-    def describe(self) -> str:
-        if self.hi is None:
-            return f"an integer >= {self.lo}"
-        return f"an integer from {self.lo} to {self.hi}"
-
-    def parse(self, v: Any) -> int:
-        if not _is_int(v) or v < self.lo or (self.hi is not None and v > self.hi):
-            raise _Bad()
-        return v
+def _is_scalar(v: Any) -> bool:
+    return isinstance(v, int | float | bool)
 
 
-@dataclass(frozen=True)
-class _PowerOfTwo(_Check):
-    lo: int
-    hi: int
-
-    def describe(self) -> str:
-        return f"a power of two from {self.lo} to {self.hi}"
-
-    def parse(self, v: Any) -> int:
-        if not _is_int(v) or not self.lo <= v <= self.hi or v & (v - 1):
-            raise _Bad()
-        return v
-
-
-@dataclass(frozen=True)
-class _Real(_Check):
-    """A finite number (int or float, stored as float) within optional bounds; ``lo_open``: lo excluded."""
-
-    lo: float | None = None
-    hi: float | None = None
-    lo_open: bool = False
-
-    def describe(self) -> str:
-        if self.lo is not None and self.hi is not None:
-            return f"a number in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}]"
-        if self.lo is not None:
-            return f"a number {'>' if self.lo_open else '>='} {self.lo:g}"
-        return "a number"
-
-    def parse(self, v: Any) -> float:
-        if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
-            raise _Bad()
-        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
-            raise _Bad()
-        if self.hi is not None and v > self.hi:
-            raise _Bad()
-        return float(v)
-
-
-@dataclass(frozen=True)
-class _Bool(_Check):
-    def describe(self) -> str:
-        return "true or false"
-
-    def parse(self, v: Any) -> bool:
-        if not isinstance(v, bool):
-            raise _Bad()
-        return v
-
-
-@dataclass(frozen=True)
-class _OneOf(_Check):
-    """One of a few words; case-insensitive, stored in lower case."""
-
-    values: tuple[str, ...]
-
-    def describe(self) -> str:
-        return "one of " + ", ".join(self.values)
-
-    def parse(self, v: Any) -> str:
-        if not isinstance(v, str) or v.lower() not in self.values:
-            raise _Bad()
-        return v.lower()
-
-
-@dataclass(frozen=True)
-class _Tristate(_Check):
-    """auto, true or false (YAML booleans or the words); stored as "auto", True or False."""
-
-    def describe(self) -> str:
-        return "one of auto, true, false"
-
-    def parse(self, v: Any) -> str | bool:
-        if isinstance(v, bool):
-            return v
-        words = {"auto": "auto", "true": True, "false": False}
-        if not isinstance(v, str) or v.lower() not in words:
-            raise _Bad()
-        return words[v.lower()]
-
-
-@dataclass(frozen=True)
-class _Text(_Check):
-    what: str = "a non-empty string"
-
-    def describe(self) -> str:
-        return self.what
-
-    def parse(self, v: Any) -> str:
+def _text(what: str = "a non-empty string") -> Any:
+    def check(v: Any) -> str:
         if not isinstance(v, str) or not v.strip():
             raise _Bad(" (quote it if YAML read it as a number or boolean)" if _is_scalar(v) else "")
         return v
 
+    return _custom(str, what, check)
 
-@dataclass(frozen=True)
-class _SocketPath(_Check):
-    def describe(self) -> str:
-        return f"an absolute path of at most {UNIX_PATH_MAX} bytes, or null for the default"
 
-    def parse(self, v: Any) -> str:
-        if not isinstance(v, str) or not os.path.isabs(v):
-            raise _Bad()
-        if len(os.fsencode(v)) > UNIX_PATH_MAX:
-            raise _Bad(f" ({len(os.fsencode(v))} bytes: longer than a Unix socket path can be)")
-        return v
+def _socket_path(v: Any) -> str:
+    if not isinstance(v, str) or not os.path.isabs(v):
+        raise _Bad()
+    if len(os.fsencode(v)) > UNIX_PATH_MAX:
+        raise _Bad(f" ({len(os.fsencode(v))} bytes: longer than a Unix socket path can be)")
+    return v
 
 
 _MODE_RE = re.compile(r"(0o|0)?([0-7]{3})")
 
 
-@dataclass(frozen=True)
-class _Mode(_Check):
+def _mode(v: Any) -> int:
     """Permission bits of the socket, 0o000..0o777: an int (YAML reads unquoted 0660 as octal) or "0660"."""
-
-    def describe(self) -> str:
-        return "permission bits from 0000 to 0777, such as '0660'"
-
-    def parse(self, v: Any) -> int:
-        if _is_int(v):
-            if 0 <= v <= 0o777:
-                return v
-            digits = str(v)
-            hint = f" (= {v:#o}; did you mean '0{digits}'?)" if _MODE_RE.fullmatch(digits) else ""
-            raise _Bad(hint)
-        m = _MODE_RE.fullmatch(v) if isinstance(v, str) else None
-        if m is None:
-            raise _Bad()
-        return int(m.group(2), 8)
-
-    def show(self, v: int) -> str:
-        return f"{v:04o}"
+    if _is_int(v):
+        if 0 <= v <= 0o777:
+            return v
+        digits = str(v)
+        raise _Bad(f" (= {v:#o}; did you mean '0{digits}'?)" if _MODE_RE.fullmatch(digits) else "")
+    m = _MODE_RE.fullmatch(v) if isinstance(v, str) else None
+    if m is None:
+        raise _Bad()
+    return int(m.group(2), 8)
 
 
 _BYTE_UNITS = {
@@ -257,255 +210,226 @@ def _iec(n: int) -> str:
     return str(n)
 
 
-@dataclass(frozen=True)
-class _Bytes(_Check):
-    lo: int = 0
-    hi: int | None = None
-
-    def describe(self) -> str:
-        span = f" from {_iec(self.lo)} to {_iec(self.hi)}" if self.hi is not None else ""
-        return (
-            f"a byte size{span}: an integer, or a string like '512MiB' or '8GiB' "
-            "(units B, KiB, MiB, GiB, TiB, kB, MB, GB, TB)"
-        )
-
-    def parse(self, v: Any) -> int:
+def _bytes(lo: int = 0, hi: int | None = None) -> Any:
+    def check(v: Any) -> int:
         try:
             n = parse_bytes(v)
         except ValueError:
             raise _Bad() from None
-        if n < self.lo or (self.hi is not None and n > self.hi):
+        if n < lo or (hi is not None and n > hi):
             raise _Bad(f" (= {n} bytes)")
         return n
 
-
-@dataclass(frozen=True)
-class _OrNull(_Check):
-    inner: _Check
-    null_means: str
-
-    def describe(self) -> str:
-        return f"{self.inner.describe()}, or null ({self.null_means})"
-
-    def parse(self, v: Any) -> Any:
-        return None if v is None else self.inner.parse(v)
-
-    def show(self, v: Any) -> Any:
-        return None if v is None else self.inner.show(v)
+    span = f" from {_iec(lo)} to {_iec(hi)}" if hi is not None else ""
+    units = "(units B, KiB, MiB, GiB, TiB, kB, MB, GB, TB)"
+    return _custom(int, f"a byte size{span}: an integer, or a string like '512MiB' or '8GiB' {units}", check)
 
 
-@dataclass(frozen=True)
-class _Device(_Check):
-    def describe(self) -> str:
-        return "null (the first GPU), a device index >= 0, or a substring of the device name"
-
-    def parse(self, v: Any) -> int | str | None:
-        if v is None or (_is_int(v) and v >= 0) or (isinstance(v, str) and v.strip()):
-            return v
-        raise _Bad()
+def _device(v: Any) -> int | str | None:
+    if v is None or (_is_int(v) and v >= 0) or (isinstance(v, str) and v.strip()):
+        return v
+    raise _Bad()
 
 
-@dataclass(frozen=True)
-class _Subset(_Check):
+def _subset(known: tuple[str, ...]) -> Any:
     """A list of distinct words from ``known``; stored as a tuple."""
 
-    known: tuple[str, ...]
-
-    def describe(self) -> str:
-        return "a list of distinct names from " + ", ".join(self.known)
-
-    def parse(self, v: Any) -> tuple[str, ...]:
-        if not isinstance(v, list):
+    def check(v: Any) -> tuple[str, ...]:
+        if not isinstance(v, list | tuple):
             raise _Bad()
-        bad = [x for x in v if x not in self.known]
+        bad = [x for x in v if x not in known]
         if bad:
             raise _Bad(f" (unknown: {', '.join(map(_show, bad))})")
         if len(set(v)) != len(v):
             raise _Bad(" (a name is repeated)")
         return tuple(v)
 
-    def show(self, v: tuple[str, ...]) -> list[str]:
-        return list(v)
-
-
-@dataclass(frozen=True)
-class _Strings(_Check):
-    """A list of non-empty strings (or one string); stored as a tuple."""
-
-    def describe(self) -> str:
-        return "a list of non-empty strings"
-
-    def parse(self, v: Any) -> tuple[str, ...]:
-        v = [v] if isinstance(v, str) else v
-        if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
-            raise _Bad()
-        return tuple(v)
-
-    def show(self, v: tuple[str, ...]) -> list[str]:
-        return list(v)
-
-
-def _is_scalar(v: Any) -> bool:
-    return isinstance(v, int | float | bool)
-
-
-def _key(default: Any, check: _Check) -> Any:
-    """A config key: its default and the check its values must pass."""
-    return field(default=default, metadata={"check": check})
-
-
-def _section(cls: type) -> Any:
-    return field(default_factory=cls, metadata={"section": cls})
+    return _custom(tuple[str, ...], "a list of distinct names from " + ", ".join(known), check, show=list)
 
 
 # --- the sections ---------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class SocketConfig:
-    path: str | None = _key(None, _OrNull(_SocketPath(), "the default"))  # load_config fills the default in
-    mode: int = _key(0o660, _Mode())
-    group: str | None = _key(None, _OrNull(_Text("a group name (a string)"), "the daemon's own group"))
+class _Section(BaseModel):
+    """A config section: frozen, strict, unknown keys refused."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """Mirrors hmad.engine.scheduler.SchedulerConfig field for field, plus ``deterministic`` (a backend
-    option: batch-invariant numerics, "auto" = the backend's default, see docs/determinism.md)."""
-
-    max_seqs: int = _key(16, _Int(1, 1024))
-    step_tokens: int = _key(512, _Int(1, 65536))
-    max_chunk: int = _key(512, _Int(1, 65536))
-    kv_tokens: int = _key(32768, _Int(1, 1 << 24))
-    block_size: int = _key(16, _PowerOfTwo(1, 256))
-    max_queue: int = _key(256, _Int(1, 65536))
-    context_length: int = _key(0, _Int(0, 1 << 24))
-    prefix_cache: bool = _key(True, _Bool())
-    pipeline: bool = _key(True, _Bool())
-    deterministic: str | bool = _key("auto", _Tristate())
+def _mirror(
+    name: str, of: type, types: dict[str, Any], every: bool = False, **own: tuple[Any, Any]
+) -> type[_Section]:
+    """A section whose keys are fields of the dataclass ``of``, in its order and with its defaults (written
+    there, not here), each typed by ``types`` (every key ``types`` names must be a field of ``of``; with
+    ``every``, every field of ``of`` must have a type); ``own``: (type, default) of the section's own keys."""
+    fields = {f.name: f.default for f in dataclasses.fields(of)}
+    strays = sorted(set(types) ^ set(fields) if every else set(types) - set(fields))
+    if strays:
+        raise TypeError(f"{name} and {of.__name__} disagree on {', '.join(strays)}")
+    spec = {k: (types[k], default) for k, default in fields.items() if k in types}
+    return create_model(name, __base__=_Section, **spec, **own)
 
 
-@dataclass(frozen=True)
-class LimitsConfig:
-    max_frame_bytes: int = _key(4 << 20, _Bytes(1 << 10, 1 << 30))
-    max_prompt_tokens: int = _key(0, _Int(0, 1 << 24))
+_SocketPath = _or_null(
+    _custom(str, f"an absolute path of at most {UNIX_PATH_MAX} bytes", _socket_path), "the default"
+)
+_Mode = _custom(int, "permission bits from 0000 to 0777, such as '0660'", _mode, lambda v: f"{v:04o}")
+_Group = _or_null(_text("a group name (a string)"), "the daemon's own group")
 
 
-@dataclass(frozen=True)
-class ServerConfig:
+class SocketConfig(_Section):
+    path: _SocketPath = None  # load_config fills the default in
+    mode: _Mode = 0o660
+    group: _Group = None
+
+
+#: engine: hmad.engine.scheduler.SchedulerConfig's fields (every one) with their ranges, and ``deterministic``
+#: (a backend option: batch-invariant numerics, "auto" = the backend's default, see docs/determinism.md)
+EngineConfig = _mirror(
+    "EngineConfig",
+    SchedulerConfig,
+    {
+        "max_seqs": _int(1, 1024),
+        "step_tokens": _int(1, 65536),
+        "max_chunk": _int(1, 65536),
+        "kv_tokens": _int(1, 1 << 24),
+        "block_size": _rule(
+            int, "a power of two from 1 to 256", Field(ge=1, le=256), AfterValidator(_power_of_two)
+        ),
+        "max_queue": _int(1, 65536),
+        "context_length": _int(0, 1 << 24),
+        "prefix_cache": _BOOL,
+        "pipeline": _BOOL,
+    },
+    every=True,
+    deterministic=(_TRISTATE, "auto"),
+)
+if set(EngineConfig.model_fields) != {
+    *(f.name for f in dataclasses.fields(SchedulerConfig)),
+    "deterministic",
+}:
+    raise TypeError("EngineConfig: every SchedulerConfig field needs its type here")
+
+
+class LimitsConfig(_Section):
+    max_frame_bytes: _bytes(1 << 10, 1 << 30) = 4 << 20
+    max_prompt_tokens: _int(0, 1 << 24) = 0
+
+
+class ServerConfig(_Section):
     """The socket's limits on its peers (docs/protocol.md, "Limits")."""
 
-    max_connections: int = _key(1024, _Int(1, 1 << 20))
-    max_connections_per_uid: int = _key(256, _Int(1, 1 << 20))
-    max_in_flight_per_connection: int = _key(64, _Int(1, 1 << 20))
-    max_in_flight_per_uid: int = _key(128, _Int(1, 1 << 20))
-    max_reply_bytes: int = _key(256 << 20, _Bytes(1 << 20, 1 << 40))
+    max_connections: _int(1, 1 << 20) = 1024
+    max_connections_per_uid: _int(1, 1 << 20) = 256
+    max_in_flight_per_connection: _int(1, 1 << 20) = 64
+    max_in_flight_per_uid: _int(1, 1 << 20) = 128
+    max_reply_bytes: _bytes(1 << 20, 1 << 40) = 256 << 20
 
 
-@dataclass(frozen=True)
-class ServiceConfig:
-    drain_grace_s: float = _key(10.0, _Real(0.0))
-    watchdog: bool = _key(True, _Bool())
-    heartbeat_ivl_s: float = _key(1.0, _Real(0.0, lo_open=True))
-    heartbeat_timeout_s: float = _key(5.0, _Real(0.0, lo_open=True))
-    status_every_s: float = _key(5.0, _Real(0.0))
+class ServiceConfig(_Section):
+    drain_grace_s: _real(0.0) = 10.0
+    watchdog: _BOOL = True
+    heartbeat_ivl_s: _real(0.0, lo_open=True) = 1.0
+    heartbeat_timeout_s: _real(0.0, lo_open=True) = 5.0
+    status_every_s: _real(0.0) = 5.0
 
 
-@dataclass(frozen=True)
-class SamplingConfig:
-    """Defaults for requests that leave a knob out; mirrors hmad.engine.sampling.SamplingParams.
-
-    Gemma 3's recommended settings: temperature 1.0, top_k 64, top_p 0.95, min_p 0.
-    """
-
-    temperature: float = _key(1.0, _Real(0.0))
-    top_k: int = _key(64, _Int(0))
-    top_p: float = _key(0.95, _Real(0.0, 1.0, lo_open=True))
-    min_p: float = _key(0.0, _Real(0.0, 1.0))
-    repetition_penalty: float = _key(1.0, _Real(0.0, lo_open=True))
-    repeat_last_n: int = _key(64, _Int(0))
-    seed: int | None = _key(None, _OrNull(_Int(0), "fresh entropy per request"))
-    max_tokens: int = _key(512, _Int(1))
-    stop: tuple[str, ...] = _key((), _Strings())
+#: sampling: the defaults of requests that leave a field out; every field, its range and its built-in default
+#: from the one table (hmaclient.sampling), as pydantic types from hmad.engine.sampling_schema
+SamplingConfig = sampling_model("SamplingConfig", sampling_fields.DEFAULTS, frozen=True)
 
 
-@dataclass(frozen=True)
-class CpuConfig:
+class CpuConfig(_Section):
     """Options of hmad.backends.cpu.CpuBackend, same names."""
 
-    numerics: str = _key("ggml", _OneOf(("ggml", "f32")))
-    weight_cache_bytes: int = _key(16 << 30, _Bytes())
-    kv_dtype: str = _key("float32", _OneOf(("float32", "float16")))
+    numerics: _one_of("ggml", "f32") = "ggml"
+    weight_cache_bytes: _bytes() = 16 << 30
+    kv_dtype: _one_of("float32", "float16") = "float32"
 
 
-@dataclass(frozen=True)
-class VulkanConfig:
-    device: int | str | None = _key(None, _Device())
-    device_local_bytes: int | None = _key(None, _OrNull(_Bytes(), "all the heap's budget"))
-    host_visible_bytes: int | None = _key(None, _OrNull(_Bytes(), "all the heap's budget"))
-    matvec: str = _key("exact", _OneOf(("exact", "int8", "float")))
-    coopmat: str = _key("auto", _OneOf(("auto", "off")))
-    coopmat_min_tokens: int = _key(4, _Int(2))
-    mmq: str = _key("auto", _OneOf(("auto", "off")))
-    mmq_min_tokens: int = _key(3, _Int(2))
-    fuse: bool = _key(True, _Bool())
-    prefetch_bytes: int | None = _key(None, _OrNull(_Bytes(), "auto: 8 MiB on a discrete GPU, else 0"))
-    step_timeout_s: float = _key(600.0, _Real(1.0))
+#: vulkan: the config keys of hmad.backends.vulkan.options.VulkanOptions (defaults there) with their ranges
+VulkanConfig = _mirror(
+    "VulkanConfig",
+    VulkanOptions,
+    {
+        "device": _custom(
+            int | str | None,
+            "null (the first GPU), a device index >= 0, or a substring of the device name",
+            _device,
+        ),  # noqa: E501
+        "device_local_bytes": _or_null(_bytes(), "all the heap's budget"),
+        "host_visible_bytes": _or_null(_bytes(), "all the heap's budget"),
+        "matvec": _one_of(*MATVEC_MODES),
+        "coopmat": _one_of("auto", "off"),
+        "coopmat_min_tokens": _int(2),
+        "mmq": _one_of("auto", "off"),
+        "mmq_min_tokens": _int(2),
+        "fuse": _BOOL,
+        "prefetch_bytes": _or_null(_bytes(), "auto: 8 MiB on a discrete GPU, else 0"),
+        "step_timeout_s": _real(1.0),
+    },
+)
 
 
-@dataclass(frozen=True)
-class NpuConfig:
+class NpuConfig(_Section):
     """Options of hmad.backends.npu.backend.NpuBackend (which also takes the cpu section's), same names."""
 
-    enabled: str | bool = _key("auto", _Tristate())
-    ops: tuple[str, ...] = _key(NPU_OPS, _Subset(NPU_OPS))
-    xclbin_dir: str | None = _key(None, _OrNull(_Text(), "the kernels installed with hmad"))
-    min_rows: int = _key(32, _Int(1))
-    timeout_s: float = _key(5.0, _Real(0.0, 60.0, lo_open=True))
-    idle_s: float = _key(5.0, _Real(0.0))
+    enabled: _TRISTATE = "auto"
+    ops: _subset(NPU_OPS) = NPU_OPS
+    xclbin_dir: _or_null(_text(), "the kernels installed with hmad") = None
+    min_rows: _int(1) = 32
+    timeout_s: _real(0.0, 60.0, lo_open=True) = 5.0
+    idle_s: _real(0.0) = 5.0
 
 
-@dataclass(frozen=True)
-class Config:
-    """The whole configuration; ``load_config`` builds one, ``Config()`` is the built-in defaults."""
+_SECTIONS: dict[str, type[BaseModel]] = {
+    "socket": SocketConfig,
+    "engine": EngineConfig,
+    "limits": LimitsConfig,
+    "server": ServerConfig,
+    "service": ServiceConfig,
+    "sampling": SamplingConfig,
+    "cpu": CpuConfig,
+    "vulkan": VulkanConfig,
+    "npu": NpuConfig,
+}
 
-    model: str = _key("default", _Text("'default', a .gguf file or an HF checkpoint directory"))
-    backend: str = _key("auto", _OneOf(("auto", "cpu", "vulkan", "npu")))
-    log_level: str = _key("info", _OneOf(("debug", "info", "warning", "error")))
-    socket: SocketConfig = _section(SocketConfig)
-    engine: EngineConfig = _section(EngineConfig)
-    limits: LimitsConfig = _section(LimitsConfig)
-    server: ServerConfig = _section(ServerConfig)
-    service: ServiceConfig = _section(ServiceConfig)
-    sampling: SamplingConfig = _section(SamplingConfig)
-    cpu: CpuConfig = _section(CpuConfig)
-    vulkan: VulkanConfig = _section(VulkanConfig)
-    npu: NpuConfig = _section(NpuConfig)
-    source: str | None = field(default=None, compare=False)  # the YAML file read, if any
+
+class Config(_Section):
+    """The whole configuration; ``load_config`` builds one, ``Config()`` is the built-in defaults. Two are
+    equal when their keys are (``source`` aside)."""
+
+    model: _text("'default', a .gguf file or an HF checkpoint directory") = "default"
+    backend: _one_of("auto", "cpu", "vulkan", "npu") = "auto"
+    log_level: _one_of("debug", "info", "warning", "error") = "info"
+    socket: SocketConfig = Field(default_factory=SocketConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    service: ServiceConfig = Field(default_factory=ServiceConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    cpu: CpuConfig = Field(default_factory=CpuConfig)
+    vulkan: VulkanConfig = Field(default_factory=VulkanConfig)
+    npu: NpuConfig = Field(default_factory=NpuConfig)
+    source: str | None = None  # the YAML file read, if any
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Config):
+            return NotImplemented
+        return self.model_dump(exclude={"source"}) == other.model_dump(exclude={"source"})
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (YAML/JSON-ready; socket.mode as "0660") that loads back to an equal Config."""
-        out: dict[str, Any] = {}
-        for f, check, section in _schema(Config):
-            if section is None:
-                out[f.name] = check.show(getattr(self, f.name))
-            else:
-                sec = getattr(self, f.name)
-                out[f.name] = {g.name: c.show(getattr(sec, g.name)) for g, c, _ in _schema(section)}
-        return out
+        return self.model_dump(mode="json", exclude={"source"})
 
     def scheduler_config(self) -> SchedulerConfig:
-        from hmad.engine.scheduler import SchedulerConfig
-
-        values = dataclasses.asdict(self.engine)
-        del values["deterministic"]  # the backend's (backend_options), not the scheduler's
-        return SchedulerConfig(**values)
+        return SchedulerConfig(**self.engine.model_dump(exclude={"deterministic"}))  # the backend's, not its
 
     def sampling_defaults(self) -> SamplingParams:
         """A fresh SamplingParams (the scheduler edits its copy) holding the configured defaults."""
         from hmad.engine.sampling import SamplingParams
 
-        values = dataclasses.asdict(self.sampling)
+        values = self.sampling.model_dump()
         return SamplingParams(**{**values, "stop": list(values["stop"])})
 
     def backend_options(self, name: str) -> dict[str, Any]:
@@ -515,17 +439,8 @@ class Config:
             raise ValueError(f"no options section for backend {name!r} (allowed: cpu, vulkan, npu)")
         det = {"deterministic": self.engine.deterministic}
         if name == "npu":  # the CPU backend with NPU offload: both sections
-            return {**dataclasses.asdict(self.cpu), **dataclasses.asdict(self.npu), **det}
-        return {**dataclasses.asdict(getattr(self, name)), **det}
-
-
-def _schema(cls: type) -> list[tuple[dataclasses.Field, _Check | None, type | None]]:
-    """(field, check, section class) of every config key of ``cls``, in order."""
-    out = []
-    for f in dataclasses.fields(cls):
-        if "check" in f.metadata or "section" in f.metadata:
-            out.append((f, f.metadata.get("check"), f.metadata.get("section")))
-    return out
+            return {**self.cpu.model_dump(), **self.npu.model_dump(), **det}
+        return {**getattr(self, name).model_dump(), **det}
 
 
 # --- loading --------------------------------------------------------------------------------------------
@@ -564,7 +479,8 @@ def load_config(
         layers.append(_parse_layer(_nest(overrides, origin), origin))
     cfg = _build(layers, file)
     if cfg.socket.path is None:
-        cfg = dataclasses.replace(cfg, socket=dataclasses.replace(cfg.socket, path=default_socket_path(env)))
+        socket = cfg.socket.model_copy(update={"path": default_socket_path(env)})
+        cfg = cfg.model_copy(update={"socket": socket})
     _check_together(cfg)
     return cfg
 
@@ -633,14 +549,13 @@ def _yaml_problem(e: yaml.MarkedYAMLError) -> str:
 
 def _nest(overrides: Mapping[str, Any], origin: str) -> dict[str, Any]:
     """{"engine.max_seqs": 8, "model": m} -> {"engine": {"max_seqs": 8}, "model": m}."""
-    sections = {f.name for f, _, s in _schema(Config) if s is not None}
     nested: dict[str, Any] = {}
     for dotted, value in overrides.items():
         head, dot, rest = str(dotted).partition(".")
         if not dot:
             merge = isinstance(value, Mapping) and isinstance(nested.get(head), dict)
             nested[head] = {**nested[head], **value} if merge else value
-        elif head in sections:
+        elif head in _SECTIONS:
             sub = nested.setdefault(head, {})
             if not isinstance(sub, dict):
                 raise ConfigError("given both as a whole and by key", key=head, origin=origin)
@@ -652,53 +567,63 @@ def _nest(overrides: Mapping[str, Any], origin: str) -> dict[str, Any]:
 
 def _parse_layer(raw: Mapping[str, Any], origin: str) -> dict[str, Any]:
     """Check one source's keys and values: {top-level key: value, section: {key: value}} (partial)."""
-    fields = {f.name: (check, section) for f, check, section in _schema(Config)}
     out: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key not in fields:
-            raise _unknown(str(key), list(fields), origin)
-        check, section = fields[key]
-        if section is None:
-            out[key] = _parse_value(check, value, key, origin)
-        else:
-            out[key] = _parse_section(section, value, key, origin)
+    for key in raw:
+        if key not in _names(Config):
+            raise _unknown(str(key), _names(Config), origin)
+    top = {k: v for k, v in raw.items() if k not in _SECTIONS}
+    checked = _validated(Config, top, "", origin)
+    out.update({k: getattr(checked, k) for k in top})
+    for name, value in raw.items():
+        if name in _SECTIONS:
+            out[name] = _parse_section(_SECTIONS[name], value, name, origin)
     return out
 
 
-def _parse_section(cls: type, raw: Any, name: str, origin: str) -> dict[str, Any]:
-    checks = {f.name: check for f, check, _ in _schema(cls)}
+def _parse_section(cls: type[BaseModel], raw: Any, name: str, origin: str) -> dict[str, Any]:
     if raw is None:
         return {}  # "engine:" with every key commented out
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"must be a mapping with keys {', '.join(checks)}, got {_show(raw)}", name, origin)
-    out = {}
-    for key, value in raw.items():
-        if key not in checks:
-            raise _unknown(f"{name}.{key}", list(checks), origin)
-        out[key] = _parse_value(checks[key], value, f"{name}.{key}", origin)
-    return out
+        keys = ", ".join(cls.model_fields)
+        raise ConfigError(f"must be a mapping with keys {keys}, got {_show(raw)}", name, origin)
+    raw = dict(raw)
+    if cls is SamplingConfig and isinstance(raw.get("stop"), str):
+        raw["stop"] = [raw["stop"]]  # one stop string may be written as such
+    checked = _validated(cls, raw, f"{name}.", origin)
+    return {k: getattr(checked, k) for k in raw}
 
 
-def _parse_value(check: _Check, value: Any, key: str, origin: str) -> Any:
+def _validated(cls: type[BaseModel], raw: Mapping[str, Any], prefix: str, origin: str) -> BaseModel:
+    """``cls`` from ``raw`` (a partial mapping: the rest at defaults), or the ConfigError of its first
+    fault."""
     try:
-        return check.parse(value)
-    except _Bad as bad:
-        raise ConfigError(f"must be {check.describe()}, got {_show(value)}{bad.hint}", key, origin) from None
+        return cls.model_validate(raw)
+    except ValidationError as e:
+        raise _explain(cls, e.errors(include_url=False)[0], raw, prefix, origin) from None
+
+
+def _explain(cls: type[BaseModel], err: Any, raw: Mapping[str, Any], prefix: str, origin: str) -> ConfigError:
+    """One pydantic error (its loc, type and ctx) as the config's message, the one shape every bad key
+    gets: "<key>: must be <what it allows>, got <the value><hint>", or the unknown key and the allowed."""
+    key = err["loc"][0]
+    if err["type"] == "extra_forbidden" or key not in cls.model_fields:
+        allowed = [k for k in cls.model_fields if k != "source"]
+        return _unknown(f"{prefix}{key}", allowed, origin)
+    says = cls.model_fields[key].description or err["msg"]
+    hint = err.get("ctx", {}).get("hint", "") if err["type"] == "hmad" else ""
+    return ConfigError(f"must be {says}, got {_show(raw[key])}{hint}", f"{prefix}{key}", origin)
 
 
 def _build(layers: list[dict[str, Any]], source: str | None) -> Config:
-    """Defaults with each layer's keys laid over them, in order."""
+    """Defaults with each layer's keys laid over them, in order (every value is checked already)."""
     kwargs: dict[str, Any] = {}
-    for f, _, section in _schema(Config):
-        if section is None:
-            for layer in layers:
-                if f.name in layer:
-                    kwargs[f.name] = layer[f.name]
-        else:
-            values: dict[str, Any] = {}
-            for layer in layers:
-                values.update(layer.get(f.name, {}))
-            kwargs[f.name] = section(**values)
+    for layer in layers:
+        kwargs.update({k: v for k, v in layer.items() if k not in _SECTIONS})
+    for name, cls in _SECTIONS.items():
+        values: dict[str, Any] = {}
+        for layer in layers:
+            values.update(layer.get(name, {}))
+        kwargs[name] = cls(**values)
     return Config(**kwargs, source=source)
 
 
@@ -715,10 +640,6 @@ def _check_together(cfg: Config) -> None:
         raise ConfigError(
             "is false, but backend is npu (set npu.enabled: auto or true, or another backend)", "npu.enabled"
         )
-    try:
-        cfg.sampling_defaults().validate()  # SamplingParams' own rules, should the two ever drift apart
-    except ValueError as e:
-        raise ConfigError(str(e), "sampling") from None
 
 
 def _unknown(dotted: str, allowed: list[str], origin: str) -> ConfigError:
@@ -728,8 +649,8 @@ def _unknown(dotted: str, allowed: list[str], origin: str) -> ConfigError:
     return ConfigError(f"unknown key {dotted!r} (allowed: {', '.join(allowed)}{guess})", origin=origin)
 
 
-def _names(cls: type) -> list[str]:
-    return [f.name for f, _, _ in _schema(cls)]
+def _names(cls: type[BaseModel]) -> list[str]:
+    return [k for k in cls.model_fields if k != "source"]
 
 
 def _show(v: Any) -> str:

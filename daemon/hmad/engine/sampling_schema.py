@@ -17,20 +17,23 @@ from hmaclient import sampling as fields
 
 
 def field_type(f: fields.SamplingField) -> Any:
-    """The pydantic type of one field (``| None`` where None is a value of its own: seed)."""
+    """The pydantic type of one field (``| None`` where None is a value of its own: seed); its description
+    is what the field allows, in the table's words ("a number in (0, 1]")."""
+    says = pydantic.Field(description=fields.describe(f))
     if f.kind == "strings":
         text = Annotated[str, pydantic.Field(min_length=1, max_length=fields.MAX_STOP_CHARS)]
-        return Annotated[list[text], pydantic.Field(max_length=int(f.hi))]
+        return Annotated[list[text], pydantic.Field(max_length=int(f.hi)), says]
     lo = {"gt" if f.lo_open else "ge": f.lo}
     kind = int if f.kind == "int" else float
     typ = Annotated[kind, pydantic.Field(**lo, le=f.hi, allow_inf_nan=False, strict=True)]
-    return typ | None if f.nullable else typ
+    return Annotated[typ | None, says] if f.nullable else Annotated[typ, says]
 
 
 def sampling_model(name: str, defaults: Mapping[str, Any], **config: Any) -> type[pydantic.BaseModel]:
     """A strict pydantic model of every sampling field with ``defaults``, refusing unknown keys;
     ``config``: more model options (the config's section is frozen)."""
-    spec = {f.name: (field_type(f), defaults[f.name]) for f in fields.FIELDS}
+    given = {k: list(v) if isinstance(v, tuple) else v for k, v in defaults.items()}  # stop: a list
+    spec = {f.name: (field_type(f), given[f.name]) for f in fields.FIELDS}
     options = pydantic.ConfigDict(strict=True, extra="forbid", **config)
     return pydantic.create_model(name, __config__=options, **spec)
 
