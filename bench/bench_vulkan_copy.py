@@ -29,7 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 
 from hmad.backends.vulkan.device import Device  # noqa: E402
 from hmad.backends.vulkan.memory import create_buffer  # noqa: E402
-from hmad.backends.vulkan.pipelines import CommandRecorder, CopyPush, Kernel  # noqa: E402
+from hmad.backends.vulkan.pipelines import Kernel  # noqa: E402
+from hmad.backends.vulkan.push import CopyPush  # noqa: E402
+from hmad.backends.vulkan.recorder import CommandRecorder  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_clocks import ClockLog, describe, max_clocks  # noqa: E402

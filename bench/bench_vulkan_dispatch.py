@@ -24,7 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 
 from hmad.backends.vulkan.device import Device  # noqa: E402
 from hmad.backends.vulkan.memory import create_buffer  # noqa: E402
-from hmad.backends.vulkan.pipelines import AddPush, CommandRecorder, Kernel  # noqa: E402
+from hmad.backends.vulkan.pipelines import Kernel  # noqa: E402
+from hmad.backends.vulkan.push import AddPush  # noqa: E402
+from hmad.backends.vulkan.recorder import CommandRecorder  # noqa: E402
 
 
 def timed(rec: CommandRecorder, reps: int) -> float:

@@ -38,26 +38,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 
 from bench_vulkan_copy import bench_variant  # noqa: E402
 
-from hmad.backends.vulkan import kernels_matmul as km  # noqa: E402
+from hmad.backends.vulkan import kernels_coopmat as km  # noqa: E402
 from hmad.backends.vulkan.device import Device  # noqa: E402
-from hmad.backends.vulkan.kernels_matmul import (  # noqa: E402
+from hmad.backends.vulkan.kernels_coopmat import (  # noqa: E402
     COOPMAT_Q4K_VARIANTS,
     COOPMAT_TILES,
     COOPMAT_TYPES,
-    MATMUL_TYPES,
-    UNIT_TYPES,
     coopmat_fits,
     coopmat_splits,
     coopmat_usable,
     coopmat_variant,
     record_coopmat,
-    record_matmul,
-    record_matvec_q8,
     record_row_scale,
-    weight_row_bytes,
 )
+from hmad.backends.vulkan.kernels_matmul import MATMUL_TYPES, UNIT_TYPES, record_matmul, weight_row_bytes  # noqa: E402
+from hmad.backends.vulkan.kernels_q8 import record_matvec_q8  # noqa: E402
 from hmad.backends.vulkan.memory import Uploader, create_buffer  # noqa: E402
-from hmad.backends.vulkan.pipelines import CommandRecorder, Kernel, QuantizeQ8Push  # noqa: E402
+from hmad.backends.vulkan.pipelines import Kernel  # noqa: E402
+from hmad.backends.vulkan.push import QuantizeQ8Push  # noqa: E402
+from hmad.backends.vulkan.recorder import CommandRecorder  # noqa: E402
 from hmad.backends.vulkan.residency import probe_residency  # noqa: E402
 from hmad.core.quants import dequantize, random_blocks  # noqa: E402
 from hmad.core.tensors import QType  # noqa: E402

@@ -27,10 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vulkan_copy import bench_variant  # noqa: E402
 from bench_vulkan_matmul import median_gpu_ns  # noqa: E402
 
-from hmad.backends.vulkan import kernels_matmul as km  # noqa: E402
+from hmad.backends.vulkan import kernels_q8 as km  # noqa: E402
 from hmad.backends.vulkan.device import Device  # noqa: E402
+from hmad.backends.vulkan.kernels_matmul import weight_row_bytes  # noqa: E402
 from hmad.backends.vulkan.memory import Uploader, create_buffer  # noqa: E402
-from hmad.backends.vulkan.pipelines import CommandRecorder, Kernel, QuantizeQ8Push  # noqa: E402
+from hmad.backends.vulkan.pipelines import Kernel  # noqa: E402
+from hmad.backends.vulkan.push import QuantizeQ8Push  # noqa: E402
+from hmad.backends.vulkan.recorder import CommandRecorder  # noqa: E402
 from hmad.core.quants import dequantize, random_blocks  # noqa: E402
 from hmad.core.tensors import QType  # noqa: E402
 
@@ -63,7 +66,7 @@ class Shape:
     def __init__(self, dev, up, quant, planes, shape, rng, rotate_bytes):
         self.name, tname, self.k, self.n, self.geglu = shape
         self.qtype, k, n = QType[tname.upper()], self.k, self.n
-        rb = km.weight_row_bytes(self.qtype, k)
+        rb = weight_row_bytes(self.qtype, k)
         host = [
             np.ascontiguousarray(random_blocks(self.qtype, (n, k), rng)).view(np.uint8).reshape(n, rb)
             for _ in range(2)

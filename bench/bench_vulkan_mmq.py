@@ -26,11 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vulkan_copy import bench_variant  # noqa: E402
 from bench_vulkan_matmul import median_gpu_ns  # noqa: E402
 
-from hmad.backends.vulkan import kernels_matmul as km  # noqa: E402
 from hmad.backends.vulkan import kernels_mmq as kq  # noqa: E402
+from hmad.backends.vulkan import kernels_q8 as km  # noqa: E402
 from hmad.backends.vulkan.device import Device  # noqa: E402
+from hmad.backends.vulkan.kernels_matmul import weight_row_bytes  # noqa: E402
 from hmad.backends.vulkan.memory import BufferView, Uploader, create_buffer  # noqa: E402
-from hmad.backends.vulkan.pipelines import CommandRecorder, Kernel, QuantizeQ8Push  # noqa: E402
+from hmad.backends.vulkan.pipelines import Kernel  # noqa: E402
+from hmad.backends.vulkan.push import QuantizeQ8Push  # noqa: E402
+from hmad.backends.vulkan.recorder import CommandRecorder  # noqa: E402
 from hmad.core.quants import dequantize, random_blocks  # noqa: E402
 from hmad.core.tensors import QType  # noqa: E402
 
@@ -53,7 +56,7 @@ class Case:
 
     def __init__(self, dev, up, quant, name, n, k, t_max, rng, rotate_bytes):
         self.name, self.n, self.k, self.t_max = name, n, k, t_max
-        rb = km.weight_row_bytes(QType.Q4_K, k)
+        rb = weight_row_bytes(QType.Q4_K, k)
         host = np.ascontiguousarray(random_blocks(QType.Q4_K, (n, k), rng)).view(np.uint8).reshape(n, rb)
         self.wref = dequantize(host.reshape(-1), QType.Q4_K, (n, k)).astype(np.float64)
         self.nbytes = host.nbytes

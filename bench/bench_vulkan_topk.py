@@ -25,7 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 
 from hmad.backends.vulkan.device import Device  # noqa: E402
 from hmad.backends.vulkan.memory import Uploader, create_buffer  # noqa: E402
-from hmad.backends.vulkan.pipelines import ArgmaxPush, CommandRecorder, Kernel, TopkPush, topk_chunk  # noqa: E402
+from hmad.backends.vulkan.pipelines import Kernel  # noqa: E402
+from hmad.backends.vulkan.push import ArgmaxPush, TopkPush  # noqa: E402
+from hmad.backends.vulkan.recorder import CommandRecorder  # noqa: E402
+from hmad.backends.vulkan.shapes import topk_chunk  # noqa: E402
 
 K = 128  # the backend's candidates a row (TOPK_CANDIDATES)
 

@@ -17,7 +17,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 
 from hmad.backends.vulkan.device import Device  # noqa: E402
-from hmad.backends.vulkan.pipelines import KERNELS, Kernel  # noqa: E402
+from hmad.backends.vulkan.pipelines import Kernel  # noqa: E402
+from hmad.backends.vulkan.registry import KERNELS  # noqa: E402
 
 
 def main() -> int:

@@ -36,9 +36,10 @@ sys.path[:0] = [str(ROOT / "daemon"), str(ROOT / "bench")]
 
 from bench_vulkan_model import make_batch, write_model  # noqa: E402
 
+from hmad.backends.vulkan.descriptors import arenas_of, handle_key, key_of, range_of  # noqa: E402
 from hmad.backends.vulkan.device import VulkanError  # noqa: E402
 from hmad.backends.vulkan.memory import Arena  # noqa: E402
-from hmad.backends.vulkan.pipelines import Kernel, _arenas_of, _handle_key, _key_of, _range_of  # noqa: E402
+from hmad.backends.vulkan.pipelines import Kernel  # noqa: E402
 from hmad.composition import load_model  # noqa: E402
 from hmad.engine.generate import generate  # noqa: E402
 from hmad.engine.kvcache import KVCacheManager, KVLayout  # noqa: E402
@@ -89,7 +90,7 @@ _handles: set[int] = set()
 def _counting_arena_init(init):
     def wrapped(self, *a, **kw):
         init(self, *a, **kw)
-        h = _handle_key(self.buffer)
+        h = handle_key(self.buffer)
         SEEN["arenas"] += 1
         SEEN["reused_handles"] += h in _handles
         _handles.add(h)
@@ -101,8 +102,8 @@ def _checked_descriptor_set(descriptor_set):
     """Kernel.descriptor_set, counting the sets it returns that were written for another (closed) buffer."""
 
     def wrapped(self, buffers):
-        hit = self._sets.get(tuple(_key_of(b) for b in buffers))
-        if hit is not None and any(a is not b for a, b in zip(hit[1], _arenas_of(buffers), strict=True)):
+        hit = self._sets.get(tuple(key_of(b) for b in buffers))
+        if hit is not None and any(a is not b for a, b in zip(hit[1], arenas_of(buffers), strict=True)):
             SEEN["stale_binds"] += 1
         return descriptor_set(self, buffers)
 
@@ -112,12 +113,12 @@ def _checked_descriptor_set(descriptor_set):
 def _handle_keyed_descriptor_set(self, buffers):
     """Kernel.descriptor_set before 2026-11-23: keyed by VkBuffer handle, so a new buffer that the driver
     gave a closed one's handle was bound through the closed one's set (freed memory)."""
-    ranges = [_range_of(b) for b in buffers]
-    key = tuple((_handle_key(h), o, n) for h, o, n in ranges)
+    ranges = [range_of(b) for b in buffers]
+    key = tuple((handle_key(h), o, n) for h, o, n in ranges)
     hit = self._sets.get(key)
     if hit is None:
-        hit = self._sets[key] = (self._write_set(ranges), _arenas_of(buffers))
-    elif any(a is not b for a, b in zip(hit[1], _arenas_of(buffers), strict=True)):
+        hit = self._sets[key] = (self._write_set(ranges), arenas_of(buffers))
+    elif any(a is not b for a, b in zip(hit[1], arenas_of(buffers), strict=True)):
         SEEN["stale_binds"] += 1
     return hit[0]
 

@@ -28,8 +28,9 @@ def test_peak_registered():
     """The build list, KERNELS and the SPIR-V agree: one variant per (NA, NB) of CoopMatPeakPush.VARIANTS and
     the staged a4x4 ones, bindings A, B, C (only C written; the staged ones declare A and B unread), push
     constants (iters, store_groups, never)."""
-    from hmad.backends.vulkan.pipelines import KERNELS, CoopMatPeakPush
     from hmad.backends.vulkan.program import load_spirv, reflect
+    from hmad.backends.vulkan.push import CoopMatPeakPush
+    from hmad.backends.vulkan.registry import KERNELS
 
     built = {n: d for n, src, d in shader_build().BUILD if src == "coopmat_peak.comp"}
     names = {f"coopmat_peak_a{a}x{b}": (a, b) for a, b in CoopMatPeakPush.VARIANTS}
@@ -46,8 +47,9 @@ def test_peak_registered():
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_coopmat_peak(dev, kernels, gpu, variant):
-    from hmad.backends.vulkan.kernels_matmul import coopmat_usable
-    from hmad.backends.vulkan.pipelines import CommandRecorder, CoopMatPeakPush
+    from hmad.backends.vulkan.kernels_coopmat import coopmat_usable
+    from hmad.backends.vulkan.push import CoopMatPeakPush
+    from hmad.backends.vulkan.recorder import CommandRecorder
 
     if not coopmat_usable(dev.info):
         pytest.skip(f"{dev.info.name}: no float16 16x16x16 cooperative matrix with 32-wide subgroups")
@@ -76,8 +78,9 @@ def test_coopmat_peak_staged(dev, kernels, gpu, variant):
     """The staged variants multiply their shared tile's fragments: all float16 1.0 (``_lds``), or stored each
     step as 1.0 on even steps and 1 + 2^-10 on odd ones (``_step``): each accumulator element is ROUNDS · 16 ·
     the sum of the steps' squared values; workgroups past ``store_groups`` leave the output untouched."""
-    from hmad.backends.vulkan.kernels_matmul import coopmat_usable
-    from hmad.backends.vulkan.pipelines import CommandRecorder, CoopMatPeakPush
+    from hmad.backends.vulkan.kernels_coopmat import coopmat_usable
+    from hmad.backends.vulkan.push import CoopMatPeakPush
+    from hmad.backends.vulkan.recorder import CommandRecorder
 
     if not coopmat_usable(dev.info):
         pytest.skip(f"{dev.info.name}: no float16 16x16x16 cooperative matrix with 32-wide subgroups")

@@ -29,7 +29,7 @@ import pytest
 from gguf.quants import dequantize as gguf_dequantize
 from vk_harness import assert_x3_planes
 
-from hmad.backends.vulkan.kernels_matmul import q8_matvec_suffixes, q8_tail_suffixes
+from hmad.backends.vulkan.kernels_q8 import q8_matvec_suffixes, q8_tail_suffixes
 from hmad.core.quants import random_blocks
 from hmad.core.tensors import QType, block_layout
 
@@ -51,7 +51,8 @@ def q8_reference(x: np.ndarray):
 
 def _quantize(dev, kernels, gpu, x, planes: int = 1):
     """Quantize x on the GPU (quantize_q8, or quantize_x3 for three planes); returns the (xq, xd) views."""
-    from hmad.backends.vulkan.pipelines import CommandRecorder, QuantizeQ8Push
+    from hmad.backends.vulkan.push import QuantizeQ8Push
+    from hmad.backends.vulkan.recorder import CommandRecorder
 
     t, k = x.shape
     bx = gpu.put(x)
@@ -104,8 +105,8 @@ def _gelu(g):
 def _run_q8_matvec(dev, gpu, kern, raw, raw_u, bq, bd, k: int, n: int, ntok: int) -> np.ndarray:
     """y (ntok, n) of an int8 mat-vec kernel over the quantized x (bq, bd) and W (raw; raw_u: GeGLU's up
     projection); y's padding columns must stay poisoned."""
-    from hmad.backends.vulkan.kernels_matmul import record_matvec_q8
-    from hmad.backends.vulkan.pipelines import CommandRecorder
+    from hmad.backends.vulkan.kernels_q8 import record_matvec_q8
+    from hmad.backends.vulkan.recorder import CommandRecorder
 
     ys = n + 3
     by = gpu.poison(gpu.alloc(ntok * ys * 4))
@@ -240,7 +241,7 @@ def test_mul_mat_vec_unit_geglu(dev, kernels, gpu, t, one):
     dispatch, against float64 on the float x itself (no quantization on this path): 1e-5 of the rounding
     scale (``_rounding_scale``), W bound as two ranges in one case."""
     from hmad.backends.vulkan.kernels_matmul import UNIT_TYPES, record_matmul, weight_row_bytes
-    from hmad.backends.vulkan.pipelines import CommandRecorder
+    from hmad.backends.vulkan.recorder import CommandRecorder
 
     rng = np.random.default_rng()
     kern = kernels(f"mul_mat_vec_{t}_geglu" + ("_t1" if one else ""))
@@ -282,8 +283,9 @@ def test_mul_mat_vec_unit_geglu(dev, kernels, gpu, t, one):
 
 
 def test_mul_mat_vec_q8_over_several_ranges(dev, kernels, gpu):
-    from hmad.backends.vulkan.kernels_matmul import record_matvec_q8, weight_row_bytes
-    from hmad.backends.vulkan.pipelines import CommandRecorder
+    from hmad.backends.vulkan.kernels_matmul import weight_row_bytes
+    from hmad.backends.vulkan.kernels_q8 import record_matvec_q8
+    from hmad.backends.vulkan.recorder import CommandRecorder
 
     rng = np.random.default_rng(7)
     k, ntok = 256, 2
@@ -317,7 +319,9 @@ def _rms(v, w, eps):
 @pytest.mark.parametrize("d", [640, 1152, 5376])  # 5376 (27B): some invocations hold two groups of 4
 @pytest.mark.parametrize("fit", [False, True])  # the spec's 1024 invocations, or residual_block(d)
 def test_residual_norm(dev, kernels, gpu, variant, d, fit):
-    from hmad.backends.vulkan.pipelines import CommandRecorder, ResidualNormPush, residual_block
+    from hmad.backends.vulkan.push import ResidualNormPush
+    from hmad.backends.vulkan.recorder import CommandRecorder
+    from hmad.backends.vulkan.shapes import residual_block
 
     rng = np.random.default_rng([zlib.crc32(variant.encode()), rng_seed()])
     t, eps = 3, 1e-6
@@ -357,8 +361,10 @@ def test_residual_norm_xh_is_row_scale(dev, kernels, gpu, variant, d):
     bit what row_scale.comp makes of the h they wrote (a row within float16's range: scale 1; rows past it
     through big norm weights: a power of two; a NaN row: NaN), and h (with its q8 form) bit for bit as the
     variant without _xh writes it. Outputs poisoned first."""
-    from hmad.backends.vulkan.kernels_matmul import record_row_scale
-    from hmad.backends.vulkan.pipelines import CommandRecorder, ResidualNormPush, residual_block
+    from hmad.backends.vulkan.kernels_coopmat import record_row_scale
+    from hmad.backends.vulkan.push import ResidualNormPush
+    from hmad.backends.vulkan.recorder import CommandRecorder
+    from hmad.backends.vulkan.shapes import residual_block
 
     rng = np.random.default_rng([zlib.crc32(variant.encode()), d, rng_seed()])
     t, eps = 4, 1e-6
@@ -403,8 +409,10 @@ def test_residual_norm_adds_split_sums(dev, kernels, gpu, variant, splits):
     """``a`` as a GEMM's K-split partial sums (push splits): every output bit for bit as split_reduce.comp
     then the same variant on the sum (the composition it replaces); and within float32 rounding of float64
     on the sum. Outputs poisoned first."""
-    from hmad.backends.vulkan.kernels_matmul import record_split_sums
-    from hmad.backends.vulkan.pipelines import CommandRecorder, ResidualNormPush, residual_block
+    from hmad.backends.vulkan.push import ResidualNormPush
+    from hmad.backends.vulkan.recorder import CommandRecorder
+    from hmad.backends.vulkan.shapes import residual_block
+    from hmad.backends.vulkan.splitk import record_split_sums
 
     rng = np.random.default_rng([zlib.crc32(variant.encode()), splits, rng_seed()])
     t, d, eps = 5, 1152, 1e-6
@@ -442,8 +450,8 @@ def test_split_sums_left_only_for_a_whole_result(dev, kernels, gpu):
     """record_split_sums hands the partial sums to ``keep`` (recording nothing) only where they are the whole
     of y; a column slice of a wider y (row0, y_stride) is added into y by split_reduce, bit for bit as
     float32 adds them in split order."""
-    from hmad.backends.vulkan.kernels_matmul import record_split_sums
-    from hmad.backends.vulkan.pipelines import CommandRecorder
+    from hmad.backends.vulkan.recorder import CommandRecorder
+    from hmad.backends.vulkan.splitk import record_split_sums
 
     rng = np.random.default_rng(rng_seed())
     t, rows, splits = 3, 40, 3
@@ -469,7 +477,8 @@ def rng_seed() -> int:
 
 def test_norm_rope_matches_cpu_reference(dev, kernels, gpu):
     from hmad.backends.cpu import CpuBackend
-    from hmad.backends.vulkan.pipelines import CommandRecorder, NormRopePush
+    from hmad.backends.vulkan.push import NormRopePush
+    from hmad.backends.vulkan.recorder import CommandRecorder
 
     rng = np.random.default_rng()
     t, h, dh, eps = 5, 4, 256, 1e-6
@@ -500,7 +509,8 @@ def test_norm_rope_kv_matches_reference(dev, kernels, gpu, pool, dh):
     Bit for bit what norm_rope.comp (+ kv_write's cast) gives: the same code through norm_rope.glsl. Heads of
     128 values (27B) and 256 (the smaller Gemma 3 models: two values an invocation)."""
     from hmad.backends.cpu import CpuBackend
-    from hmad.backends.vulkan.pipelines import CommandRecorder, NormRopeKvPush, NormRopePush
+    from hmad.backends.vulkan.push import NormRopeKvPush, NormRopePush
+    from hmad.backends.vulkan.recorder import CommandRecorder
 
     rng = np.random.default_rng()
     t, h, hkv, eps, n_slots = 4, 4, 2, 1e-6, 16
@@ -545,7 +555,7 @@ def test_norm_rope_kv_matches_reference(dev, kernels, gpu, pool, dh):
 
 def test_norm_rope_kv_head_limit():
     """Heads past the shader's shared copy (MAX_HEAD_DIM) are refused with the limit named."""
-    from hmad.backends.vulkan.pipelines import NormRopeKvPush
+    from hmad.backends.vulkan.push import NormRopeKvPush
 
     NormRopeKvPush(1, 1, 1, NormRopeKvPush.MAX_HEAD_DIM, 0, 0, 1e4, 1.0, 1e-6)
     with pytest.raises(ValueError, match="at most 512"):
@@ -557,8 +567,9 @@ def test_norm_rope_kv_adds_split_sums(dev, kernels, gpu, splits):
     """q, k and v as their GEMMs' K-split partial sums (push q_splits, k_splits, v_splits; 1: the values):
     qo and both pools bit for bit as split_reduce.comp then norm_rope_kv on the sums (the composition it
     replaces); a padding row writes nothing. Outputs poisoned first."""
-    from hmad.backends.vulkan.kernels_matmul import record_split_sums
-    from hmad.backends.vulkan.pipelines import CommandRecorder, NormRopeKvPush
+    from hmad.backends.vulkan.push import NormRopeKvPush
+    from hmad.backends.vulkan.recorder import CommandRecorder
+    from hmad.backends.vulkan.splitk import record_split_sums
 
     rng = np.random.default_rng([sum(splits), rng_seed()])
     t, h, hkv, dh, eps, n_slots = 4, 4, 2, 128, 1e-6, 8
@@ -605,8 +616,8 @@ def test_mul_mat_vec_q8_fused_tail(dev, kernels, gpu, t, tail, x):
     code up to there), and y's q8 planes and block scales are bit for bit what quantize_q8.comp makes of y;
     the counters are back at 0 after. N's of 64 (the 27B's ffn, 21504 = 336 blocks; the 270M's, 2048) over
     partial workgroups of lanes."""
-    from hmad.backends.vulkan.kernels_matmul import record_matvec_q8
-    from hmad.backends.vulkan.pipelines import CommandRecorder
+    from hmad.backends.vulkan.kernels_q8 import record_matvec_q8
+    from hmad.backends.vulkan.recorder import CommandRecorder
 
     rng = np.random.default_rng()
     planes = 3 if x == "x3" else 1

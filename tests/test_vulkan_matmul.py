@@ -42,7 +42,7 @@ def _weights(t: str, n: int, k: int, rng) -> tuple[np.ndarray, np.ndarray]:
 
 def _run(dev, gpu, kernel, t, k, n, ntok, rng, max_range=None, pad_x=4, pad_y=3):
     from hmad.backends.vulkan.kernels_matmul import record_matmul
-    from hmad.backends.vulkan.pipelines import CommandRecorder
+    from hmad.backends.vulkan.recorder import CommandRecorder
 
     raw, wref = _weights(t, n, k, rng)
     xs, ys = k + pad_x, n + pad_y
@@ -114,7 +114,7 @@ def test_weight_bound_as_several_ranges(dev, kernels, gpu, name):
 def test_registries_agree():
     """The build list makes exactly the variants kernels_matmul registers (names, sources, defines)."""
     from hmad.backends.vulkan.kernels_matmul import build_entries
-    from hmad.backends.vulkan.pipelines import KERNELS
+    from hmad.backends.vulkan.registry import KERNELS
 
     mine = {e[0]: e for e in build_entries()}
     assert {e[0]: e for e in shader_build().BUILD if e[0] in mine} == mine
@@ -125,15 +125,15 @@ def test_q8_matvec_layouts():
     """The int8 mat-vec variants built are the ones registered, each name parses back to the layout it was
     built with, and the layout picked for any step of the models' shapes names a built variant (the picks
     of the measured shapes as kernels_matmul.q8_matvec_layout says)."""
-    from hmad.backends.vulkan.kernels_matmul import (
+    from hmad.backends.vulkan.kernels_matmul import UNIT_TYPES
+    from hmad.backends.vulkan.kernels_q8 import (
         Q8_MATVEC_BLOCK,
-        UNIT_TYPES,
         q8_matvec_layout,
         q8_matvec_suffixes,
         q8_matvec_variant,
         q8_tail_suffixes,
     )
-    from hmad.backends.vulkan.pipelines import KERNELS
+    from hmad.backends.vulkan.registry import KERNELS
 
     built = {name: d for name, src, d in shader_build().BUILD if src == "mul_mat_vec_q8.comp"}
     suffixes = q8_matvec_suffixes() + q8_tail_suffixes()
@@ -178,7 +178,7 @@ def _run_coopmat(dev, kernels, gpu, name, t, k, n, ntok, rng, max_range=None, bi
     float16's range (by 2^20, a power of two, so the reference's roundings stay the same relative ones);
     ``slots``: K split for whole waves of that many resident workgroups. Returns (error over the output
     scale, dispatches)."""
-    from hmad.backends.vulkan.kernels_matmul import record_coopmat, record_row_scale
+    from hmad.backends.vulkan.kernels_coopmat import record_coopmat, record_row_scale
 
     raw, wref = _weights(t, n, k, rng)
     xs, ys = k + 4, n + 3
@@ -193,7 +193,7 @@ def _run_coopmat(dev, kernels, gpu, name, t, k, n, ntok, rng, max_range=None, bi
         parts.append(gpu.poison(gpu.alloc(nbytes)))
         return parts[-1]
 
-    from hmad.backends.vulkan.pipelines import CommandRecorder
+    from hmad.backends.vulkan.recorder import CommandRecorder
 
     scale = gpu.poison(gpu.alloc(ntok * 4))
     rec = CommandRecorder(dev).begin()
@@ -257,7 +257,7 @@ def test_mul_mm_coopmat(dev, kernels, gpu, t):
     of the output scale: float32 accumulation only; RTOL_F16 against the unrounded product), every tile
     variant, K split or not, rows of x beyond float16's range included; runs where the device offers
     float16 cooperative matrices (not lavapipe: skipped in CI, run on the device machine)."""
-    from hmad.backends.vulkan.kernels_matmul import COOPMAT_TILES, coopmat_usable
+    from hmad.backends.vulkan.kernels_coopmat import COOPMAT_TILES, coopmat_usable
 
     if not coopmat_usable(dev.info):
         pytest.skip(f"{dev.info.name}: no float16 16x16x16 cooperative matrix with 32-wide subgroups")
@@ -273,7 +273,8 @@ def test_mul_mm_coopmat(dev, kernels, gpu, t):
 
 
 def test_mul_mm_coopmat_several_ranges(dev, kernels, gpu):
-    from hmad.backends.vulkan.kernels_matmul import coopmat_usable, weight_row_bytes
+    from hmad.backends.vulkan.kernels_coopmat import coopmat_usable
+    from hmad.backends.vulkan.kernels_matmul import weight_row_bytes
 
     if not coopmat_usable(dev.info):
         pytest.skip(f"{dev.info.name}: no float16 cooperative matrix")
@@ -313,7 +314,8 @@ def test_mul_mm_coopmat_variants(dev, kernels, gpu, name):
     against float64 products of the float16 roundings (1e-5 of the output scale), partial tiles of tokens
     and rows, K split and not, rows of x past float16's range, W in three bind ranges; where the device has
     the float16 cooperative matrix and the layout's shared memory (not lavapipe: skipped in CI)."""
-    from hmad.backends.vulkan.kernels_matmul import coopmat_fits, coopmat_usable, weight_row_bytes
+    from hmad.backends.vulkan.kernels_coopmat import coopmat_fits, coopmat_usable
+    from hmad.backends.vulkan.kernels_matmul import weight_row_bytes
 
     if not coopmat_usable(dev.info):
         pytest.skip(f"{dev.info.name}: no float16 16x16x16 cooperative matrix with 32-wide subgroups")
@@ -334,7 +336,7 @@ def test_mul_mm_coopmat_bk32_splits(dev, kernels, gpu, monkeypatch):
     """The BK 32 layouts with K split at odd multiples of 32 (a split starting in the second half of a
     64-weight chunk, which the backend's 64-weight split granularity never makes): each k still counted once
     (coopmat_splits made to split K = 768 into 8 splits of 96)."""
-    from hmad.backends.vulkan import kernels_matmul as km
+    from hmad.backends.vulkan import kernels_coopmat as km
 
     if not km.coopmat_usable(dev.info):
         pytest.skip(f"{dev.info.name}: no float16 16x16x16 cooperative matrix with 32-wide subgroups")
@@ -378,15 +380,11 @@ def test_coopmat_layouts():
     (defines), KERNELS gives it the layout's workgroup size, the SPIR-V's bindings and push block are
     CoopMatPush's and its shared memory is CoopmatLayout.shared_bytes, within the 48 KiB of NVIDIA's
     driver; the first layout's names are all still there."""
-    from hmad.backends.vulkan.kernels_matmul import (
-        COOPMAT_TILES,
-        COOPMAT_TYPES,
-        CoopMatPush,
-        build_entries,
-        coopmat_variant,
-    )
-    from hmad.backends.vulkan.pipelines import KERNELS
+    from hmad.backends.vulkan.kernels_coopmat import COOPMAT_TILES, COOPMAT_TYPES, coopmat_variant
+    from hmad.backends.vulkan.kernels_matmul import build_entries
     from hmad.backends.vulkan.program import load_spirv, reflect
+    from hmad.backends.vulkan.push import CoopMatPush
+    from hmad.backends.vulkan.registry import KERNELS
 
     built = {n: d for n, src, d in build_entries() if src == "mul_mm_coopmat.comp"}
     assert {f"mul_mm_coopmat_{t}_{bt}x{bn}" for t in COOPMAT_TYPES for bt, bn in COOPMAT_TILES} <= set(built)
@@ -407,7 +405,7 @@ def test_coopmat_layouts():
 
 def test_coopmat_kernel_name():
     """coopmat_kernel_name names coopmat_tile's pick (the backend's) unless a layout is given."""
-    from hmad.backends.vulkan import kernels_matmul as km
+    from hmad.backends.vulkan import kernels_coopmat as km
 
     for qtype in km.COOPMAT_TYPES.values():
         for t in (8, 32, 33, 128, 129, 512):
@@ -424,7 +422,7 @@ def test_split_k_waves():
     128x128_s2x2_w2), and on any shape a split the shader can run: k_split a multiple of 64 covering K in
     `splits` pieces of at least COOPMAT_MIN_STEPS steps (or one); one resident workgroup never splits, a
     resident count past every split takes the most splits."""
-    from hmad.backends.vulkan import kernels_matmul as km
+    from hmad.backends.vulkan import kernels_coopmat as km
 
     def splits(n, k, t, tile, slots):
         return km.coopmat_splits(k, n, t, tile, slots=slots, row_bytes=k // 256 * 144)[0]
@@ -456,7 +454,7 @@ def test_residency_probe(dev, kernels, gpu):
     """The cooperative-matrix kernels' residency probe (residency.py, push K == 0): the same count twice,
     between 1 and the workgroups dispatched; the kernels then give the same products with K split for
     whole waves of that count, of a single workgroup (no split) and of more than any split fills."""
-    from hmad.backends.vulkan.kernels_matmul import coopmat_usable
+    from hmad.backends.vulkan.kernels_coopmat import coopmat_usable
     from hmad.backends.vulkan.residency import PROBE_GROUPS, probe_residency
 
     if not coopmat_usable(dev.info):
@@ -476,7 +474,7 @@ def test_coopmat_q4k_layout():
     tokens; from 33 to 64 64x128_s2x2_w2; from 65 to 128 128x128_s2x2_w2 on the big weights (the 27B's gate,
     up and down projections) and 64x128_s2x2_w2 on the others; over 128 128x128_s2x2_w2; coopmat_tile's for
     every other weight type."""
-    from hmad.backends.vulkan.kernels_matmul import coopmat_q4k_layout
+    from hmad.backends.vulkan.kernels_coopmat import coopmat_q4k_layout
 
     big, small = [(21504, 5376), (5376, 21504)], [(4096, 5376), (2048, 5376), (5376, 4096), (640, 2048)]
     picks = {9: "16x128_s1x4_w2", 16: "16x128_s1x4_w2", 17: "32x128_s1x4_w2", 32: "32x128_s1x4_w2"}
@@ -500,8 +498,8 @@ def test_row_scale(dev, kernels, gpu, block):
     of two bringing the row's max |x| to at most 2^14; a NaN row gives NaN. Exact (powers of two). Its
     float16 copy of x / s equals numpy's rounding (round to nearest even, both), its columns within every 8
     in the tiles' order XH_ORDER."""
-    from hmad.backends.vulkan.kernels_matmul import XH_ORDER, record_row_scale
-    from hmad.backends.vulkan.pipelines import CommandRecorder
+    from hmad.backends.vulkan.kernels_coopmat import XH_ORDER, record_row_scale
+    from hmad.backends.vulkan.recorder import CommandRecorder
 
     rng = np.random.default_rng()
     t, k, xs = 7, 1000, 1004
@@ -534,8 +532,8 @@ def test_row_scale(dev, kernels, gpu, block):
 def test_split_reduce(dev, kernels, gpu):
     """split_reduce.comp (runs everywhere): y rows = the sum of the splits' partial rows, in split order,
     written at row_offset with y_stride; the rest of y untouched (poisoned)."""
-    from hmad.backends.vulkan.kernels_matmul import SplitReducePush
-    from hmad.backends.vulkan.pipelines import CommandRecorder
+    from hmad.backends.vulkan.push import SplitReducePush
+    from hmad.backends.vulkan.recorder import CommandRecorder
 
     rng = np.random.default_rng()
     splits, t, n, ys, off = 5, 9, 37, 50, 6
@@ -559,8 +557,8 @@ def test_split_reduce_geglu(dev, kernels, gpu):
     """split_reduce.comp with GEGLU (runs everywhere): y = gelu_tanh(sum of the gate partials) * (sum of
     the up partials), each sum in split order, against float64 gelu of those float32 sums (1e-6 relative
     to the largest |y|: the shader's exp-based gelu in float32); the rest of y untouched (poisoned)."""
-    from hmad.backends.vulkan.kernels_matmul import SplitReducePush
-    from hmad.backends.vulkan.pipelines import CommandRecorder
+    from hmad.backends.vulkan.push import SplitReducePush
+    from hmad.backends.vulkan.recorder import CommandRecorder
 
     rng = np.random.default_rng()
     splits, t, n, ys, off = 3, 7, 41, 60, 9
@@ -589,8 +587,8 @@ def test_geglu_row_scale(dev, kernels, gpu, block):
     split_reduce_geglu then row_scale make (fresh random partials; a row past float16's range, made again at
     its scale; a NaN row: NaN scale and copy), the float32 GeGLU never written. The composed pair is itself
     checked against numpy (test_split_reduce_geglu, test_row_scale)."""
-    from hmad.backends.vulkan.kernels_matmul import RowScalePush, SplitReducePush
-    from hmad.backends.vulkan.pipelines import CommandRecorder
+    from hmad.backends.vulkan.push import RowScalePush, SplitReducePush
+    from hmad.backends.vulkan.recorder import CommandRecorder
 
     rng = np.random.default_rng()
     splits, t, n = 3, 6, 1000
@@ -624,14 +622,14 @@ def test_coopmat_geglu(dev, kernels, gpu, t):
     rounding scale (max gelu' ≈ 1.13 times |x||G| |u|, plus |gelu(g)| |x||U|: float32 accumulation); K
     split and not, one bind range and three; coopmat devices only (not lavapipe: skipped in CI, run on the
     device machine)."""
-    from hmad.backends.vulkan.kernels_matmul import (
+    from hmad.backends.vulkan.kernels_coopmat import (
         coopmat_tile,
         coopmat_usable,
         record_coopmat_geglu,
         record_row_scale,
-        weight_row_bytes,
     )
-    from hmad.backends.vulkan.pipelines import CommandRecorder
+    from hmad.backends.vulkan.kernels_matmul import weight_row_bytes
+    from hmad.backends.vulkan.recorder import CommandRecorder
 
     if not coopmat_usable(dev.info):
         pytest.skip(f"{dev.info.name}: no float16 16x16x16 cooperative matrix with 32-wide subgroups")

@@ -29,7 +29,6 @@ TOL_STEP = 1e-5  # logits, a whole model's steps against the x3 mat-vec's
 
 
 def test_mmq_registered():
-    from hmad.backends.vulkan.kernels_matmul import CoopMatPush
     from hmad.backends.vulkan.kernels_mmq import (
         MMQ_BLOCK,
         MMQ_LAYOUTS,
@@ -38,8 +37,9 @@ def test_mmq_registered():
         mmq_pick,
         mmq_shared_bytes,
     )
-    from hmad.backends.vulkan.pipelines import KERNELS
     from hmad.backends.vulkan.program import load_spirv, reflect
+    from hmad.backends.vulkan.push import CoopMatPush
+    from hmad.backends.vulkan.registry import KERNELS
 
     built = {n: d for n, src, d in shader_build().BUILD if src == "mul_mmq_coopmat.comp"}
     names = {mmq_kernel_name(*lay): lay for lay in MMQ_LAYOUTS}
@@ -139,7 +139,8 @@ class Case:
 
     def __init__(self, dev, gpu, kernels, n, k, t_max, seed, weights=1):
         from hmad.backends.vulkan.kernels_matmul import weight_row_bytes
-        from hmad.backends.vulkan.pipelines import CommandRecorder, QuantizeQ8Push
+        from hmad.backends.vulkan.push import QuantizeQ8Push
+        from hmad.backends.vulkan.recorder import CommandRecorder
         from hmad.core.quants import dequantize, random_blocks
         from hmad.core.tensors import QType
 
@@ -166,7 +167,7 @@ class Case:
         rec.close()
 
     def run(self, dev, record, t: int) -> np.ndarray:
-        from hmad.backends.vulkan.pipelines import CommandRecorder
+        from hmad.backends.vulkan.recorder import CommandRecorder
 
         self.gpu.poison(self.y)
         rec = CommandRecorder(dev).begin()
@@ -189,8 +190,8 @@ def _err(got, want) -> float:
 
 @pytest.mark.parametrize("split", [False, True])
 def test_mmq_matches_float64(dev, gpu, kernels, split):
-    from hmad.backends.vulkan.kernels_matmul import record_matvec_q8
     from hmad.backends.vulkan.kernels_mmq import record_mmq
+    from hmad.backends.vulkan.kernels_q8 import record_matvec_q8
 
     mk = _mmq_k(dev)
     n, k = 200, 2048  # N not a multiple of any tile; K 16 steps (split in up to 4); rows of 1152 bytes

@@ -25,8 +25,8 @@ from test_vulkan_fused import q8_reference
 from vk_harness import assert_x3_planes
 
 from hmad.backends.cpu import CpuBackend, CpuWeight
-from hmad.backends.vulkan.pipelines import ATTENTION_DECODE_DPL
 from hmad.backends.vulkan.stepmeta import NONE, StepMetaLayout, kv_slots
+from hmad.backends.vulkan.variants import ATTENTION_DECODE_DPL
 from hmad.core.batch import SAMPLE_DTYPE, SeqSlice, StepBatch
 from hmad.core.kv_layout import KVLayout
 from hmad.core.quants import quantize_q8_0, random_blocks
@@ -38,7 +38,7 @@ REF = CpuBackend(numerics="f32")
 
 def run(dev, *dispatches):
     """Record (kernel, buffers, push, groups) dispatches into one command buffer, submit once, wait."""
-    from hmad.backends.vulkan.pipelines import CommandRecorder
+    from hmad.backends.vulkan.recorder import CommandRecorder
 
     rec = CommandRecorder(dev).begin()
     for k, bufs, push, groups in dispatches:
@@ -130,7 +130,7 @@ def test_step_meta_feed_rows():
 @pytest.mark.gpu
 @pytest.mark.parametrize("table_type", ["f32", "f16", "q8_0"])
 def test_embed_matches_reference(dev, kernels, gpu, table_type):
-    from hmad.backends.vulkan.pipelines import EmbedPush
+    from hmad.backends.vulkan.push import EmbedPush
 
     rng = np.random.default_rng(5)
     vocab, dim, split = 300, 96, 128
@@ -174,7 +174,7 @@ def test_embed_block_types_match_gguf(dev, kernels, gpu, table_type):
     rounding of a weight, times the scale."""
     from gguf import GGMLQuantizationType, quants
 
-    from hmad.backends.vulkan.pipelines import EmbedDqPush
+    from hmad.backends.vulkan.push import EmbedDqPush
 
     rng = np.random.default_rng(11)
     vocab, dim, split = 300, 512, 128
@@ -213,7 +213,7 @@ def test_embed_block_types_match_gguf(dev, kernels, gpu, table_type):
 @pytest.mark.gpu
 @pytest.mark.parametrize("base,scale", [(10_000.0, 1.0), (1_000_000.0, 8.0)])
 def test_rope_out_of_place_matches_reference(dev, kernels, gpu, base, scale):
-    from hmad.backends.vulkan.pipelines import RopePush
+    from hmad.backends.vulkan.push import RopePush
 
     rng = np.random.default_rng(int(base))
     t, h, dh = 6, 4, 64
@@ -233,7 +233,7 @@ def test_rope_out_of_place_matches_reference(dev, kernels, gpu, base, scale):
 @pytest.mark.gpu
 def test_rope_in_place_on_the_q_part_of_fused_rows(dev, kernels, gpu):
     """Rotate heads 0..3 of rows holding 4 q heads then 2 k heads, in place; the k part stays as it was."""
-    from hmad.backends.vulkan.pipelines import RopePush
+    from hmad.backends.vulkan.push import RopePush
 
     rng = np.random.default_rng(9)
     t, h, hk, dh = 5, 4, 2, 32
@@ -252,7 +252,7 @@ def test_rope_in_place_on_the_q_part_of_fused_rows(dev, kernels, gpu):
 # -- geglu ---------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 def test_geglu_on_fused_gate_up_rows_matches_reference(dev, kernels, gpu):
-    from hmad.backends.vulkan.pipelines import GegluPush
+    from hmad.backends.vulkan.push import GegluPush
 
     rng = np.random.default_rng(3)
     t, f = 5, 1024  # f * 4 bytes: an aligned offset for the up half
@@ -294,7 +294,7 @@ def test_kv_write_and_paged_attention_match_reference(
     keys and the merge of a subgroup's key clusters runs there too. ``min_keys``: the keys a split of the
     decode kernels takes at least (the backend's attention_min_keys; 1: a split of a key or two, every split
     live; attention_split's splits take a tile of 16 keys whatever it says)."""
-    from hmad.backends.vulkan.pipelines import AttentionReducePush, AttentionSplitPush, KvWritePush
+    from hmad.backends.vulkan.push import AttentionReducePush, AttentionSplitPush, KvWritePush
 
     rng = np.random.default_rng(head_dim)
     h, hkv, bs, window = 4, 2, 4, 6
@@ -433,15 +433,15 @@ def test_prefill_tiles_and_per_row_kernels_match_reference(
     ``cm_sharp``: q 32x larger (scores spread ~30, against the kernel's TAU = 8), meant to move rows' maxima
     between chunks so that O's rows go through the lazy rescale (the test does not see whether it ran)."""
     from hmad.backends.vulkan.backend import ATTENTION_TILE_MIN_ROWS
-    from hmad.backends.vulkan.kernels_matmul import coopmat_usable
-    from hmad.backends.vulkan.pipelines import (
-        ATTENTION_PREFILL_CM_DH,
+    from hmad.backends.vulkan.kernels_coopmat import coopmat_usable
+    from hmad.backends.vulkan.push import (
         AttentionPrefillPush,
         AttentionReducePush,
         AttentionSplitPush,
         KvWritePush,
-        attention_prefill_groups,
     )
+    from hmad.backends.vulkan.shapes import attention_prefill_groups
+    from hmad.backends.vulkan.variants import ATTENTION_PREFILL_CM_DH
 
     if not dev.caps["subgroup_shuffle"] or dev.info.subgroup["size"] % 8:
         pytest.skip("no 8-lane subgroup shuffles: the backend keeps the per-row kernels")
@@ -523,7 +523,7 @@ def test_prefill_tiles_and_per_row_kernels_match_reference(
 def test_argmax_rows_of_a_full_vocabulary(dev, kernels, gpu, chunk):
     """argmax.comp as the backend records it: one stage when ``chunk`` >= V, else each chunk's best then
     theirs (argmax_chunks_f32, argmax_merge_f32); fresh rows, ties across chunks, NaN; outputs poisoned."""
-    from hmad.backends.vulkan.pipelines import ArgmaxPush
+    from hmad.backends.vulkan.push import ArgmaxPush
 
     rng = np.random.default_rng()
     s, vocab = 6, 262_144
@@ -556,7 +556,7 @@ def test_argmax_rows_of_a_full_vocabulary(dev, kernels, gpu, chunk):
 def test_feed_tokens_writes_the_fed_rows_from_the_ids(dev, kernels, gpu):
     """feed_tokens.comp on a packed step: the fed rows' tokens become the ids at their source rows (one of
     them outside the vocabulary: 0), every other word of the metadata unchanged; fresh random ids."""
-    from hmad.backends.vulkan.pipelines import FeedPush
+    from hmad.backends.vulkan.push import FeedPush
 
     rng = np.random.default_rng(23)
     table, ring = np.arange(4, dtype=np.int32), np.zeros(0, np.int32)
@@ -600,7 +600,7 @@ def test_sample_topk_draws_the_hosts_token(dev, kernels, gpu):
     candidates and uniform. Greedy rows always; sampled rows but at rounding edges (the device sums in
     float32, the host in float64): at most 1 % of them may differ (the scheduler redoes those: a test of
     test_vulkan_backend). The ids are poisoned first."""
-    from hmad.backends.vulkan.pipelines import SampleTopkPush, TopkPush
+    from hmad.backends.vulkan.push import SampleTopkPush, TopkPush
 
     rng = np.random.default_rng()
     s, vocab, k, rounds = 32, 4096, 128, 8
@@ -644,7 +644,7 @@ def test_sample_topk_draws_the_hosts_token(dev, kernels, gpu):
 def _topk(dev, kernels, gpu, b_l, s: int, vocab: int, k: int, chunk: int) -> tuple[np.ndarray, np.ndarray]:
     """topk.comp on (s, vocab) logits as the backend records it (_record_topk): one stage when ``chunk`` >=
     vocab, else each chunk's best (topk_f32) then their best (topk_merge_f32). Every output poisoned first."""
-    from hmad.backends.vulkan.pipelines import TopkPush
+    from hmad.backends.vulkan.push import TopkPush
 
     first, merge = kernels("topk_f32"), kernels("topk_merge_f32")
     b_i, b_v = gpu.poison(gpu.alloc(4 * s * k)), gpu.poison(gpu.alloc(4 * s * k))

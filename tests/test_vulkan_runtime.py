@@ -264,7 +264,8 @@ def test_upload_from_memmap_and_read_back(dev, tmp_path, force_staging):
 
 @pytest.mark.gpu
 def test_copy_kernel_correct_and_bandwidth(dev, kernels, gpu):
-    from hmad.backends.vulkan.pipelines import CommandRecorder, CopyPush
+    from hmad.backends.vulkan.push import CopyPush
+    from hmad.backends.vulkan.recorder import CommandRecorder
 
     n = (1 << 20) + 12  # vec4 elements, not a multiple of the workgroup
     data = np.random.default_rng(1).standard_normal(n * 4).astype(np.float32)
@@ -290,7 +291,8 @@ def test_read_kernel_loads_every_element_and_writes_only_on_its_constant(dev, ke
     where it equals 0x9E3779B9: random data leaves the poisoned output as it was; planting the constant
     in the one element an invocation reads (one element each, 128 groups of 256) makes exactly that word
     appear, so the loads cannot be optimised away."""
-    from hmad.backends.vulkan.pipelines import CommandRecorder, CopyPush
+    from hmad.backends.vulkan.push import CopyPush
+    from hmad.backends.vulkan.recorder import CommandRecorder
 
     n = 128 * 256  # uvec4 elements: one per invocation, so invocation i reads element i alone
     data = np.random.default_rng(2).integers(0, 2**32 - 1, (n, 4), dtype=np.uint32)
@@ -312,7 +314,8 @@ def test_read_kernel_loads_every_element_and_writes_only_on_its_constant(dev, ke
 @pytest.mark.gpu
 def test_copy_over_ranges_of_a_tensor(dev, kernels, gpu):
     """A tensor bound as several ranges (how one bigger than maxStorageBufferRange is handled)."""
-    from hmad.backends.vulkan.pipelines import CommandRecorder, CopyPush
+    from hmad.backends.vulkan.push import CopyPush
+    from hmad.backends.vulkan.recorder import CommandRecorder
 
     nbytes = 3 * MIB + 4096
     data = np.arange(nbytes // 4, dtype=np.uint32)
@@ -330,7 +333,8 @@ def test_copy_over_ranges_of_a_tensor(dev, kernels, gpu):
 
 @pytest.mark.gpu
 def test_binding_past_max_storage_range_is_refused(dev, kernels, gpu):
-    from hmad.backends.vulkan.pipelines import CommandRecorder, CopyPush
+    from hmad.backends.vulkan.push import CopyPush
+    from hmad.backends.vulkan.recorder import CommandRecorder
 
     max_range = dev.limits["maxStorageBufferRange"]
     if max_range > 512 * MIB:
@@ -345,7 +349,8 @@ def test_binding_past_max_storage_range_is_refused(dev, kernels, gpu):
 
 @pytest.mark.gpu
 def test_kernel_asserts_bindings_and_push_type(dev, kernels, gpu):
-    from hmad.backends.vulkan.pipelines import AddPush, CommandRecorder, CopyPush
+    from hmad.backends.vulkan.push import AddPush, CopyPush
+    from hmad.backends.vulkan.recorder import CommandRecorder
 
     a = gpu.alloc(1024)
     rec = CommandRecorder(dev).begin()
@@ -365,7 +370,8 @@ def _rms_ref(x, w, eps):
 @pytest.mark.parametrize("variant", ["rms_norm_f32", "rms_norm_f32_subgroup"])
 @pytest.mark.parametrize("rows,cols", [(5, 640), (12, 256), (3, 1000)])
 def test_rms_norm_matches_numpy(dev, kernels, gpu, variant, rows, cols):
-    from hmad.backends.vulkan.pipelines import CommandRecorder, RmsNormPush
+    from hmad.backends.vulkan.push import RmsNormPush
+    from hmad.backends.vulkan.recorder import CommandRecorder
 
     rng = np.random.default_rng(rows * cols)
     x = (rng.standard_normal((rows, cols)) * 3).astype(np.float32)
@@ -382,7 +388,8 @@ def test_rms_norm_matches_numpy(dev, kernels, gpu, variant, rows, cols):
 
 @pytest.mark.gpu
 def test_add_matches_numpy(dev, kernels, gpu):
-    from hmad.backends.vulkan.pipelines import AddPush, CommandRecorder
+    from hmad.backends.vulkan.push import AddPush
+    from hmad.backends.vulkan.recorder import CommandRecorder
 
     rng = np.random.default_rng(7)
     n = 70_001
@@ -399,7 +406,8 @@ def test_add_matches_numpy(dev, kernels, gpu):
 @pytest.mark.gpu
 def test_recorded_buffer_replays_with_new_host_inputs(dev, kernels, gpu):
     """Record norm -> add once; replay it with fresh inputs written into mapped memory each time."""
-    from hmad.backends.vulkan.pipelines import AddPush, CommandRecorder, RmsNormPush
+    from hmad.backends.vulkan.push import AddPush, RmsNormPush
+    from hmad.backends.vulkan.recorder import CommandRecorder
 
     rows, cols = 4, 384
     # inputs and output host-visible (the per-step buffer of a recorded step); the intermediate device-local
@@ -442,7 +450,8 @@ def test_committed_shaders_are_up_to_date():
 def test_kernel_reads_weights_spilled_to_the_host_pool(dev, kernels, gpu):
     """A device-local cap of 0 puts every tensor in the host-visible pool (heap 1 on a dGPU); results hold."""
     from hmad.backends.vulkan.memory import PlanItem, ResidentMemory, plan_memory
-    from hmad.backends.vulkan.pipelines import CommandRecorder, RmsNormPush
+    from hmad.backends.vulkan.push import RmsNormPush
+    from hmad.backends.vulkan.recorder import CommandRecorder
 
     rows, cols = 6, 512
     rng = np.random.default_rng(3)
@@ -478,7 +487,8 @@ def test_kernel_reads_weights_spilled_to_the_host_pool(dev, kernels, gpu):
 def test_barriers_only_where_buffers_depend(dev, kernels, gpu):
     """Independent dispatches share no barrier; read-after-write, write-after-read and write-after-write
     get one; the chained results are right (a missing barrier would show as a race on a real GPU)."""
-    from hmad.backends.vulkan.pipelines import AddPush, CommandRecorder
+    from hmad.backends.vulkan.push import AddPush
+    from hmad.backends.vulkan.recorder import CommandRecorder
 
     n = 4096
     a, b, c, d, e = (gpu.alloc(4 * n) for _ in range(5))
@@ -507,7 +517,8 @@ def test_barriers_only_where_buffers_depend(dev, kernels, gpu):
 @pytest.mark.gpu
 def test_descriptor_pools_roll_over(dev, gpu):
     """More sets than a pool holds come from new pools (NVIDIA refuses past maxSets; lavapipe never does)."""
-    from hmad.backends.vulkan.pipelines import DescriptorAllocator, Kernel
+    from hmad.backends.vulkan.descriptors import DescriptorAllocator
+    from hmad.backends.vulkan.pipelines import Kernel
 
     alloc = DescriptorAllocator(dev, sets_per_pool=4, max_bindings=3)
     k = Kernel(dev, "add_f32", descriptors=alloc)
@@ -526,8 +537,10 @@ def test_kernel_binds_a_new_buffer_made_where_a_closed_one_was(dev, kernels, gpu
     the KV pools are closed and made again when the scheduler's configuration changes). The descriptor
     set a kernel cached for the closed buffer must not be what binds the new one: it points at freed memory.
     """
+    from hmad.backends.vulkan.descriptors import handle_key
     from hmad.backends.vulkan.memory import create_buffer
-    from hmad.backends.vulkan.pipelines import AddPush, CommandRecorder, _handle_key
+    from hmad.backends.vulkan.push import AddPush
+    from hmad.backends.vulkan.recorder import CommandRecorder
 
     n, rng = 1024, np.random.default_rng(11)
     b = rng.standard_normal(n).astype(np.float32)
@@ -537,7 +550,7 @@ def test_kernel_binds_a_new_buffer_made_where_a_closed_one_was(dev, kernels, gpu
         a = rng.standard_normal(n).astype(np.float32)
         va.array(np.float32)[:] = a
         out = create_buffer(dev, 4 * n, "mapped", "out")
-        handle = _handle_key(out.buffer)
+        handle = handle_key(out.buffer)
         out.array(np.float32)[:] = np.nan
         rec = CommandRecorder(dev).begin()
         rec.dispatch(kernels["add_f32"], [va, vb, out], AddPush(n), 4)

@@ -78,7 +78,7 @@ class Gpu:
 
     def get_xq(self, view, shape):
         """q8 activations (XQ, rows of K int8 in the GPU's order: shaders/q8act.glsl) in K order."""
-        from hmad.backends.vulkan.kernels_matmul import xq_natural
+        from hmad.backends.vulkan.kernels_q8 import xq_natural
 
         return xq_natural(self.get(view, np.int8)[: int(np.prod(shape))].reshape(shape))
 

@@ -244,7 +244,6 @@ class Kernel:
 
 # transitional re-exports: the lead rewrites importers and removes this
 # (the old home of these names; /work/notes/pipelines-map.md maps each to its module)
-from hmad.backends.vulkan.descriptors import handle_key as _handle_key  # noqa: E402, F401
 from hmad.backends.vulkan.push import (  # noqa: E402, F401
     AddPush,
     ArgmaxPush,
@@ -295,5 +294,3 @@ from hmad.backends.vulkan.variants import (  # noqa: E402, F401
     ATTENTION_PREFILL_CM_DH,
     ATTENTION_PREFILL_DPL,
 )
-
-_range_of, _key_of, _arenas_of = range_of, key_of, arenas_of

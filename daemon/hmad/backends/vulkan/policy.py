@@ -14,23 +14,17 @@ import os
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from hmad.backends.vulkan.kernels_matmul import (
-    COOPMAT_TYPES,
-    MATMUL_TYPES,
-    MATVEC_MAX_T,
-    UNIT_TYPES,
-    coopmat_usable,
-)
+from hmad.backends.vulkan.kernels_coopmat import COOPMAT_TYPES, coopmat_usable
+from hmad.backends.vulkan.kernels_matmul import MATMUL_TYPES, MATVEC_MAX_T, UNIT_TYPES
 from hmad.backends.vulkan.kernels_mmq import MMQ_TARGET_GROUPS, mmq_has_n8, mmq_usable
 from hmad.backends.vulkan.options import VulkanOptions
-from hmad.backends.vulkan.pipelines import (
+from hmad.backends.vulkan.shapes import ATTENTION_PREFILL_TILE, TOPK_GROUPS
+from hmad.backends.vulkan.variants import (
     ATTENTION_DECODE_DPL,
     ATTENTION_DECODE_GROUPS,
     ATTENTION_DECODE_KL_GROUPS,
     ATTENTION_PREFILL_CM_DH,
     ATTENTION_PREFILL_DPL,
-    ATTENTION_PREFILL_TILE,
-    TOPK_GROUPS,
 )
 from hmad.core.tensors import QType
 

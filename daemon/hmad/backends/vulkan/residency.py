@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from hmad.backends.vulkan.kernels_matmul import CoopMatPush
 from hmad.backends.vulkan.memory import create_buffer
-from hmad.backends.vulkan.pipelines import CommandRecorder, Kernel
+from hmad.backends.vulkan.pipelines import Kernel
+from hmad.backends.vulkan.push import CoopMatPush
+from hmad.backends.vulkan.recorder import CommandRecorder
 
 PROBE_GROUPS = 8192  # workgroups a probe dispatches: past any GPU's residency (a few hundred on big GPUs)
 PROBE_READS = 512  # coherent reads each stays for (a fraction of a ms): the first wave fills long before
