@@ -37,8 +37,8 @@ STEPS = {"decode_1": (1, 1), "decode_8": (8, 1), "decode_32": (32, 1), "prefill_
 def set_mode(model, on: bool) -> None:
     be = model.backend
     be.deterministic = on
-    if hasattr(be, "_drop_graphs"):  # a recording backend records every bucket again
-        be._drop_graphs()
+    if hasattr(be, "recorded"):  # a recording backend records every bucket again
+        be.recorded.drop()
 
 
 def time_steps(model, batch, reps: int, warm: bool = True) -> list[float]:
@@ -75,7 +75,7 @@ def bench_model(name: str, args) -> dict:
         k: make_batch(kv, layout, s, t, 0 if t > 1 else args.context // 2) for k, (s, t) in STEPS.items()
     }
     times: dict[str, dict[str, list[float]]] = {k: {"off": [], "on": []} for k in STEPS}
-    if hasattr(model.backend, "_drop_graphs"):  # recordings per mode: whole rounds, off then on
+    if hasattr(model.backend, "recorded"):  # recordings per mode: whole rounds, off then on
         for r in range(args.rounds):
             for mode in ("off", "on"):
                 set_mode(model, mode == "on")

@@ -5,8 +5,8 @@
 
 Runs the daemon's engine loop in-process on the Vulkan backend (EngineThread.turn: drain, step, snapshot
 and publish, with the scheduler and backend the daemon builds) and times each phase by wrapping the methods
-that run it: the wrappers only read the clock (the work is the real one). ``_wait`` is the backend's fence
-wait; everything else is host work. With engine.pipeline off the device waits for that host work between
+that run it: the wrappers only read the clock (the work is the real one). ``submit.wait`` is the backend's
+fence wait; everything else is host work. With engine.pipeline off the device waits for that host work between
 steps; on, the next step is on the device while it runs, so the step time is about the larger of the two.
 Printed per step (microseconds, means over the run's steps), per repetition, per pipeline setting.
 """
@@ -40,8 +40,8 @@ PHASES = [
     ("kv", "commit", "kv.commit"),
     ("kv", "usage", "kv.usage"),
     ("backend", "run", "backend.run (metadata pack)"),
-    ("backend", "_launch", "backend._launch (metadata copy, submit)"),
-    ("backend", "_wait", "backend._wait (fence wait)"),
+    ("submit", "launch", "backend.submit.launch (metadata copy, submit)"),
+    ("submit", "wait", "backend.submit.wait (fence wait)"),
     ("engine", "_update_snapshot", "engine snapshot"),
     ("engine", "_publish", "engine publish"),
     ("engine", "_drain_commands", "engine drain"),
@@ -69,8 +69,9 @@ def main() -> None:
     a = ap.parse_args()
     model = load_model(a.model, "vulkan")
     acc: dict[str, float] = collections.defaultdict(float)
-    for _, name, label in [p for p in PHASES if p[0] == "backend"]:  # wrapped once, for every run
-        setattr(model.backend, name, timed(acc, label, getattr(model.backend, name)))
+    for owner, name, label in [p for p in PHASES if p[0] in ("backend", "submit")]:  # once, for every run
+        obj = model.backend.submit if owner == "submit" else model.backend
+        setattr(obj, name, timed(acc, label, getattr(obj, name)))
     batchmod.StepBatch.build = timed(acc, "StepBatch.build", batchmod.StepBatch.build)
     for mode in a.pipeline.split(","):
         cfg = SchedulerConfig(max_seqs=32, kv_tokens=32768, pipeline=mode == "on")
@@ -98,7 +99,7 @@ def run(model, sched: Scheduler, acc: dict, a) -> None:
             eng.turn()
             steps += 1
         wall = time.perf_counter() - t0
-        wait = acc["backend._wait (fence wait)"]
+        wait = acc["backend.submit.wait (fence wait)"]
         per = 1e6 / steps
         print(f"rep {rep}: {steps} steps, {wall * per:.0f} us a step, host work {(wall - wait) * per:.0f}")
         for label, s in sorted(acc.items(), key=lambda kv: -kv[1]):

@@ -23,7 +23,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "daemon")]
 
-from hmad.backends.vulkan.backend import bucket  # noqa: E402
+from hmad.backends.vulkan.graph import bucket  # noqa: E402
 from hmad.composition import load_model  # noqa: E402
 from hmad.core.batch import SeqSlice, StepBatch  # noqa: E402
 from hmad.engine.kvcache import KVCacheManager, KVLayout  # noqa: E402

@@ -305,8 +305,8 @@ def test_prepared_buckets_serve_every_step_without_recording(pair):
         assert [r.token_ids for r in generate(vk, prompts, greedy, cfg)] == want
         assert be.recordings == rec0, "a step recorded after prepare()"
     finally:
-        be.logit_rows_b = 1  # the other tests' buckets as before
-        be._drop_graphs()
+        be.recorded.logit_rows_b = 1  # the other tests' buckets as before
+        be.recorded.drop()
 
 
 def test_kv_pools_made_again_and_again_still_equal_cpu(pair):
@@ -323,7 +323,7 @@ def test_kv_pools_made_again_and_again_still_equal_cpu(pair):
     for kv_tokens in (64, 96, 64, 96, 128, 64):
         cfg = SchedulerConfig(max_seqs=2, kv_tokens=kv_tokens)
         assert [r.token_ids for r in generate(vk, prompts, greedy, cfg)] == want, kv_tokens
-    cached = [a for k in be.kernels.values() for _, arenas in k._sets.values() for a in arenas]
+    cached = [a for k in be.ctx.kernels.values() for _, arenas in k._sets.values() for a in arenas]
     assert cached and not any(a.closed for a in cached)
 
 
@@ -523,7 +523,8 @@ def test_every_step_copies_its_metadata_into_device_memory(pair):
     _, vk = pair
     be = vk.backend
     generate(vk, [[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4))
-    assert be.meta_gpu is not None and all(be.meta_gpu is not m for m in be.metas) and len(be.metas) == 2
+    ctx = be.ctx
+    assert ctx.meta_gpu is not None and all(ctx.meta_gpu is not m for m in ctx.metas) and len(ctx.metas) == 2
     heads = [h for g in be.graphs.values() for h in g.heads.values()]
     assert heads and all(h.labels[0] == "step metadata to VRAM" for h in heads)
     assert any(h.labels[-1] == "feed_tokens" for h in heads)

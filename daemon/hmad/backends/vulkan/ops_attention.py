@@ -1,0 +1,125 @@
+"""Attention, recorded: the KV-cache write (alone, or fused with the q/k norms and RoPE), the split-K passes
+over the paged cache, the prefill tiles, and the reduce pass.
+
+Functions of a :class:`~.context.RecordContext`. The kernels are policy.py's choice (attention_kernel,
+prefill_kernel); the split count follows the options' workgroup targets (``attention_target``,
+``attention_prefill_target``), or DETERMINISTIC_SPLITS in deterministic mode, where a row's split boundaries
+then depend on its position only. The reduce pass also writes its output as the int8 planes the output
+projection's mat-vec reads, where that takes it.
+"""
+
+from __future__ import annotations
+
+from hmad.backends.vulkan import policy
+from hmad.backends.vulkan.activations import Act
+from hmad.backends.vulkan.context import RecordContext
+from hmad.backends.vulkan.ops_norm import sums
+from hmad.backends.vulkan.options import KV_DTYPES
+from hmad.backends.vulkan.pipelines import (
+    ATTENTION_PREFILL_TILE,
+    AttentionPrefillPush,
+    AttentionReducePush,
+    AttentionSplitPush,
+    KvWritePush,
+    NormRopeKvPush,
+    attention_prefill_groups,
+)
+from hmad.backends.vulkan.placement import VkWeight
+from hmad.backends.vulkan.policy import ATTENTION_MAX_SPLITS, Q8_MAX_T
+
+# the attention kernels' limits: a head's values (a multiple of 4: vec4s) and query heads per KV head
+ATTENTION_MAX_HEAD_DIM = 256
+ATTENTION_MAX_GROUP = 8
+# deterministic mode: the split count of every bucket (the partials are T x H x splits x (Dh + 4) floats: at
+# 512 tokens of the 27B, 136 MB)
+DETERMINISTIC_SPLITS = 16
+
+
+def attention_limits(head_dim: int, group: int) -> str | None:
+    """Why the attention kernels cannot take heads of ``head_dim`` values with ``group`` query heads per KV
+    head, or None where they can."""
+    if head_dim <= ATTENTION_MAX_HEAD_DIM and head_dim % 4 == 0 and group <= ATTENTION_MAX_GROUP:
+        return None
+    return (
+        f"heads of {head_dim} values with {group} query heads per KV head; its attention kernels take "
+        f"heads of at most {ATTENTION_MAX_HEAD_DIM} values (a multiple of 4) and at most "
+        f"{ATTENTION_MAX_GROUP} query heads per KV head (the cpu backend runs any)"
+    )
+
+
+def attention(ctx: RecordContext, q: Act, k: Act, v: Act, layer: int, window: int | None, scale: float):
+    """k, v (T, Hkv, Dh) into ``layer``'s cache (kv_write), then :func:`attend`."""
+    t, hkv = k.shape[0], k.shape[1]
+    pool, kp, vp, slot_off = ctx.kv_pool(layer)
+    row = hkv * k.shape[2]
+    write = KvWritePush(t, row, row, row, slot_off)
+    pool_t, _ = KV_DTYPES[ctx.options.kv_dtype]
+    ctx.dispatch(f"kv_write_{pool_t}", [k.view, v.view, ctx.meta_gpu, kp, vp], write, ctx.grid(t * row))
+    return attend(ctx, q, hkv, layer, window, scale)
+
+
+def normed_attention(
+    ctx: RecordContext, q, k, v, wq: VkWeight, wk: VkWeight, eps: float, rope, layer: int, window, scale
+) -> Act:
+    """The q and k norms, RoPE and the cache write in one dispatch (norm_rope_kv.comp: three dispatches
+    and a barrier fewer; q, k, v may be a GEMM's unsummed partial sums), then the attention passes."""
+    (t, h, dh), hkv = q.shape, k.shape[1]
+    assert wq.shape == wk.shape == (dh,), f"{wq.name}, {wk.name}: heads of {dh}"
+    pool, kp, vp, slot_off = ctx.kv_pool(layer)
+    qn = ctx.new(q.shape)
+    (qv, qs), (kv, ks), (vv, vs) = (sums(a) for a in (q, k, v))  # values, or partial sums
+    splits = (qs, ks, vs)
+    push = NormRopeKvPush(t, h, hkv, dh, ctx.layout.positions, slot_off, *rope, eps, splits=splits)
+    binds = [qv, kv, vv, wq.view, wk.view, ctx.meta_gpu, qn.view, kp, vp]
+    ctx.dispatch(f"norm_rope_kv_{KV_DTYPES[ctx.options.kv_dtype][0]}", binds, push, t * (h + 2 * hkv))
+    return attend(ctx, qn, hkv, layer, window, scale)
+
+
+def attend(ctx: RecordContext, q: Act, hkv: int, layer: int, window: int | None, scale: float) -> Act:
+    """Split-K attention of q (T, H, Dh) over ``layer``'s cache (this step's k, v written): pass 1 (with
+    the prefill tiles in big buckets), then pass 2. -> (T, H * Dh), with its int8 planes for the output
+    projection when the int8 mat-vec takes it."""
+    lay, meta, opt = ctx.kv_layout, ctx.layout, ctx.options
+    t, h, dh = q.shape
+    g = h // hkv
+    assert attention_limits(dh, g) is None, attention_limits(dh, g)  # load_model refused such models
+    pool, kp, vp, _ = ctx.kv_pool(layer)
+    info_off = meta.info_global if pool == "global" else meta.info_local
+    pool_t, _ = KV_DTYPES[opt.kv_dtype]
+    # split-K: about attention_target workgroups at small batches (a split takes at least min_keys keys,
+    # so splits past the sequence's length / min_keys exit at once); the partials stay ~attention_target
+    # * G * Dh floats.
+    # With tiles, as many as the tiles want (a tile's workgroup per 32 query vectors and split, for about
+    # attention_prefill_target workgroups: the long causal rows of a prompt's last tiles spread)
+    tiles = policy.prefill_kernel(opt, ctx.caps, pool_t, dh, g) if meta.max_tiles else None
+    splits = -(-opt.attention_target // (t * hkv))
+    if tiles:
+        splits = max(splits, -(-opt.attention_prefill_target // max(1, t * h // ATTENTION_PREFILL_TILE)))
+    splits = max(1, min(ATTENTION_MAX_SPLITS, splits))
+    if opt.deterministic:  # a row's split boundaries then depend on its position only
+        splits = DETERMINISTIC_SPLITS
+    part = ctx.new((t, h, splits, dh + 4))  # (m, l, padding, acc): shaders/attention_part.glsl
+    binds = [q.view, kp, vp, ctx.meta_gpu, part.view]
+    push = AttentionSplitPush(
+        *(t, h, hkv, dh, h * dh, splits, lay.block_size, window or 0),
+        *(meta.positions, meta.seq, info_off, scale, meta.tiled if tiles else 0, opt.attention_min_keys),
+    )
+    ctx.dispatch(policy.attention_kernel(opt, ctx.caps, pool_t, dh, g), binds, push, t * hkv * splits)
+    if tiles:  # the tiles' rows (the kernel above skipped them), into the same partials
+        push = AttentionPrefillPush(
+            *(meta.max_tiles, h, hkv, dh, h * dh, splits, lay.block_size, window or 0),
+            *(meta.positions, info_off, meta.tiles, scale),
+        )
+        ctx.dispatch(tiles, binds, push, attention_prefill_groups(meta.max_tiles, g, hkv, splits))
+    o = ctx.new((t, h * dh))
+    reduce = AttentionReducePush(t, h, dh, splits, h * dh)
+    # the output projection's int8 input too (a head is whole q8 blocks; K % 64 == 0: XQ's order)
+    planes = opt.planes
+    if planes and (t <= Q8_MAX_T or opt.deterministic) and dh % 32 == 0 and h * dh % 64 == 0:
+        o.q8 = ctx.new_q8(t, h * dh, planes)
+        binds = [part.view, o.view, o.q8[0].view, o.q8[1].view]
+        name = "attention_reduce_f32_x3" if planes == 3 else "attention_reduce_f32_q8"
+        ctx.dispatch(name, binds, reduce, t * h)
+    else:
+        ctx.dispatch("attention_reduce_f32", [part.view, o.view], reduce, t * h)
+    return o
