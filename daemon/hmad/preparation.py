@@ -1,0 +1,64 @@
+"""A generate request's preparation, run on the intake thread (hmad/intake.py), and what its failure answers.
+
+``prepare`` turns the request into what the engine takes: its sampling parameters (the defaults under the
+request's own, checked), its json_schema's grammar (compiled, and checked against this model's vocabulary
+so it fails here rather than mid-request), and its prompt ids (chat template or raw prompt, tokenized,
+checked against the context). ``refusal`` names the reply a failure of it gets.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+from hmaclient import protocol as P
+from hmad.core.errors import UnencodableText
+from hmad.engine.sampling import SamplingParams
+from hmad.engine.structured import check_schema, compile_schema
+from hmad.model.chat import render_chat, render_prompt
+
+log = logging.getLogger("hmad.server")
+
+
+class PromptTooLong(ValueError):
+    """The prompt cannot fit the context (answered ``prompt_too_long``)."""
+
+
+def prepare(
+    req, defaults: SamplingParams, model, context: int
+) -> tuple[list[int], SamplingParams, str | None]:
+    """Prompt ids, sampling parameters and the json_schema's grammar; raises PromptTooLong,
+    UnencodableText or ValueError (naming the problem)."""
+    params = SamplingParams(**{**vars(defaults), **req.sampling()})
+    params.validate()
+    grammar = None if req.json_schema is None else compile_schema(req.json_schema)
+    if grammar is not None:  # against this model's vocabulary: fails here, not mid-request
+        check_schema(grammar, model.tokenizer)
+    if req.messages is not None:
+        text = render_chat(req.messages)
+    else:
+        text = req.prompt if req.raw else render_prompt(req.prompt)
+    tok = model.tokenizer
+    if tok.max_token_chars and len(text) > tok.max_token_chars * context:  # surely too long: skip
+        raise PromptTooLong(  # tokenizing it (seconds for a MAX_PROMPT_CHARS prompt)
+            f"the prompt of {len(text)} characters is at least {-(-len(text) // tok.max_token_chars)} "
+            f"tokens; the context holds {context}"
+        )
+    ids = tok.encode(text)
+    if len(ids) >= context:
+        raise PromptTooLong(f"the prompt is {len(ids)} tokens; the context holds {context}")
+    return ids, params, grammar
+
+
+def refusal(e: BaseException, counters: collections.Counter) -> tuple[str, str]:
+    """The (code, message) a request whose preparation raised ``e`` is refused with."""
+    if isinstance(e, PromptTooLong):
+        return P.PROMPT_TOO_LONG, str(e)
+    if isinstance(e, UnencodableText):
+        counters["unencodable"] += 1
+        return P.BAD_REQUEST, str(e)
+    if isinstance(e, ValueError):  # the chat template's, SamplingParams' or the schema's checks
+        return P.BAD_REQUEST, str(e)
+    log.error("preparing a request failed", exc_info=e)
+    counters["internal"] += 1
+    return P.INTERNAL, f"hmad failed on this request: {type(e).__name__}: {e}"
