@@ -100,26 +100,27 @@ class Gateway:
 
 
 async def chat_completions(request: Request) -> Response:
-    gw: Gateway = request.app.state.gateway
     req = parse(ChatRequest, await _body(request))
-    params, messages = req.params(), req.hmad_messages()
-    reply = R.Reply(await gw.model_name(), chat=True)
-    if req.stream:
-        stream = gw.client.stream(messages=messages, **params)
-        return await _streamed(request, reply, stream, req.include_usage)
-    result = await _unless_disconnected(request, gw.client.generate(messages=messages, **params))
-    return JSONResponse(reply.whole(result))
+    return await _generation(request, req, req.params(), chat=True, messages=req.hmad_messages())
 
 
 async def completions(request: Request) -> Response:
-    gw: Gateway = request.app.state.gateway
     req = parse(CompletionRequest, await _body(request))
-    params, prompt = req.params(), req.text()
-    reply = R.Reply(await gw.model_name(), chat=False)
+    return await _generation(request, req, req.params(), chat=False, prompt=req.text(), raw=True)
+
+
+async def _generation(
+    request: Request, req: ChatRequest | CompletionRequest, params: dict[str, Any], chat: bool, **inputs: Any
+) -> Response:
+    """One generation for either endpoint: ``inputs`` are what hmaclient takes besides ``params`` (chat:
+    the messages; completions: the raw prompt). Streamed as SSE or answered whole; a refusal is an HTTP
+    error, a client gone before the answer cancels the generation."""
+    gw: Gateway = request.app.state.gateway
+    reply = R.Reply(await gw.model_name(), chat=chat)
     if req.stream:
-        stream = gw.client.stream(prompt, raw=True, **params)
+        stream = gw.client.stream(**inputs, **params)
         return await _streamed(request, reply, stream, req.include_usage)
-    result = await _unless_disconnected(request, gw.client.generate(prompt, raw=True, **params))
+    result = await _unless_disconnected(request, gw.client.generate(**inputs, **params))
     return JSONResponse(reply.whole(result))
 
 
