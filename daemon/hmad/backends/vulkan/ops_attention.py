@@ -14,7 +14,7 @@ from hmad.backends.vulkan import policy
 from hmad.backends.vulkan.activations import Act
 from hmad.backends.vulkan.context import RecordContext
 from hmad.backends.vulkan.ops_norm import sums
-from hmad.backends.vulkan.options import KV_DTYPES
+from hmad.backends.vulkan.options import KV_DTYPES, VulkanOptions
 from hmad.backends.vulkan.pipelines import (
     ATTENTION_PREFILL_TILE,
     AttentionPrefillPush,
@@ -77,8 +77,7 @@ def normed_attention(
 
 def attend(ctx: RecordContext, q: Act, hkv: int, layer: int, window: int | None, scale: float) -> Act:
     """Split-K attention of q (T, H, Dh) over ``layer``'s cache (this step's k, v written): pass 1 (with
-    the prefill tiles in big buckets), then pass 2. -> (T, H * Dh), with its int8 planes for the output
-    projection when the int8 mat-vec takes it."""
+    the prefill tiles in big buckets), then pass 2 (:func:`reduce_splits`). -> (T, H * Dh)."""
     lay, meta, opt = ctx.kv_layout, ctx.layout, ctx.options
     t, h, dh = q.shape
     g = h // hkv
@@ -86,18 +85,8 @@ def attend(ctx: RecordContext, q: Act, hkv: int, layer: int, window: int | None,
     pool, kp, vp, _ = ctx.kv_pool(layer)
     info_off = meta.info_global if pool == "global" else meta.info_local
     pool_t, _ = KV_DTYPES[opt.kv_dtype]
-    # split-K: about attention_target workgroups at small batches (a split takes at least min_keys keys,
-    # so splits past the sequence's length / min_keys exit at once); the partials stay ~attention_target
-    # * G * Dh floats.
-    # With tiles, as many as the tiles want (a tile's workgroup per 32 query vectors and split, for about
-    # attention_prefill_target workgroups: the long causal rows of a prompt's last tiles spread)
     tiles = policy.prefill_kernel(opt, ctx.caps, pool_t, dh, g) if meta.max_tiles else None
-    splits = -(-opt.attention_target // (t * hkv))
-    if tiles:
-        splits = max(splits, -(-opt.attention_prefill_target // max(1, t * h // ATTENTION_PREFILL_TILE)))
-    splits = max(1, min(ATTENTION_MAX_SPLITS, splits))
-    if opt.deterministic:  # a row's split boundaries then depend on its position only
-        splits = DETERMINISTIC_SPLITS
+    splits = attention_splits(opt, t, h, hkv, bool(tiles))
     part = ctx.new((t, h, splits, dh + 4))  # (m, l, padding, acc): shaders/attention_part.glsl
     binds = [q.view, kp, vp, ctx.meta_gpu, part.view]
     push = AttentionSplitPush(
@@ -111,6 +100,28 @@ def attend(ctx: RecordContext, q: Act, hkv: int, layer: int, window: int | None,
             *(meta.positions, info_off, meta.tiles, scale),
         )
         ctx.dispatch(tiles, binds, push, attention_prefill_groups(meta.max_tiles, g, hkv, splits))
+    return reduce_splits(ctx, part, t, h, dh, splits)
+
+
+def attention_splits(opt: VulkanOptions, t: int, h: int, hkv: int, tiled: bool) -> int:
+    """Key splits per (row, KV head) of a step of ``t`` rows: about ``attention_target`` workgroups at small
+    batches (a split takes at least min_keys keys, so splits past the sequence's length / min_keys exit at
+    once; the partials stay ~attention_target * G * Dh floats). With prefill tiles (``tiled``), as many as
+    the tiles want (a tile's workgroup per 32 query vectors and split, for about
+    ``attention_prefill_target`` workgroups: the long causal rows of a prompt's last tiles spread).
+    Deterministic mode: DETERMINISTIC_SPLITS (a row's split boundaries then depend on its position only)."""
+    if opt.deterministic:
+        return DETERMINISTIC_SPLITS
+    splits = -(-opt.attention_target // (t * hkv))
+    if tiled:
+        splits = max(splits, -(-opt.attention_prefill_target // max(1, t * h // ATTENTION_PREFILL_TILE)))
+    return max(1, min(ATTENTION_MAX_SPLITS, splits))
+
+
+def reduce_splits(ctx: RecordContext, part: Act, t: int, h: int, dh: int, splits: int) -> Act:
+    """Pass 2: the splits' partials (T, H, splits, Dh + 4) merged -> (T, H * Dh), with its int8 planes for
+    the output projection when the int8 mat-vec takes it."""
+    opt = ctx.options
     o = ctx.new((t, h * dh))
     reduce = AttentionReducePush(t, h, dh, splits, h * dh)
     # the output projection's int8 input too (a head is whole q8 blocks; K % 64 == 0: XQ's order)
