@@ -498,3 +498,21 @@ def test_socket_path(tmp_path):
     assert P.endpoint("/run/hmad/hmad.sock") == "ipc:///run/hmad/hmad.sock"
     with pytest.raises(ValueError, match="107"):
         P.endpoint("/" + "x" * 200)
+
+
+def test_sampling_fields_are_the_one_tables():
+    """The wire's sampling fields, their ranges and their words come from hmaclient.sampling."""
+    import dataclasses
+
+    from hmaclient import sampling
+
+    assert P.SAMPLING_FIELDS == sampling.NAMES
+    assert set(sampling.NAMES) <= {f.name for f in dataclasses.fields(P.GenerateRequest)}
+    for f in sampling.FIELDS:
+        past = ["s"] * (int(f.hi) + 1) if f.kind == "strings" else f.hi + (1 if f.kind == "int" else 0.5)
+        with pytest.raises(P.ProtocolError) as e:  # the check itself: 2^64 does not fit msgpack
+            P.validate_request({k: v for k, v in gen(**{f.name: past}).items() if v is not None}, "r1")
+        assert (e.value.code, e.value.message) == (P.BAD_REQUEST, sampling.problem(f.name, past))
+        at = ["s"] * int(f.hi) if f.kind == "strings" else f.hi
+        assert getattr(P.parse_request(raw(gen(**{f.name: at}))), f.name) == sampling.stored(f.name, at)
+    assert "temperature" in P.__doc__ and sampling.describe(sampling.BY_NAME["top_p"]) in P.__doc__
