@@ -143,7 +143,7 @@ class VulkanBackend(Backend):
     @property
     def mmq_k(self) -> int | None:
         """The int8 GEMM's product K where the device has it and the options allow it, else None."""
-        return self.caps.mmq_k if self.options.mmq == "auto" else None
+        return ops_matmul.mmq_k(self.ctx)
 
     graphs = property(lambda self: self.recorded.graphs, doc="the recordings by (T_b, O_b)")
     recordings = property(lambda self: self.recorded.count, doc="forward passes recorded")

@@ -185,8 +185,8 @@ def mmq(ctx: RecordContext, x: Act, ws: list[VkWeight], y: Act, keep: bool = Fal
     ``keep`` as :func:`matmul`'s."""
     (t, k), n = x.shape, ws[0].shape[0]
     xq, xd = (a.view for a in q8(ctx, x))
-    mmq_k = ctx.caps.mmq_k if ctx.options.mmq == "auto" else None
-    kern = ctx.kernel(mmq_pick(mmq_k, t, bool(mmq_k) and ctx.caps.mmq_n8))
+    k8 = mmq_k(ctx)
+    kern = ctx.kernel(mmq_pick(k8, t, bool(k8) and ctx.caps.mmq_n8))
     held: list[Act] = []  # the partial-sum scratch, alive until its dispatches are recorded
     part = scratch_maker(ctx, held)
     target = ctx.options.mmq_target
@@ -198,6 +198,11 @@ def mmq(ctx: RecordContext, x: Act, ws: list[VkWeight], y: Act, keep: bool = Fal
         reduce, kept = ctx.kernel("split_reduce"), keeper(y, held) if keep else None
         views = (ws[0].view, xq, xd, y.view)
         record_mmq(ctx.rec, kern, reduce, *views, k, n, t, part, target=target, keep=kept)
+
+
+def mmq_k(ctx: RecordContext) -> int | None:
+    """The int8 GEMM's product K where the device has it and the options allow it, else None."""
+    return ctx.caps.mmq_k if ctx.options.mmq == "auto" else None
 
 
 def coopmat(
