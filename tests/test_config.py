@@ -122,6 +122,9 @@ def test_sections_mirror_the_classes_they_configure():
     from hmad.backends.npu.backend import NpuBackend  # the CPU backend with NPU offload: both sections
 
     assert {*names(config_mod.NpuConfig), *cpu_keys} == set(inspect.signature(NpuBackend).parameters)
+    for section, cls in (("cpu", CpuBackend), ("npu", NpuBackend)):  # defaults: the constructors'
+        defaults = {k: p.default for k, p in inspect.signature(cls).parameters.items()}
+        assert all(defaults[k] == v for k, v in getattr(Config(), section).model_dump().items())
 
 
 def test_engine_deterministic_reaches_the_backend():

@@ -3,12 +3,13 @@
 Where the YAML file comes from: ``--config PATH``, else ``$HMAD_CONFIG``, else ``/etc/hmad/hmad.yaml`` when it
 exists, else none. Overrides are a dict of dotted keys (``{"engine.max_seqs": 32, "socket.path": ...}``); a
 section name with a mapping works too. ``etc/hmad.yaml`` documents every key, and a test keeps it equal to the
-defaults written here.
+built-in defaults.
 
-Each section is a pydantic model (strict types, frozen); a section that configures a class takes its keys and
-defaults from it (engine: SchedulerConfig, vulkan: VulkanOptions, sampling: the one table of the sampling
-fields, hmaclient.sampling). Every value is checked; a bad one raises ``ConfigError`` naming the dotted key,
-what is allowed, what was given and where it came from (one place words pydantic's errors so: _explain)::
+Each section is a pydantic model (strict types, frozen); a section that configures a class takes its keys
+and defaults from it (engine: SchedulerConfig, vulkan: VulkanOptions, cpu: CpuBackend, npu: NpuBackend,
+sampling: the one table of the sampling fields, hmaclient.sampling): only the ranges are written here.
+Every value is checked; a bad one raises ``ConfigError`` naming the dotted key, what is allowed, what was
+given and where it came from (one function words pydantic's errors so: ``_explain``)::
 
     engine.max_seqs: must be an integer from 1 to 1024, got 'many' (in /etc/hmad/hmad.yaml)
     unknown key 'engine.max_seq' (allowed: max_seqs, step_tokens, ...; did you mean 'max_seqs'?) (in ...)
@@ -19,8 +20,8 @@ too: a typo never silently falls back to a default.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
+import inspect
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -45,6 +46,8 @@ from pydantic_core import PydanticCustomError
 from hmaclient import protocol as P
 from hmaclient import sampling as sampling_fields
 from hmaclient.sampling import describe_range
+from hmad.backends.cpu import CpuBackend
+from hmad.backends.npu.backend import NpuBackend
 from hmad.backends.npu.routing import NPU_OPS  # the NPU backend owns its op list
 from hmad.backends.vulkan.options import MATVEC_MODES, VulkanOptions
 from hmad.core.errors import HmadError
@@ -257,16 +260,17 @@ class _Section(BaseModel):
 
 
 def _mirror(
-    name: str, of: type, types: dict[str, Any], every: bool = False, **own: tuple[Any, Any]
+    name: str, of: Callable[..., Any], types: dict[str, Any], every: bool = False, **own: tuple[Any, Any]
 ) -> type[_Section]:
-    """A section whose keys are fields of the dataclass ``of``, in its order and with its defaults (written
-    there, not here), each typed by ``types`` (every key ``types`` names must be a field of ``of``; with
-    ``every``, every field of ``of`` must have a type); ``own``: (type, default) of the section's own keys."""
-    fields = {f.name: f.default for f in dataclasses.fields(of)}
-    strays = sorted(set(types) ^ set(fields) if every else set(types) - set(fields))
+    """A section whose keys are parameters of ``of`` (a dataclass's fields, a class's constructor), in its
+    order and with its defaults (written there, not here), each typed by ``types`` (every key it names must
+    be a parameter of ``of``; with ``every``, every parameter must have a type); ``own``: (type, default) of
+    the section's own keys."""
+    params = {k: p.default for k, p in inspect.signature(of).parameters.items()}
+    strays = sorted(set(types) ^ set(params) if every else set(types) - set(params))
     if strays:
         raise TypeError(f"{name} and {of.__name__} disagree on {', '.join(strays)}")
-    spec = {k: (types[k], default) for k, default in fields.items() if k in types}
+    spec = {k: (types[k], default) for k, default in params.items() if k in types}
     return create_model(name, __base__=_Section, **spec, **own)
 
 
@@ -304,11 +308,6 @@ EngineConfig = _mirror(
     every=True,
     deterministic=(_TRISTATE, "auto"),
 )
-if set(EngineConfig.model_fields) != {
-    *(f.name for f in dataclasses.fields(SchedulerConfig)),
-    "deterministic",
-}:
-    raise TypeError("EngineConfig: every SchedulerConfig field needs its type here")
 
 
 class LimitsConfig(_Section):
@@ -339,12 +338,16 @@ class ServiceConfig(_Section):
 SamplingConfig = sampling_model("SamplingConfig", sampling_fields.DEFAULTS, frozen=True)
 
 
-class CpuConfig(_Section):
-    """Options of hmad.backends.cpu.CpuBackend, same names."""
-
-    numerics: _one_of("ggml", "f32") = "ggml"
-    weight_cache_bytes: _bytes() = 16 << 30
-    kv_dtype: _one_of("float32", "float16") = "float32"
+#: cpu: options of hmad.backends.cpu.CpuBackend (defaults there), all but deterministic (engine's)
+CpuConfig = _mirror(
+    "CpuConfig",
+    CpuBackend,
+    {
+        "numerics": _one_of("ggml", "f32"),
+        "weight_cache_bytes": _bytes(),
+        "kv_dtype": _one_of("float32", "float16"),
+    },
+)
 
 
 #: vulkan: the config keys of hmad.backends.vulkan.options.VulkanOptions (defaults there) with their ranges
@@ -371,15 +374,19 @@ VulkanConfig = _mirror(
 )
 
 
-class NpuConfig(_Section):
-    """Options of hmad.backends.npu.backend.NpuBackend (which also takes the cpu section's), same names."""
-
-    enabled: _TRISTATE = "auto"
-    ops: _subset(NPU_OPS) = NPU_OPS
-    xclbin_dir: _or_null(_text(), "the kernels installed with hmad") = None
-    min_rows: _int(1) = 32
-    timeout_s: _real(0.0, 60.0, lo_open=True) = 5.0
-    idle_s: _real(0.0) = 5.0
+#: npu: NpuBackend's own options (defaults there; it also takes the cpu section's)
+NpuConfig = _mirror(
+    "NpuConfig",
+    NpuBackend,
+    {
+        "enabled": _TRISTATE,
+        "ops": _subset(NPU_OPS),
+        "xclbin_dir": _or_null(_text(), "the kernels installed with hmad"),
+        "min_rows": _int(1),
+        "timeout_s": _real(0.0, 60.0, lo_open=True),
+        "idle_s": _real(0.0),
+    },
+)
 
 
 _SECTIONS: dict[str, type[BaseModel]] = {
