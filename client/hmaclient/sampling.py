@@ -10,7 +10,8 @@ Two values per field, each stated once:
 
 - ``default``: what a request that leaves the field out gets (the daemon's built-in ``sampling:`` config,
   which a YAML file may change; what ``hmad generate`` uses without flags);
-- ``off``: the value at which the knob does nothing (a bare ``SamplingParams()`` of the engine).
+- ``off``: a bare sampler's value (the engine's ``SamplingParams()``): the knob does nothing. max_tokens
+  has no off (its default), and repeat_last_n keeps its window (the penalty is off at 1).
 
 Types are strict: an ``int`` field takes ints only, a ``real`` field ints or floats (finite); bools are
 neither. ``None`` (nil, null, absent) means "the default"; for ``seed`` the default itself is None: fresh
