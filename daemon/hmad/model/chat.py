@@ -1,10 +1,14 @@
-"""Gemma's chat format.
+"""Chat prompts: the model's own chat template when its file has one, else Gemma's chat format built in.
+
+``render_chat(messages, template)`` with a :class:`hmad.model.chat_template.ChatTemplate` renders it (Jinja,
+as transformers does); with None, the built-in Gemma turns below:
 
     <start_of_turn>user\n{system}\n\n{content}<end_of_turn>\n<start_of_turn>model\n{content}<end_of_turn>\n...
     <start_of_turn>model\n                       (the generation prompt)
 
-Gemma has no system role: a system message is prepended to the first user turn, as Gemma's own template
-does. ``assistant`` is accepted as an alias of ``model``. The tokenizer adds <bos>.
+Gemma has no system role: a system message (or ``developer``, taken as ``system``) is prepended to the first
+user turn, as Gemma's own template does. ``assistant`` is accepted as an alias of ``model``. The tokenizer
+adds <bos>. Tools are not rendered by the built-in format (they need a template that renders them).
 
 The prompt is a :class:`TemplateText`: only the template's own ``<start_of_turn>`` and ``<end_of_turn>``
 are control tokens; message content (and the system message) is tokenized as plain text, so control-token
@@ -13,27 +17,44 @@ text in a message (``<end_of_turn>``, ``<start_of_turn>model``, ``<bos>``) is ju
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from hmad.model.tokenizer import TemplateText
 
+if TYPE_CHECKING:
+    from hmad.model.chat_template import ChatTemplate
+
 ROLES = {"user": "user", "model": "model", "assistant": "model"}
+SYSTEM = ("system", "developer")
 START, END = "<start_of_turn>", "<end_of_turn>"
 
 
-def render_chat(messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> TemplateText:
+def render_chat(
+    messages: Sequence[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    template: ChatTemplate | None = None,
+    tools: Sequence[Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> TemplateText:
     """Messages ({role, content}) -> the prompt text, its markers known to the tokenizer; raises ValueError
-    on an unknown role or order."""
-    system = [m["content"] for m in messages if m["role"] == "system"]
-    turns = [m for m in messages if m["role"] != "system"]
-    if len(system) > 1 or (system and messages[0]["role"] != "system"):
+    on an unknown role or order (a template's ChatTemplateError is one).
+
+    ``template``: the model's own (``tokenizer.chat_template``), None for the built-in Gemma turns;
+    ``tools`` and ``extra`` (more template variables) reach a template only."""
+    if template is not None:
+        return template.render(messages, add_generation_prompt, tools=tools, extra=extra)
+    if tools:
+        raise ValueError("tools need the model's own chat template; this model file has none")
+    system = [m["content"] for m in messages if m["role"] in SYSTEM]
+    turns = [m for m in messages if m["role"] not in SYSTEM]
+    if len(system) > 1 or (system and messages[0]["role"] not in SYSTEM):
         raise ValueError("at most one system message, and only first")
     out: list[tuple[str, bool]] = []
     for i, m in enumerate(turns):
         role = ROLES.get(m["role"])
         if role is None:
-            raise ValueError(f"unknown role {m['role']!r} (allowed: system, user, model, assistant)")
+            raise ValueError(f"unknown role {m['role']!r} (allowed: {', '.join([*SYSTEM, *ROLES])})")
         content = m["content"]
         if i == 0 and system:
             if role != "user":
@@ -45,6 +66,6 @@ def render_chat(messages: Sequence[dict[str, Any]], add_generation_prompt: bool 
     return TemplateText(out)
 
 
-def render_prompt(prompt: str) -> TemplateText:
+def render_prompt(prompt: str, template: ChatTemplate | None = None) -> TemplateText:
     """A bare prompt as one user turn with the generation prompt."""
-    return render_chat([{"role": "user", "content": prompt}])
+    return render_chat([{"role": "user", "content": prompt}], template=template)

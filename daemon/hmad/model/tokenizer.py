@@ -145,6 +145,9 @@ class Tokenizer:
     #: ``len(text) / max_token_chars`` ids (the server refuses a prompt that long without tokenizing it);
     #: None where no such bound holds (normalizers or stripping tokens may drop characters).
     max_token_chars: int | None = None
+    #: The model file's own chat template (``hmad.model.chat_template.ChatTemplate``), or None: then the
+    #: built-in Gemma turns (``hmad.model.chat``) format chats.
+    chat_template: Any = None
 
     def encode(self, text: str, add_bos: bool = True, parse_special: bool = True) -> list[int]:
         """Token ids of ``text``; ``parse_special`` lets control-token texts (``<start_of_turn>``) match.
@@ -165,6 +168,11 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int, special: bool = False) -> bytes:
         """Bytes token ``token_id`` adds to the output; control tokens give b"" unless ``special``."""
+        raise NotImplementedError
+
+    def control_texts(self) -> list[str]:
+        """The texts ``encode`` turns into control tokens only with ``parse_special`` (chat templates keep
+        them out of message content)."""
         raise NotImplementedError
 
     def token_id(self, text: str) -> int | None:
@@ -285,7 +293,7 @@ class SpmTokenizer(Tokenizer):
             raise ValueError(f"tokenizer.ggml.model is {model!r}; SpmTokenizer handles 'llama'")
         k = "tokenizer.ggml."
         tokens = [t.decode("utf-8") if isinstance(t, bytes) else str(t) for t in meta[k + "tokens"]]
-        return cls(
+        tok = cls(
             tokens,
             meta.get(k + "scores"),
             meta.get(k + "token_type"),
@@ -298,6 +306,10 @@ class SpmTokenizer(Tokenizer):
             add_space_prefix=bool(meta.get(k + "add_space_prefix", True)),
             model_name=str(meta.get("general.name", "")),
         )
+        from hmad.model import chat_template
+
+        tok.chat_template = chat_template.from_gguf_metadata(meta, tok)
+        return tok
 
     @staticmethod
     def _attrs_from_types(token_types: Any, n: int) -> list[int]:
@@ -515,6 +527,9 @@ class SpmTokenizer(Tokenizer):
     def token_id(self, text: str) -> int | None:
         return self._to_id.get(text)
 
+    def control_texts(self) -> list[str]:
+        return [self._text[i] for i in self._special_order if self._attr[i] & _HIDDEN]
+
     def is_special(self, token_id: int) -> bool:
         return bool(self._attr[token_id] & _HIDDEN)
 
@@ -576,6 +591,7 @@ class HFTokenizer(Tokenizer):
         spec = json.loads(tk.to_str())
         self.vocab_size = tk.get_vocab_size(with_added_tokens=True)
         self._special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+        self._special_texts = [t["content"] for t in spec.get("added_tokens", []) if t.get("special")]
         self._added = {t["id"] for t in spec.get("added_tokens", [])}
         decoders = _flatten_decoders(spec.get("decoder"))
         self._byte_level = any(d.get("type") == "ByteLevel" for d in decoders)
@@ -589,10 +605,15 @@ class HFTokenizer(Tokenizer):
 
     @classmethod
     def from_file(cls, path: str | Path, **kw: Any) -> HFTokenizer:
-        """Load ``tokenizer.json``; ``bos_id``/``eos_id``/``eot_ids`` (ids or token texts) override."""
+        """Load ``tokenizer.json``, and the chat template beside it if there is one; ``bos_id``/``eos_id``/
+        ``eot_ids`` (ids or token texts) override."""
         from tokenizers import Tokenizer as _HF
 
-        return cls(_HF.from_file(str(path)), **kw)
+        from hmad.model import chat_template
+
+        tok = cls(_HF.from_file(str(path)), **kw)
+        tok.chat_template = chat_template.from_hf_directory(Path(path).parent, tok)
+        return tok
 
     def _resolve(self, x: int | str | None, names: Sequence[str]) -> int | None:
         if isinstance(x, int):
@@ -634,6 +655,9 @@ class HFTokenizer(Tokenizer):
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special
+
+    def control_texts(self) -> list[str]:
+        return list(self._special_texts)
 
 
 def _flatten_decoders(d: dict | None) -> list[dict]:
