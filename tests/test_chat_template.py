@@ -332,3 +332,21 @@ def test_daemon_renders_the_files_template(tmp_path):
             assert c.generate(messages=messages, max_tokens=1).prompt_tokens == chat.prompt_tokens
     finally:
         assert d.stop() == 0, d.log_text()
+
+
+def test_choose_by_setting(tiny_spm, tmp_path):
+    from hmad.model.chat_template import choose
+
+    path = tiny_gguf_with(tmp_path / "t.gguf", TEMPLATES["probe"])
+    tok = SpmTokenizer.from_gguf_metadata(read_gguf(path).metadata)
+    assert choose("auto", tok) is tok.chat_template and choose("auto", tiny_spm) is None
+    assert choose("builtin", tok) is None
+    (tmp_path / "gemma.jinja").write_text(TEMPLATES["gemma3_it"])
+    chosen = choose(str(tmp_path / "gemma.jinja"), tok)
+    assert chosen.origin == str(tmp_path / "gemma.jinja")
+    assert str(render_prompt("hi", chosen)) == str(render_prompt("hi"))
+    for bad, words in (("missing.jinja", "cannot read"), ("broken.jinja", "does not compile")):
+        (tmp_path / "broken.jinja").write_text("{% if %}")
+        with pytest.raises(ChatTemplateError, match=words) as e:
+            choose(str(tmp_path / bad), tok)
+        assert bad in str(e.value)

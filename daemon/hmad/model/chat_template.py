@@ -411,6 +411,22 @@ def from_hf_directory(directory: str | Path, tokenizer: Tokenizer) -> ChatTempla
     return ChatTemplate(source, tokenizer, origin, **tokens)
 
 
+def choose(setting: str, tokenizer: Tokenizer) -> ChatTemplate | None:
+    """The template chats are formatted with, by a ``chat_template`` setting: ``auto``, the model file's own
+    (None without one: the built-in Gemma turns); ``builtin``, None; else the path of a Jinja file, compiled
+    here. Raises ChatTemplateError naming the file."""
+    if setting == "auto":
+        return tokenizer.chat_template
+    if setting == "builtin":
+        return None
+    path = Path(setting).expanduser()
+    try:
+        source = _read_text(path)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ChatTemplateError(f"cannot read the chat template {str(path)!r}: {e}") from e
+    return ChatTemplate(source, tokenizer, str(path))
+
+
 def _read_text(path: Path, limit: int = 4 * MAX_TEMPLATE_CHARS) -> str:
     """The file's text; ``limit`` in bytes (a template's: far past its limit in characters)."""
     if path.stat().st_size > limit:
