@@ -20,6 +20,22 @@ sys.path.insert(0, str(Path(__file__).parent))
 if platform.machine() in ("x86_64", "AMD64"):
     os.environ.setdefault("OPENBLAS_CORETYPE", "Haswell")
 
+# Parallel workers (pytest-xdist, `-n`) share the cores instead of each spreading over all of them: lavapipe's
+# compute threads wait for each other at the end of every dispatch, so two workers' thread pools on the same
+# cores stall each other. Each worker (and every hmad it starts) gets cores / workers threads for lavapipe
+# and for numpy's BLAS. Set before numpy and the Vulkan driver load; a variable already set wins.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _threads = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    for _name in ("LP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+        os.environ.setdefault(_name, _threads)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own grouping by fixture parameters, which the sort keeps
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` start first (a stable sort), so that with parallel workers none of them is left
+    running alone at the end while the other workers idle."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
 
 @pytest.fixture(scope="session")
 def embedded_model_path() -> Path:
@@ -77,3 +93,11 @@ def fake_npu(tmp_path, monkeypatch):
     npu.fail()
     yield npu
     forget_device()
+
+
+@pytest.fixture(scope="session")
+def run_shared_dir(tmp_path_factory) -> Path:
+    """A folder that every worker of this test run shares (with `-n`, each worker's own temp folders sit in
+    it), for checks that span tests the workers share out (test_vulkan_backend's greedy groups)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base

@@ -122,6 +122,7 @@ def solo_ids(embedded):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("cpu-270m-deterministic")  # one worker, one solo_ids
 @pytest.mark.timeout(2400)  # the 968-token prompt prefills a mat-vec per row
 def test_fidelity_prompts_greedy_identical_solo_and_together(embedded, solo_ids):
     together = greedy_together(embedded, ALL, N_NEW)
@@ -179,6 +180,7 @@ def check_daemon(model_path, tmp_path, backend: str, idx: list[int], n_new: int,
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("cpu-270m-deterministic")  # one worker, one solo_ids
 @pytest.mark.timeout(2400)
 def test_fidelity_prompts_identical_through_daemon_under_8_clients(embedded_model_path, tmp_path, solo_ids):
     check_daemon(embedded_model_path, tmp_path, "cpu", ALL, N_NEW, solo_ids)

@@ -84,6 +84,7 @@ def solo_ids(embedded, subset):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("vulkan-270m-deterministic")  # one worker, one solo_ids
 @pytest.mark.timeout(2400)
 def test_fidelity_prompts_greedy_identical_solo_and_together(embedded, subset, solo_ids):
     together = greedy_together(embedded, *subset)
@@ -92,6 +93,7 @@ def test_fidelity_prompts_greedy_identical_solo_and_together(embedded, subset, s
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("vulkan-270m-deterministic")  # one worker, one solo_ids
 @pytest.mark.timeout(2400)
 def test_fidelity_prompts_identical_through_daemon_under_8_clients(
     embedded_model_path, tmp_path, subset, solo_ids
