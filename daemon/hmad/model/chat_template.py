@@ -43,6 +43,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
+from hmad.core.errors import HmadError
 from hmad.model.tokenizer import TemplateText, Tokenizer
 
 # Far above real templates (Gemma 3's is about 1.5 KB, the largest tool-calling ones tens of KB).
@@ -63,8 +64,9 @@ _HELPERS = ("raise_exception", "strftime_now", "namespace", "dict", "range")
 _VARIABLES = ("messages", "tools", "add_generation_prompt")
 
 
-class ChatTemplateError(ValueError):
-    """A chat template that cannot compile (at load) or failed to render one request (its bad_request)."""
+class ChatTemplateError(HmadError, ValueError):
+    """A chat template that cannot compile (at load: the daemon does not start) or failed to render one
+    request (a ValueError: that request's bad_request)."""
 
 
 class ControlTexts:
@@ -149,7 +151,7 @@ class ChatTemplate:
         self._adds_bos = bool(tokenizer.encode("", add_bos=True))
 
     def _compile(self, name: str, text: Any) -> jinja2.Template:
-        where = f"the chat template {name!r} in {self.origin}"
+        where = f"the chat template in {self.origin}" if name == "default" else f"{name!r} in {self.origin}"
         if not isinstance(text, str):
             raise ChatTemplateError(f"{where} is not a string (got {type(text).__name__})")
         if len(text) > MAX_TEMPLATE_CHARS:
