@@ -23,33 +23,38 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
-import re
 from collections.abc import Callable, Mapping
-from decimal import Decimal
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import yaml
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    PlainSerializer,
-    PlainValidator,
-    ValidationError,
-    create_model,
-)
-from pydantic.fields import FieldInfo
-from pydantic_core import PydanticCustomError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from hmaclient import protocol as P
 from hmaclient import sampling as sampling_fields
-from hmaclient.sampling import describe_range
 from hmad.backends.cpu import CpuBackend
 from hmad.backends.npu.backend import NpuBackend
 from hmad.backends.npu.routing import NPU_OPS  # the NPU backend owns its op list
 from hmad.backends.vulkan.options import MATVEC_MODES, VulkanOptions
+from hmad.config_keys import (  # the keys' types; parse_bytes and UNIX_PATH_MAX are this module's API too
+    BOOL,
+    TRISTATE,
+    UNIX_PATH_MAX,
+    byte_size,
+    custom,
+    device,
+    int_in,
+    mode_bits,
+    one_of,
+    or_null,
+    parse_bytes,  # noqa: F401 - hmad.config.parse_bytes, as before
+    power_of_two,
+    real_in,
+    show,
+    socket_path,
+    subset,
+    text,
+    typed,
+)
 from hmad.core.errors import HmadError
 from hmad.engine.sampling_schema import sampling_model
 from hmad.engine.scheduler import SchedulerConfig
@@ -58,7 +63,6 @@ if TYPE_CHECKING:
     from hmad.engine.sampling import SamplingParams
 
 SYSTEM_CONFIG = "/etc/hmad/hmad.yaml"
-UNIX_PATH_MAX = 107  # sun_path is 108 bytes with the terminating NUL
 
 
 class ConfigError(HmadError):
@@ -68,186 +72,6 @@ class ConfigError(HmadError):
         self.key, self.origin = key, origin
         text = f"{key}: {message}" if key else message
         super().__init__(f"{text} ({origin})" if origin else text)
-
-
-# --- key types -----------------------------------------------------------------------------------------
-# A key's type is a pydantic type (strict: YAML's true is no integer, 16.0 no int) whose Field description
-# says what it allows; pydantic checks the value, and ``_explain`` turns its first error into the message.
-# Where pydantic has no type (byte sizes, socket modes, ...), a check function returns the stored value or
-# raises _Bad with a hint for the message.
-
-
-class _Bad(Exception):
-    """A value a check refused; ``hint`` is appended to the message."""
-
-    def __init__(self, hint: str = ""):
-        super().__init__(hint)
-        self.hint = hint
-
-
-def _rule(tp: Any, says: str, *extra: Any) -> Any:
-    """Type ``tp`` with pydantic constraints or validators ``extra``; ``says``: what it allows."""
-    return Annotated[(tp, *extra, Field(description=says))]
-
-
-def _says(tp: Any) -> str:
-    return next(m.description for m in tp.__metadata__ if isinstance(m, FieldInfo) and m.description)
-
-
-def _int(lo: int, hi: int | None = None) -> Any:
-    return _rule(int, describe_range("int", lo, hi), Field(ge=lo, le=hi))
-
-
-def _real(lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> Any:
-    low = {} if lo is None else {"gt" if lo_open else "ge": lo}
-    return _rule(float, describe_range("real", lo, hi, lo_open), Field(**low, le=hi, allow_inf_nan=False))
-
-
-def _one_of(*words: str) -> Any:
-    """One of a few words; case-insensitive, stored in lower case."""
-    lower = BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)
-    return _rule(Literal[words], "one of " + ", ".join(words), lower)
-
-
-def _tristate(v: Any) -> Any:
-    words = {"auto": "auto", "true": True, "false": False}
-    return words.get(v.lower(), v) if isinstance(v, str) else v
-
-
-def _power_of_two(v: int) -> int:
-    if v & (v - 1):
-        raise PydanticCustomError("hmad", "", {"hint": ""})
-    return v
-
-
-_BOOL = _rule(bool, "true or false")
-_TRISTATE = _rule(Literal["auto"] | bool, "one of auto, true, false", BeforeValidator(_tristate))
-
-
-def _custom(tp: Any, says: str, check: Callable[[Any], Any], show: Callable[[Any], Any] | None = None) -> Any:
-    """A key pydantic has no type for: ``check`` returns the stored value or raises _Bad; ``show`` turns a
-    stored value back into plain data (to_dict)."""
-
-    def validate(v: Any) -> Any:
-        try:
-            return check(v)
-        except _Bad as bad:
-            raise PydanticCustomError("hmad", "{hint}", {"hint": bad.hint}) from None
-
-    extra = [PlainValidator(validate)] + ([PlainSerializer(show, when_used="json")] if show else [])
-    return _rule(tp, says, *extra)
-
-
-def _or_null(tp: Any, null_means: str) -> Any:
-    return Annotated[tp | None, Field(description=f"{_says(tp)}, or null ({null_means})")]
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)  # YAML true is a bool, and bool is an int
-
-
-def _is_scalar(v: Any) -> bool:
-    return isinstance(v, int | float | bool)
-
-
-def _text(what: str = "a non-empty string") -> Any:
-    def check(v: Any) -> str:
-        if not isinstance(v, str) or not v.strip():
-            raise _Bad(" (quote it if YAML read it as a number or boolean)" if _is_scalar(v) else "")
-        return v
-
-    return _custom(str, what, check)
-
-
-def _socket_path(v: Any) -> str:
-    if not isinstance(v, str) or not os.path.isabs(v):
-        raise _Bad()
-    if len(os.fsencode(v)) > UNIX_PATH_MAX:
-        raise _Bad(f" ({len(os.fsencode(v))} bytes: longer than a Unix socket path can be)")
-    return v
-
-
-_MODE_RE = re.compile(r"(0o|0)?([0-7]{3})")
-
-
-def _mode(v: Any) -> int:
-    """Permission bits of the socket, 0o000..0o777: an int (YAML reads unquoted 0660 as octal) or "0660"."""
-    if _is_int(v):
-        if 0 <= v <= 0o777:
-            return v
-        digits = str(v)
-        raise _Bad(f" (= {v:#o}; did you mean '0{digits}'?)" if _MODE_RE.fullmatch(digits) else "")
-    m = _MODE_RE.fullmatch(v) if isinstance(v, str) else None
-    if m is None:
-        raise _Bad()
-    return int(m.group(2), 8)
-
-
-_BYTE_UNITS = {
-    "": 1, "b": 1,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-}  # fmt: skip
-_BYTES_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
-
-
-def parse_bytes(v: Any) -> int:
-    """A byte size: an int, or a string such as "8GiB", "512 MiB", "1.5GiB", "4MB" (units: B, KiB, MiB,
-    GiB, TiB binary; kB, MB, GB, TB decimal; case-insensitive). Raises ValueError for anything else."""
-    if _is_int(v) and v >= 0:
-        return v
-    m = _BYTES_RE.fullmatch(v) if isinstance(v, str) else None
-    if m is None or m.group(2).lower() not in _BYTE_UNITS:
-        raise ValueError(f"not a byte size: {v!r}")
-    n = Decimal(m.group(1)) * _BYTE_UNITS[m.group(2).lower()]
-    if n != n.to_integral_value():
-        raise ValueError(f"not a whole number of bytes: {v!r}")
-    return int(n)
-
-
-def _iec(n: int) -> str:
-    """1073741824 -> '1GiB' (the largest binary unit that divides n)."""
-    for unit in ("TiB", "GiB", "MiB", "KiB"):
-        if n and n % _BYTE_UNITS[unit.lower()] == 0:
-            return f"{n // _BYTE_UNITS[unit.lower()]}{unit}"
-    return str(n)
-
-
-def _bytes(lo: int = 0, hi: int | None = None) -> Any:
-    def check(v: Any) -> int:
-        try:
-            n = parse_bytes(v)
-        except ValueError:
-            raise _Bad() from None
-        if n < lo or (hi is not None and n > hi):
-            raise _Bad(f" (= {n} bytes)")
-        return n
-
-    span = f" from {_iec(lo)} to {_iec(hi)}" if hi is not None else ""
-    units = "(units B, KiB, MiB, GiB, TiB, kB, MB, GB, TB)"
-    return _custom(int, f"a byte size{span}: an integer, or a string like '512MiB' or '8GiB' {units}", check)
-
-
-def _device(v: Any) -> int | str | None:
-    if v is None or (_is_int(v) and v >= 0) or (isinstance(v, str) and v.strip()):
-        return v
-    raise _Bad()
-
-
-def _subset(known: tuple[str, ...]) -> Any:
-    """A list of distinct words from ``known``; stored as a tuple."""
-
-    def check(v: Any) -> tuple[str, ...]:
-        if not isinstance(v, list | tuple):
-            raise _Bad()
-        bad = [x for x in v if x not in known]
-        if bad:
-            raise _Bad(f" (unknown: {', '.join(map(_show, bad))})")
-        if len(set(v)) != len(v):
-            raise _Bad(" (a name is repeated)")
-        return tuple(v)
-
-    return _custom(tuple[str, ...], "a list of distinct names from " + ", ".join(known), check, show=list)
 
 
 # --- the sections ---------------------------------------------------------------------------------------
@@ -274,11 +98,11 @@ def _mirror(
     return create_model(name, __base__=_Section, **spec, **own)
 
 
-_SocketPath = _or_null(
-    _custom(str, f"an absolute path of at most {UNIX_PATH_MAX} bytes", _socket_path), "the default"
+_SocketPath = or_null(
+    custom(str, f"an absolute path of at most {UNIX_PATH_MAX} bytes", socket_path), "the default"
 )
-_Mode = _custom(int, "permission bits from 0000 to 0777, such as '0660'", _mode, lambda v: f"{v:04o}")
-_Group = _or_null(_text("a group name (a string)"), "the daemon's own group")
+_Mode = custom(int, "permission bits from 0000 to 0777, such as '0660'", mode_bits, lambda v: f"{v:04o}")
+_Group = or_null(text("a group name (a string)"), "the daemon's own group")
 
 
 class SocketConfig(_Section):
@@ -293,44 +117,44 @@ EngineConfig = _mirror(
     "EngineConfig",
     SchedulerConfig,
     {
-        "max_seqs": _int(1, 1024),
-        "step_tokens": _int(1, 65536),
-        "max_chunk": _int(1, 65536),
-        "kv_tokens": _int(1, 1 << 24),
-        "block_size": _rule(
-            int, "a power of two from 1 to 256", Field(ge=1, le=256), AfterValidator(_power_of_two)
+        "max_seqs": int_in(1, 1024),
+        "step_tokens": int_in(1, 65536),
+        "max_chunk": int_in(1, 65536),
+        "kv_tokens": int_in(1, 1 << 24),
+        "block_size": typed(
+            int, "a power of two from 1 to 256", Field(ge=1, le=256), AfterValidator(power_of_two)
         ),
-        "max_queue": _int(1, 65536),
-        "context_length": _int(0, 1 << 24),
-        "prefix_cache": _BOOL,
-        "pipeline": _BOOL,
+        "max_queue": int_in(1, 65536),
+        "context_length": int_in(0, 1 << 24),
+        "prefix_cache": BOOL,
+        "pipeline": BOOL,
     },
     every=True,
-    deterministic=(_TRISTATE, "auto"),
+    deterministic=(TRISTATE, "auto"),
 )
 
 
 class LimitsConfig(_Section):
-    max_frame_bytes: _bytes(1 << 10, 1 << 30) = 4 << 20
-    max_prompt_tokens: _int(0, 1 << 24) = 0
+    max_frame_bytes: byte_size(1 << 10, 1 << 30) = 4 << 20
+    max_prompt_tokens: int_in(0, 1 << 24) = 0
 
 
 class ServerConfig(_Section):
     """The socket's limits on its peers (docs/protocol.md, "Limits")."""
 
-    max_connections: _int(1, 1 << 20) = 1024
-    max_connections_per_uid: _int(1, 1 << 20) = 256
-    max_in_flight_per_connection: _int(1, 1 << 20) = 64
-    max_in_flight_per_uid: _int(1, 1 << 20) = 128
-    max_reply_bytes: _bytes(1 << 20, 1 << 40) = 256 << 20
+    max_connections: int_in(1, 1 << 20) = 1024
+    max_connections_per_uid: int_in(1, 1 << 20) = 256
+    max_in_flight_per_connection: int_in(1, 1 << 20) = 64
+    max_in_flight_per_uid: int_in(1, 1 << 20) = 128
+    max_reply_bytes: byte_size(1 << 20, 1 << 40) = 256 << 20
 
 
 class ServiceConfig(_Section):
-    drain_grace_s: _real(0.0) = 10.0
-    watchdog: _BOOL = True
-    heartbeat_ivl_s: _real(0.0, lo_open=True) = 1.0
-    heartbeat_timeout_s: _real(0.0, lo_open=True) = 5.0
-    status_every_s: _real(0.0) = 5.0
+    drain_grace_s: real_in(0.0) = 10.0
+    watchdog: BOOL = True
+    heartbeat_ivl_s: real_in(0.0, lo_open=True) = 1.0
+    heartbeat_timeout_s: real_in(0.0, lo_open=True) = 5.0
+    status_every_s: real_in(0.0) = 5.0
 
 
 #: sampling: the defaults of requests that leave a field out; every field, its range and its built-in default
@@ -343,9 +167,9 @@ CpuConfig = _mirror(
     "CpuConfig",
     CpuBackend,
     {
-        "numerics": _one_of("ggml", "f32"),
-        "weight_cache_bytes": _bytes(),
-        "kv_dtype": _one_of("float32", "float16"),
+        "numerics": one_of("ggml", "f32"),
+        "weight_cache_bytes": byte_size(),
+        "kv_dtype": one_of("float32", "float16"),
     },
 )
 
@@ -355,21 +179,21 @@ VulkanConfig = _mirror(
     "VulkanConfig",
     VulkanOptions,
     {
-        "device": _custom(
+        "device": custom(
             int | str | None,
             "null (the first GPU), a device index >= 0, or a substring of the device name",
-            _device,
+            device,
         ),  # noqa: E501
-        "device_local_bytes": _or_null(_bytes(), "all the heap's budget"),
-        "host_visible_bytes": _or_null(_bytes(), "all the heap's budget"),
-        "matvec": _one_of(*MATVEC_MODES),
-        "coopmat": _one_of("auto", "off"),
-        "coopmat_min_tokens": _int(2),
-        "mmq": _one_of("auto", "off"),
-        "mmq_min_tokens": _int(2),
-        "fuse": _BOOL,
-        "prefetch_bytes": _or_null(_bytes(), "auto: 8 MiB on a discrete GPU, else 0"),
-        "step_timeout_s": _real(1.0),
+        "device_local_bytes": or_null(byte_size(), "all the heap's budget"),
+        "host_visible_bytes": or_null(byte_size(), "all the heap's budget"),
+        "matvec": one_of(*MATVEC_MODES),
+        "coopmat": one_of("auto", "off"),
+        "coopmat_min_tokens": int_in(2),
+        "mmq": one_of("auto", "off"),
+        "mmq_min_tokens": int_in(2),
+        "fuse": BOOL,
+        "prefetch_bytes": or_null(byte_size(), "auto: 8 MiB on a discrete GPU, else 0"),
+        "step_timeout_s": real_in(1.0),
     },
 )
 
@@ -379,12 +203,12 @@ NpuConfig = _mirror(
     "NpuConfig",
     NpuBackend,
     {
-        "enabled": _TRISTATE,
-        "ops": _subset(NPU_OPS),
-        "xclbin_dir": _or_null(_text(), "the kernels installed with hmad"),
-        "min_rows": _int(1),
-        "timeout_s": _real(0.0, 60.0, lo_open=True),
-        "idle_s": _real(0.0),
+        "enabled": TRISTATE,
+        "ops": subset(NPU_OPS),
+        "xclbin_dir": or_null(text(), "the kernels installed with hmad"),
+        "min_rows": int_in(1),
+        "timeout_s": real_in(0.0, 60.0, lo_open=True),
+        "idle_s": real_in(0.0),
     },
 )
 
@@ -406,9 +230,9 @@ class Config(_Section):
     """The whole configuration; ``load_config`` builds one, ``Config()`` is the built-in defaults. Two are
     equal when their keys are (``source`` aside)."""
 
-    model: _text("'default', a .gguf file or an HF checkpoint directory") = "default"
-    backend: _one_of("auto", "cpu", "vulkan", "npu") = "auto"
-    log_level: _one_of("debug", "info", "warning", "error") = "info"
+    model: text("'default', a .gguf file or an HF checkpoint directory") = "default"
+    backend: one_of("auto", "cpu", "vulkan", "npu") = "auto"
+    log_level: one_of("debug", "info", "warning", "error") = "info"
     socket: SocketConfig = Field(default_factory=SocketConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
@@ -541,7 +365,7 @@ def read_yaml(path: str) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise ConfigError(
             f"{path}: the document must be a mapping of keys ({', '.join(_names(Config))}), "
-            f"got {type(doc).__name__} {_show(doc)}"
+            f"got {type(doc).__name__} {show(doc)}"
         )
     return doc
 
@@ -592,7 +416,7 @@ def _parse_section(cls: type[BaseModel], raw: Any, name: str, origin: str) -> di
         return {}  # "engine:" with every key commented out
     if not isinstance(raw, Mapping):
         keys = ", ".join(cls.model_fields)
-        raise ConfigError(f"must be a mapping with keys {keys}, got {_show(raw)}", name, origin)
+        raise ConfigError(f"must be a mapping with keys {keys}, got {show(raw)}", name, origin)
     raw = dict(raw)
     if cls is SamplingConfig and isinstance(raw.get("stop"), str):
         raw["stop"] = [raw["stop"]]  # one stop string may be written as such
@@ -618,7 +442,7 @@ def _explain(cls: type[BaseModel], err: Any, raw: Mapping[str, Any], prefix: str
         return _unknown(f"{prefix}{key}", allowed, origin)
     says = cls.model_fields[key].description or err["msg"]
     hint = err.get("ctx", {}).get("hint", "") if err["type"] == "hmad" else ""
-    return ConfigError(f"must be {says}, got {_show(raw[key])}{hint}", f"{prefix}{key}", origin)
+    return ConfigError(f"must be {says}, got {show(raw[key])}{hint}", f"{prefix}{key}", origin)
 
 
 def _build(layers: list[dict[str, Any]], source: str | None) -> Config:
@@ -658,8 +482,3 @@ def _unknown(dotted: str, allowed: list[str], origin: str) -> ConfigError:
 
 def _names(cls: type[BaseModel]) -> list[str]:
     return [k for k in cls.model_fields if k != "source"]
-
-
-def _show(v: Any) -> str:
-    text = repr(v)
-    return text if len(text) <= 80 else text[:77] + "..."
