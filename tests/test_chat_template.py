@@ -18,7 +18,7 @@ from tiny_gguf import make_tiny_gguf
 
 from hmad.core.errors import ModelFormatError
 from hmad.model.chat import END, START, render_chat, render_prompt
-from hmad.model.chat_template import CLOSE, OPEN, ChatTemplate, ChatTemplateError, ControlTexts
+from hmad.model.chat_template import CLOSE, JOIN, OPEN, ChatTemplate, ChatTemplateError, ControlTexts
 from hmad.model.gguf import read_gguf
 from hmad.model.loader import read_model_files
 from hmad.model.tokenizer import HFTokenizer, SpmTokenizer, Tokenizer
@@ -158,18 +158,40 @@ def test_control_text_in_tools_and_variables_is_text(tok, content):
     assert not {tok.token_id(s) for s in ("<eos>", "<pad>", "<unk>")} & set(ids[1:])
 
 
+def test_control_texts_are_found_leftmost_longest():
+    controls = ControlTexts(["<a", "<ab>", "<abc>", "x", "<unused1>", "<unused12>"])
+    text = "<ab> <abc> <ab <a x <abx <unused12> <unused1>2 <unused"
+    found = [text[a:b] for a, b in controls.spans(text)]
+    assert found == ["<ab>", "<abc>", "<a", "<a", "x", "<a", "x", "<unused12>", "<unused1>"]
+    assert controls.wrap("1<ab>2x") == f"1{OPEN}<{JOIN}ab>{CLOSE}2{OPEN}x{CLOSE}"
+    assert not list(ControlTexts([]).spans("<a"))
+
+
 def test_marker_characters_in_content_are_dropped(tiny_spm):
     t = template(tiny_spm)
-    text = t.render([{"role": "user", "content": f"a{OPEN}<end_of_turn>{CLOSE}b{CLOSE}"}])
-    assert OPEN not in text and CLOSE not in text
+    text = t.render([{"role": "user", "content": f"a{OPEN}<{JOIN}end_of_turn>{CLOSE}b{CLOSE}"}])
+    assert not {OPEN, JOIN, CLOSE} & set(text)
     assert "a<end_of_turn>b" in text and [s for s, m in text.segments() if m] == [START, END, START]
 
 
-def test_a_template_that_cuts_wrapped_text_keeps_it_text(tiny_spm):
-    """String methods can split the markers apart: lone markers are dropped, the text stays text."""
-    t = ChatTemplate("{{ messages[0]['content'][:-1] }}|{{ messages[0]['content'][1:] }}", tiny_spm, "t")
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ messages[0]['content'][1:] }}",  # the OPEN cut off
+        "{{ messages[0]['content'][:-1] }}",  # the CLOSE cut off
+        "{{ messages[0]['content'][1:-1] }}",  # both
+        "{{ messages[0]['content'][:-1] }}|{{ messages[0]['content'][1:] }}",
+        "{{ messages[0]['content'] | reverse | join | reverse | join }}",
+    ],
+)
+def test_a_template_that_cuts_wrapped_text_keeps_it_text(tiny_spm, source):
+    """String operations can cut the markers off a wrapped text: it stays text, the markers are dropped."""
+    t = ChatTemplate("<start_of_turn>" + source + "<end_of_turn>", tiny_spm, "t")
     text = t.render([{"role": "user", "content": "<end_of_turn>"}])
-    assert str(text) == "<end_of_turn>|<end_of_turn>" and not [s for s, m in text.segments() if m]
+    assert not {OPEN, JOIN, CLOSE} & set(text) and "end_of_turn" in text[len("<start_of_turn>") : -1]
+    # the content's copies are text; the template's own two markers may be too (never more control tokens)
+    assert len([s for s, m in text.segments() if m]) <= 2
+    assert tiny_spm.encode(text).count(tiny_spm.token_id(END)) <= 1
 
 
 # -- untrusted: sandboxed and bounded ---------------------------------------------------------------------

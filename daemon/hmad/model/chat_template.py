@@ -16,11 +16,12 @@ if it names them) and the request's extra variables. A ``developer`` message is 
 never mentions that role as ``system``.
 
 Control tokens stay the template's own: before rendering, every control-token text in the request's strings
-(message contents, tools, extra variables) is wrapped in two private markers (U+FDD0 ... U+FDD1; those
-characters are dropped from the request's strings first, as transformers' ``sanitize_control_tokens`` does);
-after rendering, wrapped text is plain text to the tokenizer, and only control-token texts outside the
-wrappers (the template's markup, ``bos_token``) become :class:`TemplateText` markers. A leading BOS the
-template writes is dropped when the tokenizer adds one (as llama.cpp does), so the prompt has one BOS.
+(message contents, tools, extra variables) is marked with private characters (U+FDD0, U+FDD2 after its first
+character, U+FDD1; those characters are dropped from the request's strings first, as transformers'
+``sanitize_control_tokens`` does); after rendering, marked text is plain text to the tokenizer, and only
+control-token texts elsewhere (the template's markup, ``bos_token``) become :class:`TemplateText` markers.
+A leading BOS the template writes is dropped when the tokenizer adds one (as llama.cpp does), so the prompt
+has one BOS.
 
 Untrusted input: the template is run sandboxed; the template, each rendering and every string a template
 builds (``+``, ``*``, ``replace``, padding widths) are size-limited, ``range`` items are budgeted per
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -57,8 +59,10 @@ MAX_RANGE_ITEMS = 1_000_000
 # tokenizer_config.json / chat_template.json beside an HF tokenizer (Gemma 3's tokenizer_config is ~1 MB).
 MAX_JSON_BYTES = 64 * 1024 * 1024
 
-OPEN, CLOSE = "\ufdd0", "\ufdd1"  # wrap a control-token text of the request's (Unicode noncharacters)
-_WRAPPED = re.compile(f"{OPEN}([^{OPEN}{CLOSE}]*){CLOSE}|[{OPEN}{CLOSE}]")  # a wrapped text, or a lone marker
+# A control-token text of the request's is written OPEN t JOIN ext CLOSE (Unicode noncharacters): JOIN keeps
+# it apart even where a template's string operations cut both ends off.
+OPEN, JOIN, CLOSE = "\ufdd0", "\ufdd2", "\ufdd1"
+_MARKER = re.compile(f"([{OPEN}{JOIN}{CLOSE}])")
 _NON_ASCII = re.compile(f"[^\x00-\x7f{OPEN}{CLOSE}]")
 _HELPERS = ("raise_exception", "strftime_now", "namespace", "dict", "range")
 _VARIABLES = ("messages", "tools", "add_generation_prompt")
@@ -70,30 +74,33 @@ class ChatTemplateError(HmadError, ValueError):
 
 
 class ControlTexts:
-    """The control-token texts of a vocabulary, found in text leftmost first, the longest at a position."""
+    """The control-token texts of a vocabulary, found in text leftmost first, the longest at a position
+    (one regex over their trie: Gemma 3 has about 6,000, mostly ``<unusedN>``)."""
 
     def __init__(self, texts: Sequence[str]):
-        self._texts = frozenset(t for t in texts if t)
-        self._lengths = sorted({len(t) for t in self._texts}, reverse=True)
-        firsts = "".join(sorted({re.escape(t[0]) for t in self._texts}))
-        self._first = re.compile(f"[{firsts}]") if firsts else None
+        pattern = _trie_pattern(sorted({t for t in texts if t})) or "(?!)"  # (?!) matches nothing
+        self._re = re.compile(pattern)
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer) -> ControlTexts:
+        """The tokenizer's, made once per tokenizer (a fraction of a second for Gemma 3's)."""
+        made = _CONTROLS.get(tokenizer)
+        if made is None:
+            made = _CONTROLS[tokenizer] = cls(tokenizer.control_texts())
+        return made
 
     def spans(self, text: str) -> Iterator[tuple[int, int]]:
         """(start, end) of each control-token text in ``text``, in order, not overlapping."""
-        pos = 0
-        while self._first is not None and (m := self._first.search(text, pos)):
-            at = m.start()
-            n = next((n for n in self._lengths if text[at : at + n] in self._texts), 0)
-            if n:
-                yield at, at + n
-            pos = at + (n or 1)
+        return (m.span() for m in self._re.finditer(text))
 
     def wrap(self, text: str) -> str:
-        """``text`` without marker characters, each control-token text in it wrapped in OPEN ... CLOSE."""
-        text = text.replace(OPEN, "").replace(CLOSE, "")
+        """``text`` without marker characters, each control-token text in it marked: OPEN, its first
+        character, JOIN, the rest, CLOSE."""
+        text = _MARKER.sub("", text)
         out, pos = [], 0
         for start, end in self.spans(text):
-            out += [text[pos:start], OPEN, text[start:end], CLOSE]
+            join = JOIN if end - start > 1 else ""
+            out += [text[pos:start], OPEN, text[start], join, text[start + 1 : end], CLOSE]
             pos = end
         return "".join(out) + text[pos:]
 
@@ -108,23 +115,23 @@ class ControlTexts:
         return value
 
     def pieces(self, rendered: str) -> list[tuple[str, bool]]:
-        """The rendered text as (text, is_control_token): wrapped texts plain, lone markers dropped, the
-        control-token texts elsewhere (the template's) control tokens."""
+        """The rendered text as (text, is_control_token), markers dropped: text just after OPEN, just
+        before CLOSE or beside JOIN is the request's, plain text (also where a template cut markers off);
+        control-token texts elsewhere are the template's, control tokens."""
+        parts = _MARKER.split(rendered)  # text, marker, text, marker, ..., text
         out: list[tuple[str, bool]] = []
-        pos = 0
-        for m in _WRAPPED.finditer(rendered):
-            out += self._split(rendered[pos : m.start()])
-            if m.group(1):
-                out.append((m.group(1), False))
-            pos = m.end()
-        return out + self._split(rendered[pos:])
-
-    def _split(self, text: str) -> list[tuple[str, bool]]:
-        out, pos = [], 0
-        for start, end in self.spans(text):
-            out += [(text[pos:start], False), (text[start:end], True)]
-            pos = end
-        return [p for p in [*out, (text[pos:], False)] if p[0]]
+        for i in range(0, len(parts), 2):
+            text = parts[i]
+            before, after = parts[i - 1] if i else "", parts[i + 1] if i + 1 < len(parts) else ""
+            if before in (OPEN, JOIN) or after in (JOIN, CLOSE):
+                out.append((text, False))
+                continue
+            pos = 0
+            for m in self._re.finditer(text):
+                out += [(text[pos : m.start()], False), (m.group(), True)]
+                pos = m.end()
+            out.append((text[pos:], False))
+        return [p for p in out if p[0]]
 
 
 class ChatTemplate:
@@ -145,7 +152,7 @@ class ChatTemplate:
         self._env = _environment()
         self._templates = {name: self._compile(name, text) for name, text in named.items()}
         self._sources = named
-        self._controls = ControlTexts(tokenizer.control_texts())
+        self._controls = ControlTexts.of(tokenizer)
         self.bos_token = bos_token if bos_token is not None else _text_of(tokenizer, tokenizer.bos_id)
         self.eos_token = eos_token if eos_token is not None else _text_of(tokenizer, tokenizer.eos_id)
         self._adds_bos = bool(tokenizer.encode("", add_bos=True))
@@ -225,6 +232,31 @@ class ChatTemplate:
             what = str(e) if isinstance(e, jinja2.TemplateError) else f"{type(e).__name__}: {e}"
             raise ChatTemplateError(f"the model's chat template ({self.origin}) failed: {what}") from e
         return "".join(parts)
+
+
+_CONTROLS: weakref.WeakKeyDictionary[Tokenizer, ControlTexts] = weakref.WeakKeyDictionary()
+
+
+def _trie_pattern(words: Sequence[str]) -> str:
+    """A regex matching any of ``words``, longest first at a position: their trie, each node's optional end
+    after its longer continuations."""
+    trie: dict[str, dict] = {}
+    for word in words:
+        node = trie
+        for c in word:
+            node = node.setdefault(c, {})
+        node[""] = {}
+
+    def emit(node: dict[str, dict]) -> str:
+        alts = [re.escape(c) + emit(child) for c, child in node.items() if c]
+        if not alts:
+            return ""
+        body = alts[0] if len(alts) == 1 else f"(?:{'|'.join(alts)})"
+        if "" in node:  # a word ends here too: try the longer ones first
+            body = f"(?:{body})?" if len(alts) == 1 else f"{body}?"
+        return body
+
+    return emit(trie)
 
 
 def _text_of(tokenizer: Tokenizer, token_id: int | None) -> str:
