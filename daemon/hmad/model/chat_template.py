@@ -12,8 +12,8 @@ with ``trim_blocks``, ``lstrip_blocks`` and the ``loopcontrols`` extension; ``ra
 ``indent``, ``separators``, ``sort_keys``: no HTML escaping), ``namespace`` (no underscore names) and
 ``dict``; ``{% generation %}`` blocks render their body. Variables: ``messages``, ``tools`` (None without),
 ``add_generation_prompt``, ``bos_token``, ``eos_token`` (the vocabulary's texts; an HF tokenizer_config's own
-if it names them) and the request's extra variables. A ``developer`` message is passed to a template that
-never mentions that role as ``system``.
+if it names them), ``documents`` (None) and the request's extra variables. A ``developer`` message is
+passed to a template that never mentions that role as ``system``.
 
 Control tokens stay the template's own: before rendering, every control-token text in the request's strings
 (message contents, tools, extra variables) is marked with private characters (U+FDD0, U+FDD2 after its first
@@ -21,7 +21,8 @@ character, U+FDD1; those characters are dropped from the request's strings first
 ``sanitize_control_tokens`` does); after rendering, marked text is plain text to the tokenizer, and only
 control-token texts elsewhere (the template's markup, ``bos_token``) become :class:`TemplateText` markers.
 A leading BOS the template writes is dropped when the tokenizer adds one (as llama.cpp does), so the prompt
-has one BOS.
+has one BOS. Not kept apart (as in transformers): a control-token text a template assembles from two request
+strings with nothing between them (e.g. content parts joined), or from a request string and its own text.
 
 Untrusted input: the template is run sandboxed; the template, each rendering and every string a template
 builds (``+``, ``*``, ``replace``, padding widths) are size-limited, ``range`` items are budgeted per
@@ -155,7 +156,7 @@ class ChatTemplate:
         self._controls = ControlTexts.of(tokenizer)
         self.bos_token = bos_token if bos_token is not None else _text_of(tokenizer, tokenizer.bos_id)
         self.eos_token = eos_token if eos_token is not None else _text_of(tokenizer, tokenizer.eos_id)
-        self._adds_bos = bool(tokenizer.encode("", add_bos=True))
+        self._adds_bos = tokenizer.bos_id is not None and bool(tokenizer.encode("", add_bos=True))
 
     def _compile(self, name: str, text: Any) -> jinja2.Template:
         where = f"the chat template in {self.origin}" if name == "default" else f"{name!r} in {self.origin}"
@@ -192,6 +193,7 @@ class ChatTemplate:
         context = {
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
+            "documents": None,  # transformers passes it; a request may set it among its extra variables
             **wrap(dict(extra or {})),
             "messages": wrap(self._roles(name, messages)),
             "tools": None if tools is None else wrap(list(tools)),
