@@ -280,6 +280,8 @@ class Scheduler:
         self.running = [r for r in self.running if r.state is not State.FINISHED]
 
     # -- pipelining (module docstring) ------------------------------------------------------------------
+    _device_sampling = staticmethod(device_sampling)  # each row's draw for the device (tests skew it here)
+
     def _pipelining(self) -> bool:
         """Whether the next step may be launched before the one in flight is read."""
         return self.planner.can_pipeline(self.running, self.cfg.pipeline)
@@ -306,7 +308,7 @@ class Scheduler:
         self.steps += 1
         self.recent_batches.append(len(parts))
         try:
-            sampling = device_sampling(wanting, rows) if sampled else None
+            sampling = self._device_sampling(wanting, rows) if sampled else None
             batch = StepBatch.build(
                 [(s, t, w) for _, s, t, w in parts], self.layout.block_size, feed, sampling
             )
