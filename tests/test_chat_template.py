@@ -14,6 +14,8 @@ from pathlib import Path
 import hf_tiny
 import pytest
 from gguf import GGUFValueType
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tiny_gguf import make_tiny_gguf
 
 from hmad.core.errors import ModelFormatError
@@ -372,3 +374,60 @@ def test_choose_by_setting(tiny_spm, tmp_path):
         with pytest.raises(ChatTemplateError, match=words) as e:
             choose(str(tmp_path / bad), tok)
         assert bad in str(e.value)
+
+
+_PIECES = [
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<bos>",
+    "<eos>",
+    "<",
+    ">",
+    "start_of",
+    "_turn>",
+    "model",
+    "user",
+]
+_CONTENT = st.lists(
+    st.sampled_from([*_PIECES, "a", " ", "\n", "\t", OPEN, JOIN, CLOSE, "é"]), max_size=12
+).map("".join)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(contents=st.lists(_CONTENT, min_size=1, max_size=4), agp=st.booleans())
+def test_any_content_gets_exactly_the_templates_control_tokens(tiny_spm, contents, agp):
+    """Whatever the messages say, the ids hold the control tokens of the same chat with harmless content,
+    and equal the built-in turns' ids where the template does not trim (markers aside, dropped by both)."""
+    t = template(tiny_spm)
+    roles = ["user", "assistant"] * 2
+    messages = [{"role": r, "content": c} for r, c in zip(roles, contents, strict=False)]
+    clean = [{"role": m["role"], "content": "a"} for m in messages]
+    ids, want = tiny_spm.encode(t.render(messages, agp)), tiny_spm.encode(t.render(clean, agp))
+    controls = {tiny_spm.token_id(s) for s in ("<start_of_turn>", "<end_of_turn>", "<bos>", "<eos>")}
+    assert [i for i in ids if i in controls] == [i for i in want if i in controls]
+    plain = [{"role": m["role"], "content": _drop_markers(m["content"]).strip()} for m in messages]
+    builtin = tiny_spm.encode(render_chat(plain, agp))
+    assert ids == builtin
+
+
+def _drop_markers(text: str) -> str:
+    return text.replace(OPEN, "").replace(JOIN, "").replace(CLOSE, "")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(content=_CONTENT)
+def test_any_tool_text_stays_text(tiny_spm, content):
+    """Through tojson (indented, compact, ensure_ascii; keys too) and extra variables. (Not with the tiny
+    HF tokenizer: its BPE merges make <start_of_turn> from plain text.)"""
+    t = template(tiny_spm, "probe")
+    controls = {tiny_spm.token_id(s) for s in ("<start_of_turn>", "<end_of_turn>", "<bos>", "<eos>")}
+
+    def control_ids(text: str) -> list[int]:
+        tools = [
+            {"type": "function", "function": {"name": text, "description": text, "parameters": {text: 1}}}
+        ]
+        messages = [{"role": "system", "content": text}, {"role": "user", "content": text}]
+        ids = tiny_spm.encode(t.render(messages, tools=tools, extra={"style": text}))
+        return [i for i in ids if i in controls]
+
+    assert control_ids(content) == control_ids("a")

@@ -64,7 +64,7 @@ MAX_JSON_BYTES = 64 * 1024 * 1024
 # it apart even where a template's string operations cut both ends off.
 OPEN, JOIN, CLOSE = "\ufdd0", "\ufdd2", "\ufdd1"
 _MARKER = re.compile(f"([{OPEN}{JOIN}{CLOSE}])")
-_NON_ASCII = re.compile(f"[^\x00-\x7f{OPEN}{CLOSE}]")
+_NON_ASCII = re.compile(f"[^\x00-\x7f{OPEN}{JOIN}{CLOSE}]")
 _HELPERS = ("raise_exception", "strftime_now", "namespace", "dict", "range")
 _VARIABLES = ("messages", "tools", "add_generation_prompt")
 
@@ -106,11 +106,12 @@ class ControlTexts:
         return "".join(out) + text[pos:]
 
     def wrap_all(self, value: Any) -> Any:
-        """``wrap`` on every string of a request's value (dict values, list items; keys as they are)."""
+        """``wrap`` on every string of a request's value: dict keys too (a JSON Schema's property names are
+        rendered; a key a template looks up by name holds no control-token text, so it is unchanged)."""
         if isinstance(value, str):
             return self.wrap(value)
         if isinstance(value, Mapping):
-            return {k: self.wrap_all(v) for k, v in value.items()}
+            return {self.wrap_all(k): self.wrap_all(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
             return [self.wrap_all(v) for v in value]
         return value
