@@ -117,9 +117,10 @@ def test_without_bos_added_the_template_bos_stays(tiny_hf):
 # -- tokenized as the reference tokenizes it, content as text ---------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "case", [c for c in REFS if "expected" in c and c["template"] == "gemma3_it"], ids=str
-)
+GEMMA_RENDERED = [c for c in REFS if "expected" in c and c["template"] == "gemma3_it"]
+
+
+@pytest.mark.parametrize("case", GEMMA_RENDERED, ids=[c["name"] for c in GEMMA_RENDERED])
 def test_ids_are_the_rendered_text_parsed(tok, case):
     """Content without control-token text: the ids of the reference's text, parsed as llama.cpp parses it."""
     text = render(template(tok), case)
