@@ -329,6 +329,9 @@ def test_hf_template_that_does_not_compile_fails_the_load(tmp_path):
 # -- a real daemon ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.xfail(
+    strict=True, reason="until hmad/preparation.py passes model.tokenizer.chat_template to render_chat"
+)
 def test_daemon_renders_the_files_template(tmp_path):
     """Through the socket, a GGUF with a template: the prompt the daemon runs is the template's rendering
     (its token count, and the greedy answer equals the raw-mode answer to the rendered text), injected
