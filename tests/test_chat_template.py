@@ -200,6 +200,9 @@ def test_a_template_that_cuts_wrapped_text_keeps_it_text(tiny_spm, source):
 # -- untrusted: sandboxed and bounded ---------------------------------------------------------------------
 
 
+DOUBLING = "{{% set ns = namespace(s='ab') %}}{{% for i in range(40) %}}{{% set ns.s = {} %}}{{% endfor %}}"
+
+
 @pytest.mark.parametrize(
     "source, words",
     [
@@ -209,13 +212,19 @@ def test_a_template_that_cuts_wrapped_text_keeps_it_text(tiny_spm, source):
         ("{{ 'ab' * 10000000 }}", "limit"),
         ("{% set s = 'x' * 3000 %}{{ s.replace('x', s) }}", "limit"),
         ("{% set s = 'x' * 3000 %}{{ s | replace('x', s) }}", "limit"),
-        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "range"),
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "loop items"),
+        ("{% set s = 'x' * 4000 %}{% for c in s %}{% for d in s %}{% endfor %}{% endfor %}", "loop items"),
         (
             "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}"
             "{% endfor %}",
             "limit",
         ),
         ("{{ 'x'.center(100000000) }}", "limits"),
+        ("{{ 'x' | center(100000000) }}", "limits"),
+        (DOUBLING.format("ns.s ~ ns.s"), "limit"),
+        (DOUBLING.format("[ns.s, ns.s] | join"), "limit"),
+        (DOUBLING.format("ns.s | indent(2) ~ ns.s"), "limit"),
+        ("{% macro f(s) %}{{ s }}{{ s }}{% endmacro %}" + DOUBLING.format("f(ns.s)"), "limit"),
         ("{{ 10 ** 100000 }}", "exponent"),
         ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
         ("{{ raise_exception('no tools here') }}", "no tools here"),
@@ -227,6 +236,18 @@ def test_render_failures_are_request_errors(tiny_spm, source, words):
     with pytest.raises(ChatTemplateError, match=words) as e:
         t.render([{"role": "user", "content": "hi"}])
     assert "hostile.jinja" in str(e.value) and isinstance(e.value, ValueError)
+
+
+def test_calls_are_budgeted(tiny_spm, monkeypatch):
+    """Recursion without output (2^40 macro calls) ends at the call budget (lowered here: the real one
+    takes seconds to spend)."""
+    from hmad.model import chat_template
+
+    monkeypatch.setattr(chat_template, "MAX_CALLS", 2000)
+    source = "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(40) }}"
+    with pytest.raises(ChatTemplateError, match="over 2000 calls"):
+        ChatTemplate(source, tiny_spm, "t").render([{"role": "user", "content": "hi"}])
+    assert str(template(tiny_spm).render([{"role": "user", "content": "hi"}]))  # a real one is far below
 
 
 def test_rendering_size_is_bounded(tiny_spm):

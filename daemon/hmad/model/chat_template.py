@@ -25,18 +25,20 @@ has one BOS. Not kept apart (as in transformers): a control-token text a templat
 strings with nothing between them (e.g. content parts joined), or from a request string and its own text.
 
 Untrusted input: the template is run sandboxed; the template, each rendering and every string a template
-builds (``+``, ``*``, ``replace``, padding widths) are size-limited, ``range`` items are budgeted per
-rendering. A rendering that fails (``raise_exception``, a sandbox refusal, a limit, any error in the
-template) raises :class:`ChatTemplateError`, a ValueError: that request's ``bad_request``, naming the
-template's message. What is not bounded: CPU time of loops over the request's own data.
+builds (``+``, ``*``, ``~``, calls, filters, padding widths) are size-limited, and loop items and calls are
+budgeted per rendering (MAX_LOOP_ITEMS, MAX_CALLS), which bounds its time. A rendering that fails
+(``raise_exception``, a sandbox refusal, a limit, any error in the template) raises
+:class:`ChatTemplateError`, a ValueError: that request's ``bad_request``, naming the template's message.
 """
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import json
 import re
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -44,7 +46,8 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
+from jinja2.compiler import CodeGenerator
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from hmad.core.errors import HmadError
 from hmad.model.tokenizer import TemplateText, Tokenizer
@@ -54,8 +57,11 @@ MAX_TEMPLATE_CHARS = 256 * 1024
 # A rendering: the request's text (at most the wire's prompt limit, 1 Mi characters) plus the template's
 # markup and the tools' JSON; also the bound on any one string a template builds.
 MAX_RENDER_CHARS = 4 * 1024 * 1024
-# ``range`` items one rendering may draw, all calls together (jinja's sandbox bounds each call to 100,000).
-MAX_RANGE_ITEMS = 1_000_000
+# Loop items and calls (functions, methods, macros) one rendering may take: about a second of Jinja each
+# at most (a loop item costs well under a microsecond, a macro call tens); real templates take thousands
+# (a turn per message, a few calls per message or tool field).
+MAX_LOOP_ITEMS = 2_000_000
+MAX_CALLS = 100_000
 
 # tokenizer_config.json / chat_template.json beside an HF tokenizer (Gemma 3's tokenizer_config is ~1 MB).
 MAX_JSON_BYTES = 64 * 1024 * 1024
@@ -65,7 +71,7 @@ MAX_JSON_BYTES = 64 * 1024 * 1024
 OPEN, JOIN, CLOSE = "\ufdd0", "\ufdd2", "\ufdd1"
 _MARKER = re.compile(f"([{OPEN}{JOIN}{CLOSE}])")
 _NON_ASCII = re.compile(f"[^\x00-\x7f{OPEN}{JOIN}{CLOSE}]")
-_HELPERS = ("raise_exception", "strftime_now", "namespace", "dict", "range")
+_HELPERS = ("raise_exception", "strftime_now", "namespace", "dict", "range", "cycler", "joiner", "lipsum")
 _VARIABLES = ("messages", "tools", "add_generation_prompt")
 
 
@@ -199,7 +205,6 @@ class ChatTemplate:
             "messages": wrap(self._roles(name, messages)),
             "tools": None if tools is None else wrap(list(tools)),
             "add_generation_prompt": bool(add_generation_prompt),
-            "range": _RangeBudget(),
         }
         rendered = self._run(template, context)
         pieces = self._controls.pieces(rendered)
@@ -223,6 +228,7 @@ class ChatTemplate:
 
     def _run(self, template: jinja2.Template, context: dict[str, Any]) -> str:
         parts, size = [], 0
+        budget = _BUDGET.set([MAX_LOOP_ITEMS, MAX_CALLS])
         try:
             for part in template.generate(**context):
                 size += len(part)
@@ -234,6 +240,8 @@ class ChatTemplate:
         except Exception as e:  # noqa: BLE001 - a template is untrusted code: any failure is this request's
             what = str(e) if isinstance(e, jinja2.TemplateError) else f"{type(e).__name__}: {e}"
             raise ChatTemplateError(f"the model's chat template ({self.origin}) failed: {what}") from e
+        finally:
+            _BUDGET.reset(budget)
         return "".join(parts)
 
 
@@ -282,10 +290,40 @@ class _Generation(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body).set_lineno(lineno)
 
 
-class _Sandbox(ImmutableSandboxedEnvironment):
-    """The sandbox with every string a template builds bounded (``+``, ``*``, ``**``; calls checked in
-    ``call``): one rendering cannot allocate far past MAX_RENDER_CHARS."""
+class _CodeGenerator(CodeGenerator):
+    """Jinja's code generator with every ``~`` concatenation's result checked (``environment.bounded``)
+    and every ``for`` loop's items counted (``environment.counted``)."""
 
+    def visit_Concat(self, node, frame):
+        self.write("environment.bounded(")
+        super().visit_Concat(node, frame)
+        self.write(")")
+
+    def visit_For(self, node, frame):
+        counted = jinja2.nodes.EnvironmentAttribute("counted").set_lineno(node.lineno)
+        node.iter = jinja2.nodes.Call(counted, [node.iter], [], None, None).set_lineno(node.lineno)
+        super().visit_For(node, frame)
+
+
+# The rendering under way: [loop items left, calls left] (``ChatTemplate._run`` sets it)
+_BUDGET: contextvars.ContextVar[list[int]] = contextvars.ContextVar("hmad_chat_template_budget")
+
+
+def _step(kind: int) -> None:
+    """One loop item (kind 0) or call (kind 1) of the rendering under way."""
+    left = _BUDGET.get(None)
+    if left is not None:
+        left[kind] -= 1
+        if left[kind] < 0:
+            what = ("loop items", MAX_LOOP_ITEMS) if kind == 0 else ("calls", MAX_CALLS)
+            raise ChatTemplateError(f"the rendering took over {what[1]} {what[0]}")
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """The sandbox with every value a template builds bounded: ``+``, ``*``, ``**``, ``~``, calls (methods,
+    macros) and filters (``_bounded_filter``). One rendering cannot allocate far past MAX_RENDER_CHARS."""
+
+    code_generator_class = _CodeGenerator
     intercepted_binops = frozenset({"+", "*", "**"})
 
     def call_binop(self, context, operator, left, right):
@@ -295,22 +333,44 @@ class _Sandbox(ImmutableSandboxedEnvironment):
                     _check_size(len(seq) * n)
         if operator == "**" and isinstance(right, int) and abs(right) > 4096:
             raise ChatTemplateError(f"an exponent of {right} is over the template's limits")
-        result = super().call_binop(context, operator, left, right)
-        if isinstance(result, (str, list, tuple)):
-            _check_size(len(result))
-        return result
+        return self.bounded(super().call_binop(context, operator, left, right))
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's own signature
-        for value in (*args, *kwargs.values()):
-            if isinstance(value, int) and not isinstance(value, bool) and value > MAX_RENDER_CHARS:
-                raise ChatTemplateError(f"an argument of {value} is over the template's limits")
+        _step(1)
+        _check_arguments(args, kwargs)
         owner = getattr(__obj, "__self__", None)
         if getattr(__obj, "__name__", None) == "replace" and isinstance(owner, str):
             _check_replace(owner, *args[:2])
-        result = super().call(__context, __obj, *args, **kwargs)
-        if isinstance(result, (str, list, tuple)):
-            _check_size(len(result))
-        return result
+        return __self.bounded(super().call(__context, __obj, *args, **kwargs))
+
+    @staticmethod
+    def counted(iterable: Any) -> Iterator[Any]:
+        for item in iterable:
+            _step(0)
+            yield item
+
+    @staticmethod
+    def bounded(value: Any) -> Any:
+        if isinstance(value, (str, list, tuple)):
+            _check_size(len(value))
+        return value
+
+
+def _bounded_filter(f: Callable) -> Callable:
+    """A filter with its int arguments (widths) and its result checked (jinja's pass_* marks kept)."""
+
+    @functools.wraps(f)
+    def bounded(*args, **kwargs):
+        _check_arguments(args, kwargs)
+        return _Sandbox.bounded(f(*args, **kwargs))
+
+    return bounded
+
+
+def _check_arguments(args: tuple, kwargs: dict) -> None:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_RENDER_CHARS:
+            raise ChatTemplateError(f"an argument of {value} is over the template's limits")
 
 
 def _check_size(n: int) -> None:
@@ -324,26 +384,10 @@ def _check_replace(text: Any, old: Any = None, new: Any = None) -> None:
         _check_size(len(text) + count * (len(new) - len(old)))
 
 
+@jinja2.pass_eval_context
 def _replace_filter(eval_ctx, s, old, new, count=None):
     _check_replace(str(s), str(old), str(new))
     return jinja2.filters.do_replace(eval_ctx, s, old, new, count)
-
-
-_replace_filter = jinja2.pass_eval_context(_replace_filter)
-
-
-class _RangeBudget:
-    """``range`` for one rendering: jinja's sandboxed range, MAX_RANGE_ITEMS items in all."""
-
-    def __init__(self):
-        self.left = MAX_RANGE_ITEMS
-
-    def __call__(self, *args: int) -> range:
-        r = safe_range(*args)
-        self.left -= len(r)
-        if self.left < 0:
-            raise ChatTemplateError(f"the template drew more than {MAX_RANGE_ITEMS} range items")
-        return r
 
 
 def _raise_exception(message: Any) -> None:
@@ -403,8 +447,8 @@ class _Dict:
 
 def _environment() -> jinja2.Environment:
     env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.filters["replace"] = _replace_filter
+    env.filters.update(tojson=_tojson, replace=_replace_filter)
+    env.filters = {name: _bounded_filter(f) for name, f in env.filters.items()}
     env.globals.update(
         raise_exception=_raise_exception, strftime_now=_strftime_now, namespace=_Namespace, dict=_Dict()
     )
