@@ -456,3 +456,32 @@ def test_any_tool_text_stays_text(tiny_spm, content):
         return [i for i in ids if i in controls]
 
     assert control_ids(content) == control_ids("a")
+
+
+def test_loops_keep_jinjas_meaning(tiny_spm):
+    """Counting loop items changes nothing a loop does (length, last, else, filters, recursion, cycle)."""
+    import jinja2
+
+    source = (
+        "{% for m in messages if m.role != 'x' %}{{ loop.index }}/{{ loop.length }}{{ loop.revindex }}"
+        "{{ loop.last }}{{ loop.cycle('a', 'b') }}{{ loop.previtem.role if loop.previtem }}{% else %}none"
+        "{% endfor %}|{% for k, v in {'b': 1, 'a': 2} | dictsort %}{{ k }}{{ v }}{% endfor %}"
+        "|{% for n in tree recursive %}{{ n.name }}({{ loop(n.kids) if n.kids }}){% endfor %}"
+        "|{% for c in 'abc' | reverse %}{% if c == 'b' %}{% continue %}{% endif %}{{ c }}{% endfor %}"
+        "|{% for x in [] %}{{ x }}{% else %}empty{% endfor %}"
+    )
+    tree = [
+        {
+            "name": "r",
+            "kids": [{"name": "k1", "kids": []}, {"name": "k2", "kids": [{"name": "g", "kids": []}]}],
+        }
+    ]
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "x", "content": "b"},
+        {"role": "assistant", "content": "c"},
+    ]
+    plain = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    want = plain.from_string(source).render(messages=messages, tree=tree)
+    got = ChatTemplate(source, tiny_spm, "t").render(messages, extra={"tree": tree})
+    assert str(got) == want and "1/2" in want and "empty" in want
