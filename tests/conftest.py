@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import platform
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,11 +32,58 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
         os.environ.setdefault(_name, _threads)
 
 
+# Tests that bound a latency (the daemon's ping while it works, shutdown, the gateway's and client's
+# timeouts): with -n they run `alone`, while no other worker runs a test, so they measure hmad and not the
+# other worker's load. By node id prefix; a test file may mark its own with @pytest.mark.alone instead.
+ALONE = (
+    "tests/test_hostile_loop.py::test_ping_is_answered_",
+    "tests/test_hostile_signals.py::test_a_peer_that_stops_reading_cannot_hold_shutdown",
+    "tests/test_gateway_hardening.py::test_head_sent_a_byte_at_a_time_is_cut_off",
+    "tests/test_gateway_hardening.py::test_silent_connection_is_cut_off_and_logged",
+    "tests/test_gateway_hardening.py::test_body_sent_a_byte_at_a_time_is_cut_off",
+    "tests/test_gateway_hardening.py::test_keep_alive_connection_gets_the_head_deadline_again",
+    "tests/test_client.py::test_generate_timeout_cancels_and_raises",
+    "tests/test_client.py::test_timeouts_while_queued_raise_and_cancel",
+)
+
+
 @pytest.hookimpl(trylast=True)  # after pytest's own grouping by fixture parameters, which the sort keeps
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``slow`` start first (a stable sort), so that with parallel workers none of them is left
-    running alone at the end while the other workers idle."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """Tests marked ``slow`` start first, so that with parallel workers none of them is left running by
+    itself at the end while the other workers idle; ``alone`` tests (the ALONE ones get the mark) run last,
+    when what the other worker runs meanwhile is short. A stable sort: the rest keep their order."""
+    for item in items:
+        if item.nodeid.startswith(ALONE):
+            item.add_marker(pytest.mark.alone)
+    items.sort(key=lambda item: (not item.get_closest_marker("slow"), bool(item.get_closest_marker("alone"))))
+
+
+_cores_lock: list = []  # the open lock files while this worker runs a test
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_setup(item):
+    """With -n: an ``alone`` test holds the cores' lock file exclusively, every other test shares it, from
+    before its fixtures are set up until after they are torn down. A gate lock in front gives the exclusive
+    one priority: once it waits, the other worker starts nothing new, and it runs as soon as the test
+    running there ends."""
+    if os.environ.get("PYTEST_XDIST_TESTRUNUID"):
+        folder = Path(tempfile.gettempdir()) / f"hmad-tests-{os.environ['PYTEST_XDIST_TESTRUNUID']}"
+        folder.mkdir(exist_ok=True)
+        mode = fcntl.LOCK_EX if item.get_closest_marker("alone") else fcntl.LOCK_SH
+        gate, cores = open(folder / "gate", "a"), open(folder / "cores", "a")  # noqa: SIM115
+        fcntl.flock(gate, mode)
+        fcntl.flock(cores, mode)
+        gate.close()
+        _cores_lock.append(cores)
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    while _cores_lock:
+        _cores_lock.pop().close()
 
 
 @pytest.fixture(scope="session")
