@@ -23,6 +23,8 @@ control-token texts elsewhere (the template's markup, ``bos_token``) become :cla
 A leading BOS the template writes is dropped when the tokenizer adds one (as llama.cpp does), so the prompt
 has one BOS. Not kept apart (as in transformers): a control-token text a template assembles from two request
 strings with nothing between them (e.g. content parts joined), or from a request string and its own text.
+Where a message does hold control-token text, a template that measures it (``length``, slices) counts the
+markers too.
 
 Untrusted input: the template is run sandboxed; the template, each rendering and every string a template
 builds (``+``, ``*``, ``~``, calls, filters, padding widths) are size-limited, and loop items and calls are
