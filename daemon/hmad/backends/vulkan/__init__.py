@@ -1,2 +1,3 @@
-"""Vulkan compute backend: device (device.py), memory plan and upload (memory.py), pipelines and recorded
-command buffers (pipelines.py). The forward pass will be recorded once per batch-size bucket and replayed."""
+"""Vulkan compute backend. ``backend.py`` is the facade; docs/architecture.md maps the other modules (device,
+memory plan, kernel registry and variants, command recorder, op modules). The forward pass is recorded once
+per batch-size bucket and replayed."""
