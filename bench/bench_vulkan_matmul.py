@@ -395,7 +395,7 @@ def main() -> int:
     ap.add_argument(
         "--coopmat-groups",
         default="",
-        help="comma list of kernels_matmul.COOPMAT_TARGET_GROUPS values to time the coopmat GEMM with (how "
+        help="comma list of kernels_coopmat.COOPMAT_TARGET_GROUPS values to time the coopmat GEMM with (how "
         "far K is split; default: the backend's)",
     )
     ap.add_argument(

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The int8 mat-vec's layouts on each layer shape of the Gemma 3 27B and 270M, next to the copy ceiling.
 
-mul_mat_vec_q8.comp is built in several layouts (kernels_matmul.Q8_LAYOUTS: rows per lane group, lane
+mul_mat_vec_q8.comp is built in several layouts (kernels_q8.Q8_LAYOUTS: rows per lane group, lane
 groups splitting K); the backend picks one per step by ``q8_matvec_layout(t, n, k)``. This times every
 layout on the models' weight shapes at one token (the ``_t1`` variants) and at 8, with x as three planes
 (the exact path, ``--planes 3``) or one, and says per case which layout was fastest and which the backend

@@ -129,7 +129,7 @@ def _matvec_ref(xs, w, u=None):
 @pytest.mark.parametrize("t", Q8_TYPES)
 @pytest.mark.parametrize("variant", Q8_VARIANTS)
 def test_mul_mat_vec_q8(dev, kernels, gpu, t, variant):
-    """Every variant: plain or GeGLU, each layout (kernels_matmul.Q8_LAYOUTS), up to 8 tokens or one; the
+    """Every variant: plain or GeGLU, each layout (kernels_q8.Q8_LAYOUTS), up to 8 tokens or one; the
     shapes leave partial workgroups and lanes without a unit."""
     rng = np.random.default_rng()
     geglu, one = "_geglu" in variant, variant.endswith("_t1")

@@ -124,7 +124,7 @@ def test_registries_agree():
 def test_q8_matvec_layouts():
     """The int8 mat-vec variants built are the ones registered, each name parses back to the layout it was
     built with, and the layout picked for any step of the models' shapes names a built variant (the picks
-    of the measured shapes as kernels_matmul.q8_matvec_layout says)."""
+    of the measured shapes as kernels_q8.q8_matvec_layout says)."""
     from hmad.backends.vulkan.kernels_matmul import UNIT_TYPES
     from hmad.backends.vulkan.kernels_q8 import (
         Q8_MATVEC_BLOCK,
@@ -417,7 +417,7 @@ def test_coopmat_kernel_name():
 
 
 def test_split_k_waves():
-    """The K split for whole waves (kernels_matmul.split_k_waves) picks what the H200 measured fastest on the
+    """The K split for whole waves (splitk.split_k_waves) picks what the H200 measured fastest on the
     27B's shapes (docs/performance.md, ninth session: 528 resident workgroups of the decode layouts, 264 of
     128x128_s2x2_w2), and on any shape a split the shader can run: k_split a multiple of 64 covering K in
     `splits` pieces of at least COOPMAT_MIN_STEPS steps (or one); one resident workgroup never splits, a

@@ -432,7 +432,6 @@ def test_prefill_tiles_and_per_row_kernels_match_reference(
     the reference on the float16 values of q·scale, K and V (a power-of-two scale, so q·scale rounds alike);
     ``cm_sharp``: q 32x larger (scores spread ~30, against the kernel's TAU = 8), meant to move rows' maxima
     between chunks so that O's rows go through the lazy rescale (the test does not see whether it ran)."""
-    from hmad.backends.vulkan.backend import ATTENTION_TILE_MIN_ROWS
     from hmad.backends.vulkan.kernels_coopmat import coopmat_usable
     from hmad.backends.vulkan.push import (
         AttentionPrefillPush,
@@ -440,6 +439,7 @@ def test_prefill_tiles_and_per_row_kernels_match_reference(
         AttentionSplitPush,
         KvWritePush,
     )
+    from hmad.backends.vulkan.recording import ATTENTION_TILE_MIN_ROWS
     from hmad.backends.vulkan.shapes import attention_prefill_groups
     from hmad.backends.vulkan.variants import ATTENTION_PREFILL_CM_DH
 

@@ -37,7 +37,7 @@ def test_build_list_is_the_variants_list():
     runtime imports."""
     build = shader_build()
     assert Path(build.VARIANTS_PY).resolve() == Path(variants.__file__).resolve()
-    assert build.BUILD == [(v.name, v.source, v.defines) for v in variants.VARIANTS]
+    assert [(v.name, v.source, v.defines) for v in variants.VARIANTS] == build.BUILD
     names = [v.name for v in variants.VARIANTS]
     assert len(names) == len(set(names)), "a variant name twice"
     assert all((ROOT / "shaders" / v.source).exists() for v in variants.VARIANTS)

@@ -57,14 +57,14 @@ from hmad.backends.vulkan.graph import BUCKETS, Launched, StepOutput, bucket, bu
 from hmad.backends.vulkan.options import FUSIONS, KV_DTYPES, VulkanOptions
 from hmad.backends.vulkan.placement import Placement, VkWeight
 from hmad.backends.vulkan.policy import Q8_MAX_T
-from hmad.backends.vulkan.recording import ATTENTION_TILE_MIN_ROWS, Recordings
+from hmad.backends.vulkan.recording import Recordings
 from hmad.backends.vulkan.steps import Submitter
 from hmad.backends.vulkan.tails import TOPK_CANDIDATES, Readback
 from hmad.core.batch import SeqSlice, StepBatch
 from hmad.core.kv_layout import KVLayout
 from hmad.core.tensors import WeightTensor
 
-__all__ = ["ATTENTION_TILE_MIN_ROWS", "VulkanBackend"]  # the first: tests/test_vulkan_ops.py reads it here
+__all__ = ["VulkanBackend"]
 
 
 def _option(name: str) -> property:

@@ -22,8 +22,9 @@ from hmad.backends.vulkan.activations import Act, Ring, ScratchPool
 from hmad.backends.vulkan.device import Device
 from hmad.backends.vulkan.memory import BufferView, create_buffer
 from hmad.backends.vulkan.options import VulkanOptions
-from hmad.backends.vulkan.pipelines import KERNELS, CommandRecorder, DescriptorAllocator, Kernel
+from hmad.backends.vulkan.pipelines import KERNELS, DescriptorAllocator, Kernel
 from hmad.backends.vulkan.policy import DeviceCaps
+from hmad.backends.vulkan.recorder import CommandRecorder
 from hmad.backends.vulkan.stepmeta import StepMetaLayout
 from hmad.core.kv_layout import KVLayout
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from hmad.backends.vulkan.activations import Act
 from hmad.backends.vulkan.memory import BufferView
-from hmad.backends.vulkan.pipelines import CommandRecorder
+from hmad.backends.vulkan.recorder import CommandRecorder
 from hmad.backends.vulkan.stepmeta import StepMetaLayout
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)

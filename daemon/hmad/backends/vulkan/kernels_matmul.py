@@ -144,31 +144,3 @@ def row_ranges(kernel, ws: list, rb: int, n: int, max_range: int | None = None) 
         )
         row0 += rows
     return out
-
-
-# transitional re-exports: the lead rewrites importers and removes this
-# (names that moved to kernels_coopmat, kernels_q8 and splitk, looked up when first asked for: an import at
-# the top would be a cycle, as those modules import this one; /work/notes/pipelines-map.md)
-_MOVED = {
-    "kernels_coopmat": (
-        "COOPMAT_TYPES XH_ORDER COOPMAT_TILES COOPMAT_BK COOPMAT_TARGET_GROUPS COOPMAT_MIN_STEPS "
-        "CoopmatLayout COOPMAT_Q4K_VARIANTS coopmat_variant coopmat_fits coopmat_usable COOPMAT_BIG_WEIGHTS "
-        "COOPMAT_Q4K_LAYOUTS coopmat_q4k_layout coopmat_tile coopmat_kernel_name coopmat_splits "
-        "record_row_scale record_coopmat record_coopmat_geglu"
-    ),
-    "kernels_q8": (
-        "Q8_MATVEC_LANES Q8_MATVEC_BLOCK Q8_MATVEC_ROWS Q8_LAYOUTS Q8_T1_LAYOUTS Q8_TAILS xq_word_order "
-        "xq_natural q8_matvec_suffixes q8_tail_suffixes q8_matvec_layout q8_matvec_variant record_matvec_q8"
-    ),
-    "splitk": "split_k split_k_waves part_scratch check_part record_split_sums",
-    "push": "CoopMatPush RowScalePush SplitReducePush",
-}
-_HOME = {name: mod for mod, names in _MOVED.items() for name in names.split()}
-
-
-def __getattr__(name: str):
-    import importlib
-
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"hmad.backends.vulkan.{_HOME[name]}"), name)

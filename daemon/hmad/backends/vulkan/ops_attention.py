@@ -15,17 +15,16 @@ from hmad.backends.vulkan.activations import Act
 from hmad.backends.vulkan.context import RecordContext
 from hmad.backends.vulkan.ops_norm import sums
 from hmad.backends.vulkan.options import KV_DTYPES, VulkanOptions
-from hmad.backends.vulkan.pipelines import (
-    ATTENTION_PREFILL_TILE,
+from hmad.backends.vulkan.placement import VkWeight
+from hmad.backends.vulkan.policy import ATTENTION_MAX_SPLITS, Q8_MAX_T
+from hmad.backends.vulkan.push import (
     AttentionPrefillPush,
     AttentionReducePush,
     AttentionSplitPush,
     KvWritePush,
     NormRopeKvPush,
-    attention_prefill_groups,
 )
-from hmad.backends.vulkan.placement import VkWeight
-from hmad.backends.vulkan.policy import ATTENTION_MAX_SPLITS, Q8_MAX_T
+from hmad.backends.vulkan.shapes import ATTENTION_PREFILL_TILE, attention_prefill_groups
 
 # the attention kernels' limits: a head's values (a multiple of 4: vec4s) and query heads per KV head
 ATTENTION_MAX_HEAD_DIM = 256

@@ -25,23 +25,21 @@ from collections.abc import Callable
 from hmad.backends.vulkan import policy
 from hmad.backends.vulkan.activations import Act, rows
 from hmad.backends.vulkan.context import RecordContext
-from hmad.backends.vulkan.kernels_matmul import (
-    MATVEC_MAX_T,
-    UNIT_TYPES,
+from hmad.backends.vulkan.kernels_coopmat import (
     coopmat_kernel_name,
     coopmat_q4k_layout,
-    q8_matvec_layout,
     record_coopmat,
     record_coopmat_geglu,
-    record_matmul,
-    record_matvec_q8,
     record_row_scale,
 )
+from hmad.backends.vulkan.kernels_matmul import MATVEC_MAX_T, UNIT_TYPES, record_matmul
 from hmad.backends.vulkan.kernels_mmq import mmq_pick, record_mmq, record_mmq_geglu
+from hmad.backends.vulkan.kernels_q8 import q8_matvec_layout, record_matvec_q8
 from hmad.backends.vulkan.memory import BufferView
-from hmad.backends.vulkan.pipelines import CopyPush, Kernel, QuantizeQ8Push
+from hmad.backends.vulkan.pipelines import Kernel
 from hmad.backends.vulkan.placement import VkWeight, across_bus
 from hmad.backends.vulkan.policy import Q8_MAX_T
+from hmad.backends.vulkan.push import CopyPush, QuantizeQ8Push
 from hmad.backends.vulkan.residency import probe_residency
 from hmad.core.tensors import QType
 

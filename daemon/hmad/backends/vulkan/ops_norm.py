@@ -15,11 +15,12 @@ import math
 from hmad.backends.vulkan import policy
 from hmad.backends.vulkan.activations import Act
 from hmad.backends.vulkan.context import RecordContext
-from hmad.backends.vulkan.kernels_matmul import MATMUL_TYPES, record_split_sums
+from hmad.backends.vulkan.kernels_matmul import MATMUL_TYPES
 from hmad.backends.vulkan.memory import BufferView
-from hmad.backends.vulkan.pipelines import (
-    KERNELS,
-    RESIDUAL_MAX_COLS,
+from hmad.backends.vulkan.pipelines import KERNELS
+from hmad.backends.vulkan.placement import VkWeight
+from hmad.backends.vulkan.policy import Q8_MAX_T
+from hmad.backends.vulkan.push import (
     AddPush,
     EmbedDqPush,
     EmbedPush,
@@ -28,10 +29,9 @@ from hmad.backends.vulkan.pipelines import (
     ResidualNormPush,
     RmsNormPush,
     RopePush,
-    residual_block,
 )
-from hmad.backends.vulkan.placement import VkWeight
-from hmad.backends.vulkan.policy import Q8_MAX_T
+from hmad.backends.vulkan.shapes import RESIDUAL_MAX_COLS, residual_block
+from hmad.backends.vulkan.splitk import record_split_sums
 
 # the embedding gather reads every type a weight is uploaded in (embed.comp: float and Q8_0 tables;
 # embed_dq.comp: the other block types through dequant.glsl), so no table is ever converted for it

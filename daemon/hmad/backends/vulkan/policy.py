@@ -59,7 +59,7 @@ class DeviceCaps:
     """The device facts the kernel choices read."""
 
     type: str = "discrete"  # VkPhysicalDeviceType: discrete | integrated | virtual | cpu | other
-    coopmat: bool = False  # the float16 cooperative-matrix GEMM's shapes (kernels_matmul.coopmat_usable)
+    coopmat: bool = False  # the float16 cooperative-matrix GEMM's shapes (kernels_coopmat.coopmat_usable)
     mmq_k: int | None = None  # the int8 product K of the int8 GEMM, or None (kernels_mmq.mmq_usable)
     mmq_n8: bool = False  # 16 x 8 int8 products too
     subgroup_size: int = 0

@@ -18,7 +18,7 @@ import numpy as np
 
 from hmad.backends.vulkan.context import RecordContext
 from hmad.backends.vulkan.graph import Graph, bucket
-from hmad.backends.vulkan.pipelines import CommandRecorder
+from hmad.backends.vulkan.recorder import CommandRecorder
 from hmad.backends.vulkan.stepmeta import StepMetaLayout
 from hmad.backends.vulkan.tails import argmax_chunks, argmax_tail
 from hmad.core.batch import StepBatch

@@ -3,7 +3,7 @@
 A dispatch runs in waves: every SM (CU) holds as many workgroups of the kernel as its registers, shared memory
 and warp slots allow, and the next ones start as those finish. Where a dispatch's workgroups all take about as
 long (the cooperative-matrix GEMM's do), a wave a quarter full costs nearly a whole one, so the K split of the
-GEMM is chosen for whole waves (kernels_matmul.split_k_waves). Vulkan tells neither the SM count on every
+GEMM is chosen for whole waves (splitk.split_k_waves). Vulkan tells neither the SM count on every
 device nor a pipeline's registers, nor which share of an SM's memory the driver gives shared memory (a
 workgroup can fit fewer to an SM than its registers allow: docs/tuning.md), so the residency is counted on the
 device: the kernel's probe mode (mul_mm_coopmat.comp, push K == 0) has each workgroup count itself in, note

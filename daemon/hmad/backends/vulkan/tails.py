@@ -21,16 +21,9 @@ from hmad.backends.vulkan.activations import Act, rows
 from hmad.backends.vulkan.context import RecordContext
 from hmad.backends.vulkan.graph import Graph
 from hmad.backends.vulkan.memory import BufferView, create_buffer
-from hmad.backends.vulkan.pipelines import (
-    ARGMAX_CHUNKS,
-    ArgmaxPush,
-    CommandRecorder,
-    FeedPush,
-    SampleTopkPush,
-    TopkPush,
-    topk_chunk,
-    topk_chunks,
-)
+from hmad.backends.vulkan.push import ArgmaxPush, FeedPush, SampleTopkPush, TopkPush
+from hmad.backends.vulkan.recorder import CommandRecorder
+from hmad.backends.vulkan.shapes import ARGMAX_CHUNKS, topk_chunk, topk_chunks
 
 # candidates per row of the on-device top-k (topk.comp): Gemma's top_k 64 plus up to 64 penalized tokens
 TOPK_CANDIDATES = 128
