@@ -31,12 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 
 import vulkan as vk  # noqa: E402
 
-from hmad.backends.vulkan.device import Device, lib, new  # noqa: E402
+from hmad.backends.vulkan.device import Device  # noqa: E402
 from hmad.backends.vulkan.kernels_coopmat import coopmat_usable  # noqa: E402
 from hmad.backends.vulkan.memory import Uploader, create_buffer  # noqa: E402
 from hmad.backends.vulkan.pipelines import Kernel  # noqa: E402
 from hmad.backends.vulkan.push import CoopMatPeakPush  # noqa: E402
 from hmad.backends.vulkan.recorder import CommandRecorder  # noqa: E402
+from hmad.backends.vulkan.vkffi import lib, new  # noqa: E402
 
 FLOP_PER_PRODUCT = 2 * 16 * 16 * 16  # one 16×16×16 coopMatMulAdd
 

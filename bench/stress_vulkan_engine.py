@@ -37,9 +37,9 @@ sys.path[:0] = [str(ROOT / "daemon"), str(ROOT / "bench")]
 from bench_vulkan_model import make_batch, write_model  # noqa: E402
 
 from hmad.backends.vulkan.descriptors import arenas_of, handle_key, key_of, range_of  # noqa: E402
-from hmad.backends.vulkan.device import VulkanError  # noqa: E402
 from hmad.backends.vulkan.memory import Arena  # noqa: E402
 from hmad.backends.vulkan.pipelines import Kernel  # noqa: E402
+from hmad.backends.vulkan.vkerrors import VulkanError  # noqa: E402
 from hmad.composition import load_model  # noqa: E402
 from hmad.engine.generate import generate  # noqa: E402
 from hmad.engine.kvcache import KVCacheManager, KVLayout  # noqa: E402

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hmad.backends.vulkan import device as vkdev
-from hmad.backends.vulkan.device import MemoryHeap, MemoryType, PhysicalDeviceInfo
+from hmad.backends.vulkan import physical as vkphys
+from hmad.backends.vulkan import vkerrors
 from hmad.backends.vulkan.memory import (
     COPY_PIECE,
     DEVICE_LOCAL,
@@ -31,6 +31,7 @@ from hmad.backends.vulkan.memory import (
     host_copy,
     plan_memory,
 )
+from hmad.backends.vulkan.physical import MemoryHeap, MemoryType, PhysicalDeviceInfo
 from hmad.core.errors import BackendUnusable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,16 +49,16 @@ def test_choose_device_prefers_real_gpu_and_honours_selection():
         _info(0, "llvmpipe (LLVM 15.0.6, 256 bits)", "cpu"),
         _info(1, "AMD Radeon 780M (RADV GFX1103_R1)", "integrated"),
     ]
-    assert vkdev.choose_device(devs).index == 1
-    assert vkdev.choose_device(devs, "llvmpipe").index == 0
-    assert vkdev.choose_device(devs, "0").index == 0
-    assert vkdev.choose_device(devs + [_info(2, "NVIDIA H200", "discrete")]).name == "NVIDIA H200"
-    with pytest.raises(vkdev.NoVulkanDeviceError, match="no device name contains 'mali'.*0: llvmpipe"):
-        vkdev.choose_device(devs, "mali")
-    with pytest.raises(vkdev.NoVulkanDeviceError, match="no device with index 5"):
-        vkdev.choose_device(devs, 5)
-    with pytest.raises(vkdev.NoVulkanDeviceError, match="no Vulkan devices"):
-        vkdev.choose_device([])
+    assert vkphys.choose_device(devs).index == 1
+    assert vkphys.choose_device(devs, "llvmpipe").index == 0
+    assert vkphys.choose_device(devs, "0").index == 0
+    assert vkphys.choose_device(devs + [_info(2, "NVIDIA H200", "discrete")]).name == "NVIDIA H200"
+    with pytest.raises(vkerrors.NoVulkanDeviceError, match="no device name contains 'mali'.*0: llvmpipe"):
+        vkphys.choose_device(devs, "mali")
+    with pytest.raises(vkerrors.NoVulkanDeviceError, match="no device with index 5"):
+        vkphys.choose_device(devs, 5)
+    with pytest.raises(vkerrors.NoVulkanDeviceError, match="no Vulkan devices"):
+        vkphys.choose_device([])
 
 
 def test_missing_requirements_names_each_gap():
@@ -72,35 +73,35 @@ def test_missing_requirements_names_each_gap():
         subgroup={"ops": ["basic", "arithmetic"]},
         compute_queue_family=0,
     )
-    assert vkdev.missing_requirements(ok) == []
+    assert vkphys.missing_requirements(ok) == []
     ok.features["shaderInt8"] = False
     ok.limits["maxStorageBufferRange"] = 1 * MIB
-    missing = vkdev.missing_requirements(ok)
+    missing = vkphys.missing_requirements(ok)
     assert "feature shaderInt8" in missing
     assert any("maxStorageBufferRange" in m for m in missing)
     old = _info(0, "old", "integrated")
     old.api_version = (1, 1, 0)
-    assert "Vulkan 1.2" in vkdev.missing_requirements(old)[0]
-    err = vkdev.DeviceUnsuitableError("old", missing)
+    assert "Vulkan 1.2" in vkphys.missing_requirements(old)[0]
+    err = vkerrors.DeviceUnsuitableError("old", missing)
     assert "shaderInt8" in str(err) and "maxStorageBufferRange" in str(err)
 
 
 def test_check_raises_errors_named_after_vkresult():
-    vkdev.check(0, "vkFoo")
+    vkerrors.check(0, "vkFoo")
     with pytest.raises(
-        vkdev.OutOfDeviceMemory, match=r"vkAllocateMemory: VK_ERROR_OUT_OF_DEVICE_MEMORY \(-2\)"
+        vkerrors.OutOfDeviceMemory, match=r"vkAllocateMemory: VK_ERROR_OUT_OF_DEVICE_MEMORY \(-2\)"
     ):
-        vkdev.check(-2, "vkAllocateMemory")
-    with pytest.raises(vkdev.DeviceLost):
-        vkdev.check(-4, "vkQueueSubmit")
-    with pytest.raises(vkdev.Timeout, match="VK_TIMEOUT"):
-        vkdev.check(2, "vkWaitForFences")
-    with pytest.raises(vkdev.VulkanError, match=r"VkResult\(-999\)"):
-        vkdev.check(-999, "vkBar")
-    assert issubclass(vkdev.OutOfPoolMemory, vkdev.VulkanError)
+        vkerrors.check(-2, "vkAllocateMemory")
+    with pytest.raises(vkerrors.DeviceLost):
+        vkerrors.check(-4, "vkQueueSubmit")
+    with pytest.raises(vkerrors.Timeout, match="VK_TIMEOUT"):
+        vkerrors.check(2, "vkWaitForFences")
+    with pytest.raises(vkerrors.VulkanError, match=r"VkResult\(-999\)"):
+        vkerrors.check(-999, "vkBar")
+    assert issubclass(vkerrors.OutOfPoolMemory, vkerrors.VulkanError)
     # a lost or hung device ends the engine (exit 1); any other failed step fails only its requests
-    assert issubclass(vkdev.DeviceLost, BackendUnusable) and issubclass(vkdev.Timeout, BackendUnusable)
-    assert not issubclass(vkdev.OutOfDeviceMemory, BackendUnusable)
+    assert issubclass(vkerrors.DeviceLost, BackendUnusable) and issubclass(vkerrors.Timeout, BackendUnusable)
+    assert not issubclass(vkerrors.OutOfDeviceMemory, BackendUnusable)
 
 
 # -- memory plan (synthetic heaps) ---------------------------------------------------------------------------
@@ -220,7 +221,7 @@ def test_device_describe(dev):
     d = dev.describe()
     assert d["name"] and d["driver"] and d["heaps"] and d["heaps"][0]["size"] > 0
     assert {"cooperative_matrix", "memory_budget", "subgroup_size", "timestamps"} <= set(d["capabilities"])
-    assert d["limits"]["maxStorageBufferRange"] >= vkdev.MIN_STORAGE_BUFFER_RANGE
+    assert d["limits"]["maxStorageBufferRange"] >= vkphys.MIN_STORAGE_BUFFER_RANGE
     print(d["name"], d["driver"], d["capabilities"])
 
 
@@ -523,7 +524,7 @@ def test_descriptor_pools_roll_over(dev, gpu):
     alloc = DescriptorAllocator(dev, sets_per_pool=4, max_bindings=3)
     k = Kernel(dev, "add_f32", descriptors=alloc)
     bufs = [gpu.alloc(256) for _ in range(12)]
-    from hmad.backends.vulkan.device import ffi
+    from hmad.backends.vulkan.vkffi import ffi
 
     sets = {int(ffi.cast("uintptr_t", k.descriptor_set(bufs[:2] + [o]))) for o in bufs[2:]}
     assert len(sets) == 10 and len(alloc.pools) == 3

@@ -12,10 +12,11 @@ MIB = 1 << 20
 def open_device():
     """A Vulkan device, or a pytest skip that says why (and how CI gets lavapipe)."""
     from hmad.backends.vulkan import device as vkdev
+    from hmad.backends.vulkan import vkerrors
 
     try:
         return vkdev.Device()
-    except (vkdev.NoVulkanDeviceError, vkdev.DeviceUnsuitableError, OSError) as e:
+    except (vkerrors.NoVulkanDeviceError, vkerrors.DeviceUnsuitableError, OSError) as e:
         pytest.skip(f"no usable Vulkan device ({e}); apt-get install mesa-vulkan-drivers provides lavapipe")
 
 

@@ -12,17 +12,15 @@ from typing import Any
 
 import vulkan as vk
 
-from hmad.backends.vulkan.device import (
+from hmad.backends.vulkan.device import Device
+from hmad.backends.vulkan.memory import BufferView
+from hmad.backends.vulkan.vkerrors import (
     VK_ERROR_FRAGMENTED_POOL,
     VK_ERROR_OUT_OF_POOL_MEMORY,
-    Device,
     OutOfPoolMemory,
     check,
-    ffi,
-    lib,
-    new,
 )
-from hmad.backends.vulkan.memory import BufferView
+from hmad.backends.vulkan.vkffi import ffi, lib, new
 
 # A binding: a whole view, or (view, offset inside the view, nbytes) for one range of a big tensor.
 Binding = BufferView | tuple[BufferView, int, int]

@@ -34,7 +34,10 @@ from typing import Any
 import numpy as np
 import vulkan as vk
 
-from hmad.backends.vulkan.device import Device, MemoryHeap, MemoryType, check, ffi, lib, new
+from hmad.backends.vulkan.device import Device
+from hmad.backends.vulkan.physical import MemoryHeap, MemoryType
+from hmad.backends.vulkan.vkerrors import check
+from hmad.backends.vulkan.vkffi import ffi, lib, new
 from hmad.core.errors import HmadError
 
 DEVICE_LOCAL, HOST_VISIBLE, HOST_COHERENT, HOST_CACHED = 1, 2, 4, 8

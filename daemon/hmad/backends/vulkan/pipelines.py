@@ -19,9 +19,11 @@ from typing import Any
 import vulkan as vk
 
 from hmad.backends.vulkan.descriptors import Binding, DescriptorAllocator, arenas_of, key_of, range_of
-from hmad.backends.vulkan.device import Device, check, ffi, lib, new
+from hmad.backends.vulkan.device import Device
 from hmad.backends.vulkan.program import load_spirv, reflect
 from hmad.backends.vulkan.registry import KERNELS
+from hmad.backends.vulkan.vkerrors import check
+from hmad.backends.vulkan.vkffi import ffi, lib, new
 
 
 class Kernel:

@@ -15,8 +15,10 @@ import numpy as np
 import vulkan as vk
 
 from hmad.backends.vulkan.descriptors import Binding, key_of
-from hmad.backends.vulkan.device import Device, check, ffi, lib, new
+from hmad.backends.vulkan.device import Device
 from hmad.backends.vulkan.memory import BufferView
+from hmad.backends.vulkan.vkerrors import check
+from hmad.backends.vulkan.vkffi import ffi, lib, new
 
 if TYPE_CHECKING:
     from hmad.backends.vulkan.pipelines import Kernel

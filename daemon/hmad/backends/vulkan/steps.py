@@ -13,11 +13,12 @@ import numpy as np
 import vulkan as vk
 
 from hmad.backends.vulkan.context import RecordContext
-from hmad.backends.vulkan.device import check, ffi, lib, new
 from hmad.backends.vulkan.graph import Graph, Launched, StepOutput
 from hmad.backends.vulkan.placement import Placement
 from hmad.backends.vulkan.recorder import CommandRecorder
 from hmad.backends.vulkan.tails import head
+from hmad.backends.vulkan.vkerrors import check
+from hmad.backends.vulkan.vkffi import ffi, lib, new
 from hmad.core.batch import StepBatch
 
 
