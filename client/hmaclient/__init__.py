@@ -1,20 +1,18 @@
 """hmaclient: the client library of hmad (wire format in ``hmaclient.protocol``)."""
 
-from hmaclient.client import (
-    AsyncClient,
-    AsyncStream,
-    Client,
+from hmaclient.client import AsyncClient, Client
+from hmaclient.errors import (
     ConnectionLost,
     DaemonUnreachable,
     HmadTimeout,
     HmaError,
-    Piece,
     RequestCancelled,
     RequestError,
-    Result,
     UnsafeSocket,
 )
 from hmaclient.protocol import PROTOCOL_VERSION, ProtocolError, default_socket_path
+from hmaclient.results import Piece, Result
+from hmaclient.stream import AsyncStream
 
 __all__ = [
     "PROTOCOL_VERSION",

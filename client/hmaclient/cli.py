@@ -32,7 +32,8 @@ from typing import Any, TextIO
 
 from hmaclient import sampling
 from hmaclient.args import json_schema_arg
-from hmaclient.client import Client, DaemonUnreachable, HmadTimeout, HmaError, RequestError
+from hmaclient.client import Client
+from hmaclient.errors import DaemonUnreachable, HmadTimeout, HmaError, RequestError
 from hmaclient.protocol import ProtocolError, default_socket_path
 
 EXIT_OK, EXIT_REQUEST, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130

@@ -11,12 +11,9 @@ the client unless the caller gives one. Leaving a stream early (``break``, ``acl
 exception, a timeout) sends ``cancel`` for its request; so does ``close()`` for every request still
 running.
 
-Errors: ``RequestError`` (the daemon's ``error`` reply: ``.code``, ``.message``), ``HmadTimeout`` (a
-``TimeoutError``), ``DaemonUnreachable`` (a ``ConnectionError``: no socket file, or no answer to a ping
-within ``connect_timeout``), ``UnsafeSocket`` (a ``DaemonUnreachable``: the socket or a directory above it
-could be another user's, see ``hmaclient.safepath``; nothing was sent), ``ConnectionLost`` (a
-``DaemonUnreachable``: the daemon went away while a request ran). Bad parameters raise
-``protocol.ProtocolError`` (a ``ValueError``) before anything is sent.
+A stream is an ``AsyncStream`` (``hmaclient.stream``); answers are ``Piece``s and ``Result``s
+(``hmaclient.results``). Errors are the ``HmaError``s of ``hmaclient.errors``, which says when each is
+raised; bad parameters raise ``protocol.ProtocolError`` (a ``ValueError``) before anything is sent.
 """
 
 from __future__ import annotations
@@ -29,7 +26,6 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Coroutine, Iterator
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import zmq
@@ -38,6 +34,16 @@ from zmq.utils.monitor import parse_monitor_message
 
 from hmaclient import protocol as P
 from hmaclient import safepath
+from hmaclient.errors import (
+    ConnectionLost,
+    DaemonUnreachable,
+    HmadTimeout,
+    RequestCancelled,
+    RequestError,
+    UnsafeSocket,
+)
+from hmaclient.results import Piece, Result
+from hmaclient.stream import AsyncStream
 
 log = logging.getLogger("hmaclient")
 
@@ -52,90 +58,6 @@ HEARTBEAT_TTL_MS = 6000  # the daemon drops us when it hears nothing for 6 s.
 LINGER_MS = 1000  # on close: time to deliver the last cancels
 LOST_GRACE_S = 0.2  # after a disconnect, replies already received still get read before requests fail
 STATUS_TIMEOUT_S = 10.0  # default for status() and ping() when the client has no timeout
-
-
-class HmaError(Exception):
-    """Base class of the errors the client raises."""
-
-
-class RequestError(HmaError):
-    """The daemon answered ``error``: ``code`` is a protocol error code, ``message`` says why."""
-
-    def __init__(self, code: str, message: str, id: P.Id = None):
-        super().__init__(f"{code}: {message}")
-        self.code, self.message, self.id = code, message, id
-
-
-class RequestCancelled(RequestError):
-    """``generate()``'s request was cancelled (by ``cancel(id)`` or by the daemon)."""
-
-    def __init__(self, id: P.Id, generated_tokens: int):
-        super().__init__("cancelled", f"request {id!r} was cancelled after {generated_tokens} tokens", id)
-        self.generated_tokens = generated_tokens
-
-
-class HmadTimeout(HmaError, TimeoutError):
-    """No answer within the call's ``timeout``; a running generation has been cancelled."""
-
-
-class DaemonUnreachable(HmaError, ConnectionError):
-    """hmad is not running at the socket path (or does not answer)."""
-
-    def __init__(self, path: str, detail: str = ""):
-        self.path = path
-        super().__init__(
-            f"hmad is not running at {path}: start it with `systemctl start hmad` or `hmad --foreground`"
-            + (f" ({detail})" if detail else "")
-        )
-
-
-class UnsafeSocket(DaemonUnreachable):
-    """The socket, or a directory above it, could be another user's: the client refuses to connect there
-    (``hmaclient.safepath`` gives the rule)."""
-
-    def __init__(self, path: str, reason: str):
-        self.path, self.reason = path, reason
-        ConnectionError.__init__(
-            self, f"refusing hmad's socket {path}: {reason}, so another user could answer in hmad's place"
-        )
-
-
-class ConnectionLost(DaemonUnreachable):
-    """The connection to hmad dropped while a request was running (daemon stopped or restarted)."""
-
-    def __init__(self, path: str):
-        self.path = path
-        why = "the daemon stopped or restarted"
-        ConnectionError.__init__(self, f"lost the connection to hmad at {path} while the request ran ({why})")
-
-
-@dataclass
-class Piece:
-    """One streamed piece of an answer."""
-
-    text: str
-    token_ids: list[int]
-
-
-@dataclass
-class Result:
-    """A finished generation. ``finish_reason``: "stop", "length", or (streams only) "cancelled"."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    ttft_s: float = 0.0
-    tokens_per_s: float = 0.0
-    total_s: float = 0.0
-    id: P.Id = None
-    rid: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def timings(self) -> dict[str, float]:
-        return {"ttft_s": self.ttft_s, "tokens_per_s": self.tokens_per_s, "total_s": self.total_s}
 
 
 class _Pending:
@@ -433,148 +355,6 @@ class AsyncClient:
         if not isinstance(reply, expect):
             raise P.ProtocolError(P.BAD_REQUEST, f"expected a {expect.__name__} reply, got {reply!r:.200}")
         return reply
-
-
-class AsyncStream:
-    """The pieces of one generation as they arrive; ``.result`` once the terminal reply has come.
-
-    Async iterator and async context manager; ``aclose()`` (also on context exit, or when the object is
-    dropped unfinished) cancels the request.
-    """
-
-    def __init__(
-        self,
-        client: AsyncClient,
-        msg: dict[str, Any],
-        timeout: float | None = None,
-        deadline: float | None = None,
-    ):
-        self._client, self._msg = client, msg
-        self.id: P.Id = msg["id"]
-        self.rid: int | None = None
-        self.result: Result | None = None
-        self._timeout, self._deadline = timeout, deadline
-        self._pending: _Pending | None = None
-        self._finished = False
-        self._text: list[str] = []
-        self._ids: list[int] = []
-        self._held: list[Piece] = []  # pieces read by start() before the iteration asked for them
-
-    def __aiter__(self) -> AsyncStream:
-        return self
-
-    async def __aenter__(self) -> AsyncStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    async def __anext__(self) -> Piece:
-        if self._held:
-            return self._held.pop(0)
-        if self._finished:
-            raise StopAsyncIteration
-        try:
-            if self._pending is None:
-                await self._start()
-            while True:
-                reply = await self._client._next_reply(self._pending, self._wait_time())
-                piece = self._take(reply)
-                if piece is not None:
-                    return piece
-                if self._finished:
-                    raise StopAsyncIteration
-        except BaseException:
-            self._abandon()
-            raise
-
-    async def start(self) -> int | None:
-        """Send the request and wait until the daemon accepts it; returns its ``rid``.
-
-        Raises RequestError when the daemon refuses it (busy, prompt_too_long, bad_request, ...), so a caller
-        can answer a refusal before it starts passing pieces on. Iterating afterwards gives every piece.
-        """
-        try:
-            if self._pending is None:
-                await self._start()
-            while self.rid is None and not self._finished:
-                piece = self._take(await self._client._next_reply(self._pending, self._wait_time()))
-                if piece is not None:
-                    self._held.append(piece)
-        except BaseException:
-            self._abandon()
-            raise
-        return self.rid
-
-    async def aclose(self) -> None:
-        """Stop: cancel the request if it is still running (the daemon then answers ``cancelled``)."""
-        self._abandon()
-
-    def __del__(self) -> None:
-        if self._pending is not None and not self._finished:
-            client = self._client
-            with contextlib.suppress(RuntimeError):  # the loop is already closed: nothing to cancel through
-                client._loop.call_soon_threadsafe(self._abandon)
-
-    async def _start(self) -> None:
-        await self._client.connect()
-        self._pending = self._client._register(self.id, generation=True)
-        await self._client._send(self._msg)
-
-    def _wait_time(self) -> float | None:
-        if self._deadline is None:
-            return self._timeout
-        left = max(0.0, self._deadline - time.monotonic())
-        return left if self._timeout is None else min(left, self._timeout)
-
-    def _take(self, reply: P.Reply) -> Piece | None:
-        """Apply one reply; a Piece for a token, None otherwise (``_finished`` set on a terminal one)."""
-        if isinstance(reply, P.Accepted):
-            self.rid = reply.rid
-        elif isinstance(reply, P.Token):
-            self._text.append(reply.text)
-            self._ids += reply.token_ids
-            return Piece(reply.text, list(reply.token_ids))
-        elif isinstance(reply, P.Done):
-            self._finish(self._done_result(reply))
-        elif isinstance(reply, P.Cancelled):
-            self._finish(self._result("cancelled", generated_tokens=reply.generated_tokens))
-        elif isinstance(reply, P.Error):
-            self._finish(None)
-            raise RequestError(reply.code, reply.message, self.id)
-        else:
-            log.warning("ignored a %s reply to generation %r", type(reply).__name__, self.id)
-        return None
-
-    def _done_result(self, d: P.Done) -> Result:
-        return self._result(
-            d.finish_reason,
-            text=d.text,
-            token_ids=d.token_ids,
-            prompt_tokens=d.prompt_tokens,
-            generated_tokens=d.generated_tokens,
-            ttft_s=float(d.ttft_s),
-            tokens_per_s=float(d.tokens_per_s),
-            total_s=float(d.total_s),
-            extra=d.extra,
-        )
-
-    def _result(self, reason: str, text: str | None = None, token_ids: Any = None, **kw: Any) -> Result:
-        text = "".join(self._text) if text is None else text
-        ids = list(self._ids) if token_ids is None else list(token_ids)
-        return Result(text, ids, reason, id=self.id, rid=self.rid, **kw)
-
-    def _finish(self, result: Result | None) -> None:
-        self.result, self._finished = result, True
-        self._client._unregister(self._pending)
-
-    def _abandon(self) -> None:
-        """Leave the request: cancel it if it was sent and has not ended."""
-        if self._pending is not None and not self._finished:
-            self._finished = True
-            self._pending.abandoned = True  # the reader drops its replies and frees the id after the last
-            self._client._cancel_nowait(self.id)
-        self._finished = True
 
 
 class Client:

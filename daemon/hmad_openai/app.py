@@ -39,8 +39,10 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hmaclient import protocol as P
-from hmaclient.client import AsyncClient, AsyncStream, HmaError, RequestError
+from hmaclient.client import AsyncClient
+from hmaclient.errors import HmaError, RequestError
 from hmaclient.prometheus import FamiliesCollector
+from hmaclient.stream import AsyncStream
 from hmad_openai import responses as R
 from hmad_openai.errors import OpenAIError, bad_request, from_exception
 from hmad_openai.guards import AllowedHosts, require_json

@@ -18,7 +18,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from hmaclient import protocol as P
-from hmaclient.client import ConnectionLost, DaemonUnreachable, HmadTimeout, RequestError
+from hmaclient.errors import ConnectionLost, DaemonUnreachable, HmadTimeout, RequestError
 
 INVALID = "invalid_request_error"
 SERVER = "server_error"

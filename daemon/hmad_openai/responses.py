@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from hmaclient.client import Result
+from hmaclient.results import Result
 
 DONE_EVENT = "data: [DONE]\n\n"
 

@@ -1,0 +1,37 @@
+"""What a generation gives back: ``Piece`` (one streamed piece) and ``Result`` (the finished answer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hmaclient import protocol as P
+
+
+@dataclass
+class Piece:
+    """One streamed piece of an answer."""
+
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class Result:
+    """A finished generation. ``finish_reason``: "stop", "length", or (streams only) "cancelled"."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float = 0.0
+    tokens_per_s: float = 0.0
+    total_s: float = 0.0
+    id: P.Id = None
+    rid: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def timings(self) -> dict[str, float]:
+        return {"ttft_s": self.ttft_s, "tokens_per_s": self.tokens_per_s, "total_s": self.total_s}
