@@ -13,6 +13,15 @@ connection a listener accepted with it.) libzmq aborts the process when ``accept
 the cap is kept at half the descriptors the open-file limit leaves (``connection_cap``; the other half
 absorbs a burst accepted before the loop shuts it down), and the soft limit is raised to the hard one at
 start (``raise_nofile_limit``).
+
+A connection the server drops (a peer not reading its replies) is never shut down at once. libzmq 4.3
+stops reading a connection whose messages fill its pipe into the socket (RCVHWM) until the socket reads
+them; if the connection ends in that state (``stream_engine_base_t::in_event_internal`` sets ``_io_error``)
+and a heartbeat falls due before the socket has read the pipe down, the heartbeat timer calls ``out_event``,
+which asserts ``!_io_error`` and aborts the process. So a dropped peer's messages are read and discarded
+unhandled, and its connection is shut down only when the socket is read empty and the peer was quiet since
+(``drop``, ``end_quiet``). A peer that ends its own connection with its pipe full can still trip that
+assertion: only the socket loop's prompt reading narrows the window (docs/protocol.md, "Limits").
 """
 
 from __future__ import annotations
@@ -127,6 +136,8 @@ class Peers:
         self.conns: dict[int, Conn] = {}  # fd -> connection
         self.by_peer: dict[bytes, Conn] = {}
         self.refused = 0  # connections shut down for being over the cap
+        self.dropped: dict[bytes, Conn] = {}  # connections to end (``drop``), until libzmq reports them ended
+        self.ending: set[bytes] = set()  # those of them shut down already
 
     def __len__(self) -> int:
         return len(self.conns)
@@ -148,6 +159,8 @@ class Peers:
                     self.per_uid[conn.uid] -= 1
                 if conn is not None and conn.peer is not None:
                     self.by_peer.pop(conn.peer, None)
+                    self.dropped.pop(conn.peer, None)
+                    self.ending.discard(conn.peer)
                     gone.append(conn.peer)
 
     def _accepted(self, fd: int) -> None:
@@ -187,10 +200,22 @@ class Peers:
         return conn
 
     def drop(self, peer: bytes) -> None:
-        """Close ``peer``'s connection from our side (its requests are the server's to cancel)."""
+        """End ``peer``'s connection from our side (its requests are the server's to cancel). From now
+        on the socket loop reads and discards what ``peer`` sends, unhandled, and calls ``end_quiet`` when
+        the socket has nothing left to read: the connection is shut down once ``peer`` is quiet."""
         conn = self.by_peer.get(peer)
         if conn is not None:
-            shut_down(conn.fd)
+            self.dropped[peer] = conn
+
+    def end_quiet(self, heard: set[bytes]) -> None:
+        """Shut down the dropped connections not in ``heard`` (the peers read from since the socket was
+        last found empty). Shutting down a connection whose messages fill its inbound pipe would let
+        libzmq abort the process (module docstring): with the socket read empty and the peer quiet, its
+        pipe is empty and libzmq reads it to the end."""
+        for peer, conn in self.dropped.items():
+            if peer not in heard and peer not in self.ending:
+                self.ending.add(peer)
+                shut_down(conn.fd)
 
     def close(self) -> None:
         self.monitor.close(linger=0)

@@ -60,6 +60,7 @@ log = logging.getLogger("hmad.server")
 POLL_MS = 50
 BACKLOG = 32  # connections the kernel holds before hmad accepts them
 SNDHWM = 1000  # frames in one peer's zmq pipe; the rest wait in its outbox (counted in max_reply_bytes)
+DISCARD_PER_REQUEST = 16  # frames of dropped peers read (and discarded) per request handled, per turn
 FLUSH_AFTER_DRAIN_S = 1.0  # after the drain's deadline, replies still unsent this long are dropped
 
 
@@ -157,7 +158,7 @@ class Server:
             self._prepared()
             if self.engine is not None:
                 self.replies.forward_events(self.engine.events)
-            if self.sock in ready:
+            if self.sock in ready or self.peers.dropped:
                 self._read_requests()
             self.replies.flush()
             if self.draining and self._drained():
@@ -178,12 +179,20 @@ class Server:
                 self.replies.peer_gone(peer)
 
     def _read_requests(self, budget: int = 256) -> None:
-        for _ in range(budget):
+        handled, heard = 0, set()  # heard: dropped peers read from this turn
+        for _ in range(budget * DISCARD_PER_REQUEST):
+            if handled == budget:
+                return
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
+                self.peers.end_quiet(heard)
                 return
             peer = frames[0].bytes
+            if peer in self.peers.dropped:  # read at once and discarded: see peers.py
+                heard.add(peer)
+                continue
+            handled += 1
             conn = self.peers.note(peer, frames[-1])
             if conn is None:  # its connection's events may still be on their way: read them, look again
                 self._connections()
