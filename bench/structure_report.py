@@ -1,8 +1,7 @@
 #!/usr/bin/env python3
 """The structure figures of a checkout (not a speed benchmark): upward imports against the layer rule of
-tests/test_layers.py, import cycles between modules, files over 800 and 600 lines, the largest classes and those
-over 400 lines, README lines
-before the set-up commands.
+tests/test_layers.py, import cycles between modules, files over 800 and 600 lines, the largest classes and
+those over 400 lines, README lines before the set-up commands.
 
     python3 bench/structure_report.py CHECKOUT     # another version: git archive <commit> | tar x -C DIR
 """

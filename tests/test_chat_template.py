@@ -350,9 +350,6 @@ def test_hf_template_that_does_not_compile_fails_the_load(tmp_path):
 # -- a real daemon ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True, reason="until hmad/preparation.py passes model.tokenizer.chat_template to render_chat"
-)
 def test_daemon_renders_the_files_template(tmp_path):
     """Through the socket, a GGUF with a template: the prompt the daemon runs is the template's rendering
     (its token count, and the greedy answer equals the raw-mode answer to the rendered text), injected
@@ -362,7 +359,7 @@ def test_daemon_renders_the_files_template(tmp_path):
     from hmaclient import Client, RequestError
 
     path = tiny_gguf_with(tmp_path / "probe.gguf", TEMPLATES["probe"])
-    tok = SpmTokenizer.from_gguf_metadata(read_gguf(path).metadata)
+    tok = read_model_files(path).tokenizer
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
     rendered = render_chat(messages, template=tok.chat_template)
     assert tok.encode(rendered) != tok.encode(render_chat(messages))  # not the built-in turns
@@ -387,7 +384,7 @@ def test_choose_by_setting(tiny_spm, tmp_path):
     from hmad.model.chat_template import choose
 
     path = tiny_gguf_with(tmp_path / "t.gguf", TEMPLATES["probe"])
-    tok = SpmTokenizer.from_gguf_metadata(read_gguf(path).metadata)
+    tok = read_model_files(path).tokenizer
     assert choose("auto", tok) is tok.chat_template and choose("auto", tiny_spm) is None
     assert choose("builtin", tok) is None
     (tmp_path / "gemma.jinja").write_text(TEMPLATES["gemma3_it"])

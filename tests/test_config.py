@@ -348,7 +348,7 @@ def test_config_error_is_an_hmad_error_and_carries_the_key():
 
 def test_unknown_top_level_key(tmp_path):
     msg = _error(tmp_path, "modle: x.gguf\n")
-    assert msg.startswith("unknown key 'modle' (allowed: model, backend, log_level, socket, engine,")
+    assert msg.startswith("unknown key 'modle' (allowed: model, chat_template, backend, log_level, socket,")
     assert "did you mean 'model'?" in msg and msg.endswith(f"(in {tmp_path / 'hmad.yaml'})")
 
 
@@ -361,7 +361,7 @@ def test_unknown_nested_key(tmp_path):
 def test_unknown_keys_in_overrides():
     msg = _error(**{"engine.max_seq": 4})
     assert "unknown key 'engine.max_seq'" in msg and "(in the command-line overrides)" in msg
-    assert "unknown key 'nosuch.key' (allowed: model, backend," in _error(**{"nosuch.key": 1})
+    assert "unknown key 'nosuch.key' (allowed: model, chat_template, backend," in _error(**{"nosuch.key": 1})
     assert "unknown key 'model.path'" in _error(**{"model.path": "x"})  # model is not a section
     assert "unknown key 'engine.a.b'" in _error(**{"engine.a.b": 1})
 
@@ -399,7 +399,7 @@ def test_syntax_error_shows_file_and_line(tmp_path):
 def test_document_must_be_a_mapping(tmp_path, text, kind):
     msg = _error(tmp_path, text)
     file = tmp_path / "hmad.yaml"
-    assert msg.startswith(f"{file}: the document must be a mapping of keys (model, backend,")
+    assert msg.startswith(f"{file}: the document must be a mapping of keys (model, chat_template, backend,")
     assert f"got {kind}" in msg
 
 

@@ -231,6 +231,7 @@ class Config(_Section):
     equal when their keys are (``source`` aside)."""
 
     model: text("'default', a .gguf file or an HF checkpoint directory") = "default"
+    chat_template: text("'auto', 'builtin' or the path of a Jinja chat template") = "auto"
     backend: one_of("auto", "cpu", "vulkan", "npu") = "auto"
     log_level: one_of("debug", "info", "warning", "error") = "info"
     socket: SocketConfig = Field(default_factory=SocketConfig)

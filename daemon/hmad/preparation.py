@@ -34,10 +34,11 @@ def prepare(
     grammar = None if req.json_schema is None else compile_schema(req.json_schema)
     if grammar is not None:  # against this model's vocabulary: fails here, not mid-request
         check_schema(grammar, model.tokenizer)
+    template = model.tokenizer.chat_template  # the model's own, or None: the built-in Gemma turns
     if req.messages is not None:
-        text = render_chat(req.messages)
+        text = render_chat(req.messages, template=template)
     else:
-        text = req.prompt if req.raw else render_prompt(req.prompt)
+        text = req.prompt if req.raw else render_prompt(req.prompt, template)
     tok = model.tokenizer
     if tok.max_token_chars and len(text) > tok.max_token_chars * context:  # surely too long: skip
         raise PromptTooLong(  # tokenizing it (seconds for a MAX_PROMPT_CHARS prompt)

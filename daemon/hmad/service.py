@@ -46,6 +46,7 @@ from hmad.engine.worker import EngineThread
 from hmad.faults import fault_from_env, stall_forever
 from hmad.faults import install as install_fault
 from hmad.heap import map_large_buffers
+from hmad.model import chat_template
 from hmad.peers import connection_cap, open_descriptors, raise_nofile_limit
 from hmad.server import Server
 
@@ -214,6 +215,7 @@ class Service:
                 background=True,
                 **cfg.backend_options(backend),
             )
+            model.tokenizer.chat_template = chat_template.choose(cfg.chat_template, model.tokenizer)
             if self.fault is not None and not self.fault.stalls_load:
                 install_fault(model.backend, self.fault)
             t0 = time.perf_counter()

@@ -19,6 +19,7 @@ from hmad.core.batch import StepBatch
 from hmad.core.errors import ModelFormatError, ModelNotFoundError
 from hmad.core.model_config import ModelConfig
 from hmad.core.tensors import WeightTensor
+from hmad.model import chat_template
 from hmad.model.default import DEFAULT_NAME, resolve_default
 from hmad.model.hparams import check_layer_count, layer_indices, shape_problem
 from hmad.model.registry import get_architecture
@@ -93,6 +94,11 @@ def read_model_files(path: Path) -> ModelFiles:
 
         ck = read_hf_checkpoint(path)
         tok = _tokenizer(ck.tokenizer_path, lambda: HFTokenizer.from_file(ck.tokenizer_path))
+        _attach_template(
+            ck.tokenizer_path,
+            tok,
+            lambda: chat_template.from_hf_directory(Path(ck.tokenizer_path).parent, tok),
+        )
         return ModelFiles(str(path), ck.config, ck.tensors, tok)
     from hmad.model.gguf import read_gguf
 
@@ -102,6 +108,7 @@ def read_model_files(path: Path) -> ModelFiles:
         raise ModelFormatError(path, "missing metadata key 'general.architecture'")
     config = get_architecture(arch_name).config_from_gguf(gf.metadata, str(path))
     tok = _tokenizer(path, lambda: SpmTokenizer.from_gguf_metadata(gf.metadata))
+    _attach_template(path, tok, lambda: chat_template.from_gguf_metadata(gf.metadata, tok))
     return ModelFiles(str(path), config, gf.tensors, tok)
 
 
@@ -113,6 +120,16 @@ def _tokenizer(path: Path | str, make: Callable[[], Tokenizer]) -> Tokenizer:
         raise
     except Exception as e:  # the tokenizer's own checks (a wrong tokenizer.ggml.model, a missing list...)
         raise ModelFormatError(path, f"cannot build the tokenizer: {type(e).__name__}: {e}") from e
+
+
+def _attach_template(path: Path | str, tok: Tokenizer, read: Callable[[], Any]) -> None:
+    """The file's own chat template (or None) on ``tok``; one that does not compile is a ModelFormatError."""
+    try:
+        tok.chat_template = read()
+    except ModelFormatError:
+        raise
+    except Exception as e:  # ChatTemplateError: the template's own message names the key or file
+        raise ModelFormatError(path, str(e)) from e
 
 
 def check_tensors(files: ModelFiles) -> None:

@@ -306,9 +306,6 @@ class SpmTokenizer(Tokenizer):
             add_space_prefix=bool(meta.get(k + "add_space_prefix", True)),
             model_name=str(meta.get("general.name", "")),
         )
-        from hmad.model import chat_template
-
-        tok.chat_template = chat_template.from_gguf_metadata(meta, tok)
         return tok
 
     @staticmethod
@@ -609,11 +606,7 @@ class HFTokenizer(Tokenizer):
         ``eot_ids`` (ids or token texts) override."""
         from tokenizers import Tokenizer as _HF
 
-        from hmad.model import chat_template
-
-        tok = cls(_HF.from_file(str(path)), **kw)
-        tok.chat_template = chat_template.from_hf_directory(Path(path).parent, tok)
-        return tok
+        return cls(_HF.from_file(str(path)), **kw)
 
     def _resolve(self, x: int | str | None, names: Sequence[str]) -> int | None:
         if isinstance(x, int):
