@@ -7,21 +7,21 @@ fills from SO_PEERCRED on a Unix socket as ``host:uid:gid:pid``), so the server 
 each connection carries and, when the connection goes, which requests to cancel.
 
 Past ``max_connections``, or past ``max_per_uid`` connections of one user, a new connection is shut
-down as soon as the loop sees it accepted (its client sees the connection end, and a ZMQ client reconnects
-later); those already served carry on. (Unbinding to stop accepting is no way out: libzmq closes every
-connection a listener accepted with it.) libzmq aborts the process when ``accept`` fails with EMFILE, so
-the cap is kept at half the descriptors the open-file limit leaves (``connection_cap``; the other half
-absorbs a burst accepted before the loop shuts it down), and the soft limit is raised to the hard one at
-start (``raise_nofile_limit``).
+down once the loop has seen it accepted and read the socket empty (``end_quiet``, below); its client sees
+the connection end, and a ZMQ client reconnects later; those already served carry on. (Unbinding to stop
+accepting is no way out: libzmq closes every connection a listener accepted with it.) libzmq aborts the
+process when ``accept`` fails with EMFILE, so the cap is kept at half the descriptors the open-file limit
+leaves (``connection_cap``; the other half absorbs a burst accepted before the loop shuts it down), and
+the soft limit is raised to the hard one at start (``raise_nofile_limit``).
 
-A connection the server drops (a peer not reading its replies) is never shut down at once. libzmq 4.3
-stops reading a connection whose messages fill its pipe into the socket (RCVHWM) until the socket reads
-them; if the connection ends in that state (``stream_engine_base_t::in_event_internal`` sets ``_io_error``)
-and a heartbeat falls due before the socket has read the pipe down, the heartbeat timer calls ``out_event``,
-which asserts ``!_io_error`` and aborts the process. So a dropped peer's messages are read and discarded
-unhandled, and its connection is shut down only when the socket is read empty and the peer was quiet since
-(``drop``, ``end_quiet``). A peer that ends its own connection with its pipe full can still trip that
-assertion: only the socket loop's prompt reading narrows the window (docs/protocol.md, "Limits").
+No connection is shut down while its messages may fill its pipe into the socket. libzmq 4.3 stops reading
+a connection whose pipe holds RCVHWM messages until the socket reads them; if the connection ends in that
+state (``stream_engine_base_t::in_event_internal`` sets ``_io_error``) and a heartbeat falls due before the
+socket has read the pipe down, the heartbeat timer calls ``out_event``, which asserts ``!_io_error`` and
+aborts the process. So a dropped peer's messages are read and discarded unhandled, and its connection is
+shut down only when the socket is read empty and the peer was quiet since (``drop``, ``end_quiet``); a
+connection refused over the cap waits for the socket read empty too. A peer that ends its own connection
+with its pipe full can still trip that assertion: only the loop's prompt reading narrows the window.
 """
 
 from __future__ import annotations
@@ -138,6 +138,7 @@ class Peers:
         self.refused = 0  # connections shut down for being over the cap
         self.dropped: dict[bytes, Conn] = {}  # connections to end (``drop``), until libzmq reports them ended
         self.ending: set[bytes] = set()  # those of them shut down already
+        self.refusing: set[int] = set()  # descriptors of connections over the cap, to shut down when quiet
 
     def __len__(self) -> int:
         return len(self.conns)
@@ -154,6 +155,7 @@ class Peers:
             if msg["event"] == zmq.EVENT_ACCEPTED:
                 self._accepted(fd)
             else:
+                self.refusing.discard(fd)
                 conn = self.conns.pop(fd, None)
                 if conn is not None and conn.uid is not None:
                     self.per_uid[conn.uid] -= 1
@@ -177,7 +179,7 @@ class Peers:
         self.refused += 1
         if self.refused == 1 or self.refused % 1000 == 0:
             log.warning("%s: refusing new connections", why)
-        shut_down(fd)
+        self.refusing.add(fd)  # shut down by ``end_quiet``
 
     def note(self, peer: bytes, frame: zmq.Frame) -> Conn | None:
         """The connection a message came in on, learning its routing id; None if it is not one served
@@ -216,6 +218,13 @@ class Peers:
             if peer not in heard and peer not in self.ending:
                 self.ending.add(peer)
                 shut_down(conn.fd)
+        for fd in self.refusing:  # (what they sent is handled like any peer's: read empty, they are quiet)
+            shut_down(fd)
+        self.refusing.clear()
+
+    def to_end(self) -> bool:
+        """Whether connections wait for ``end_quiet``."""
+        return bool(self.refusing) or len(self.ending) < len(self.dropped)
 
     def close(self) -> None:
         self.monitor.close(linger=0)

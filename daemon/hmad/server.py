@@ -158,7 +158,7 @@ class Server:
             self._prepared()
             if self.engine is not None:
                 self.replies.forward_events(self.engine.events)
-            if self.sock in ready or self.peers.dropped:
+            if self.sock in ready or self.peers.to_end():
                 self._read_requests()
             self.replies.flush()
             if self.draining and self._drained():
