@@ -9,7 +9,8 @@
 The daemon reads the client's wire spec and socket-path rule (``hmaclient.protocol``), its check of who
 owns a socket (``hmaclient.safepath``), the argument types its CLI shares with hmactl (``hmaclient.args``)
 and the sampling fields (``hmaclient.sampling``, the only one the floors below the process may read),
-nothing else of the client. The client imports nothing of the daemon. Every import statement counts, also one inside a function: a lazy import is still a dependency.
+nothing else of the client. The client imports nothing of the daemon. Every import statement counts,
+also one inside a function: a lazy import is still a dependency.
 """
 
 from __future__ import annotations
