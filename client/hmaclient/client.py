@@ -25,7 +25,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine, Generator
 from typing import Any, TypeVar
 
 import zmq
@@ -385,8 +385,9 @@ class Client:
     def generate(self, prompt: str | None = None, **kw: Any) -> Result:
         return self._run(self._async.generate(prompt, **kw))
 
-    def stream(self, prompt: str | None = None, **kw: Any) -> Iterator[Piece]:
-        """A generator of Pieces; building the request (and any ProtocolError) happens at this call."""
+    def stream(self, prompt: str | None = None, **kw: Any) -> Generator[Piece, None, Result | None]:
+        """A generator of Pieces; building the request (and any ProtocolError) happens at this call. Its
+        return value (``StopIteration.value``, or ``yield from``'s) is the finished Result (tool_calls)."""
         astream = self._async.stream(prompt, **kw)
         return self._iterate(astream)
 
@@ -420,12 +421,12 @@ class Client:
             self._thread.join()
             self._loop.close()
 
-    def _iterate(self, astream: AsyncStream) -> Iterator[Piece]:
+    def _iterate(self, astream: AsyncStream) -> Generator[Piece, None, Result | None]:
         try:
             while True:
                 piece = self._run(_next_or_none(astream))
                 if piece is None:
-                    return
+                    return astream.result
                 yield piece
         finally:
             if not self._closed:

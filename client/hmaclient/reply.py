@@ -117,6 +117,7 @@ class Done:
     text: str | None = None
     token_ids: list[int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # fields this version does not know
+    tool_calls: list[dict[str, str]] = field(default_factory=list)  # [{id, name, arguments (JSON text)}]
 
 
 @dataclass
@@ -201,10 +202,28 @@ def parse_reply(frame: bytes, max_size: int = MAX_REPLY_BYTES) -> Reply:
     if mtype == "metrics":
         return Metrics(mid, [f for f in msg["metrics"] if _is_family(f)])
     if mtype == "done":
-        known = {"v", "type", "id", "text", "token_ids", *required}
+        known = {"v", "type", "id", "text", "token_ids", "tool_calls", *required}
         extra = {k: v for k, v in msg.items() if k not in known}
-        return Done(mid, **values, text=msg.get("text"), token_ids=msg.get("token_ids"), extra=extra)
+        calls = _tool_calls(msg.get("tool_calls"), mid)
+        return Done(
+            mid, **values, text=msg.get("text"), token_ids=msg.get("token_ids"), extra=extra, tool_calls=calls
+        )
     return cls(mid, **values)
+
+
+def _tool_calls(calls: Any, mid: Id) -> list[dict[str, str]]:
+    """A done reply's tool_calls: absent is none; each {id, name, arguments} of str."""
+    if calls is None:
+        return []
+    ok = isinstance(calls, list) and all(
+        isinstance(c, dict) and all(isinstance(c.get(k), str) for k in ("id", "name", "arguments"))
+        for c in calls
+    )
+    if not ok:
+        raise ProtocolError(
+            BAD_REQUEST, "done reply: tool_calls must be a list of {id, name, arguments}", mid
+        )
+    return [{k: c[k] for k in ("id", "name", "arguments")} for c in calls]
 
 
 def _is_family(f: Any) -> bool:

@@ -7,10 +7,11 @@ The sampling fields' types, ranges and defaults are ``hmaclient.sampling``'s; th
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from hmaclient import sampling
+from hmaclient import sampling, tools
 from hmaclient.framing import (
     _ID_RULE,
     BAD_REQUEST,
@@ -39,7 +40,7 @@ class GenerateRequest:
 
     id: Id = None
     prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     raw: bool = False
     stream: bool = True
     max_tokens: int | None = None
@@ -51,8 +52,19 @@ class GenerateRequest:
     repeat_last_n: int | None = None
     seed: int | None = None
     stop: list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
     json_schema: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, str] = "auto"
+    parallel_tool_calls: bool = True
     v: int = field(default=1, compare=False)
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer may be a tool call: tools given and tool_choice not "none"."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     def sampling(self) -> dict[str, Any]:
         """The sampling fields the client gave, as ``SamplingParams`` keyword arguments (None left out)."""
@@ -88,9 +100,10 @@ Request = GenerateRequest | CancelRequest | StatusRequest | PingRequest | Metric
 
 SAMPLING_FIELDS = sampling.NAMES  # the sampling fields of a generate, stop included
 _ENVELOPE = ("v", "type", "id")
+_TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 _FIELDS = {
     "generate": frozenset(
-        {*_ENVELOPE, "prompt", "messages", "raw", "stream", "json_schema", *SAMPLING_FIELDS}
+        {*_ENVELOPE, "prompt", "messages", "raw", "stream", "json_schema", *_TOOL_FIELDS, *SAMPLING_FIELDS}
     ),
     "cancel": frozenset(_ENVELOPE),
     "status": frozenset(_ENVELOPE),
@@ -139,7 +152,7 @@ def _generate(msg: dict[str, Any], mid: Id) -> GenerateRequest:
         return ProtocolError(code, text, mid)
 
     req = GenerateRequest(id=mid, v=msg["v"])
-    for name in ("raw", "stream"):
+    for name in ("raw", "stream", "parallel_tool_calls"):
         if msg.get(name) is not None:
             if not isinstance(msg[name], bool):
                 raise fail(f"{name} must be a bool, got {_kind(msg[name])}")
@@ -158,10 +171,9 @@ def _generate(msg: dict[str, Any], mid: Id) -> GenerateRequest:
     else:
         if req.raw:
             raise fail("raw=true applies to 'prompt' only; 'messages' always use the chat template")
-        problem, code = _check_messages(messages)
+        req.messages, problem, code = _check_messages(messages)
         if problem:
             raise fail(problem, code)
-        req.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
     for name in SAMPLING_FIELDS:
         value = msg.get(name)
         if value is not None:  # nil: the daemon's default
@@ -173,28 +185,59 @@ def _generate(msg: dict[str, Any], mid: Id) -> GenerateRequest:
         if not isinstance(msg["json_schema"], dict):
             raise fail(f"json_schema must be a map (a JSON Schema object), got {_kind(msg['json_schema'])}")
         req.json_schema = msg["json_schema"]
+    _tool_fields(req, msg, fail)
     return req
 
 
-def _check_messages(messages: Any) -> tuple[str | None, str]:
+def _tool_fields(req: GenerateRequest, msg: dict[str, Any], fail: Any) -> None:
+    """tools, tool_choice (hmaclient.tools has their checks and normal forms)."""
+    if msg.get("tools") is not None:
+        req.tools, problem = tools.check_tools(msg["tools"])
+        if problem:
+            raise fail(problem)
+    req.tool_choice, problem = tools.check_choice(msg.get("tool_choice"), req.tools)
+    if problem:
+        raise fail(problem)
+    if req.calls_tools and req.prompt is not None and req.raw:
+        raise fail("tools need the chat template: give 'messages' or a prompt with raw=false")
+    if req.calls_tools and req.json_schema is not None:
+        raise fail("give json_schema or tools (with tool_choice other than 'none'), not both")
+    size = len(json.dumps(req.tools)) if req.tools else 0
+    if size > MAX_PROMPT_CHARS:
+        raise fail(f"tools of {size} characters of JSON are over the limit of {MAX_PROMPT_CHARS}", TOO_LARGE)
+
+
+def _check_messages(messages: Any) -> tuple[list[dict[str, Any]], str | None, str]:
+    """(the messages in their normal form, None, _) or ([], the problem, its code)."""
     if not isinstance(messages, list) or not messages:
-        return f"messages must be a non-empty list, got {_kind(messages)}", BAD_REQUEST
+        return [], f"messages must be a non-empty list, got {_kind(messages)}", BAD_REQUEST
     if len(messages) > MAX_MESSAGES:
-        return f"{len(messages)} messages is over the limit of {MAX_MESSAGES}", TOO_LARGE
-    total = 0
+        return [], f"{len(messages)} messages is over the limit of {MAX_MESSAGES}", TOO_LARGE
+    out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or set(m) != {"role", "content"}:
-            return f"messages[{i}] must be a map with exactly 'role' and 'content'", BAD_REQUEST
-        if not isinstance(m["role"], str) or m["role"] not in ROLES:
-            return f"messages[{i}].role must be one of {sorted(ROLES)}, got {m['role']!r:.64}", BAD_REQUEST
-        if not isinstance(m["content"], str):
-            return f"messages[{i}].content must be a str, got {_kind(m['content'])}", BAD_REQUEST
+        m, problem = tools.check_message(i, m) if tools.has_tool_fields(m) else _plain_message(i, m)
+        if problem:
+            return [], problem, BAD_REQUEST
         if m["role"] == "system" and i != 0:
-            return "a 'system' message may only come first", BAD_REQUEST
-        total += len(m["content"])
+            return [], "a 'system' message may only come first", BAD_REQUEST
+        out.append(m)
+    total = sum(tools.text_size(m) for m in out)
     if total > MAX_PROMPT_CHARS:
-        return f"messages of {total} characters are over the limit of {MAX_PROMPT_CHARS}", TOO_LARGE
-    return None, BAD_REQUEST
+        return [], f"messages of {total} characters are over the limit of {MAX_PROMPT_CHARS}", TOO_LARGE
+    return out, None, BAD_REQUEST
+
+
+def _plain_message(i: int, m: Any) -> tuple[dict[str, str], str | None]:
+    if not isinstance(m, dict) or set(m) != {"role", "content"}:
+        return {}, f"messages[{i}] must be a map with exactly 'role' and 'content'"
+    if not isinstance(m["role"], str) or m["role"] not in ROLES:
+        return {}, f"messages[{i}].role must be one of {sorted(_ROLES)}, got {m['role']!r:.64}"
+    if not isinstance(m["content"], str):
+        return {}, f"messages[{i}].content must be a str, got {_kind(m['content'])}"
+    return {"role": m["role"], "content": m["content"]}, None
+
+
+_ROLES = ROLES | {"tool"}  # a tool result takes hmaclient.tools' check
 
 
 # Request builders (the client's side). Each returns the message map, validated as the daemon will.
@@ -203,7 +246,8 @@ def _check_messages(messages: Any) -> tuple[str | None, str]:
 def generate_request(
     id: Id, prompt: str | None = None, messages: list[dict[str, str]] | None = None, **fields: Any
 ) -> dict[str, Any]:
-    """A ``generate`` map; ``fields`` are raw, stream, json_schema and the sampling fields. None values are
+    """A ``generate`` map; ``fields`` are raw, stream, json_schema, tools, tool_choice, parallel_tool_calls
+    and the sampling fields. None values are
     left out; ``v`` is the lowest version that has every field used."""
     msg = {"type": "generate", "id": id, "prompt": prompt, "messages": messages, **fields}
     msg = {k: v for k, v in msg.items() if v is not None}

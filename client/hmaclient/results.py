@@ -18,7 +18,9 @@ class Piece:
 
 @dataclass
 class Result:
-    """A finished generation. ``finish_reason``: "stop", "length", or (streams only) "cancelled"."""
+    """A finished generation. ``finish_reason``: "stop", "length", "tool_calls" (the answer is the calls in
+    ``tool_calls``: each {id, name, arguments}, arguments a JSON object's text), or (streams only)
+    "cancelled"."""
 
     text: str
     token_ids: list[int]
@@ -31,6 +33,7 @@ class Result:
     id: P.Id = None
     rid: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    tool_calls: list[dict[str, str]] = field(default_factory=list)
 
     @property
     def timings(self) -> dict[str, float]:

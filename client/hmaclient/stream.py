@@ -143,6 +143,7 @@ class AsyncStream:
             tokens_per_s=float(d.tokens_per_s),
             total_s=float(d.total_s),
             extra=d.extra,
+            tool_calls=d.tool_calls,
         )
 
     def _result(self, reason: str, text: str | None = None, token_ids: Any = None, **kw: Any) -> Result:

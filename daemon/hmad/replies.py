@@ -118,6 +118,8 @@ class Replies:
                 route.text.append(ev.text)
                 route.token_ids += ev.token_ids
             return
+        if ev.kind == "done" and ev.finish_reason == "stop" and ev.stats.get("tool_calls"):
+            ev.finish_reason = "tool_calls"  # the answer is the calls (engine.tool_calls)
         reason = {"done": ev.finish_reason, "cancelled": "cancel"}.get(ev.kind, ev.error_code or P.INTERNAL)
         self.metrics.request_ended(ev.kind, reason, ev.stats)
         self.end(ev.request_id, self._terminal(route, ev))

@@ -15,6 +15,7 @@ from typing import Any
 from hmad.engine.sampling import Sampler, SamplingParams
 from hmad.engine.stopping import StopMatcher
 from hmad.engine.structured import JsonConstraint, Vocabulary
+from hmad.engine.tool_calls import ToolCallConstraint, ToolGrammar
 from hmad.model.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -52,7 +53,8 @@ class Event:
 class Request:
     """One generation: prompt ids in, streamed text and ids out.
 
-    ``grammar``: an llguidance grammar (from ``structured.compile_schema``) the output must follow, or None.
+    ``grammar``: an llguidance grammar (from ``structured.compile_schema``) the output must follow, a
+    ``ToolGrammar`` (the answer may be a tool call: ``engine.tool_calls``), or None.
     ``owner``: who queued it (the server passes the connection's routing id); admission serves owners in
     turn, and every request with ``owner`` None counts as one owner.
     ``tenant``: whose prefix cache it may use (the server passes the peer's uid); a request reuses,
@@ -63,7 +65,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     tag: Any = None  # opaque to the engine: the server's routing info
-    grammar: str | None = None
+    grammar: str | ToolGrammar | None = None
     owner: bytes | None = None
     tenant: int | None = None
     state: State = State.WAITING
@@ -77,14 +79,16 @@ class Request:
     sampler: Sampler | None = None
     stops: StopMatcher | None = None
     decoder: StreamDecoder | None = None
-    constraint: JsonConstraint | None = None
+    constraint: JsonConstraint | ToolCallConstraint | None = None
 
     def start(self, tokenizer: Tokenizer) -> None:
         """Make the per-request state. Raises ValueError if the grammar cannot run on this tokenizer."""
         self.sampler = Sampler(self.params)
         self.stops = StopMatcher(list(self.params.stop or []))
         self.decoder = StreamDecoder(tokenizer)
-        if self.grammar is not None:
+        if isinstance(self.grammar, ToolGrammar):
+            self.constraint = ToolCallConstraint(self.grammar, tokenizer)
+        elif self.grammar is not None:
             self.constraint = JsonConstraint(self.grammar, Vocabulary.of(tokenizer))
 
     @property
@@ -118,6 +122,11 @@ class Request:
             "total_s": round(end - self.t_arrival, 6),
             "tokens_per_s": round((n - 1) / decode_s, 3) if n > 1 and decode_s > 0 else 0.0,
         }
-        if self.constraint is not None:  # the text is the whole JSON value (a stop string cuts it short)
-            stats["schema_complete"] = self.constraint.complete and not (self.stops and self.stops.hit)
+        cut = bool(self.stops and self.stops.hit)  # a stop string cut the text short
+        if isinstance(self.constraint, ToolCallConstraint):  # the answer is these calls
+            calls = None if cut else self.constraint.calls()
+            if calls:
+                stats["tool_calls"] = calls
+        elif self.constraint is not None:  # the text is the whole JSON value
+            stats["schema_complete"] = self.constraint.complete and not cut
         return stats

@@ -1,0 +1,175 @@
+"""Tool calls: the grammar a call is decoded under, the constraint that runs it, and the calls parsed.
+
+    tool_grammar(tools, choice, parallel) -> ToolGrammar   preparation: the grammar (llguidance Lark)
+    check_tools(grammar, tokenizer)                        preparation: it runs on this vocabulary
+    ToolCallConstraint(grammar, tokenizer)                 one per request (``Request.constraint``)
+
+The call form (hmad.model.tools tells the model so): one JSON object ``{"name": N, "parameters": {...}}``,
+or, with parallel calls allowed, a JSON list of them. The grammar is the JSON Schema "one call, or a
+list of 1.. calls" where a call is anyOf, per tool, {name: const N, parameters: N's schema}: the name is
+one of the tools and the arguments validate against that tool's schema, by construction.
+
+``required`` or a named tool: the grammar holds from the first token, so the answer is a call. ``auto``
+(``ToolGrammar.lazy``): the grammar waits. While the answer is only whitespace, a token is allowed if the
+grammar allows it, or if it is text that does not open the call form: one whose first non-space byte is
+neither ``{`` nor ``[``. The first token that opens the call form (``{`` or ``[`` as the answer's first
+non-space character) hands the rest of the answer to the grammar; any other text makes it a text answer,
+unconstrained. So an answer is a call exactly when its first non-space character is ``{`` or ``[``.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hmad.engine.structured import WHITESPACE, JsonConstraint, Vocabulary, compile_schema, llguidance
+from hmad.model.tokenizer import Tokenizer
+
+OPENERS = b"{["  # a call's first byte
+SPACE = b" \t\r\n"
+MAX_PARALLEL_CALLS = 16  # calls in one answer
+MAX_LEADING_SPACE = 8  # whitespace before a call (inside it, structured.WHITESPACE bounds each gap)
+
+
+@dataclass(frozen=True)
+class ToolGrammar:
+    """A request's tool-call grammar (llguidance Lark text); ``lazy``: it starts at the first opener."""
+
+    grammar: str
+    lazy: bool
+
+
+def call_schema(tools: list[dict[str, Any]], choice: Any, parallel: bool) -> dict[str, Any]:
+    """The JSON Schema of the answer: one call (or a list of them when ``parallel``), the tools narrowed to
+    the named one when ``choice`` names one."""
+    if isinstance(choice, dict):
+        tools = [t for t in tools if t["name"] == choice["name"]]
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t["name"]}, "parameters": t["parameters"]},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    one = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema = (
+        {"anyOf": [one, {"type": "array", "items": one, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS}]}
+        if parallel
+        else one
+    )
+    return {**schema, "x-guidance": {"whitespace_pattern": WHITESPACE}}
+
+
+def tool_grammar(tools: list[dict[str, Any]], choice: Any, parallel: bool) -> ToolGrammar:
+    """The grammar for a request whose answer may be a call; raises ValueError naming a tool whose
+    parameters do not compile."""
+    if llguidance is None:
+        raise ValueError("tools need the Python package llguidance, which this hmad cannot import")
+    for t in tools:  # one at a time, so the error names the tool
+        try:
+            compile_schema(t["parameters"])
+        except ValueError as e:
+            why = str(e).removeprefix("json_schema cannot be used: ").removeprefix("json_schema: ")
+            raise ValueError(f"tool {t['name']!r}: its parameters cannot be used: {why}") from None
+    schema = json.dumps(call_schema(tools, choice, parallel))
+    lark = f"start: WS call\nWS: /[ \\t\\r\\n]{{0,{MAX_LEADING_SPACE}}}/\ncall: %json {schema}\n"
+    grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise ValueError(f"the tools cannot be used: {'; '.join(messages)}")
+    return ToolGrammar(grammar, lazy=choice == "auto")
+
+
+def check_tools(grammar: ToolGrammar, tokenizer: Tokenizer) -> None:
+    """Raise ValueError if the grammar cannot run on ``tokenizer`` (builds the vocabulary index and the
+    token classes on first use: seconds, off the socket loop)."""
+    try:
+        ToolCallConstraint(grammar, tokenizer).mask(np.zeros(tokenizer.vocab_size, np.float32))
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"the tools cannot be used: {str(e).splitlines()[0]}") from None
+
+
+class TokenClasses:
+    """Per token of one vocabulary: its bytes, and whether it is ``text`` (its first non-space byte opens
+    no call, or it is a special token) or ``space`` (only spaces, tabs and newlines)."""
+
+    _cache: weakref.WeakKeyDictionary[Tokenizer, TokenClasses] = weakref.WeakKeyDictionary()
+    _lock = threading.Lock()
+
+    def __init__(self, tokenizer: Tokenizer):
+        n = tokenizer.vocab_size
+        self.bytes = [b"" if tokenizer.is_special(i) else tokenizer.token_bytes(i) for i in range(n)]
+        stripped = [b.lstrip(SPACE) for b in self.bytes]
+        pairs = list(zip(self.bytes, stripped, strict=True))
+        self.space = np.array([bool(b) and not s for b, s in pairs], dtype=bool)
+        self.text = np.array([not b or bool(s and s[0] not in OPENERS) for b, s in pairs], dtype=bool)
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer) -> TokenClasses:
+        with cls._lock:
+            made = cls._cache.get(tokenizer)
+            if made is None:
+                made = cls._cache[tokenizer] = cls(tokenizer)
+            return made
+
+
+class ToolCallConstraint:
+    """A request's tool-call state, with ``JsonConstraint``'s interface (``mask``, ``accept``, ``complete``,
+    ``stopped``) plus ``calls()``. Phases: ``open`` (lazy, nothing but whitespace yet), ``call`` (the
+    grammar holds), ``text`` (a text answer: nothing is masked)."""
+
+    def __init__(self, grammar: ToolGrammar, tokenizer: Tokenizer):
+        self.json = JsonConstraint(grammar.grammar, Vocabulary.of(tokenizer))
+        self.classes = TokenClasses.of(tokenizer)
+        self.phase = "open" if grammar.lazy else "call"
+        self.out = bytearray()  # the call's text
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """A copy of ``logits`` (V,) with the tokens this phase forbids at -inf."""
+        if self.phase == "text":
+            return logits
+        allowed = self.json.allowed()
+        if self.phase == "open":
+            allowed = allowed | self.classes.text
+        return np.where(allowed, logits, np.float32(-np.inf)).astype(np.float32, copy=False)
+
+    def accept(self, token_id: int) -> None:
+        if self.phase == "open" and self.classes.text[token_id]:
+            self.phase = "text"
+        if self.phase == "text":
+            return
+        self.json.accept(token_id)
+        self.out += self.classes.bytes[token_id]
+        if self.phase == "open" and not self.classes.space[token_id]:
+            self.phase = "call"
+
+    @property
+    def complete(self) -> bool:
+        """The answer so far is a whole call (or list of calls)."""
+        return self.phase == "call" and self.json.complete
+
+    @property
+    def stopped(self) -> bool:
+        return self.phase != "text" and self.json.stopped
+
+    def calls(self) -> list[dict[str, str]] | None:
+        """The calls, each {id, name, arguments (JSON text)}, once complete; else None."""
+        if not self.complete:
+            return None
+        value = json.loads(self.out.decode("utf-8"))
+        return [
+            {
+                "id": "call_" + secrets.token_hex(12),
+                "name": c["name"],
+                "arguments": json.dumps(c["parameters"]),
+            }
+            for c in (value if isinstance(value, list) else [value])
+        ]
