@@ -1,20 +1,23 @@
 """The gateway's ASGI app (Starlette): HTTP APIs in front of one hmad, through hmaclient only. Each API is
-a module of routes (``openai_api``); this module mounts them and owns what they share: the guards, the
-authentication, the error pages and the request counts.
+a module of routes; this module mounts them and owns what they share: the guards, the authentication, the
+error pages (in each API's own shape) and the request counts.
 
-    GET  /v1/models, /v1/models/{id}   the served model (its name from ``--model-name``, else hmad's status)
-    POST /v1/chat/completions          messages -> hmad's chat template; streamed as server-sent events
-    POST /v1/completions               a raw prompt (no template)
-    GET  /metrics                      Prometheus text: hmad's metrics (``hmad_*``), the gateway's requests
-                                       (``hmad_openai_requests_total``) and ``hmad_up``
-    GET  /health                       200 when hmad is ready, else 503 (loading, unreachable; no key needed)
+    openai_api      GET /v1/models[/{id}], POST /v1/chat/completions, /v1/completions
+    responses_api   POST /v1/responses (OpenAI's Responses API, stateless)
+    anthropic_api   POST /v1/messages (Anthropic's Messages API)
+    ollama_api      GET|HEAD /, GET /api/version, /api/tags, /api/ps, POST /api/show, /api/chat, /api/generate
+    here            GET /metrics (Prometheus text: hmad's metrics ``hmad_*``, the gateway's requests
+                    ``hmad_openai_requests_total`` and ``hmad_up``), GET /health (200 when hmad is ready,
+                    else 503; no key needed)
 
 Every request must name a loopback address or an ``--allowed-host`` name in its Host header, and a POST
 must be ``Content-Type: application/json`` (``hmad_openai.guards``); the server cuts off slow request heads
-and bodies (``hmad_openai.deadlines``). Unknown paths and methods get OpenAI-style JSON errors (404, 405).
-With an API key set, every path but /health needs ``Authorization: Bearer <key>`` (else 401). A client that
-disconnects has its generation cancelled in hmad: a stream when the server sees the disconnect, a
-stream=false request through a watch on the connection while it waits.
+and bodies (``hmad_openai.deadlines``). Errors, unknown paths and methods (404, 405) included, are JSON in
+the shape of the API the path belongs to: Ollama's ``{"error": "..."}`` under /api/, Anthropic's
+``{"type": "error", "error": {...}}`` under /v1/messages, OpenAI's elsewhere. With an API key set, every
+path but /health and / needs it, as ``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (Anthropic's
+header), else 401. A client that disconnects has its generation cancelled in hmad: a stream when the server
+sees the disconnect, a stream=false request through a watch on the connection while it waits.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
@@ -39,7 +43,7 @@ from hmaclient import protocol as P
 from hmaclient.client import AsyncClient
 from hmaclient.errors import HmaError
 from hmaclient.prometheus import FamiliesCollector
-from hmad_openai import openai_api
+from hmad_openai import ollama_api, openai_api
 from hmad_openai.errors import OpenAIError
 from hmad_openai.gateway import ClientGone, Gateway, Settings, gateway_of
 from hmad_openai.guards import AllowedHosts
@@ -50,7 +54,33 @@ __all__ = ["Settings", "build_app"]
 log = logging.getLogger("hmad_openai")
 
 METRICS_TIMEOUT_S = 5.0
-ENDPOINTS = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/metrics", "/health")
+ENDPOINTS = (
+    "/v1/models",
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/",
+    "/api/version",
+    "/api/tags",
+    "/api/ps",
+    "/api/show",
+    "/api/chat",
+    "/api/generate",
+    "/metrics",
+    "/health",
+)
+OPEN_PATHS = frozenset({"/health", "/"})  # no key needed: health checks and Ollama's liveness probe
+# Error shapes by path prefix (the first that matches); elsewhere OpenAI's.
+SHAPES: tuple[tuple[str, Callable[[OpenAIError], Response]], ...] = (("/api/", ollama_api.error_response),)
+
+
+def shaped(path: str, err: OpenAIError) -> Response:
+    """``err`` in the shape of the API ``path`` belongs to."""
+    for prefix, render in SHAPES:
+        if path.startswith(prefix):
+            return render(err)
+    return err.response()
 
 
 async def metrics(request: Request) -> Response:
@@ -89,7 +119,7 @@ async def _no_route(request: Request, e: Exception) -> Response:
     err = OpenAIError(
         e.status_code, f"{what}: {request.method} {request.url.path}", code=_ROUTE_CODES.get(e.status_code)
     )
-    response = err.response()
+    response = shaped(request.url.path, err)
     response.headers.update(e.headers or {})
     return response
 
@@ -103,25 +133,29 @@ async def _on_error(request: Request, e: Exception) -> Response:
     err = openai_error(e)
     if err.status >= 500:
         log.warning("%s %s: %s", request.method, request.url.path, err.message)
-    return err.response()
+    return shaped(request.url.path, err)
 
 
 # -- middleware -------------------------------------------------------------------------------------------
 
 
-class BearerAuth:
-    """401 unless ``Authorization: Bearer <key>`` (compared in constant time); /health is open."""
+class KeyAuth:
+    """401 unless the key comes as ``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (compared in
+    constant time); OPEN_PATHS need none."""
 
     def __init__(self, app: ASGIApp, key: str | None):
         self.app, self.key = app, (key or "").encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.key and scope["path"] != "/health":
-            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
+        if scope["type"] == "http" and self.key and scope["path"] not in OPEN_PATHS:
+            headers = Headers(scope=scope)
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            token = token.strip() if scheme.lower() == "bearer" else ""
+            token = token or headers.get("x-api-key", "").strip()
+            if not hmac.compare_digest(token.encode(), self.key):
                 missing = "no API key given" if not token else "incorrect API key"
-                err = OpenAIError(401, f"{missing}: send Authorization: Bearer <key>", code="invalid_api_key")
-                response = err.response()
+                text = f"{missing}: send Authorization: Bearer <key> (or x-api-key: <key>)"
+                response = shaped(scope["path"], OpenAIError(401, text, code="invalid_api_key"))
                 response.headers["WWW-Authenticate"] = "Bearer"
                 await response(scope, receive, send)
                 return
@@ -162,6 +196,7 @@ def build_app(settings: Settings) -> Starlette:
 
     routes = [
         *openai_api.ROUTES,
+        *ollama_api.ROUTES,
         Route("/metrics", metrics, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
@@ -170,13 +205,13 @@ def build_app(settings: Settings) -> Starlette:
     handlers: dict[Any, Any] = {**dict.fromkeys(handled, _on_error), HTTPException: _no_route}
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
     app.state.gateway = gw
-    app.add_middleware(BearerAuth, key=settings.api_key)
+    app.add_middleware(KeyAuth, key=settings.api_key)
     if settings.cors_origins:  # outside the key check: a browser's preflight carries no Authorization
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(settings.cors_origins),
             allow_methods=["GET", "POST"],
-            allow_headers=["Authorization", "Content-Type"],
+            allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"],
         )
     app.add_middleware(AllowedHosts, allowed=settings.allowed_hosts)  # before CORS: every request
     app.add_middleware(CountRequests, counter=gw.requests)  # outermost: refusals are counted too

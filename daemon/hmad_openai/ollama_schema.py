@@ -1,0 +1,164 @@
+"""Ollama request bodies and their translation into hmad's ``generate``.
+
+    messages (system/user/assistant, content a str)  -> messages (leading system turns joined)
+    prompt (+ system; raw)                            -> prompt, or [system, user] messages; raw -> raw
+    format "json" | a JSON Schema                     -> json_schema {"type": "object"} | the schema
+    stream (absent or null: true, as Ollama)          -> NDJSON pieces, else one object
+    options:
+        temperature, top_p, top_k, min_p, seed, stop  -> the same (seed < 0: fresh entropy, as Ollama's -1)
+        num_predict                                   -> max_tokens (< 0: until the context is full)
+        repeat_penalty, repeat_last_n                 -> repetition_penalty, repeat_last_n (-1: the context)
+        presence_penalty, frequency_penalty           -> the same where hmad has them, else refused unless 0
+        typical_p, tfs_z (not 1), mirostat (not 0)     refused: they change the answer and hmad has no such
+                                                      sampler
+        anything else (num_ctx, num_gpu, num_thread, num_batch, num_keep, use_mmap, penalize_newline, ...)
+                                                      ignored, as Ollama ignores an option it does not know:
+                                                      they say how to run the model, not what to answer
+
+Refused with a 400: images, tools and tool messages, think (the model does not think), logprobs, suffix,
+template, context (send the conversation as /api/chat messages), system with raw. Ignored: keep_alive (hmad
+keeps its one model loaded), the model's name (hmad serves one model; see ``ollama_api``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from hmaclient import sampling
+from hmad_openai.bodies import Body, checked, hmad_messages
+from hmad_openai.errors import bad_request
+
+# Ollama's option names of hmad's sampling fields (penalties where hmad's table has them).
+_OPTIONS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "seed": "seed",
+    "num_predict": "max_tokens",
+    "stop": "stop",
+    "repeat_penalty": "repetition_penalty",
+    "repeat_last_n": "repeat_last_n",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+}
+# Options that change the answer, with the value that leaves them off; hmad refuses any other value.
+_OFF = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+# Ollama's "no limit" (negative) of these -> the largest value hmad takes (its context bounds it).
+_UNBOUNDED = {"num_predict", "repeat_last_n"}
+
+
+class Message(Body):
+    role: str
+    content: str | None = None
+    images: list[Any] | None = None
+    tool_calls: list[Any] | None = None
+    thinking: str | None = None
+
+
+class _Common(Body):
+    model: str = Field(min_length=1)
+    stream: bool | None = True
+    options: dict[str, Any] | None = None
+    format: str | dict[str, Any] | None = None
+    think: bool | str | None = None
+    logprobs: bool | None = None
+    keep_alive: Any = None
+
+    @property
+    def streams(self) -> bool:
+        return self.stream is not False
+
+    def params(self) -> dict[str, Any]:
+        """hmaclient ``generate`` keyword arguments from options and format, after refusing what hmad
+        cannot do."""
+        if self.think not in (None, False):
+            raise bad_request(f'"{self.model}" does not support thinking', "think")
+        if self.logprobs:
+            raise bad_request("logprobs are not supported", "logprobs")
+        out = options_params(self.options or {})
+        if self.format == "json":
+            out["json_schema"] = {"type": "object"}
+        elif isinstance(self.format, dict):
+            out["json_schema"] = self.format
+        elif self.format:
+            raise bad_request(f'invalid format {self.format!r}: send "json" or a JSON Schema', "format")
+        return out
+
+
+def options_params(options: dict[str, Any]) -> dict[str, Any]:
+    """Ollama's ``options`` -> hmad's sampling fields (a value out of hmad's range: a 400 naming the
+    option)."""
+    out: dict[str, Any] = {}
+    for name, value in options.items():
+        hmad = _OPTIONS.get(name)
+        if value is None:
+            continue
+        if hmad in sampling.BY_NAME:
+            out[hmad] = _option(name, hmad, value)
+        elif name in _OFF and value != _OFF[name]:
+            msg = f"option {name} is not supported (hmad has no such sampler); leave it out"
+            raise bad_request(msg, name)
+    return out
+
+
+def _option(name: str, hmad: str, value: Any) -> Any:
+    is_number = isinstance(value, int | float) and not isinstance(value, bool)
+    if name in _UNBOUNDED and is_number and value < 0:
+        return sampling.MAX_TOKENS_LIMIT
+    if name == "seed" and is_number and value < 0:
+        return None
+    if name == "stop" and isinstance(value, str):
+        value = [value]
+    return checked(name, hmad, value)
+
+
+class ChatBody(_Common):
+    messages: list[Message] = Field(default_factory=list)
+    tools: list[Any] | None = None
+
+    def hmad_messages(self) -> list[dict[str, str]]:
+        if self.tools:
+            raise bad_request(f'"{self.model}" does not support tools', "tools")
+        turns = []
+        for i, m in enumerate(self.messages):
+            if m.role not in ("system", "user", "assistant"):
+                raise bad_request(f"messages[{i}].role {m.role!r} is not supported (system, user, assistant)")
+            if m.images:
+                raise bad_request(f'"{self.model}" does not support images', f"messages[{i}].images")
+            if m.tool_calls:
+                raise bad_request(f'"{self.model}" does not support tools', f"messages[{i}].tool_calls")
+            turns.append((m.role, m.content or ""))
+        return hmad_messages(turns)
+
+
+class GenerateBody(_Common):
+    prompt: str | None = None
+    system: str | None = None
+    raw: bool | None = False
+    suffix: str | None = None
+    template: str | None = None
+    context: list[Any] | None = None
+    images: list[Any] | None = None
+
+    def inputs(self) -> dict[str, Any]:
+        """hmaclient's prompt or messages for this body."""
+        for name in ("suffix", "template", "context", "images"):
+            if getattr(self, name):
+                why = "send the conversation as /api/chat messages" if name == "context" else "leave it out"
+                raise bad_request(f"{name} is not supported by hmad; {why}", name)
+        if self.raw:
+            if self.system:
+                raise bad_request("system has no place in a raw prompt: write it into the prompt", "system")
+            return {"prompt": self.prompt or "", "raw": True}
+        if self.system:
+            return {"messages": hmad_messages([("system", self.system), ("user", self.prompt or "")])}
+        return {"prompt": self.prompt or ""}
+
+
+class ShowBody(Body):
+    model: str | None = None
+    name: str | None = None  # older clients' name of the field
+    verbose: bool | None = None
