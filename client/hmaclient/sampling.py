@@ -16,12 +16,21 @@ Two values per field, each stated once:
 Types are strict: an ``int`` field takes ints only, a ``real`` field ints or floats (finite); bools are
 neither. ``None`` (nil, null, absent) means "the default"; for ``seed`` the default itself is None: fresh
 entropy per request.
+
+``logit_bias`` (kind "bias") is a map of token id -> bias, OpenAI's: at most :data:`MAX_LOGIT_BIAS_ENTRIES`
+entries, each id an int or its decimal string (JSON and msgpack maps of the wire have string keys: send
+``{"1234": -100}``), each bias a number in [-100, 100]; kept as ``{int: float}``. The engine adds it, with
+``presence_penalty`` and ``frequency_penalty`` (OpenAI's, over the tokens generated so far in the request,
+not the prompt's), to the logits before anything else samples them: ``logit[j] += bias[j] -
+presence_penalty * (count[j] > 0) - frequency_penalty * count[j]``. An id outside the model's vocabulary is
+refused by the daemon, which knows it.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,14 +41,22 @@ MAX_TOP_K = 2**31 - 1
 MAX_SEED = 2**64 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_PENALTY = 2.0  # presence_penalty, frequency_penalty: OpenAI's range
+MAX_LOGIT_BIAS = 100.0  # a logit_bias entry's bias: OpenAI's range
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
+MAX_TOKEN_ID = 2**31 - 1  # a logit_bias id on the wire (the daemon checks it against its vocabulary)
+NO_BIAS = types.MappingProxyType({})  # logit_bias's default and off: no entry (read-only: shared)
 
 
 @dataclass(frozen=True)
 class SamplingField:
-    """One field. ``kind``: "int", "real" (stored as float) or "strings" (a list of str, stop).
+    """One field. ``kind``: "int", "real" (stored as float), "strings" (a list of str, stop) or "bias" (a
+    map of token id -> number, logit_bias).
 
     int / real: ``lo`` <= value <= ``hi`` (``lo_open``: lo < value). strings: at most ``hi`` strings of 1 to
-    ``MAX_STOP_CHARS`` characters. ``nullable``: None is a value of its own (seed: fresh entropy).
+    ``MAX_STOP_CHARS`` characters. bias: at most ``MAX_LOGIT_BIAS_ENTRIES`` entries, each id an int in [0,
+    ``MAX_TOKEN_ID``] or its decimal string, each value a number in [``lo``, ``hi``]. ``nullable``: None is
+    a value of its own (seed: fresh entropy).
     """
 
     name: str
@@ -74,6 +91,12 @@ FIELDS: tuple[SamplingField, ...] = (
                   nullable=True),
     SamplingField("stop", "strings", 1, MAX_STOP_STRINGS, (), (),
                   "stop before this string, which is never sent (repeatable)"),
+    SamplingField("presence_penalty", "real", -MAX_PENALTY, MAX_PENALTY, 0.0, 0.0,
+                  "subtracted from the logit of each token generated so far (0 = off)"),
+    SamplingField("frequency_penalty", "real", -MAX_PENALTY, MAX_PENALTY, 0.0, 0.0,
+                  "subtracted from each token's logit once per time it was generated so far (0 = off)"),
+    SamplingField("logit_bias", "bias", -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, NO_BIAS, NO_BIAS,
+                  "added to a token's logit: token id -> bias (repeatable ID=BIAS)"),
 )  # fmt: skip
 BY_NAME: dict[str, SamplingField] = {f.name: f for f in FIELDS}
 NAMES: tuple[str, ...] = tuple(BY_NAME)
@@ -106,6 +129,9 @@ def describe(f: SamplingField) -> str:
     """What field ``f`` allows ("an integer from 0 to 2^64-1, or null (fresh entropy)")."""
     if f.kind == "strings":
         return f"a list of at most {f.hi} strings of 1 to {MAX_STOP_CHARS} characters"
+    if f.kind == "bias":
+        values = f"numbers in [{bound(f.lo)}, {bound(f.hi)}]"
+        return f"a map of at most {MAX_LOGIT_BIAS_ENTRIES} token ids (decimal strings) to {values}"
     text = describe_range(f.kind, f.lo, f.hi, f.lo_open)
     return text + ", or null (fresh entropy)" if f.nullable else text
 
@@ -124,8 +150,47 @@ def allows(f: SamplingField, v: Any) -> bool:
             and len(v) <= f.hi
             and all(isinstance(s, str) and 1 <= len(s) <= MAX_STOP_CHARS for s in v)
         )
+    if f.kind == "bias":
+        return _bias_problem(f, v) is None
+    return _in_range(f, v)
+
+
+def _in_range(f: SamplingField, v: Any) -> bool:
     real = _is_int(v) or (isinstance(v, float) and math.isfinite(v))
     return (_is_int(v) if f.kind == "int" else real) and (f.lo < v if f.lo_open else f.lo <= v) and v <= f.hi
+
+
+def token_id(key: Any) -> int | None:
+    """A logit_bias key as a token id: an int in [0, MAX_TOKEN_ID] or its decimal string ("1234", no sign,
+    spaces or leading zeros); None when it is neither."""
+    if _is_int(key):
+        return key if 0 <= key <= MAX_TOKEN_ID else None
+    if not isinstance(key, str) or not key.isascii() or not key.isdigit() or len(key) > 10:
+        return None
+    if len(key) > 1 and key[0] == "0":
+        return None
+    n = int(key)
+    return n if n <= MAX_TOKEN_ID else None
+
+
+def _bias_problem(f: SamplingField, v: Any) -> str | None:
+    """What is wrong with a logit_bias map (None: nothing), in the words of :func:`problem`."""
+    if not isinstance(v, dict | types.MappingProxyType):
+        return f"{f.name} must be {describe(f)}, got {_show(v)}"
+    if len(v) > MAX_LOGIT_BIAS_ENTRIES:
+        return f"{f.name} has {len(v)} entries, over the limit of {MAX_LOGIT_BIAS_ENTRIES}"
+    seen: set[int] = set()
+    for key, bias in v.items():
+        tok = token_id(key)
+        if tok is None:
+            ids = f"token ids (integers from 0 to {bound(MAX_TOKEN_ID)})"
+            return f"{f.name} keys must be {ids}, got {_show(key)}"
+        if tok in seen:
+            return f"{f.name} gives token {tok} twice"
+        seen.add(tok)
+        if not _in_range(f, bias):
+            return f"{f.name}[{_show(key)}] must be {describe_range('real', f.lo, f.hi)}, got {_show(bias)}"
+    return None
 
 
 def problem(name: str, v: Any) -> str | None:
@@ -134,6 +199,8 @@ def problem(name: str, v: Any) -> str | None:
     f = BY_NAME[name]
     if allows(f, v):
         return None
+    if f.kind == "bias" and v is not None:
+        return _bias_problem(f, v)
     return f"{name} must be {describe(f)}, got {_show(v)}"
 
 
@@ -143,10 +210,12 @@ def _show(v: Any) -> str:
 
 
 def stored(name: str, v: Any) -> Any:
-    """A checked value as it is kept: reals as float, stop as a list."""
+    """A checked value as it is kept: reals as float, stop as a list, logit_bias as {int id: float}."""
     kind = BY_NAME[name].kind
     if v is None:
         return None
+    if kind == "bias":
+        return {token_id(k): float(b) for k, b in v.items()}
     return float(v) if kind == "real" else list(v) if kind == "strings" else v
 
 
@@ -154,9 +223,15 @@ def table(indent: int = 4) -> str:
     """The fields as the protocol's docstring lists them: name, what it allows, default, help."""
     rows = []
     for f in FIELDS:
-        shown = "fresh entropy" if f.default is None else bound(f.default) if f.default != () else "none"
+        shown = _shown_default(f)
         rows.append(f"{' ' * indent}{f.name:<19} {describe(f)}; default {shown}: {f.help}")
     return "\n".join(rows)
+
+
+def _shown_default(f: SamplingField) -> str:
+    if f.default is None:
+        return "fresh entropy"
+    return "none" if f.kind in ("strings", "bias") and not f.default else bound(f.default)
 
 
 def add_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] = NAMES) -> None:
@@ -165,10 +240,13 @@ def add_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] = NAMES) -
     out of range is a usage error (exit 2) naming the field, as the wire would."""
     for name in names:
         f = BY_NAME[name]
-        shown = "fresh entropy" if f.default is None else bound(f.default)
+        shown = _shown_default(f)
         if f.kind == "strings":
             text = f"{f.help}: at most {f.hi}, of 1 to {MAX_STOP_CHARS} characters"
             parser.add_argument(f.flag, action="append", type=_flag_type(f), metavar="STR", help=text)
+        elif f.kind == "bias":
+            text = f"{f.help}; bias {describe_range('real', f.lo, f.hi)}, at most {MAX_LOGIT_BIAS_ENTRIES}"
+            parser.add_argument(f.flag, action="append", type=_flag_type(f), metavar="ID=BIAS", help=text)
         else:
             allowed = describe_range(f.kind, f.lo, f.hi, f.lo_open)  # a flag is never null
             text = f"{f.help}; {allowed} (default: {shown})"
@@ -185,6 +263,8 @@ def _flag_type(f: SamplingField) -> Any:
             if not ok:
                 raise argparse.ArgumentTypeError(f"a stop string has 1 to {MAX_STOP_CHARS} characters")
             return text
+        if f.kind == "bias":
+            return _bias_flag(f, text)
         try:
             value = int(text) if f.kind == "int" else float(text)
         except ValueError:
@@ -199,5 +279,25 @@ def _flag_type(f: SamplingField) -> Any:
 
 
 def from_args(args: argparse.Namespace, names: tuple[str, ...] = NAMES) -> dict[str, Any]:
-    """The fields given on a command line built by :func:`add_flags` (flags not given left out)."""
-    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    """The fields given on a command line built by :func:`add_flags` (flags not given left out); logit_bias
+    as the wire's map (decimal-string ids; a later ``ID=`` of the same id wins)."""
+    out = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    for n in out:
+        if BY_NAME[n].kind == "bias":
+            out[n] = dict(out[n])
+    return out
+
+
+def _bias_flag(f: SamplingField, text: str) -> tuple[str, float]:
+    """``ID=BIAS`` -> (the id as the wire's decimal string, the bias), or ArgumentTypeError."""
+    key, sep, value = text.partition("=")
+    tok = token_id(key.strip())
+    try:
+        bias = float(value)
+    except ValueError:
+        bias = math.nan
+    if not sep or tok is None or not _in_range(f, bias):
+        raise argparse.ArgumentTypeError(
+            f"{f.name} takes ID=BIAS, a token id and {describe_range('real', f.lo, f.hi)}, got {text!r}"
+        )
+    return str(tok), bias

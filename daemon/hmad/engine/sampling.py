@@ -2,6 +2,11 @@
 
 The pipeline a Sampler runs on one row of logits, in this order:
 
+0. the additive adjustments (OpenAI's ``logit_bias``, ``presence_penalty``, ``frequency_penalty``): one
+   float32 add per adjusted token of ``delta[j] = bias[j] - presence * (count[j] > 0) - frequency *
+   count[j]``, counts over the tokens generated so far in the request (not the prompt's, as OpenAI),
+   each delta computed once in float64 and rounded to float32 (:meth:`Sampler.adjustments`); a device that
+   picks or pre-selects tokens adds the same float32 deltas to its logits row first (StepBatch.bias);
 1. repetition penalty (CTRL / llama.cpp style) on the tokens among the last ``repeat_last_n``
    of prompt + generated: a positive logit is divided by the penalty, a negative one multiplied;
 2. ``temperature == 0``: greedy, return ``argmax`` (ties go to the lowest id); nothing below runs;
@@ -21,7 +26,8 @@ actually used is kept on ``Sampler.seed`` so a run can be replayed.
 
 Candidates (GPU top-k): :meth:`Sampler.sample_candidates` gives the same token as :meth:`Sampler.sample`
 from only the M best logits of the row (values and ids, as shaders/topk.comp returns them), whenever
-M >= :meth:`Sampler.candidates_needed`: k (1 when greedy) plus the distinct penalized tokens. A
+M >= :meth:`Sampler.candidates_needed`: k (1 when greedy) plus the distinct penalized tokens; the
+candidates are of the adjusted logits (the device adds the step 0 deltas before its top-k). A
 penalty > 1 only lowers logits, so at least k unpenalized candidates beat every token outside the M; top-k
 ties go to the lowest id on both paths, and what follows top-k sees the same (ids, values) in id order.
 NaN logits count as -inf when selecting.
@@ -68,8 +74,13 @@ class SamplingParams:
     seed: int | None = fields.OFF["seed"]  # None => fresh entropy
     max_tokens: int = fields.OFF["max_tokens"]
     stop: list[str] = field(default_factory=list)
+    presence_penalty: float = fields.OFF["presence_penalty"]  # 0 = off
+    frequency_penalty: float = fields.OFF["frequency_penalty"]  # 0 = off
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias; ids as ints once validated
 
     def __post_init__(self) -> None:
+        if isinstance(self.logit_bias, Mapping) and not isinstance(self.logit_bias, dict):
+            self.logit_bias = dict(self.logit_bias)  # the table's read-only default
         # Logits are float32: a positive temperature under its range (< ~1.4e-45, e.g. 1e-300) is 0 there,
         # and dividing by it gave NaN weights. Its limit is greedy, as in llama.cpp (a float temperature).
         if isinstance(self.temperature, float) and self.temperature > 0 and np.float32(self.temperature) == 0:
@@ -103,6 +114,26 @@ class SamplingParams:
             _CHECK.model_validate(values)
         except pydantic.ValidationError as e:
             raise ValueError(message(e, values)[1]) from None
+        self.logit_bias = fields.stored("logit_bias", self.logit_bias)  # {int id: float}
+
+    def check_vocab(self, vocab: int) -> None:
+        """Raise ValueError when a logit_bias id is outside a vocabulary of ``vocab`` tokens (the wire
+        cannot know it: the daemon checks it against its model)."""
+        over = [t for t in self.logit_bias if not 0 <= int(t) < vocab]
+        if over:
+            raise ValueError(
+                f"logit_bias token {over[0]} is outside the model's vocabulary of {vocab} tokens"
+            )
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether the additive adjustments (pipeline step 0) change any logit."""
+        return bool(self.logit_bias) or self.counts_matter
+
+    @property
+    def counts_matter(self) -> bool:
+        """Whether the adjustments depend on the tokens generated so far (presence or frequency penalty)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 class Sampler:
@@ -119,6 +150,12 @@ class Sampler:
         self.seed: int = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy)
         self.rng = np.random.Generator(np.random.PCG64(self.seed))
         self._ahead: collections.deque[float] = collections.deque()  # drawn by upcoming(), not used yet
+        self._counted: list[int] | None = None  # the generated list the counts below are of (its owner's)
+        self._counts: collections.Counter[int] = collections.Counter()
+        self._n_counted = 0
+        bias = {int(t): float(b) for t, b in params.logit_bias.items()}
+        self._bias_ids = np.array(sorted(bias), dtype=np.int64)
+        self._bias = np.array([bias[t] for t in sorted(bias)], dtype=np.float64)
 
     def upcoming(self, n: int) -> float:
         """The uniform the ``n``-th draw from now (0: the next) will use, drawn from the generator now if it
@@ -132,8 +169,54 @@ class Sampler:
         """The uniform of this request's next draw, used up (the one :meth:`upcoming` gave, if it did)."""
         return self._ahead.popleft() if self._ahead else self.rng.random()
 
-    def sample(self, logits: np.ndarray, recent_tokens: Sequence[int] = ()) -> int:
-        """Return the next token id for ``logits`` (V,), given the prompt+generated tokens so far.
+    def adjustments(self, generated: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids int32 ascending, deltas float32): what pipeline step 0 adds to those logits, given the
+        tokens generated so far in the request (module docstring); empty when nothing is adjusted. Counted
+        incrementally while ``generated`` is the same growing list (a request's ``output_ids``)."""
+        p = self.params
+        if not p.adjusts:
+            return np.empty(0, np.int32), np.empty(0, np.float32)
+        ids, delta = self._bias_ids, self._bias
+        if p.counts_matter and len(generated):
+            counts = self._count(generated)
+            seen = np.fromiter(counts.keys(), np.int64, len(counts))
+            n = np.fromiter(counts.values(), np.float64, len(counts))
+            ids = np.union1d(ids, seen)
+            delta = np.zeros(ids.size)
+            delta[np.searchsorted(ids, self._bias_ids)] = self._bias
+            # the same float64 expression on every path, rounded once to float32 below
+            delta[np.searchsorted(ids, seen)] -= p.presence_penalty + p.frequency_penalty * n
+        keep = delta != 0.0
+        return ids[keep].astype(np.int32), delta[keep].astype(np.float32)
+
+    def _count(self, generated: Sequence[int]) -> collections.Counter[int]:
+        """How often each token occurs in ``generated``, counting only what was added since the last call
+        where it is the same list grown."""
+        if generated is not self._counted or len(generated) < self._n_counted:
+            self._counted = generated if isinstance(generated, list) else None
+            self._counts, self._n_counted = collections.Counter(), 0
+        self._counts.update(int(t) for t in generated[self._n_counted :])
+        self._n_counted = len(generated)
+        return self._counts
+
+    def adjust(self, logits: np.ndarray, generated: Sequence[int] = ()) -> np.ndarray:
+        """``logits`` (V,) plus the step 0 deltas, float32: a copy, or ``logits`` itself when none.
+        Raises ValueError for a logit_bias id past the row (the daemon refuses those up front)."""
+        ids, delta = self.adjustments(generated)
+        if not ids.size:
+            return logits
+        if ids[-1] >= logits.size:
+            raise ValueError(f"logit_bias token {ids[-1]} is outside the vocabulary of {logits.size} tokens")
+        out = logits.astype(np.float32, copy=True)
+        out[ids] += delta
+        return out
+
+    def sample(
+        self, logits: np.ndarray, recent_tokens: Sequence[int] = (), generated: Sequence[int] = ()
+    ) -> int:
+        """Return the next token id for ``logits`` (V,), given the prompt+generated tokens so far
+        (``recent_tokens``, for the repetition penalty) and the generated ones (``generated``, for the
+        presence and frequency penalties).
 
         ``recent_tokens`` may be the whole history; only the last ``repeat_last_n`` are looked at.
         The caller's array is never modified.
@@ -142,7 +225,7 @@ class Sampler:
         logits = np.asarray(logits)
         if logits.ndim != 1 or logits.size == 0:
             raise ValueError(f"logits must be a non-empty 1-D array, got shape {logits.shape}")
-        logits = self._penalize(logits, recent_tokens)
+        logits = self._penalize(self.adjust(logits, generated), recent_tokens)
         if p.temperature == 0:
             return int(np.argmax(logits))
         ids, kept = _top_k(logits, p.top_k)  # ids None => every token, in id order
@@ -163,7 +246,8 @@ class Sampler:
         self, ids: np.ndarray, values: np.ndarray, recent_tokens: Sequence[int] = ()
     ) -> int:
         """The token :meth:`sample` would pick from the whole row, given its best logits ``values`` of
-        token ``ids`` (at least :meth:`candidates_needed` of them, in any order)."""
+        token ``ids`` (at least :meth:`candidates_needed` of them, in any order), the step 0 adjustments
+        already added (as the device adds them before its top-k)."""
         p = self.params
         order = np.argsort(ids, kind="stable")
         ids, values = np.asarray(ids)[order], np.asarray(values, dtype=np.float32)[order]

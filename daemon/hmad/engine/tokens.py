@@ -1,7 +1,9 @@
 """Taking each request's next token, and ending requests: the one place a request's events are made.
 
-A step's output reaches a request here in one of three forms: a logits row (the host samples it), a row
-of on-device top-k candidates (the host draws from them), or an id the device picked (greedy). Each token
+A step's output reaches a request here in one of three forms: a logits row (the host samples it, adding
+the request's logit_bias and presence/frequency penalties itself), a row of on-device top-k candidates (the
+host draws from them), or an id the device picked (greedy); the device adds those adjustments before the
+last two (engine/planning.py). Each token
 then goes through ``TokenTaker.accept``: end of turn, the stream decoder, stop strings, the grammar, and the
 limits (max_tokens, the context). Every request ends through ``finish``, ``fail`` or ``cancelled`` below,
 each setting it FINISHED and making its one terminal event (done | error | cancelled); the scheduler
@@ -77,7 +79,7 @@ class TokenTaker:
             t0 = time.perf_counter()
             row = r.constraint.mask(row)
             self.recent_mask_s.append(time.perf_counter() - t0)
-        tok = r.sampler.sample(row, r.prompt_ids + r.output_ids)
+        tok = r.sampler.sample(row, r.prompt_ids + r.output_ids, r.output_ids)  # adjusted here (sampling.py)
         return self.take(r, tok)
 
     def sample_candidates(self, reqs: list[Request], ids: np.ndarray, vals: np.ndarray) -> list[Event]:
