@@ -43,7 +43,7 @@ from hmaclient import protocol as P
 from hmaclient.client import AsyncClient
 from hmaclient.errors import HmaError
 from hmaclient.prometheus import FamiliesCollector
-from hmad_openai import ollama_api, openai_api
+from hmad_openai import anthropic_api, ollama_api, openai_api
 from hmad_openai.errors import OpenAIError
 from hmad_openai.gateway import ClientGone, Gateway, Settings, gateway_of
 from hmad_openai.guards import AllowedHosts
@@ -72,7 +72,10 @@ ENDPOINTS = (
 )
 OPEN_PATHS = frozenset({"/health", "/"})  # no key needed: health checks and Ollama's liveness probe
 # Error shapes by path prefix (the first that matches); elsewhere OpenAI's.
-SHAPES: tuple[tuple[str, Callable[[OpenAIError], Response]], ...] = (("/api/", ollama_api.error_response),)
+SHAPES: tuple[tuple[str, Callable[[OpenAIError], Response]], ...] = (
+    ("/api/", ollama_api.error_response),
+    ("/v1/messages", anthropic_api.error_response),
+)
 
 
 def shaped(path: str, err: OpenAIError) -> Response:
@@ -197,6 +200,7 @@ def build_app(settings: Settings) -> Starlette:
     routes = [
         *openai_api.ROUTES,
         *ollama_api.ROUTES,
+        *anthropic_api.ROUTES,
         Route("/metrics", metrics, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]

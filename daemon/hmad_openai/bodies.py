@@ -67,11 +67,15 @@ def checked(body_name: str, hmad_name: str, value: Any) -> Any:
     return value
 
 
-def hmad_messages(turns: list[tuple[str, str]]) -> list[dict[str, str]]:
-    """(role, text) turns -> hmad's messages: roles system/user/assistant, the leading system turns joined
-    into one (hmad takes one system message, first)."""
-    out: list[dict[str, str]] = []
-    for role, text in turns:
+def hmad_messages(turns: list[tuple[str, str] | dict[str, Any]]) -> list[dict[str, Any]]:
+    """Turns -> hmad's messages: a (role, text) turn becomes {role, content}, a map (a turn with tool fields)
+    stays as it is; the leading system turns are joined into one (hmad takes one system message, first)."""
+    out: list[dict[str, Any]] = []
+    for turn in turns:
+        if isinstance(turn, dict):
+            out.append(turn)
+            continue
+        role, text = turn
         if role == "system" and out and all(o["role"] == "system" for o in out):
             out[0]["content"] += "\n\n" + text
         else:

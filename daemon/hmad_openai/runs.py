@@ -69,3 +69,29 @@ def dumps(obj: Any) -> str:
 def sse_event(name: str, obj: dict[str, Any]) -> str:
     """A server-sent event with its ``event:`` name (as Anthropic's and the Responses API's streams)."""
     return f"event: {name}\ndata: {dumps(obj)}\n\n"
+
+
+class CallWatch:
+    """A streamed answer's text, held back where it may be a tool call: with tools callable, an answer is a
+    call exactly when its first non-space character is ``{`` or ``[`` (hmad.engine.tool_calls), and the
+    calls then come whole in the result; any other answer streams as text."""
+
+    def __init__(self, may_call: bool):
+        self.held, self.mode = "", "watch" if may_call else "text"
+
+    def feed(self, text: str) -> str:
+        """The text to send now."""
+        if self.mode == "text":
+            return text
+        self.held += text
+        if self.mode == "watch" and self.held.strip():
+            self.mode = "call" if self.held.lstrip()[0] in "{[" else "text"
+            if self.mode == "text":
+                out, self.held = self.held, ""
+                return out
+        return ""
+
+    def rest(self, result: Result) -> str:
+        """The text still held once the answer is finished: none when it was calls."""
+        out, self.held = ("" if result.tool_calls else self.held), ""
+        return out

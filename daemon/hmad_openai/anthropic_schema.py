@@ -1,0 +1,150 @@
+"""Anthropic Messages request bodies and their translation into hmad's ``generate``.
+
+    system (a str or text blocks)          -> the system message (blocks joined by newlines)
+    messages (user/assistant; content a str or blocks):
+        text blocks                        -> content (joined by newlines)
+        assistant tool_use blocks          -> the assistant turn's tool_calls {id, name, arguments: input}
+        user tool_result blocks            -> tool turns {tool_call_id, content} (before the user's text)
+        thinking, redacted_thinking        ignored (the model does not think)
+    max_tokens (required)                  -> max_tokens
+    temperature, top_p, top_k              -> the same (hmad's ranges: temperature up to 100)
+    stop_sequences                         -> stop
+    output_config.format json_schema       -> json_schema (output_config.effort ignored)
+    tools (custom: name, description, input_schema) -> tools {name, description, parameters}
+    tool_choice auto | any | tool | none   -> auto | required | {name} | none;
+        disable_parallel_tool_use          -> parallel_tool_calls false
+
+Refused with a 400: image and document blocks, server tools (web search, code execution, ...), thinking
+enabled, a last assistant message (prefill: hmad's answer starts a turn of its own). Ignored: metadata,
+service_tier, cache_control, citations, anthropic-version and anthropic-beta headers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from hmaclient import sampling
+from hmad.engine.sampling_schema import field_type
+from hmad_openai.bodies import Body, hmad_messages, sampling_type
+from hmad_openai.errors import bad_request
+
+_SKIPPED = ("thinking", "redacted_thinking")
+
+
+class Message(Body):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class MessagesBody(Body):
+    model: str = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: field_type(sampling.BY_NAME["max_tokens"])  # type: ignore[valid-type]
+    system: str | list[dict[str, Any]] | None = None
+    temperature: sampling_type("temperature") = None  # type: ignore[valid-type]
+    top_p: sampling_type("top_p") = None  # type: ignore[valid-type]
+    top_k: sampling_type("top_k") = None  # type: ignore[valid-type]
+    stop_sequences: list[str] | None = None
+    stream: bool | None = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+
+    def params(self) -> dict[str, Any]:
+        """hmaclient ``generate`` keyword arguments, messages and tools included."""
+        if self.thinking and self.thinking.get("type") != "disabled":
+            raise bad_request("thinking is not supported (the model does not think)", "thinking")
+        out: dict[str, Any] = {"max_tokens": self.max_tokens, "messages": self.hmad_messages()}
+        for name in ("temperature", "top_p", "top_k"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        if self.stop_sequences:
+            out["stop"] = self.stop_sequences
+        if self.tools:
+            out["tools"] = [_tool(i, t) for i, t in enumerate(self.tools)]
+        out.update(_choice(self.tool_choice))
+        fmt = (self.output_config or {}).get("format")
+        if fmt is not None:
+            if (
+                not isinstance(fmt, dict)
+                or fmt.get("type") != "json_schema"
+                or not isinstance(fmt.get("schema"), dict)
+            ):
+                raise bad_request(
+                    "output_config.format must be {type: json_schema, schema: {...}}", "output_config"
+                )
+            out["json_schema"] = fmt["schema"]
+        return out
+
+    def hmad_messages(self) -> list[dict[str, Any]]:
+        if self.messages[-1].role == "assistant":
+            msg = "a last assistant message (prefill) is not supported: hmad's answer is a turn of its own"
+            raise bad_request(msg, "messages")
+        turns: list[Any] = [("system", _text(self.system, "system"))] if self.system else []
+        for i, m in enumerate(self.messages):
+            turns += _turns(i, m)
+        return hmad_messages(turns)
+
+
+def _turns(i: int, m: Message) -> list[Any]:
+    """One Anthropic message -> hmad turns: (role, text) tuples, or tool maps."""
+    if isinstance(m.content, str):
+        return [(m.role, m.content)]
+    texts, calls, results = [], [], []
+    for j, block in enumerate(m.content):
+        kind, where = block.get("type"), f"messages[{i}].content[{j}]"
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_use" and m.role == "assistant":
+            calls.append({"id": block.get("id"), "name": block.get("name"), "arguments": block.get("input")})
+        elif kind == "tool_result" and m.role == "user":
+            content = _text(block.get("content") or "", where + ".content")
+            results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": content})
+        elif kind in _SKIPPED:
+            continue
+        elif kind in ("image", "document"):
+            raise bad_request(f"{where}: {kind} blocks are not supported (the model reads text only)", where)
+        else:
+            raise bad_request(f"{where}: a {m.role} message cannot hold a block of type {kind!r}", where)
+    text = "\n".join(texts)
+    if calls:
+        return [{"role": "assistant", "content": text, "tool_calls": calls}]
+    return [*results, (m.role, text)] if texts or not results else results
+
+
+def _text(content: str | list[Any], where: str) -> str:
+    """A str, or text blocks joined by newlines."""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, block in enumerate(content):
+        is_text = isinstance(block, dict) and block.get("type") == "text"
+        if not is_text or not isinstance(block.get("text"), str):
+            raise bad_request(f"{where}[{j}]: only text blocks are supported here", where)
+        texts.append(block["text"])
+    return "\n".join(texts)
+
+
+def _tool(i: int, t: dict[str, Any]) -> dict[str, Any]:
+    if t.get("type") not in (None, "custom"):
+        msg = f"tools[{i}]: server tools ({t.get('type')!r}) are not supported; custom tools are"
+        raise bad_request(msg, "tools")
+    schema = t.get("input_schema", {"type": "object", "properties": {}})
+    return {"name": t.get("name"), "description": t.get("description", ""), "parameters": schema}
+
+
+def _choice(choice: dict[str, Any] | None) -> dict[str, Any]:
+    if not choice:
+        return {}
+    kind = choice.get("type")
+    named = {"name": choice.get("name")} if kind == "tool" else None
+    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind) or named
+    if mapped is None:
+        raise bad_request(f"tool_choice type must be auto, any, tool or none, got {kind!r}", "tool_choice")
+    out: dict[str, Any] = {"tool_choice": mapped}
+    if choice.get("disable_parallel_tool_use"):
+        out["parallel_tool_calls"] = False
+    return out
