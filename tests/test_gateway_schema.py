@@ -46,3 +46,32 @@ def test_max_completion_tokens_has_max_tokens_range():
     with pytest.raises(OpenAIError) as e:
         parse(ChatRequest, json.dumps(body).encode())
     assert e.value.param == "max_completion_tokens" and "an integer from 1 to 1000000" in e.value.message
+
+
+def test_tools_and_tool_turns_pass_to_hmad_and_legacy_functions_are_refused():
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    body = {
+        "messages": [
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "3"},
+        ],
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+    }
+    req = parse(ChatRequest, json.dumps(body).encode())
+    assert req.params() == {"tools": body["tools"], "tool_choice": "required", "parallel_tool_calls": False}
+    assert req.calls_tools and req.must_call
+    assert req.hmad_messages()[2:] == [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "3", "tool_call_id": "c1"},
+    ]
+    for legacy in ({"functions": [{"name": "f"}]}, {"function_call": "auto"}):
+        with pytest.raises(OpenAIError, match="send tools and tool_choice"):
+            parse(ChatRequest, json.dumps({**body, **legacy}).encode()).params()
+    body["messages"][3].pop("tool_call_id")
+    with pytest.raises(OpenAIError) as e:
+        parse(ChatRequest, json.dumps(body).encode()).hmad_messages()
+    assert e.value.param == "messages[3].tool_call_id"

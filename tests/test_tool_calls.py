@@ -157,6 +157,7 @@ def test_the_prompt_holds_the_tools_the_calls_and_the_results():
     assert [m["role"] for m in turns] == ["system", "user", "assistant", "user"]
     assert turns[0]["content"].startswith("You have access to functions.")
     assert json.loads(turns[0]["content"].split("function\n", 1)[1].rsplit("\n\nBe brief.", 1)[0]) == TOOLS
+    assert f"[\n{json.dumps(WEATHER)},\n{json.dumps(ADD)}\n]" in turns[0]["content"]  # one per line
     assert json.loads(turns[2]["content"]) == {"name": "get_weather", "parameters": {"city": "Oslo"}}
     assert '"name": "get_weather", "tool_call_id": "c1", "content": "{\\"temp\\": -3}"' in turns[3]["content"]
     text = str(render_chat(turns))
@@ -194,11 +195,15 @@ def _decode(c: ToolCallConstraint, rng, bias: dict[int, float] | None = None, st
 def test_forced_choices_always_decode_valid_calls(tok, choice):
     grammar = tool_grammar(TOOLS, choice, parallel=True)
     rng = np.random.default_rng(7)
+    complete = 0
     for _ in range(6):
         c = ToolCallConstraint(grammar, tok)
         _decode(c, rng)
-        if c.complete:  # (random logits may run out of steps inside a long number)
+        assert c.phase == "call"
+        if c.complete:  # (random logits may run out of steps in a long list of calls)
             _check_calls(c.calls(), ["add"] if isinstance(choice, dict) else SCHEMAS)
+            complete += 1
+    assert complete >= 3
 
 
 def test_auto_is_text_unless_the_answer_opens_a_call(tok):
@@ -236,7 +241,7 @@ def hmad(tmp_path_factory):
 
 def test_required_and_named_choices_answer_with_valid_calls(hmad):
     with Client(hmad.socket) as c:
-        for seed, choice in enumerate(["required", {"name": "get_weather"}, "required"]):
+        for seed, choice in enumerate(["required", "required", {"name": "get_weather"}]):
             r = c.generate(
                 messages=HISTORY[:1],
                 tools=TOOLS,

@@ -39,7 +39,8 @@ async def _generation(
     reply = R.Reply(await gw.model_name(), chat=chat)
     if req.stream:
         stream = gw.client.stream(**inputs, **params)
-        return await _streamed(request, reply, stream, req.include_usage)
+        held = CallText(chat and req.calls_tools, chat and req.must_call)
+        return await _streamed(request, reply, stream, req.include_usage, held)
     result = await unless_disconnected(request, gw.client.generate(**inputs, **params))
     return JSONResponse(reply.whole(result))
 
@@ -63,26 +64,65 @@ async def get_model(request: Request) -> Response:
     return JSONResponse(R.model_object(name, await started(gw)))
 
 
-async def _streamed(request: Request, reply: R.Reply, stream: AsyncStream, include_usage: bool) -> Response:
+async def _streamed(
+    request: Request, reply: R.Reply, stream: AsyncStream, include_usage: bool, held: CallText
+) -> Response:
     """Wait until hmad accepts the request (a refusal is an HTTP error), then stream its pieces as SSE."""
     await unless_disconnected(request, stream.start())
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    events = _events(reply, stream, include_usage)
+    events = _events(reply, stream, include_usage, held)
     return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
 
-async def _events(reply: R.Reply, stream: AsyncStream, include_usage: bool) -> AsyncIterator[str]:
+class CallText:
+    """The streamed text of an answer that may be tool calls, held back while it is (or may be) a call.
+
+    hmad's rule (engine.tool_calls): with tools, an answer is a call exactly when its first non-space
+    character is ``{`` or ``[`` (always, with tool_choice required or a named function). Leading whitespace
+    waits for that character; a call's text is never sent as content, unless no call came of it (cut by
+    max_tokens), when it goes out as content at the end."""
+
+    def __init__(self, tools: bool, forced: bool):
+        self.tools, self.held = tools, []
+        self.state = "call" if forced else "open" if tools else "text"
+
+    def feed(self, text: str) -> str:
+        """The content to send now for this piece."""
+        if self.state == "text":
+            return text
+        self.held.append(text)
+        if self.state == "open":
+            head = "".join(self.held).lstrip()
+            if head:
+                self.state = "call" if head[0] in "{[" else "text"
+                if self.state == "text":
+                    return self.rest()
+        return ""
+
+    def rest(self) -> str:
+        text, self.held = "".join(self.held), []
+        return text
+
+
+async def _events(
+    reply: R.Reply, stream: AsyncStream, include_usage: bool, held: CallText
+) -> AsyncIterator[str]:
     """The SSE body. Starlette cancels it when the client disconnects; leaving the stream cancels the
     generation. An error after the start goes out as an ``error`` event (the OpenAI client raises it)."""
     try:
         if reply.chat:
             yield R.sse(reply.chunk(None, role=True))
         async for piece in stream:
-            if piece.text:
-                yield R.sse(reply.chunk(piece.text))
+            text = held.feed(piece.text)
+            if text:
+                yield R.sse(reply.chunk(text))
         result = stream.result
         if result.finish_reason == "cancelled":
             raise OpenAIError(503, "hmad cancelled the request (it is shutting down)", "service_unavailable")
+        if result.tool_calls:
+            yield R.sse(reply.tool_calls_chunk(result))
+        elif held.held:
+            yield R.sse(reply.chunk(held.rest()))
         yield R.sse(reply.chunk(None, result.finish_reason))
         if include_usage:
             yield R.sse(reply.usage_chunk(result))
@@ -95,7 +135,11 @@ async def _events(reply: R.Reply, stream: AsyncStream, include_usage: bool) -> A
 
 def openai_error(e: Exception) -> OpenAIError:
     err = from_exception(e)
-    if "json_schema" in err.message and isinstance(e, P.ProtocolError | RequestError):
+    if (
+        "json_schema" in err.message
+        and "tools" not in err.message
+        and isinstance(e, P.ProtocolError | RequestError)
+    ):
         msg = f"response_format needs hmad's structured output (generate's json_schema): {err.message}"
         return bad_request(msg, "response_format", err.code)
     return err

@@ -1,8 +1,10 @@
 """OpenAI response objects: chat completions, text completions, their stream chunks, usage, models.
 
 ``Reply`` holds what every object of one answer shares (id, created, model, kind); its methods build the
-whole answer (stream=false) and each stream chunk. Server-sent events are ``data: <json>\\n\\n`` lines,
-ending with ``data: [DONE]``.
+whole answer (stream=false) and each stream chunk. Tool calls (finish_reason ``tool_calls``) go out as
+``message.tool_calls`` with content null, or streamed as one ``tool_calls`` delta holding every call whole
+(index, id, type, function name and arguments), as llama-server sends a call it parsed. Server-sent
+events are ``data: <json>\\n\\n`` lines, ending with ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,14 @@ def usage(r: Result) -> dict[str, Any]:
     return out
 
 
+def tool_calls(calls: list[dict[str, str]]) -> list[dict[str, Any]]:
+    """hmad's calls ({id, name, arguments}) in OpenAI's shape."""
+    return [
+        {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+        for c in calls
+    ]
+
+
 def model_object(name: str, created: int) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": created, "owned_by": "hmad"}
 
@@ -53,9 +63,11 @@ class Reply:
         self.id = self.id or ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
 
     def whole(self, r: Result) -> dict[str, Any]:
-        """The answer of a stream=false request."""
+        """The answer of a stream=false request (tool calls: ``message.tool_calls``, content null)."""
         if self.chat:
             message = {"role": "assistant", "content": r.text, "refusal": None}
+            if r.tool_calls:
+                message.update(content=None, tool_calls=tool_calls(r.tool_calls))
             choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": r.finish_reason}
         else:
             choice = {"index": 0, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}
@@ -71,6 +83,12 @@ class Reply:
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return {**self._chunk_head(), "choices": [choice]}
+
+    def tool_calls_chunk(self, r: Result) -> dict[str, Any]:
+        """The chunk carrying every call of the answer, each whole (index, id, type, name, arguments)."""
+        delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls(r.tool_calls))]}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
         return {**self._chunk_head(), "choices": [choice]}
 
     def usage_chunk(self, r: Result) -> dict[str, Any]:

@@ -11,11 +11,16 @@ What maps where:
     response_format json_object         -> json_schema {"type": "object"}
     response_format json_schema         -> json_schema <its schema>
     top_k, min_p, repetition_penalty, repeat_last_n (hmad's, as llama-server takes them) -> the same
+    tools ({type: function, function: {name, description, parameters}}), tool_choice ("auto", "none",
+    "required", {type: function, function: {name}}), parallel_tool_calls -> the same (hmaclient.tools
+    checks them); assistant messages' tool_calls (content null) and role "tool" messages (tool_call_id,
+    name) -> hmad's tool turns
 
 Refused with a 400 that says why (rather than silently ignored, since they change the answer): n other than
 1, non-zero presence_penalty / frequency_penalty (hmad has the multiplicative repetition_penalty instead),
-logprobs / top_logprobs, a non-empty logit_bias, tools and function calls, echo, best_of > 1, suffix, token
-id prompts, non-text content parts. Fields this module does not name (user, metadata, store, ...) are ignored.
+logprobs / top_logprobs, a non-empty logit_bias, the legacy functions / function_call (send tools /
+tool_choice), echo, best_of > 1, suffix, token id prompts, non-text content parts. Fields this module does
+not name (user, metadata, store, ...) are ignored.
 The sampling fields' types and ranges are hmad's own (hmaclient.sampling, as pydantic types from
 hmad.engine.sampling_schema): one out of range is a 400 naming it in the wire's words ("top_p must be a
 number in (0, 1], got 1.5").
@@ -115,6 +120,30 @@ class _Common(_SamplingBody):
 class Message(_Body):
     role: str
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def hmad_message(self, i: int) -> dict[str, Any]:
+        """hmad's message: roles system/user/assistant/tool, content as text, tool fields as they came
+        (the wire's check names any problem in them)."""
+        role = "system" if self.role == "developer" else self.role
+        if role not in ("system", "user", "assistant", "tool"):
+            roles = "system, developer, user, assistant, tool"
+            msg = f"messages[{i}].role {self.role!r} is not supported ({roles})"
+            raise bad_request(msg, f"messages[{i}].role")
+        if role == "assistant" and self.tool_calls:
+            text = "" if self.content is None else _content_text(self.content, i)
+            return {"role": role, "content": text, "tool_calls": self.tool_calls}
+        out: dict[str, Any] = {"role": role, "content": _content_text(self.content, i)}
+        if role == "tool":
+            if not self.tool_call_id:
+                msg = f"messages[{i}].tool_call_id is required in a tool message (the call it answers)"
+                raise bad_request(msg, f"messages[{i}].tool_call_id")
+            out["tool_call_id"] = self.tool_call_id
+            if self.name is not None:
+                out["name"] = self.name
+        return out
 
 
 class ChatRequest(_Common):
@@ -124,31 +153,43 @@ class ChatRequest(_Common):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer may be tool calls (tools given, tool_choice not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def must_call(self) -> bool:
+        """Whether the answer is surely tool calls (tool_choice "required" or a named function)."""
+        return bool(self.tools) and self.tool_choice not in (None, "auto", "none")
 
     def params(self) -> dict[str, Any]:
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         if self.logprobs or self.top_logprobs:
             raise bad_request("logprobs are not supported", "logprobs")
-        if self.tools or self.functions or self.tool_choice not in (None, "none") or self.function_call:
-            raise bad_request("tools and function calls are not supported", "tools")
-        return super().params()
+        if self.functions or self.function_call:
+            msg = "functions and function_call are OpenAI's deprecated form: send tools and tool_choice"
+            raise bad_request(msg, "functions" if self.functions else "function_call")
+        out = super().params()
+        for name in ("tools", "tool_choice", "parallel_tool_calls"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
 
-    def hmad_messages(self) -> list[dict[str, str]]:
-        """hmad's messages: roles system/user/assistant, content as text; leading system turns joined."""
-        out: list[dict[str, str]] = []
+    def hmad_messages(self) -> list[dict[str, Any]]:
+        """hmad's messages (``Message.hmad_message``); leading system turns joined."""
+        out: list[dict[str, Any]] = []
         for i, m in enumerate(self.messages):
-            role = "system" if m.role == "developer" else m.role
-            if role not in ("system", "user", "assistant"):
-                msg = f"messages[{i}].role {m.role!r} is not supported (system, developer, user, assistant)"
-                raise bad_request(msg, f"messages[{i}].role")
-            text = _content_text(m.content, i)
-            if role == "system" and out and all(o["role"] == "system" for o in out):
-                out[0]["content"] += "\n\n" + text
+            message = m.hmad_message(i)
+            if message["role"] == "system" and out and all(o["role"] == "system" for o in out):
+                out[0]["content"] += "\n\n" + message["content"]
             else:
-                out.append({"role": role, "content": text})
+                out.append(message)
         return out
 
 

@@ -28,13 +28,16 @@ from typing import Any
 
 import numpy as np
 
-from hmad.engine.structured import WHITESPACE, JsonConstraint, Vocabulary, compile_schema, llguidance
+from hmad.engine.structured import JsonConstraint, Vocabulary, compile_schema, llguidance
 from hmad.model.tokenizer import Tokenizer
 
 OPENERS = b"{["  # a call's first byte
 SPACE = b" \t\r\n"
 MAX_PARALLEL_CALLS = 16  # calls in one answer
-MAX_LEADING_SPACE = 8  # whitespace before a call (inside it, structured.WHITESPACE bounds each gap)
+MAX_LEADING_SPACE = 2  # whitespace before a call
+# Between a call's JSON tokens: at most one space (tighter than json_schema's structured.WHITESPACE: calls are
+# written on one line, as the prompt's form shows, and a model cannot spend max_tokens on blank space)
+CALL_WHITESPACE = r"[ ]?"
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,7 @@ def call_schema(tools: list[dict[str, Any]], choice: Any, parallel: bool) -> dic
         if parallel
         else one
     )
-    return {**schema, "x-guidance": {"whitespace_pattern": WHITESPACE}}
+    return {**schema, "x-guidance": {"whitespace_pattern": CALL_WHITESPACE}}
 
 
 def tool_grammar(tools: list[dict[str, Any]], choice: Any, parallel: bool) -> ToolGrammar:

@@ -12,9 +12,13 @@ renders (Gemma 3's own template knows no tools, so hmad writes them into the mes
       {"name": function name, "parameters": dictionary of argument name and its value}
       (To call several functions at once, put the calls in one JSON list.)
       You SHOULD NOT include any other text in the response if you call a function
-      [ {"name": ..., "description": ..., "parameters": {...}}, ... ]
+      [
+      {"name": ..., "description": ..., "parameters": {...}},
+      ...
+      ]
 
-  ``required`` adds "You MUST call one of the functions.", a named choice "You MUST call the function N."
+  then ``required`` adds "You MUST call one of the functions.", a named choice "You MUST call the
+  function N."
 - an assistant turn's ``tool_calls``: its content, then the calls in that same form (one object, or a
   list for several), so the model reads its past calls as it writes new ones;
 - ``tool`` results: a user turn of ``tool_output`` blocks, one per result, each a JSON object
@@ -37,13 +41,15 @@ NO_OTHER_TEXT = "You SHOULD NOT include any other text in the response if you ca
 
 
 def preamble(tools: Sequence[dict[str, Any]], choice: Any, parallel: bool) -> str:
-    """The instruction and the function definitions (JSON, indented)."""
+    """The instruction, the function definitions (a JSON list, one per line), then what tool_choice asks
+    (last, so requests that differ only in it share the prompt's cached prefix)."""
     text = PREAMBLE + (PARALLEL if parallel else "") + NO_OTHER_TEXT
+    text += "[\n" + ",\n".join(json.dumps(t, ensure_ascii=False) for t in tools) + "\n]"
     if choice == "required":
-        text += "You MUST call one of the functions.\n"
+        text += "\nYou MUST call one of the functions."
     elif isinstance(choice, dict):
-        text += f"You MUST call the function {choice['name']}.\n"
-    return text + json.dumps(list(tools), indent=2, ensure_ascii=False)
+        text += f"\nYou MUST call the function {choice['name']}."
+    return text
 
 
 def call_text(calls: Sequence[dict[str, Any]]) -> str:

@@ -1,0 +1,138 @@
+"""Tool calling through hmad-openai with the official ``openai`` client, against a real gateway and a real
+hmad on a tiny random GGUF (random weights: the call grammar is what makes the calls valid): a two-turn
+agent loop (call -> tool result -> answer), streamed tool_calls deltas that reassemble to the call the
+whole answer gives, and the refusals (legacy functions, a tool message without its call's id, a tool whose
+schema cannot be compiled), each a 400 with the daemon serving on."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from daemon_harness import Daemon
+from test_openai_gateway import CLEAN_EXIT, Gateway
+from tiny_gguf import make_tiny_gguf
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city now",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Oslo", "Lima"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 3},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+SCHEMA = WEATHER["function"]["parameters"]
+ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    model = make_tiny_gguf(tmp_path_factory.mktemp("model") / "tiny.gguf", seed=5)
+    d = Daemon(model, tmp_path_factory.mktemp("hmad"), "engine.max_seqs=2").wait_ready()
+    yield d
+    assert d.stop() == 0, d.log_text()
+
+
+@pytest.fixture(scope="module")
+def oai(daemon, tmp_path_factory):
+    g = Gateway(daemon.socket, tmp_path_factory.mktemp("gateway"))
+    yield openai.OpenAI(base_url=g.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    assert g.stop() in CLEAN_EXIT, g.log_path.read_text()
+
+
+def _valid_call(call) -> dict:
+    assert call.type == "function" and call.id and call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, SCHEMA)
+    return args
+
+
+def test_a_two_turn_agent_loop(oai, daemon):
+    first = oai.chat.completions.create(
+        model="any",
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=200,
+        temperature=0,
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    _valid_call(call)
+    history = [
+        *ASK,
+        choice.message.model_dump(exclude_none=True),  # what agent frameworks send back: content null
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp_c": -3})},
+    ]
+    second = oai.chat.completions.create(
+        model="any", messages=history, tools=[WEATHER], max_tokens=24, temperature=0
+    )
+    answer = second.choices[0]
+    if answer.finish_reason == "tool_calls":  # "auto": the random model may call again; then validly
+        _valid_call(answer.message.tool_calls[0])
+    else:
+        assert answer.message.tool_calls is None and answer.message.content
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result are in the prompt
+    final = oai.chat.completions.create(
+        model="any", messages=history, tools=[WEATHER], tool_choice="none", max_tokens=4, temperature=0
+    )
+    assert (
+        final.choices[0].finish_reason in ("stop", "length") and final.choices[0].message.tool_calls is None
+    )
+
+
+def test_streamed_deltas_reassemble_to_the_whole_answers_call(oai, daemon):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    kw = {
+        "model": "any",
+        "messages": ASK,
+        "tools": [WEATHER],
+        "tool_choice": named,
+        "max_tokens": 200,
+        "parallel_tool_calls": False,
+    }
+    whole = oai.chat.completions.create(**kw, temperature=0).choices[0]
+    calls: dict[int, dict] = {}
+    content, finish = "", None
+    for chunk in oai.chat.completions.create(**kw, temperature=0, stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for d in delta.tool_calls or ():
+            c = calls.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
+            c["id"] += d.id or ""
+            c["name"] += d.function.name or ""
+            c["arguments"] += d.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and content == ""  # a call's text is not content
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        (t.function.name, json.loads(t.function.arguments)) for t in whole.message.tool_calls
+    ]
+    jsonschema.validate(json.loads(calls[0]["arguments"]), SCHEMA)
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"functions": [WEATHER["function"]]}, "functions"),
+        ({"messages": [*ASK, {"role": "tool", "content": "3"}]}, "messages[1].tool_call_id"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]}, None),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, None),
+    ],
+)
+def test_bad_tool_requests_are_400(oai, daemon, body, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(**{"model": "any", "messages": ASK, "max_tokens": 2, **body})
+    assert info.value.status_code == 400 and (param is None or info.value.body["param"] == param)
+    assert oai.chat.completions.create(model="any", messages=ASK, max_tokens=1).choices[0].finish_reason
