@@ -43,7 +43,7 @@ from hmaclient import protocol as P
 from hmaclient.client import AsyncClient
 from hmaclient.errors import HmaError
 from hmaclient.prometheus import FamiliesCollector
-from hmad_openai import anthropic_api, ollama_api, openai_api
+from hmad_openai import anthropic_api, ollama_api, openai_api, responses_api
 from hmad_openai.errors import OpenAIError
 from hmad_openai.gateway import ClientGone, Gateway, Settings, gateway_of
 from hmad_openai.guards import AllowedHosts
@@ -201,6 +201,7 @@ def build_app(settings: Settings) -> Starlette:
         *openai_api.ROUTES,
         *ollama_api.ROUTES,
         *anthropic_api.ROUTES,
+        *responses_api.ROUTES,
         Route("/metrics", metrics, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
