@@ -38,9 +38,12 @@ Requests (client -> daemon)
     id                  str | int           optional (see Ids)
     prompt              str                 exactly one of prompt / messages; <= MAX_PROMPT_CHARS characters
     messages            list of maps        1..MAX_MESSAGES of {role: "system"|"user"|"model"|"assistant",
-                                            content: str}; exactly these two keys; "assistant" = "model";
-                                            at most one "system", and only first (Gemma's template);
-                                            total content <= MAX_PROMPT_CHARS characters
+                                            content: str}; exactly these two keys, but for tool turns:
+                                            an assistant's ``tool_calls`` (1..64 {id, name, arguments: a
+                                            JSON object or its text}; content may then be "" or nil) and
+                                            {role: "tool", content, tool_call_id, name?} (a call's result);
+                                            "assistant" = "model"; at most one "system", and only first
+                                            (Gemma's template); total content <= MAX_PROMPT_CHARS characters
     raw                 bool                default false. With ``prompt``: false wraps the prompt in the chat
                                             template as one user turn (plus the generation prompt); true sends
                                             the text to the tokenizer as is. Must be false with ``messages``.
@@ -55,6 +58,17 @@ Requests (client -> daemon)
                                             daemon cannot compile is refused (bad_request naming the
                                             problem), as is any json_schema when the daemon lacks its
                                             grammar library. See ``done.schema_complete``.
+    tools               list of maps        <= 128 {name (1..64 of A-Za-z0-9_.-, unique), description?: str,
+                                            parameters?: a JSON Schema map}; OpenAI's {type: "function",
+                                            function: {...}} taken too. Functions the answer may call.
+    tool_choice         str | map           "auto" (default) | "none" | "required" | {name} (one of tools):
+                                            the answer may / must not / must be calls, or must call that one.
+                                            Calls are decoded under a grammar of the tools' schemas, so their
+                                            arguments always validate; with "auto" an answer whose first
+                                            non-space character is { or [ is a call, any other is text.
+                                            Not with json_schema (unless "none"); not with a raw prompt.
+    parallel_tool_calls bool                default true: an answer may be a JSON list of calls (1..16).
+                                            (docs/protocol.md: the prompt form, the grammar, the triggers.)
     An absent sampling field (or nil) means "the daemon's default" (its config's ``sampling:`` section).
     An int field takes ints only, a number field ints or finite floats; bools are not numbers.
 
@@ -80,9 +94,11 @@ Replies (daemon -> client)
 ``done``       {id, finish_reason, prompt_tokens, generated_tokens, ttft_s, tokens_per_s, total_s,
                cached_tokens, and with stream=false: text, token_ids}
                finish_reason: "stop" (end of turn / EOS, or a stop string, or with json_schema: the JSON
-               value is complete) | "length" (max_tokens, or the context is full). prompt_tokens,
-               generated_tokens: int. ttft_s (arrival -> first token), total_s (arrival -> end): float
-               seconds; tokens_per_s: float decode rate (0 if < 2 tokens).
+               value is complete) | "length" (max_tokens, or the context is full) | "tool_calls" (the
+               answer is complete tool calls: then also tool_calls, a list of {id, name, arguments: the
+               parameters object's JSON text}; absent otherwise, so clients read it as optional).
+               prompt_tokens, generated_tokens: int. ttft_s (arrival -> first token), total_s (arrival ->
+               end): float seconds; tokens_per_s: float decode rate (0 if < 2 tokens).
                cached_tokens: int, the prompt tokens whose KV came from the prefix cache (not computed;
                absent from daemons before it, so clients read it as optional: Done.extra).
                With json_schema also schema_complete (bool): true when the text is a whole JSON value
