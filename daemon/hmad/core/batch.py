@@ -16,6 +16,9 @@ import numpy as np
 SAMPLE_DTYPE = np.dtype(
     [("temperature", "<f4"), ("top_k", "<u4"), ("top_p", "<f4"), ("min_p", "<f4"), ("u", "<f4")]
 )
+#: one additive adjustment of a logit row (``StepBatch.bias``; shaders/logit_bias.comp): the logit row (its
+#: index among the step's logit rows), the token, and the float32 delta added to that logit
+BIAS_DTYPE = np.dtype([("row", "<u4"), ("token", "<u4"), ("delta", "<f4")])
 
 
 @dataclass
@@ -29,6 +32,9 @@ class SeqSlice:
     global_table: np.ndarray  # (n_blocks,) int32: block j holds positions [j*B, (j+1)*B) (may be shared)
     local_table: np.ndarray  # (ring,) int32: position p lives in block local_table[(p // B) % ring]
     # (valid for the positions this step writes or reads; engine/kvcache.py)
+    # (token ids int32, deltas float32) or None: added to this part's logit row (if it wants one) before a
+    # device picks or pre-selects its token (``StepBatch.bias``; the request's Sampler.adjustments)
+    bias: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def end_pos(self) -> int:
@@ -51,6 +57,10 @@ class StepBatch:
     feed: np.ndarray | None = None
     # (S_out,) SAMPLE_DTYPE or None: how the device samples each logit row (Backend.launch_sampled)
     sampling: np.ndarray | None = None
+    # (n,) BIAS_DTYPE: deltas a backend adds to the logit rows before its argmax, top-k or draw (greedy,
+    # topk, launch_*), each (row, token) at most once; full rows (``run``'s logits) come back without them:
+    # the host sampler adds the same deltas itself (engine/sampling.py, step 0)
+    bias: np.ndarray = field(default_factory=lambda: np.zeros(0, BIAS_DTYPE))
 
     @property
     def n_tokens(self) -> int:
@@ -66,12 +76,14 @@ class StepBatch:
         """Assemble a batch from (slice without start, its token ids, wants logits of its last token);
         ``feed``: per part, the previous step's ids row its one token comes from, or -1 (see ``feed``);
         ``sampling``: per logit row (see ``sampling``)."""
-        tokens, positions, seqs, rows, start = [], [], [], [], 0
+        tokens, positions, seqs, rows, start, bias = [], [], [], [], 0, []
         for s, toks, want in parts:
             s.start, s.n = start, len(toks)
             tokens.append(np.asarray(toks, dtype=np.int32))
             positions.append(np.arange(s.pos0, s.pos0 + s.n, dtype=np.int32))
             if want:
+                if s.bias is not None and len(s.bias[0]):
+                    bias.append(_bias_entries(len(rows), *s.bias))
                 rows.append(start + s.n - 1)
             seqs.append(s)
             start += s.n
@@ -90,4 +102,12 @@ class StepBatch:
             block_size=block_size,
             feed=fed,
             sampling=sampling,
+            bias=np.concatenate(bias) if bias else np.zeros(0, BIAS_DTYPE),
         )
+
+
+def _bias_entries(row: int, ids: np.ndarray, deltas: np.ndarray) -> np.ndarray:
+    """One logit row's (ids, deltas) as BIAS_DTYPE entries."""
+    out = np.empty(len(ids), BIAS_DTYPE)
+    out["row"], out["token"], out["delta"] = row, ids, deltas
+    return out

@@ -9,6 +9,12 @@ input fed on the device, except those that token ends by length.
 Where the tokens are picked (engine/scheduler.py, "Which tokens the device picks"): by the device's argmax
 when every request of the step is greedy (``greedy_ok``); from the device's top-k candidates when every
 request's sampler needs at most ``topk_max`` of them; else from full logits rows on the host.
+
+A request's additive adjustments (logit_bias, presence and frequency penalties: engine/sampling.py, step 0)
+ride on its part's slice (``SeqSlice.bias``) into the step, where the device adds them before its argmax
+or top-k; a step whose adjustments outnumber what the backend's tails take (``bias_max``) reads full rows
+instead, and the host adds them. Presence and frequency penalties depend on the tokens generated so far,
+which a pipelined step does not know yet: a request with either is never pipelined (a logit_bias alone is).
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ Part = tuple[Request, SeqSlice, list[int], bool]  # request, its slice, its inpu
 
 
 def greedy_ok(r: Request) -> bool:
-    """Whether the device's argmax is ``r``'s token (greedy, no penalty, no grammar)."""
+    """Whether the device's argmax is ``r``'s token (greedy, no repetition penalty, no grammar; the additive
+    adjustments the device adds first, where it can: ``StepPlanner._bias_fits``)."""
     return r.params.temperature == 0 and r.params.repetition_penalty == 1.0 and r.constraint is None
 
 
@@ -66,6 +73,8 @@ class StepPlanner:
             done_prompt = (
                 r.id in fed or r.state is State.DECODE or r.n_cached + len(toks) == len(r.prompt_ids)
             )
+            if done_prompt and r.params.adjusts:
+                s.bias = r.sampler.adjustments(r.output_ids)
             parts.append((r, s, toks, done_prompt))
             budget -= len(toks)
         for r, _, toks, _ in parts:
@@ -85,10 +94,23 @@ class StepPlanner:
             and getattr(self.model.backend, "pipelined", False)
             and bool(running)
             and all(self._on_device(r) for r in running)
+            and self._bias_fits(running)
         )
+
+    def _bias_fits(self, reqs: list[Request]) -> bool:
+        """Whether the device can add every request's adjustments in one step (``bias_max``); an id outside
+        the vocabulary goes to the host, whose sampler fails that request alone, naming it."""
+        ids = [r.sampler.adjustments(r.output_ids)[0] for r in reqs if r.params.adjusts]
+        if not ids:
+            return True
+        vocab = self.model.config.vocab_size
+        n = sum(len(i) for i in ids)
+        return n <= getattr(self.model.backend, "bias_max", 0) and all(i[-1] < vocab for i in ids if i.size)
 
     def _on_device(self, r: Request) -> bool:
         """Whether the device can pick ``r``'s tokens in a pipelined step."""
+        if r.params.counts_matter:  # its next step's deltas count the token the step in flight gives it
+            return False
         if greedy_ok(r):
             return True
         be, p = self.model.backend, r.params
@@ -106,13 +128,14 @@ class StepPlanner:
             bool(reqs)
             and getattr(self.model.backend, "greedy_on_device", False)
             and all(greedy_ok(r) for r in reqs)
+            and self._bias_fits(reqs)
         )
 
     def topk_on_device(self, reqs: list[Request]) -> bool:
         """Whether every token of this step can be sampled from the backend's on-device top-k candidates
         (each request's sampler needs at most that many: engine/sampling.py, "Candidates")."""
         m = getattr(self.model.backend, "topk_max", 0)
-        if not (reqs and m) or any(r.constraint for r in reqs):
+        if not (reqs and m) or any(r.constraint for r in reqs) or not self._bias_fits(reqs):
             return False
         needs = [r.sampler.candidates_needed(r.prompt_ids + r.output_ids) for r in reqs]
         return all(n is not None and n <= m for n in needs)

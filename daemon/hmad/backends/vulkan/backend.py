@@ -51,6 +51,7 @@ import numpy as np
 from hmad.backends.base import Backend
 from hmad.backends.vulkan import ops_attention, ops_matmul, ops_norm, policy
 from hmad.backends.vulkan.activations import Act
+from hmad.backends.vulkan.bias import BIAS_ENTRIES
 from hmad.backends.vulkan.context import RecordContext
 from hmad.backends.vulkan.device import Device
 from hmad.backends.vulkan.graph import BUCKETS, Launched, StepOutput, bucket, buckets_upto
@@ -65,6 +66,12 @@ from hmad.core.kv_layout import KVLayout
 from hmad.core.tensors import WeightTensor
 
 __all__ = ["VulkanBackend"]
+
+
+def _check_bias(x: StepOutput) -> None:
+    """A tail that adds the step's logit adjustments needs them all in its buffer (bias.py)."""
+    if not x.bias_ok:
+        raise ValueError(f"the step's logit adjustments are more than the {BIAS_ENTRIES} its tails take")
 
 
 def _option(name: str) -> property:
@@ -82,6 +89,8 @@ class VulkanBackend(Backend):
     #: docs/determinism.md): on if it costs at most 10 % at decode 1/8/32 and prefill 512 on both shapes
     deterministic_auto = False
     topk_max = TOPK_CANDIDATES
+    #: a step's logit adjustments (StepBatch.bias) its argmax, top-k and draw tails add at most (bias.py)
+    bias_max = BIAS_ENTRIES
 
     def __init__(self, options: VulkanOptions | None = None, **changes):
         """``options`` (else the defaults) with ``changes`` (VulkanOptions' field names: the config's
@@ -246,8 +255,8 @@ class VulkanBackend(Backend):
         for t_b in reversed(buckets_upto(top)):
             o_b = min(t_b, rec.logit_rows_b)
             graph = rec.graphs.get((t_b, o_b)) or rec.record(net, t_b, o_b)
-            self.readback.topk_tail(graph)
             for parity in (0, 1):
+                self.readback.topk_tail(graph, parity)
                 self.readback.sample_tail(graph, parity)
         if self.dev.info.is_cpu:  # lavapipe: no first-submit cost to hide, and each replay a whole prefill
             return
@@ -277,12 +286,14 @@ class VulkanBackend(Backend):
         """Submit step ``x`` with the argmax on the GPU and return without waiting; ``collect`` reads its
         ids. Rows of its batch with a ``feed`` entry take their token from the ids of the step launched
         just before it (which may still be running). At most two steps in flight."""
+        _check_bias(x)
         return self.submit.launch(x, x.graph.argmax_tails[self.submit.parity])
 
     def launch_sampled(self, x: StepOutput) -> Launched:
         """As ``launch_greedy``, each row's token drawn on the GPU from its top-k candidates with the
         batch's ``sampling`` (sample_topk.comp); ``collect`` reads the ids, then ``candidates`` the
         candidates they were drawn from."""
+        _check_bias(x)
         done = self.submit.launch(x, self.readback.sample_tail(x.graph, self.submit.parity), sampled=True)
         self.sampled_steps += 1
         return done
@@ -315,7 +326,8 @@ class VulkanBackend(Backend):
     def topk(self, x) -> tuple[np.ndarray, np.ndarray]:
         """Run the step with topk.comp on the GPU; read back the best TOPK_CANDIDATES (id, value) pairs of
         each logits row (8 bytes each, not the row's V floats)."""
-        self.submit.run_alone(x, self.readback.topk_tail(x.graph))
+        _check_bias(x)
+        self.submit.run_alone(x, self.readback.topk_tail(x.graph, self.submit.parity))
         self.topk_steps += 1
         return self.readback.candidates(self.readback.topk_buf, x.graph, x.n_out)
 

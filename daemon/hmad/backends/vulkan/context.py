@@ -3,11 +3,11 @@
 One per backend, alive as long as it. It holds the device and its capabilities, the resolved options (the
 kernel choices of policy.py read them), the kernel registry, the scratch pool and the small per-dispatch
 rings, and the buffers a recording binds: the device-local step metadata (``meta_gpu``), the per-parity
-mapped metadata and token-id buffers (the step heads and tails bind them), and the KV pools' views. While a
-bucket is recorded (:meth:`recording`) it also holds the command recorder, the bucket's metadata layout
-(the word offsets the ops bake into their push constants) and the token bucket. The op modules (ops_norm,
-ops_matmul, ops_attention) are functions of a context; the facade (backend.py) owns one and points them at
-it.
+mapped metadata, logit-adjustment and token-id buffers (the step heads and tails bind them), and the KV
+pools' views. While a bucket is recorded (:meth:`recording`) it also holds the command recorder, the
+bucket's metadata layout (the word offsets the ops bake into their push constants) and the token bucket.
+The op modules (ops_norm, ops_matmul, ops_attention) are functions of a context; the facade (backend.py)
+owns one and points them at it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from hmad.backends.vulkan.activations import Act, Ring, ScratchPool
+from hmad.backends.vulkan.bias import BUFFER_WORDS
 from hmad.backends.vulkan.device import Device
 from hmad.backends.vulkan.memory import BufferView, create_buffer
 from hmad.backends.vulkan.options import VulkanOptions
@@ -63,6 +64,8 @@ class RecordContext:
         self.metas: list[BufferView] = []
         self.meta_gpu: BufferView | None = None
         self.ids: list[BufferView] = []
+        # per parity: the mapped buffer of the step's logit adjustments (bias.py), read by the tails
+        self.biases: list[BufferView] = []
         # while a bucket is recorded: its recorder, metadata layout and token bucket
         self.rec: CommandRecorder | None = None
         self.layout: StepMetaLayout | None = None
@@ -131,6 +134,12 @@ class RecordContext:
         # and a step's head copies its parity's few KiB there after the step before it is done reading
         self.metas = [create_buffer(self.dev, 4 * words, "mapped", f"step metadata {p}") for p in range(2)]
         self.meta_gpu = create_buffer(self.dev, 4 * words, "device", "step metadata (device copy)")
+        if not self.biases:
+            self.biases = [
+                create_buffer(self.dev, 4 * BUFFER_WORDS, "mapped", f"logit bias {p}") for p in range(2)
+            ]
+            for b in self.biases:
+                b.array(np.uint32)[0] = 0  # no entries until a step writes some
         if not self.ids or self.ids[0].nbytes < 4 * t_b:
             old = self.ids
             self.ids = [create_buffer(self.dev, 4 * t_b, "readback", f"token ids {p}") for p in range(2)]
@@ -139,10 +148,10 @@ class RecordContext:
                 a.arena.close()
 
     def close_meta(self) -> None:
-        for b in (*self.metas, self.meta_gpu, *self.ids):
+        for b in (*self.metas, self.meta_gpu, *self.ids, *self.biases):
             if b is not None:
                 b.arena.close()
-        self.metas, self.meta_gpu, self.ids = [], None, []
+        self.metas, self.meta_gpu, self.ids, self.biases = [], None, [], []
 
     def close_kernels(self) -> None:
         """The kernels, their descriptor sets and the scratch pool."""

@@ -43,8 +43,8 @@ class Graph:
     heads: dict[tuple[int, bool], CommandRecorder] = field(default_factory=dict)  # (parity, feed): _head
     copy_tail: CommandRecorder | None = None
     copy_into: BufferView | None = None  # the readback buffer copy_tail writes (re-record when it changed)
-    topk_tail: CommandRecorder | None = None
-    topk_into: BufferView | None = None  # likewise for topk_tail
+    # per parity: the top-k tail and the candidates buffer it writes (re-record when it changed)
+    topk_tails: dict[int, tuple[CommandRecorder, BufferView]] = field(default_factory=dict)
     # per parity: the sample tail (launch_sampled) and the candidates buffer it writes
     sample_tails: dict[int, tuple[CommandRecorder, BufferView]] = field(default_factory=dict)
     # the top-k's first-stage candidates (device-local), shared by its tails: they run one after another
@@ -52,8 +52,8 @@ class Graph:
     argmax_chunks: BufferView | None = None  # likewise for the argmax tails (argmax.comp's two stages)
 
     def close(self) -> None:
-        tails = [t for t, _ in self.sample_tails.values()]
-        for r in (self.rec, *self.argmax_tails, *self.heads.values(), self.copy_tail, self.topk_tail, *tails):
+        tails = [t for t, _ in (*self.sample_tails.values(), *self.topk_tails.values())]
+        for r in (self.rec, *self.argmax_tails, *self.heads.values(), self.copy_tail, *tails):
             if r is not None:
                 r.close()
         for buf in (self.topk_chunks, self.argmax_chunks):
@@ -64,13 +64,16 @@ class Graph:
 
 class StepOutput:
     """What ``run`` returns: the step's logits handle, the real row count and the graph to submit; ``used``
-    metadata words packed, ``feed``: whether rows take their token from the step before (launch_greedy)."""
+    metadata words packed, ``feed``: whether rows take their token from the step before (launch_greedy);
+    ``bias_words`` of logit adjustments packed (bias.py), ``bias_ok``: whether they all fit the buffer (else a
+    tail that adds them must not run)."""
 
-    __slots__ = ("graph", "n_out", "shape", "used", "feed")
+    __slots__ = ("graph", "n_out", "shape", "used", "feed", "bias_words", "bias_ok")
 
     def __init__(self, graph: Graph, n_out: int, vocab: int, used: int = 0, feed: bool = False):
         self.graph, self.n_out, self.shape = graph, n_out, (n_out, vocab)
         self.used, self.feed = used, feed
+        self.bias_words, self.bias_ok = 4, True
 
 
 @dataclass(frozen=True)

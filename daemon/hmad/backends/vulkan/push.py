@@ -157,6 +157,12 @@ class FeedPush(ctypes.Structure):
     _fields_ = [(n, u32) for n in ("tokens_off", "feed_off", "max_tokens", "vocab")]
 
 
+class LogitBiasPush(ctypes.Structure):
+    """shaders/logit_bias.comp"""
+
+    _fields_ = [(n, u32) for n in ("n_rows", "vocab", "row_stride", "capacity")]
+
+
 class SampleTopkPush(ctypes.Structure):
     """shaders/sample_topk.comp"""
 

@@ -48,6 +48,7 @@ SOURCES: dict[str, tuple[type[ctypes.Structure], int]] = {
     "argmax.comp": (p.ArgmaxPush, 256),
     "topk.comp": (p.TopkPush, 256),
     "feed_tokens.comp": (p.FeedPush, 64),
+    "logit_bias.comp": (p.LogitBiasPush, 64),
     "sample_topk.comp": (p.SampleTopkPush, 128),  # block >= topk's candidates
     "norm_rope.comp": (p.NormRopePush, 128),
     "norm_rope_kv.comp": (p.NormRopeKvPush, 128),

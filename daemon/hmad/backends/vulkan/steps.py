@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import vulkan as vk
 
+from hmad.backends.vulkan import bias
 from hmad.backends.vulkan.context import RecordContext
 from hmad.backends.vulkan.graph import Graph, Launched, StepOutput
 from hmad.backends.vulkan.placement import Placement
@@ -33,6 +34,7 @@ class Submitter:
         self.parity = 0  # of the next launch
         # a step's metadata packed here, then copied into its parity's mapped buffer at launch
         self._meta_host = np.zeros(0, np.uint32)
+        self._bias_host = np.zeros(bias.BUFFER_WORDS, np.uint32)  # likewise its logit adjustments
         self.steps = 0  # steps submitted and waited for
         self.last_gpu_ns: float | None = None
 
@@ -43,7 +45,9 @@ class Submitter:
             self._meta_host = np.zeros(lay.words, np.uint32)
         lay.pack(batch, out=self._meta_host[: lay.words])
         feed = batch.feed is not None and bool((batch.feed >= 0).any())
-        return StepOutput(graph, len(batch.logit_rows), graph.logits.shape[1], lay.used_words(batch), feed)
+        x = StepOutput(graph, len(batch.logit_rows), graph.logits.shape[1], lay.used_words(batch), feed)
+        x.bias_words, x.bias_ok = bias.pack(batch, self._bias_host)
+        return x
 
     def launch(self, x: StepOutput, tail: CommandRecorder, sampled: bool = False) -> Launched:
         """Submit step ``x`` (head, forward pass, ``tail``) on the next parity; no wait."""
@@ -54,6 +58,7 @@ class Submitter:
         # into the mapped buffer in one sequential write, not a store per section (it may be uncached,
         # write-combined memory across the bus)
         self.ctx.metas[p].array(np.uint32)[: x.used] = self._meta_host[: x.used]
+        self.ctx.biases[p].array(np.uint32)[: x.bias_words] = self._bias_host[: x.bias_words]
         graph = x.graph
         cmds = ffi.new("VkCommandBuffer[]", [head(self.ctx, graph, p, x.feed).cmd, graph.rec.cmd, tail.cmd])
         si = new(

@@ -9,6 +9,8 @@ host-visible buffer, the top-k candidates (topk.comp), or each row's token drawn
 (sample_topk.comp, with the row's sampling and uniform from the metadata's ``sample`` section) into the
 parity's ids, its candidates readable too. Rows longer than a chunk take two stages, the first stage's
 candidates in a device-local buffer of the graph that its tails share (steps run one after another).
+The argmax, top-k and sample tails first add the step's logit adjustments (bias.py) to the rows, so each is
+recorded per parity (the parity's adjustments buffer); the copy tail reads the rows as computed.
 :class:`Readback` holds the host-visible buffers the last three write, and re-records a graph's tail when
 its buffer had to grow.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hmad.backends.vulkan import bias
 from hmad.backends.vulkan.activations import Act, rows
 from hmad.backends.vulkan.context import RecordContext
 from hmad.backends.vulkan.graph import Graph
@@ -50,11 +53,13 @@ def argmax_chunks(ctx: RecordContext, logits: Act) -> BufferView | None:
 
 
 def argmax_tail(ctx: RecordContext, logits: Act, parity: int, scratch: BufferView | None) -> CommandRecorder:
-    """argmax.comp over ``logits`` into ``ids[parity]``: one stage, or each chunk's best into ``scratch``
-    (shared by both parities' tails: steps run one after another) then theirs."""
+    """argmax.comp over ``logits`` plus ``parity``'s adjustments into ``ids[parity]``: one stage, or each
+    chunk's best into ``scratch`` (shared by both parities' tails: steps run one after another), then
+    theirs."""
     n_rows, vocab = logits.shape
     tail = CommandRecorder(ctx.dev).begin()
     tail.barrier()  # after the forward pass's command buffer in the same submit
+    bias.record(ctx, tail, logits, parity)
     if scratch is None:
         k = ctx.kernel("argmax_f32")
         push = ArgmaxPush(n_rows, vocab, vocab, vocab)
@@ -130,25 +135,28 @@ class Readback:
         k = min(TOPK_CANDIDATES, vocab)
         return k, -(-4 * n_rows * k // self.ctx.align) * self.ctx.align
 
-    def topk_tail(self, graph: Graph) -> CommandRecorder:
-        """The top-k tail of ``graph`` (re-made when the candidates buffer grew)."""
+    def topk_tail(self, graph: Graph, parity: int) -> CommandRecorder:
+        """The top-k tail of ``graph`` on ``parity`` (re-made when the candidates buffer grew)."""
         n_rows, vocab = graph.logits.shape
         k, half = self._layout(n_rows, vocab)
         self.topk_buf = self._buffer(self.topk_buf, half + 4 * n_rows * k, "top-k candidates")
-        if graph.topk_into is not self.topk_buf:
-            if graph.topk_tail is not None:
-                graph.topk_tail.close()
+        tail, into = graph.topk_tails.get(parity, (None, None))
+        if into is not self.topk_buf:
+            if tail is not None:
+                tail.close()
             tail = CommandRecorder(self.ctx.dev).begin()
-            self._record_topk(tail, graph, self.topk_buf)
-            graph.topk_tail, graph.topk_into = tail.end(), self.topk_buf
-        return graph.topk_tail
+            self._record_topk(tail, graph, self.topk_buf, parity)
+            tail = tail.end()
+            graph.topk_tails[parity] = (tail, self.topk_buf)
+        return tail
 
     def _record_topk(
-        self, tail: CommandRecorder, graph: Graph, into: BufferView
+        self, tail: CommandRecorder, graph: Graph, into: BufferView, parity: int
     ) -> tuple[BufferView, BufferView]:
-        """Append topk.comp over ``graph``'s logits (after a barrier) writing the candidates buffer ``into``
-        (``_layout``); returns its (ids, values) views. A row longer than ``topk_chunk()`` takes two
-        stages (the shader's header): its chunks' best into the graph's ``topk_chunks``, then their best."""
+        """Append, after a barrier, ``parity``'s logit adjustments (bias.py) then topk.comp over ``graph``'s
+        logits writing the candidates buffer ``into`` (``_layout``); returns its (ids, values) views. A row
+        longer than ``topk_chunk()`` takes two stages (the shader's header): its chunks' best into the
+        graph's ``topk_chunks``, then their best."""
         ctx = self.ctx
         n_rows, vocab = graph.logits.shape
         k, half = self._layout(n_rows, vocab)
@@ -158,6 +166,7 @@ class Readback:
         chunk = topk_chunk(vocab, topk_chunks(n_rows, ctx.options.topk_groups))
         chunks = -(-vocab // chunk)
         tail.barrier()
+        bias.record(ctx, tail, graph.logits, parity)
         if chunks == 1:
             push = TopkPush(n_rows, vocab, vocab, k, vocab)
             tail.dispatch(first, [graph.logits.view, ids, vals], push, first.groups_for(n_rows))
@@ -188,7 +197,7 @@ class Readback:
             sample = ctx.kernel("sample_topk")
             assert k <= sample.block_size, "sample_topk takes a row's candidates one an invocation"
             tail = CommandRecorder(ctx.dev).begin()
-            ids, vals = self._record_topk(tail, graph, buf)
+            ids, vals = self._record_topk(tail, graph, buf, parity)
             tail.barrier()
             push = SampleTopkPush(n_rows, k, graph.layout.sample)
             binds = [ctx.meta_gpu, ids, vals, ctx.ids[parity]]

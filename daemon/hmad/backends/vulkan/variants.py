@@ -210,12 +210,14 @@ def _attention() -> list[Variant]:
 
 
 def _tails() -> list[Variant]:
-    """Readback tails (argmax, top-k, sampling, token feed), fused norms and activation quantizers."""
+    """Readback tails (argmax, top-k, sampling, token feed, logit adjustments), fused norms and activation
+    quantizers."""
     return [
         _v("argmax_f32", "argmax.comp", 2),
         _v("argmax_chunks_f32", "argmax.comp", 3, CHUNKS="1"),  # logits, ids, values
         _v("argmax_merge_f32", "argmax.comp", 3, MERGE="1"),  # values, ids, the chunks' ids
         _v("feed_tokens", "feed_tokens.comp", 2),
+        _v("logit_bias", "logit_bias.comp", 2),  # logits, the step's entries
         _v("sample_topk", "sample_topk.comp", 4),
         _v("topk_f32", "topk.comp", 3),
         _v("topk_merge_f32", "topk.comp", 4, FROM_CANDIDATES="1"),  # values, ids, vals, the candidates' ids
