@@ -58,7 +58,10 @@ def test_tags_ps_show(client, hmad):
         context = c.status()["context_length"]
     assert running.context_length == context
     shown = client.show(TINY_NAME)
-    assert shown.modelinfo["gemma3.context_length"] == context and shown.capabilities == ["completion"]
+    assert shown.modelinfo["gemma3.context_length"] == context and shown.capabilities == [
+        "completion",
+        "tools",
+    ]
     assert client.show(listed.model).details.format == "gguf"
     with pytest.raises(ollama.ResponseError) as info:
         client.show("llama3.2")
@@ -131,6 +134,62 @@ def test_format_json_and_schema(client, hmad):
     assert json.loads(r.response)["x"] in (1, 2) and r.done_reason == "stop"
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Oslo", "Rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_calls_and_their_results(client, hmad, stream):
+    """Ollama has no tool_choice: a call comes when the model's answer opens with { or [ (the grammar then
+    makes it a valid call); either way the answer equals hmad's (the tiny model's greedy one is text). The
+    call in the history is hmad's under tool_choice required; the answer after its result equals hmad's."""
+    ask = [{"role": "user", "content": "weather in Oslo?"}]
+    with Client(hmad.socket) as c:
+        ref = c.generate(messages=ask, tools=[WEATHER], max_tokens=24, temperature=0)
+        call = c.generate(messages=ask, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+                          max_tokens=64, temperature=0).tool_calls[0]  # fmt: skip
+    options = {"temperature": 0, "num_predict": 24}
+    parts = client.chat(model="any", messages=ask, tools=[WEATHER], options=options, stream=stream)
+    parts = list(parts) if stream else [parts]
+    calls = [c for p in parts for c in p.message.tool_calls or ()]
+    if ref.tool_calls:
+        assert [(c.function.name, c.function.arguments) for c in calls] == [
+            (x["name"], json.loads(x["arguments"])) for x in ref.tool_calls
+        ]
+    else:
+        assert calls == [] and "".join(p.message.content for p in parts) == ref.text
+    assert parts[-1].done_reason == ("stop" if ref.finish_reason == "tool_calls" else ref.finish_reason)
+    arguments = json.loads(call["arguments"])
+    function = {"name": call["name"], "arguments": arguments}
+    history = [
+        *ask,
+        {"role": "assistant", "content": "", "tool_calls": [{"function": function}]},
+        {"role": "tool", "content": "sunny", "tool_name": call["name"]},
+    ]
+    answer = client.chat(
+        model="any", messages=history, tools=[WEATHER], options={"temperature": 0, "num_predict": 6}
+    )
+    with Client(hmad.socket) as c:
+        hmad_history = [
+            *ask,
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1_0", **function}]},
+            {"role": "tool", "tool_call_id": "call_1_0", "name": call["name"], "content": "sunny"},
+        ]
+        ref = c.generate(messages=hmad_history, tools=[WEATHER], max_tokens=6, temperature=0)
+    assert answer.message.content == ref.text
+
+
 def test_empty_request_loads(client, hmad):
     r = client.chat(model="any", messages=[])
     assert (r.done, r.done_reason) == (True, "load")
@@ -151,9 +210,15 @@ CHAT = {"model": "any", "messages": [{"role": "user", "content": "hi"}], "stream
         ("chat", {"options": {"typical_p": 0.5}}, "typical_p is not supported"),
         ("chat", {"options": {"mirostat": 2}}, "mirostat is not supported"),
         ("chat", {"think": True}, "does not support thinking"),
-        ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "does not support tools"),
+        ("chat", {"tools": [{"type": "function"}]}, "tools[0] must be"),
+        (
+            "chat",
+            {"tools": [{"type": "function", "function": {"name": "no spaces"}}]},
+            "tools[0].name must be",
+        ),
         ("chat", {"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}, "support images"),
-        ("chat", {"messages": [{"role": "tool", "content": "x"}]}, "role 'tool' is not supported"),
+        ("chat", {"messages": [{"role": "tool", "content": "x"}]}, "no tool call before it"),
+        ("chat", {"messages": [{"role": "function", "content": "x"}]}, "role 'function' is not supported"),
         ("chat", {"format": "xml"}, "invalid format"),
         ("chat", {"model": ""}, "model"),
         ("chat", {"messages": "hi"}, "messages"),

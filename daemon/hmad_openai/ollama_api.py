@@ -4,7 +4,8 @@
     GET  /api/version           {"version": hmad's version}
     GET  /api/tags, /api/ps     the one model hmad serves (listed as NAME:latest where its name has no tag)
     POST /api/show              its details, model_info (architecture, context length), capabilities
-    POST /api/chat              messages -> hmad's chat template; NDJSON pieces unless "stream": false
+    POST /api/chat              messages (and tools) -> hmad's chat template; NDJSON pieces unless
+                                "stream": false; tool calls come as message.tool_calls
     POST /api/generate          a prompt (raw: no template); the same streaming
 
 What each request field becomes is ``ollama_schema``'s docstring. hmad serves one model: /api/chat and
@@ -19,6 +20,7 @@ an error after a stream started is one last line of that shape (the ollama clien
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 from collections.abc import AsyncIterator
@@ -74,7 +76,7 @@ async def generate(request: Request) -> Response:
 
 async def _generation(request: Request, body: ChatBody | GenerateBody, inputs: dict, chat: bool) -> Response:
     t0, params = time.monotonic(), body.params()
-    reply = _Reply(await gateway_of(request).model_name(), chat, t0)
+    reply = _Reply(await gateway_of(request).model_name(), chat, t0, bool(params.get("tools")))
     if body.streams:
         return await runs.streamed(request, inputs, params, reply.lines, runs.NDJSON)
     return JSONResponse(reply.final(await runs.whole(request, inputs, params), whole=True))
@@ -90,21 +92,26 @@ async def _loaded(request: Request, body: ChatBody | GenerateBody) -> Response:
 class _Reply:
     """The objects of one answer: pieces (``done`` false) and the final one with the counts."""
 
-    def __init__(self, model: str, chat: bool, t0: float):
-        self.model, self.chat, self.t0 = model, chat, t0
+    def __init__(self, model: str, chat: bool, t0: float, may_call: bool = False):
+        self.model, self.chat, self.t0, self.may_call = model, chat, t0, may_call
 
-    def piece(self, text: str) -> dict[str, Any]:
+    def piece(self, text: str, calls: list[dict[str, str]] | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"model": self.model, "created_at": _now()}
         if self.chat:
             out["message"] = {"role": "assistant", "content": text}
+            if calls:
+                out["message"]["tool_calls"] = [_tool_call(j, c) for j, c in enumerate(calls)]
         else:
             out["response"] = text
         out["done"] = False
         return out
 
     def final(self, r: Result, whole: bool) -> dict[str, Any]:
-        out = self.piece(r.text if whole else "")
-        out.update(done=True, done_reason=r.finish_reason, **self._counts(r))
+        """The last object: the counts (and, answered whole, the answer). Tool calls end as "stop", as
+        Ollama's do."""
+        out = self.piece("" if r.tool_calls or not whole else r.text, r.tool_calls if whole else None)
+        reason = "stop" if r.finish_reason == "tool_calls" else r.finish_reason
+        out.update(done=True, done_reason=reason, **self._counts(r))
         return out
 
     def _counts(self, r: Result) -> dict[str, int]:
@@ -119,11 +126,17 @@ class _Reply:
 
     async def lines(self, stream: AsyncStream) -> AsyncIterator[str]:
         """The NDJSON body: a line per piece of text, then the final counts (or an error line)."""
+        watch = runs.CallWatch(self.may_call)
         try:
             async for p in stream:
-                if p.text:
-                    yield runs.dumps(self.piece(p.text)) + "\n"
-            yield runs.dumps(self.final(runs.finished(stream), whole=False)) + "\n"
+                text = watch.feed(p.text)
+                if text:
+                    yield runs.dumps(self.piece(text)) + "\n"
+            result = runs.finished(stream)
+            text = watch.rest(result)
+            if text or result.tool_calls:
+                yield runs.dumps(self.piece(text, result.tool_calls)) + "\n"
+            yield runs.dumps(self.final(result, whole=False)) + "\n"
         except Exception as e:  # noqa: BLE001 - every failure becomes the stream's error line
             yield runs.dumps({"error": from_exception(e).message}) + "\n"
 
@@ -168,7 +181,7 @@ async def show(request: Request) -> Response:
             "template": "",
             "details": entry["details"],
             "model_info": {"general.architecture": FAMILY, f"{FAMILY}.context_length": context},
-            "capabilities": ["completion"],
+            "capabilities": ["completion", "tools"],
             "modified_at": entry["modified_at"],
         }
     )
@@ -201,6 +214,11 @@ async def _model_entry(gw: Gateway, info: dict[str, Any] | None = None) -> dict[
             "quantization_level": "",
         },
     }
+
+
+def _tool_call(index: int, call: dict[str, str]) -> dict[str, Any]:
+    function = {"index": index, "name": call["name"], "arguments": json.loads(call["arguments"])}
+    return {"id": call["id"], "function": function}
 
 
 def _now() -> str:

@@ -14,10 +14,14 @@
         anything else (num_ctx, num_gpu, num_thread, num_batch, num_keep, use_mmap, penalize_newline, ...)
                                                       ignored, as Ollama ignores an option it does not know:
                                                       they say how to run the model, not what to answer
+    tools (type function)                             -> tools (tool_choice auto: Ollama has no choice)
+    assistant tool_calls {function: {name, arguments}} -> the turn's tool_calls (ids made up where absent)
+    tool messages (content, tool_name)                -> tool turns answering the oldest open call of that
+                                                      name (of any name without tool_name)
 
-Refused with a 400: images, tools and tool messages, think (the model does not think), logprobs, suffix,
-template, context (send the conversation as /api/chat messages), system with raw. Ignored: keep_alive (hmad
-keeps its one model loaded), the model's name (hmad serves one model; see ``ollama_api``).
+Refused with a 400: images, think (the model does not think), logprobs, suffix, template, context (send the
+conversation as /api/chat messages), system with raw. Ignored: keep_alive (hmad keeps its one model
+loaded), the model's name (hmad serves one model; see ``ollama_api``).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class Message(Body):
     content: str | None = None
     images: list[Any] | None = None
     tool_calls: list[Any] | None = None
+    tool_name: str | None = None
     thinking: str | None = None
 
 
@@ -117,21 +122,59 @@ def _option(name: str, hmad: str, value: Any) -> Any:
 
 class ChatBody(_Common):
     messages: list[Message] = Field(default_factory=list)
-    tools: list[Any] | None = None
+    tools: list[dict[str, Any]] | None = None
 
-    def hmad_messages(self) -> list[dict[str, str]]:
+    def params(self) -> dict[str, Any]:
+        out = super().params()
         if self.tools:
-            raise bad_request(f'"{self.model}" does not support tools', "tools")
-        turns = []
+            out["tools"] = [_tool(i, t) for i, t in enumerate(self.tools)]
+        return out
+
+    def hmad_messages(self) -> list[dict[str, Any]]:
+        turns: list[Any] = []
+        open_calls: list[dict[str, Any]] = []  # calls not yet answered, oldest first
         for i, m in enumerate(self.messages):
-            if m.role not in ("system", "user", "assistant"):
-                raise bad_request(f"messages[{i}].role {m.role!r} is not supported (system, user, assistant)")
             if m.images:
                 raise bad_request(f'"{self.model}" does not support images', f"messages[{i}].images")
-            if m.tool_calls:
-                raise bad_request(f'"{self.model}" does not support tools', f"messages[{i}].tool_calls")
-            turns.append((m.role, m.content or ""))
+            if m.role == "tool":
+                turns.append(_tool_result(i, m, open_calls))
+            elif m.role == "assistant" and m.tool_calls:
+                calls = [_call(i, j, c) for j, c in enumerate(m.tool_calls)]
+                open_calls += calls
+                turns.append({"role": "assistant", "content": m.content or "", "tool_calls": calls})
+            elif m.role in ("system", "user", "assistant"):
+                turns.append((m.role, m.content or ""))
+            else:
+                msg = f"messages[{i}].role {m.role!r} is not supported (system, user, assistant, tool)"
+                raise bad_request(msg, f"messages[{i}].role")
         return hmad_messages(turns)
+
+
+def _tool(i: int, t: dict[str, Any]) -> dict[str, Any]:
+    f = t.get("function") if t.get("type", "function") == "function" else None
+    if not isinstance(f, dict):
+        raise bad_request(f"tools[{i}] must be {{type: function, function: {{name, parameters}}}}", "tools")
+    return {k: f[k] for k in ("name", "description", "parameters") if f.get(k) is not None}
+
+
+def _call(i: int, j: int, c: Any) -> dict[str, Any]:
+    """An Ollama tool call ({function: {name, arguments}}, an id where the client kept one) -> hmad's."""
+    f = c.get("function") if isinstance(c, dict) else None
+    if not isinstance(f, dict):
+        where = f"messages[{i}].tool_calls[{j}]"
+        raise bad_request(f"{where} must be {{function: {{name, arguments}}}}", where)
+    return {"id": c.get("id") or f"call_{i}_{j}", "name": f.get("name"), "arguments": f.get("arguments", {})}
+
+
+def _tool_result(i: int, m: Message, open_calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """A tool message -> hmad's tool turn, answering the oldest open call of its tool_name (any open call
+    without one)."""
+    match = [c for c in open_calls if m.tool_name in (None, c["name"])]
+    if not match:
+        raise bad_request(f"messages[{i}]: a tool result with no tool call before it to answer", "messages")
+    open_calls.remove(match[0])
+    out = {"role": "tool", "tool_call_id": match[0]["id"], "content": m.content or ""}
+    return {**out, "name": match[0]["name"]} if match[0]["name"] else out
 
 
 class GenerateBody(_Common):

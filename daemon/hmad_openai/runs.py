@@ -71,6 +71,9 @@ def sse_event(name: str, obj: dict[str, Any]) -> str:
     return f"event: {name}\ndata: {dumps(obj)}\n\n"
 
 
+_SPACE = " \t\r\n"  # what may come before a call (hmad.engine.tool_calls.SPACE)
+
+
 class CallWatch:
     """A streamed answer's text, held back where it may be a tool call: with tools callable, an answer is a
     call exactly when its first non-space character is ``{`` or ``[`` (hmad.engine.tool_calls), and the
@@ -84,8 +87,8 @@ class CallWatch:
         if self.mode == "text":
             return text
         self.held += text
-        if self.mode == "watch" and self.held.strip():
-            self.mode = "call" if self.held.lstrip()[0] in "{[" else "text"
+        if self.mode == "watch" and self.held.strip(_SPACE):
+            self.mode = "call" if self.held.lstrip(_SPACE)[0] in "{[" else "text"
             if self.mode == "text":
                 out, self.held = self.held, ""
                 return out
