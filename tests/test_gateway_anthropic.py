@@ -148,7 +148,7 @@ BODY = {"model": "any", "messages": [{"role": "user", "content": "hi"}], "max_to
 @pytest.mark.parametrize(
     ("change", "says"),
     [
-        ({"max_tokens": None}, "max_tokens"),
+        ({"max_tokens": None}, "max_tokens is required"),
         ({"max_tokens": 0}, "max_tokens must be an integer from 1"),
         ({"temperature": -1}, "temperature must be"),
         ({"top_k": -1}, "top_k must be"),

@@ -43,6 +43,8 @@ def parse(model: type[BaseModel], body: bytes, renames: Mapping[str, str] | None
         if err["type"] == "model_type" and not err["loc"]:
             raise bad_request("the body must be a JSON object") from None
         loc = ".".join(str(x) for x in err["loc"] if not _is_type_tag(x))
+        if err["type"] == "missing":
+            raise bad_request(f"{loc} is required", loc) from None
         wire = (renames or {}).get(loc, loc)
         if wire in sampling.BY_NAME:
             text = sampling.problem(wire, err.get("input")) or f"{wire}: {err['msg']}"
