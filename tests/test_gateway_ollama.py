@@ -117,8 +117,11 @@ def test_options_map_to_hmads_fields(client, hmad):
         seeded = c.generate("a x b", raw=True, seed=11, max_tokens=8, **kw).text
         penalised = c.generate("a x b", raw=True, temperature=0, max_tokens=8, repetition_penalty=1.5,
                                repeat_last_n=4).text  # fmt: skip
+        present = c.generate("a x b", raw=True, temperature=0, max_tokens=8, presence_penalty=1.5,
+                             frequency_penalty=0.5).text  # fmt: skip
     assert gen(seed=11, num_predict=8, **kw) == gen(seed=11.0, num_predict=8.0, **kw) == seeded
     assert gen(temperature=0, num_predict=8, repeat_penalty=1.5, repeat_last_n=4) == penalised
+    assert gen(temperature=0, num_predict=8, presence_penalty=1.5, frequency_penalty=0.5) == present
     assert gen(temperature=0, num_predict=-1, stop=["b b"]) == " "  # no limit, cut by the stop string
     assert gen(temperature=0, num_predict=3, num_ctx=8192, num_gpu=99, penalize_newline=True) == " b b b"
 
@@ -209,6 +212,7 @@ CHAT = {"model": "any", "messages": [{"role": "user", "content": "hi"}], "stream
         ("chat", {"options": {"top_p": 1.5}}, "top_p must be"),
         ("chat", {"options": {"typical_p": 0.5}}, "typical_p is not supported"),
         ("chat", {"options": {"mirostat": 2}}, "mirostat is not supported"),
+        ("chat", {"options": {"presence_penalty": 3}}, "presence_penalty must be a number in [-2, 2], got 3"),
         ("chat", {"think": True}, "does not support thinking"),
         ("chat", {"tools": [{"type": "function"}]}, "tools[0] must be"),
         (

@@ -8,7 +8,7 @@
         temperature, top_p, top_k, min_p, seed, stop  -> the same (seed < 0: fresh entropy, as Ollama's -1)
         num_predict                                   -> max_tokens (< 0: until the context is full)
         repeat_penalty, repeat_last_n                 -> repetition_penalty, repeat_last_n (-1: the context)
-        presence_penalty, frequency_penalty           -> the same where hmad has them, else refused unless 0
+        presence_penalty, frequency_penalty           -> the same
         typical_p, tfs_z (not 1), mirostat (not 0)     refused: they change the answer and hmad has no such
                                                       sampler
         anything else (num_ctx, num_gpu, num_thread, num_batch, num_keep, use_mmap, penalize_newline, ...)
@@ -34,7 +34,7 @@ from hmaclient import sampling
 from hmad_openai.bodies import Body, checked, hmad_messages
 from hmad_openai.errors import bad_request
 
-# Ollama's option names of hmad's sampling fields (penalties where hmad's table has them).
+# Ollama's option names of hmad's sampling fields.
 _OPTIONS = {
     "temperature": "temperature",
     "top_p": "top_p",
@@ -49,7 +49,7 @@ _OPTIONS = {
     "frequency_penalty": "frequency_penalty",
 }
 # Options that change the answer, with the value that leaves them off; hmad refuses any other value.
-_OFF = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+_OFF = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0}
 # Ollama's "no limit" (negative) of these -> the largest value hmad takes (its context bounds it).
 _UNBOUNDED = {"num_predict", "repeat_last_n"}
 
