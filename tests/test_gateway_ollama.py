@@ -251,6 +251,18 @@ def test_unknown_paths_and_key_in_ollamas_shape(gateway, http, hmad):
     assert r.status_code == 401 and "API key" in r.json()["error"]
 
 
+def test_disconnect_mid_stream_cancels_in_hmad_and_requests_are_counted(http, hmad):
+    body = {"model": "any", "prompt": "x b", "raw": True, "options": {"num_predict": 100000}}
+    with Client(hmad.socket) as c:
+        with http.stream("POST", "/api/generate", json=body) as r:
+            lines = r.iter_lines()  # one iterator kept open (see test_openai_gateway's disconnect test)
+            assert [json.loads(next(lines))["done"] for _ in range(3)] == [False] * 3
+            assert harness.load(c)[0] == 1  # generating
+        harness.wait(lambda: harness.load(c) == (0, 0, 0))  # the connection closed: cancelled in hmad
+    metrics = http.get("/metrics").text
+    assert 'hmad_openai_requests_total{endpoint="/api/generate",status="200"}' in metrics
+
+
 # -- fuzz --------------------------------------------------------------------------------------------------
 
 SHAPES = {
