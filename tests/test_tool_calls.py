@@ -153,7 +153,7 @@ def test_bad_tool_turns_are_refused_naming_the_field(message, problem):
 
 def test_the_prompt_holds_the_tools_the_calls_and_the_results():
     req = _generate(messages=[{"role": "system", "content": "Be brief."}, *HISTORY], tools=TOOLS)
-    turns = fold_tools(req.messages, req.tools, req.tool_choice, req.parallel_tool_calls)
+    turns = fold_tools(req.messages, req.tools, req.tool_choice)
     assert [m["role"] for m in turns] == ["system", "user", "assistant", "user"]
     assert turns[0]["content"].startswith("You have access to functions.")
     assert json.loads(turns[0]["content"].split("function\n", 1)[1].rsplit("\n\nBe brief.", 1)[0]) == TOOLS
@@ -163,9 +163,9 @@ def test_the_prompt_holds_the_tools_the_calls_and_the_results():
     text = str(render_chat(turns))
     assert text.count("<start_of_turn>user\nYou have access to functions.") == 1
     assert text.endswith("```<end_of_turn>\n<start_of_turn>model\n")
-    named = fold_tools(req.messages, req.tools, {"name": "add"}, False)[0]["content"]
+    named = fold_tools(req.messages, req.tools, {"name": "add"})[0]["content"]
     assert "You MUST call the function add." in named and "JSON list" not in named
-    none = fold_tools(req.messages, req.tools, "none", True)
+    none = fold_tools(req.messages, req.tools, "none")
     assert none[0] == {"role": "system", "content": "Be brief."}
 
 

@@ -40,7 +40,7 @@ def prepare(
     if messages is None and req.tools and not req.raw:  # (a raw prompt's tool_choice is "none")
         messages = [{"role": "user", "content": req.prompt}]
     if messages is not None:  # tools and tool turns as plain turns
-        messages = fold_tools(messages, req.tools, req.tool_choice, req.parallel_tool_calls)
+        messages = fold_tools(messages, req.tools, req.tool_choice)
         text = render_chat(messages, template=template)
     else:
         text = req.prompt if req.raw else render_prompt(req.prompt, template)

@@ -1,7 +1,7 @@
 """Tools in the prompt, as Gemma 3's function-calling guidance writes them: plain turns any chat template
 renders (Gemma 3's own template knows no tools, so hmad writes them into the messages).
 
-``fold_tools(messages, tools, choice, parallel)`` -> messages of only ``{role, content}``:
+``fold_tools(messages, tools, choice)`` -> messages of only ``{role, content}``:
 
 - the preamble (when the answer may be a call: tools given, choice not "none"): the instruction and the
   call form, then the function definitions as JSON, joined before the system message (or made the system
@@ -10,7 +10,6 @@ renders (Gemma 3's own template knows no tools, so hmad writes them into the mes
       You have access to functions. If you decide to invoke any of the function(s), you MUST put it in the
       format of
       {"name": function name, "parameters": dictionary of argument name and its value}
-      (To call several functions at once, put the calls in one JSON list.)
       You SHOULD NOT include any other text in the response if you call a function
       [
       {"name": ..., "description": ..., "parameters": {...}},
@@ -18,7 +17,9 @@ renders (Gemma 3's own template knows no tools, so hmad writes them into the mes
       ]
 
   then ``required`` adds "You MUST call one of the functions.", a named choice "You MUST call the
-  function N."
+  function N." (Lists of calls go unmentioned, as in the guide: a model that wants several calls may open
+  a JSON list, which the grammar takes when parallel calls are allowed; small models asked for lists tend
+  to repeat one call.)
 - an assistant turn's ``tool_calls``: its content, then the calls in that same form (one object, or a
   list for several), so the model reads its past calls as it writes new ones;
 - ``tool`` results: a user turn of ``tool_output`` blocks, one per result, each a JSON object
@@ -36,14 +37,13 @@ PREAMBLE = (
     "You have access to functions. If you decide to invoke any of the function(s), you MUST put it in the "
     'format of\n{"name": function name, "parameters": dictionary of argument name and its value}\n'
 )
-PARALLEL = "To call several functions at once, put the calls in one JSON list.\n"
 NO_OTHER_TEXT = "You SHOULD NOT include any other text in the response if you call a function\n"
 
 
-def preamble(tools: Sequence[dict[str, Any]], choice: Any, parallel: bool) -> str:
+def preamble(tools: Sequence[dict[str, Any]], choice: Any) -> str:
     """The instruction, the function definitions (a JSON list, one per line), then what tool_choice asks
     (last, so requests that differ only in it share the prompt's cached prefix)."""
-    text = PREAMBLE + (PARALLEL if parallel else "") + NO_OTHER_TEXT
+    text = PREAMBLE + NO_OTHER_TEXT
     text += "[\n" + ",\n".join(json.dumps(t, ensure_ascii=False) for t in tools) + "\n]"
     if choice == "required":
         text += "\nYou MUST call one of the functions."
@@ -59,7 +59,7 @@ def call_text(calls: Sequence[dict[str, Any]]) -> str:
 
 
 def fold_tools(
-    messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None, choice: Any, parallel: bool
+    messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None, choice: Any
 ) -> list[dict[str, str]]:
     """The messages as plain turns (module docstring); unchanged in content when nothing is about tools."""
     names = {c["id"]: c["name"] for m in messages for c in m.get("tool_calls") or ()}
@@ -77,7 +77,7 @@ def fold_tools(
             role = "user"
         out.append({"role": role, "content": content})
     if tools and choice != "none":
-        text = preamble(tools, choice, parallel)
+        text = preamble(tools, choice)
         if out[0]["role"] in ("system", "developer"):
             out[0] = {"role": out[0]["role"], "content": f"{text}\n\n{out[0]['content']}"}
         else:
