@@ -62,7 +62,7 @@ async def messages(request: Request) -> Response:
     params = body.params()
     reply = _Reply(await gateway_of(request).model_name())
     if body.stream:
-        return await runs.streamed(request, {}, params, reply.events_of(bool(body.tools)), runs.SSE)
+        return await runs.streamed(request, {}, params, reply.events_of(runs.may_call(params)), runs.SSE)
     result = await runs.whole(request, {}, params)
     return JSONResponse({**reply.head(), "content": _blocks(result), **reply.tail(result)})
 

@@ -76,7 +76,7 @@ async def generate(request: Request) -> Response:
 
 async def _generation(request: Request, body: ChatBody | GenerateBody, inputs: dict, chat: bool) -> Response:
     t0, params = time.monotonic(), body.params()
-    reply = _Reply(await gateway_of(request).model_name(), chat, t0, bool(params.get("tools")))
+    reply = _Reply(await gateway_of(request).model_name(), chat, t0, runs.may_call(params))
     if body.streams:
         return await runs.streamed(request, inputs, params, reply.lines, runs.NDJSON)
     return JSONResponse(reply.final(await runs.whole(request, inputs, params), whole=True))

@@ -38,7 +38,7 @@ async def responses(request: Request) -> Response:
     params = body.params()
     reply = _Reply(await gateway_of(request).model_name(), body)
     if body.stream:
-        return await runs.streamed(request, {}, params, reply.events_of(bool(body.tools)), runs.SSE)
+        return await runs.streamed(request, {}, params, reply.events_of(runs.may_call(params)), runs.SSE)
     return JSONResponse(reply.response(await runs.whole(request, {}, params)))
 
 

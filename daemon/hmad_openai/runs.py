@@ -71,6 +71,11 @@ def sse_event(name: str, obj: dict[str, Any]) -> str:
     return f"event: {name}\ndata: {dumps(obj)}\n\n"
 
 
+def may_call(params: dict[str, Any]) -> bool:
+    """Whether the answer to a generate with ``params`` may be tool calls (tools given, choice not none)."""
+    return bool(params.get("tools")) and params.get("tool_choice") != "none"
+
+
 _SPACE = " \t\r\n"  # what may come before a call (hmad.engine.tool_calls.SPACE)
 
 
