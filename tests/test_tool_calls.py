@@ -276,6 +276,17 @@ def test_none_answers_in_text_and_history_is_accepted(hmad):
     assert r.text == plain.text  # "none" writes no preamble: the same prompt as without tools
 
 
+def test_auto_answers_with_a_valid_call_or_with_text_that_opens_none(hmad):
+    with Client(hmad.socket) as c:
+        for seed in range(3):
+            r = c.generate(messages=HISTORY[:1], tools=TOOLS, temperature=1.5, seed=seed, max_tokens=40)
+            if r.tool_calls:
+                assert r.finish_reason == "tool_calls" and r.text.lstrip()[0] in "{["
+                _check_calls(r.tool_calls)
+            else:
+                assert r.text.strip() == "" or r.text.lstrip()[0] not in "{[", r.text
+
+
 def test_bad_tool_requests_get_one_error_and_the_daemon_serves_on(hmad):
     bad = [
         {"tools": [{"name": "f", "parameters": {"type": "nope"}}], "tool_choice": "required"},

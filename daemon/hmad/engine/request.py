@@ -79,7 +79,7 @@ class Request:
     sampler: Sampler | None = None
     stops: StopMatcher | None = None
     decoder: StreamDecoder | None = None
-    constraint: JsonConstraint | ToolCallConstraint | None = None
+    grammar_state: JsonConstraint | ToolCallConstraint | None = None  # the grammar's state (``start``)
 
     def start(self, tokenizer: Tokenizer) -> None:
         """Make the per-request state. Raises ValueError if the grammar cannot run on this tokenizer."""
@@ -87,9 +87,16 @@ class Request:
         self.stops = StopMatcher(list(self.params.stop or []))
         self.decoder = StreamDecoder(tokenizer)
         if isinstance(self.grammar, ToolGrammar):
-            self.constraint = ToolCallConstraint(self.grammar, tokenizer)
+            self.grammar_state = ToolCallConstraint(self.grammar, tokenizer)
         elif self.grammar is not None:
-            self.constraint = JsonConstraint(self.grammar, Vocabulary.of(tokenizer))
+            self.grammar_state = JsonConstraint(self.grammar, Vocabulary.of(tokenizer))
+
+    @property
+    def constraint(self) -> JsonConstraint | ToolCallConstraint | None:
+        """What masks and checks this request's tokens: its grammar's state, or None when it has no grammar
+        or its tool-call grammar found the answer is text (then its steps may take the device's picks)."""
+        m = self.grammar_state
+        return None if isinstance(m, ToolCallConstraint) and m.phase == "text" else m
 
     @property
     def n_positions(self) -> int:
@@ -123,10 +130,10 @@ class Request:
             "tokens_per_s": round((n - 1) / decode_s, 3) if n > 1 and decode_s > 0 else 0.0,
         }
         cut = bool(self.stops and self.stops.hit)  # a stop string cut the text short
-        if isinstance(self.constraint, ToolCallConstraint):  # the answer is these calls
-            calls = None if cut else self.constraint.calls()
+        if isinstance(self.grammar_state, ToolCallConstraint):  # the answer is these calls
+            calls = None if cut else self.grammar_state.calls()
             if calls:
                 stats["tool_calls"] = calls
-        elif self.constraint is not None:  # the text is the whole JSON value
-            stats["schema_complete"] = self.constraint.complete and not cut
+        elif self.grammar_state is not None:  # the text is the whole JSON value
+            stats["schema_complete"] = self.grammar_state.complete and not cut
         return stats

@@ -10,11 +10,12 @@ list of 1.. calls" where a call is anyOf, per tool, {name: const N, parameters: 
 one of the tools and the arguments validate against that tool's schema, by construction.
 
 ``required`` or a named tool: the grammar holds from the first token, so the answer is a call. ``auto``
-(``ToolGrammar.lazy``): the grammar waits. While the answer is only whitespace, a token is allowed if the
-grammar allows it, or if it is text that does not open the call form: one whose first non-space byte is
-neither ``{`` nor ``[``. The first token that opens the call form (``{`` or ``[`` as the answer's first
-non-space character) hands the rest of the answer to the grammar; any other text makes it a text answer,
-unconstrained. So an answer is a call exactly when its first non-space character is ``{`` or ``[``.
+(``ToolGrammar.lazy``): the grammar waits. While the answer is only whitespace, a token is allowed if it
+is whitespace, if the grammar allows it (from its start), or if it is text that does not open the call
+form: one whose first non-space byte is neither ``{`` nor ``[``. The first token that opens the call
+form (``{`` or ``[`` as the answer's first non-space character) hands the rest of the answer to the
+grammar; any other text makes it a text answer, unconstrained. So an answer is a call exactly when its
+first non-space character is ``{`` or ``[``.
 """
 
 from __future__ import annotations
@@ -140,19 +141,18 @@ class ToolCallConstraint:
         if self.phase == "text":
             return logits
         allowed = self.json.allowed()
-        if self.phase == "open":
-            allowed = allowed | self.classes.text
+        if self.phase == "open":  # whitespace and text as the model likes; a call only as the grammar does
+            allowed = allowed | self.classes.text | self.classes.space
         return np.where(allowed, logits, np.float32(-np.inf)).astype(np.float32, copy=False)
 
     def accept(self, token_id: int) -> None:
         if self.phase == "open" and self.classes.text[token_id]:
             self.phase = "text"
-        if self.phase == "text":
-            return
+        if self.phase == "text" or (self.phase == "open" and self.classes.space[token_id]):
+            return  # (leading whitespace is not the grammar's: it starts at the first other token)
         self.json.accept(token_id)
         self.out += self.classes.bytes[token_id]
-        if self.phase == "open" and not self.classes.space[token_id]:
-            self.phase = "call"
+        self.phase = "call"
 
     @property
     def complete(self) -> bool:
