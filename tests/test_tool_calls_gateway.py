@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 from daemon_harness import Daemon
-from test_openai_gateway import CLEAN_EXIT, Gateway
+from gateway_harness import CLEAN_EXIT, Gateway
 from tiny_gguf import make_tiny_gguf
 
 WEATHER = {
