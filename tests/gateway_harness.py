@@ -35,11 +35,11 @@ CLEAN_EXIT = (0, -signal.SIGTERM)
 class Gateway:
     """A running ``python -m hmad_openai`` with its log; ``url`` once it listens."""
 
-    def __init__(self, socket: str, tmp: Path, *args: str):
+    def __init__(self, socket: str, tmp: Path, *args: str, env: dict[str, str] | None = None):
         self.log_path = tmp / "gateway.log"
         self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         cmd = [sys.executable, "-m", "hmad_openai", "--socket", socket, "--port", "0", *args]
-        env = {k: v for k, v in os.environ.items() if k != "HMAD_OPENAI_API_KEY"}
+        env = {**{k: v for k, v in os.environ.items() if k != "HMAD_OPENAI_API_KEY"}, **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.url = self._wait_listening()
 

@@ -12,19 +12,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from daemon_harness import Daemon
+from gateway_harness import Gateway
 from prometheus_client.parser import text_string_to_metric_families
 from tiny_gguf import MIXED, make_tiny_gguf
 
@@ -36,43 +34,6 @@ WEB_ORIGIN = "http://localhost:3000"
 TINY_NAME = "tiny-gemma3-seed5"
 CLEAN_EXIT = (0, -signal.SIGTERM)
 HAS_JSON_SCHEMA = "json_schema" in {f.name for f in dataclasses.fields(P.GenerateRequest)}
-
-
-class Gateway:
-    """A running ``python -m hmad_openai`` with its log; ``url`` once it listens."""
-
-    def __init__(self, socket: str, tmp: Path, *args: str, env: dict[str, str] | None = None):
-        self.log_path = tmp / "gateway.log"
-        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        cmd = [sys.executable, "-m", "hmad_openai", "--socket", socket, "--port", "0", *args]
-        env = {**{k: v for k, v in os.environ.items() if k != "HMAD_OPENAI_API_KEY"}, **(env or {})}
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        self.url = self._wait_listening()
-
-    def _wait_listening(self, timeout: float = 30.0) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            m = re.search(r"serving (http://127\.0\.0\.1:\d+)/v1", self.log_path.read_text())
-            if m:
-                return m.group(1)
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"the gateway did not start:\n{self.log_path.read_text()}")
-
-    def stop(self) -> int:
-        """SIGTERM; the exit status (uvicorn ends a graceful shutdown by dying of the signal it caught: 0 or
-        -SIGTERM are both clean, as systemd counts them)."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            code = self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        self.log.close()
-        return code
 
 
 @pytest.fixture(scope="module")
