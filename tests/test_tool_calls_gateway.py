@@ -1,18 +1,22 @@
 """Tool calling through hmad-openai with the official ``openai`` client, against a real gateway and a real
 hmad on a tiny random GGUF (random weights: the call grammar is what makes the calls valid): a two-turn
 agent loop (call -> tool result -> answer), streamed tool_calls deltas that reassemble to the call the
-whole answer gives, and the refusals (legacy functions, a tool message without its call's id, a tool whose
-schema cannot be compiled), each a 400 with the daemon serving on."""
+whole answer gives, the refusals (legacy functions, a tool message without its call's id, a tool whose
+schema cannot be compiled), each a 400 with the daemon serving on, and a short fuzz of the tool fields
+(one reply each: 200 or 400, never a 500)."""
 
 from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
 from daemon_harness import Daemon
-from gateway_harness import CLEAN_EXIT, Gateway
+from gateway_harness import CLEAN_EXIT, FUZZ, Gateway, assert_serving, malformed
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tiny_gguf import make_tiny_gguf
 
 WEATHER = {
@@ -44,10 +48,15 @@ def daemon(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def oai(daemon, tmp_path_factory):
+def gateway(daemon, tmp_path_factory):
     g = Gateway(daemon.socket, tmp_path_factory.mktemp("gateway"))
-    yield openai.OpenAI(base_url=g.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    yield g
     assert g.stop() in CLEAN_EXIT, g.log_path.read_text()
+
+
+@pytest.fixture(scope="module")
+def oai(gateway):
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
 def _valid_call(call) -> dict:
@@ -136,3 +145,56 @@ def test_bad_tool_requests_are_400(oai, daemon, body, param):
         oai.chat.completions.create(**{"model": "any", "messages": ASK, "max_tokens": 2, **body})
     assert info.value.status_code == 400 and (param is None or info.value.body["param"] == param)
     assert oai.chat.completions.create(model="any", messages=ASK, max_tokens=1).choices[0].finish_reason
+
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+SHAPES = {
+    "tools": st.lists(
+        st.fixed_dictionaries(
+            {
+                "type": st.sampled_from(["function", "x"]),
+                "function": st.fixed_dictionaries({"name": st.text(max_size=4)}),
+            }
+        ),
+        max_size=2,
+    ),
+    "tool_choice": st.sampled_from(
+        ["auto", "none", "required", "any", {"type": "function", "function": {"name": "f"}}]
+    ),
+    "parallel_tool_calls": st.sampled_from([True, False, 1]),
+    "messages": st.lists(
+        st.sampled_from(
+            [
+                ASK[0],
+                {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "3"},
+                {"role": "tool", "content": "3"},
+                {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "3"}]},
+            ]
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+}
+
+
+@settings(FUZZ, max_examples=8)
+@given(body=st.data(), stream=st.booleans())
+def test_fuzz_of_tool_fields_one_reply_each(gateway, daemon, body, stream):
+    valid = {"model": "any", "messages": ASK, "tools": [WEATHER], "max_tokens": 2, "stream": stream}
+    data = body.draw(malformed(valid, SHAPES))
+    r = httpx.post(
+        gateway.url + "/v1/chat/completions",
+        content=data,
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert r.status_code in (200, 400), r.text
+    if r.status_code == 400:
+        assert r.json()["error"]["message"]
+    elif r.headers["content-type"].startswith("text/event-stream"):
+        assert r.text.endswith("data: [DONE]\n\n") and '"finish_reason":' in r.text, r.text
+    else:
+        assert r.json()["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
+    assert_serving(daemon, gateway)
