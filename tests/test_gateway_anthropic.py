@@ -183,6 +183,17 @@ def test_client_errors_key_and_unknown_paths(gateway, client, http, hmad):
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
 
 
+def test_disconnect_mid_stream_cancels_in_hmad(http, hmad):
+    body = {**BODY, "messages": [{"role": "user", "content": "x b"}], "max_tokens": 100000, "stream": True}
+    with Client(hmad.socket) as c:
+        with http.stream("POST", "/v1/messages", json=body) as r:
+            lines = r.iter_lines()  # one iterator kept open (see test_openai_gateway's disconnect test)
+            while "content_block_delta" not in next(lines):
+                pass
+            assert harness.load(c)[0] == 1  # generating
+        harness.wait(lambda: harness.load(c) == (0, 0, 0))  # the connection closed: cancelled in hmad
+
+
 # -- fuzz --------------------------------------------------------------------------------------------------
 
 SHAPES = {
