@@ -228,6 +228,41 @@ def test_the_call_schema_pins_names_to_their_parameters():
         tool_grammar([{"name": "bad", "parameters": {"type": "nope"}}], "auto", True)
 
 
+def test_tools_own_definitions_and_refs_do_not_collide(tok):
+    a = {
+        "type": "object",
+        "properties": {"p": {"$ref": "#/$defs/P"}},
+        "required": ["p"],
+        "$defs": {"P": {"enum": ["x"]}},
+    }
+    b = {  # the same def name, a legacy "definitions", and a recursive "#"
+        "type": "object",
+        "properties": {
+            "p": {"$ref": "#/$defs/P"},
+            "q": {"$ref": "#/definitions/Q"},
+            "k": {"anyOf": [{"type": "null"}, {"$ref": "#"}]},
+        },
+        "required": ["p", "q", "k"],
+        "$defs": {"P": {"type": "integer", "minimum": 0, "maximum": 5}},
+        "definitions": {"Q": {"type": "boolean"}},
+    }
+    tools = [{"name": "a", "parameters": a}, {"name": "b", "parameters": b}]
+    schema = call_schema(tools, "required", parallel=False)
+    jsonschema.validate(
+        {"name": "b", "parameters": {"p": 3, "q": True, "k": {"p": 1, "q": False, "k": None}}}, schema
+    )
+    for wrong in (
+        {"name": "b", "parameters": {"p": "x", "q": True, "k": None}},
+        {"name": "a", "parameters": {"p": 3}},
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(wrong, schema)
+    c = ToolCallConstraint(tool_grammar(tools, {"name": "b"}, parallel=False), tok)
+    _decode(c, np.random.default_rng(2), {tok.token_id("<0x7D>"): 3.0})  # "}" favoured: short objects
+    assert c.complete
+    jsonschema.validate(json.loads(c.calls()[0]["arguments"]), b)
+
+
 # -- a real daemon -----------------------------------------------------------------------------------------
 
 

@@ -51,17 +51,20 @@ class ToolGrammar:
 
 def call_schema(tools: list[dict[str, Any]], choice: Any, parallel: bool) -> dict[str, Any]:
     """The JSON Schema of the answer: one call (or a list of them when ``parallel``), the tools narrowed to
-    the named one when ``choice`` names one."""
+    the named one when ``choice`` names one. Each tool's parameters sit whole in ``$defs`` (as ``tool<i>``),
+    their own ``$ref`` pointers (``#/$defs/X``, ``#``) rewritten to point into it, so tools' definitions
+    never collide."""
     if isinstance(choice, dict):
         tools = [t for t in tools if t["name"] == choice["name"]]
+    defs = {f"tool{i}": _rebased(t["parameters"], f"#/$defs/tool{i}") for i, t in enumerate(tools)}
     calls = [
         {
             "type": "object",
-            "properties": {"name": {"const": t["name"]}, "parameters": t["parameters"]},
+            "properties": {"name": {"const": t["name"]}, "parameters": {"$ref": f"#/$defs/tool{i}"}},
             "required": ["name", "parameters"],
             "additionalProperties": False,
         }
-        for t in tools
+        for i, t in enumerate(tools)
     ]
     one = calls[0] if len(calls) == 1 else {"anyOf": calls}
     schema = (
@@ -69,7 +72,23 @@ def call_schema(tools: list[dict[str, Any]], choice: Any, parallel: bool) -> dic
         if parallel
         else one
     )
-    return {**schema, "x-guidance": {"whitespace_pattern": CALL_WHITESPACE}}
+    return {**schema, "$defs": defs, "x-guidance": {"whitespace_pattern": CALL_WHITESPACE}}
+
+
+_DATA_KEYWORDS = ("const", "enum", "default", "examples")  # values, not schemas: no $ref in them is one
+
+
+def _rebased(schema: Any, root: str) -> Any:
+    """``schema`` with every local ``$ref`` ("#..." ) pointing under ``root`` instead of the document root."""
+    if isinstance(schema, list):
+        return [_rebased(s, root) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _DATA_KEYWORDS else _rebased(v, root) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = root + ref[1:]
+    return out
 
 
 def tool_grammar(tools: list[dict[str, Any]], choice: Any, parallel: bool) -> ToolGrammar:
