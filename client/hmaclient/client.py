@@ -116,7 +116,11 @@ class AsyncClient:
         ``params``: raw, max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, repeat_last_n,
         seed, stop (a str or a list of str), json_schema (a dict: a JSON Schema the answer must satisfy;
         the result's ``extra["schema_complete"]`` then says whether the JSON was finished within
-        max_tokens). Raises RequestCancelled if the request is cancelled.
+        max_tokens), tools (a list of {name, description, parameters}), tool_choice ("auto", "none",
+        "required" or {"name": ...}) and parallel_tool_calls (the result's ``tool_calls`` then holds the
+        calls, each {id, name, arguments: JSON text}, with finish_reason "tool_calls"; messages may carry
+        an assistant's ``tool_calls`` and ``role: "tool"`` results). Raises RequestCancelled if the
+        request is cancelled.
         """
         timeout = self.timeout if timeout is _DEFAULT else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
