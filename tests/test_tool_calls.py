@@ -219,6 +219,20 @@ def test_auto_is_text_unless_the_answer_opens_a_call(tok):
     assert len(call.calls()) == 1  # parallel off: "[" never opens a list
 
 
+def test_a_list_that_repeats_a_call_is_closed(tok):
+    c = ToolCallConstraint(tool_grammar(TOOLS, "required", parallel=True), tok)
+    call = '{"name": "add", "parameters": {"a": 1, "b": 2}}'
+    for tok_id in tok.encode(
+        f'[{call}, {{"name": "add", "parameters": {{"a": 7, "b": 2}}}}, {call}', add_bos=False
+    ):
+        assert np.isfinite(c.mask(np.zeros(tok.vocab_size, np.float32))[tok_id])
+        c.accept(tok_id)
+    allowed = np.isfinite(c.mask(np.zeros(tok.vocab_size, np.float32)))
+    assert allowed.any() and not (allowed & ~c.classes.closes).any()  # only "]" may follow
+    c.accept(tok.token_id("<0x5D>"))
+    assert c.stopped and [json.loads(x["arguments"])["a"] for x in c.calls()] == [1, 7, 1]
+
+
 def test_the_call_schema_pins_names_to_their_parameters():
     schema = call_schema(TOOLS, "auto", parallel=True)
     jsonschema.validate([{"name": "add", "parameters": {"a": 1, "b": 2}}], schema)

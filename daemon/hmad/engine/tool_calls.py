@@ -122,7 +122,8 @@ def check_tools(grammar: ToolGrammar, tokenizer: Tokenizer) -> None:
 
 class TokenClasses:
     """Per token of one vocabulary: its bytes, and whether it is ``text`` (its first non-space byte opens
-    no call, or it is a special token) or ``space`` (only spaces, tabs and newlines)."""
+    no call, or it is a special token), ``space`` (only spaces, tabs and newlines) or ``closes`` (its first
+    non-space byte is ``]``)."""
 
     _cache: weakref.WeakKeyDictionary[Tokenizer, TokenClasses] = weakref.WeakKeyDictionary()
     _lock = threading.Lock()
@@ -134,6 +135,7 @@ class TokenClasses:
         pairs = list(zip(self.bytes, stripped, strict=True))
         self.space = np.array([bool(b) and not s for b, s in pairs], dtype=bool)
         self.text = np.array([not b or bool(s and s[0] not in OPENERS) for b, s in pairs], dtype=bool)
+        self.closes = np.array([s[:1] == b"]" for s in stripped], dtype=bool)
 
     @classmethod
     def of(cls, tokenizer: Tokenizer) -> TokenClasses:
@@ -147,13 +149,18 @@ class TokenClasses:
 class ToolCallConstraint:
     """A request's tool-call state, with ``JsonConstraint``'s interface (``mask``, ``accept``, ``complete``,
     ``stopped``) plus ``calls()``. Phases: ``open`` (lazy, nothing but whitespace yet), ``call`` (the
-    grammar holds), ``text`` (a text answer: nothing is masked)."""
+    grammar holds), ``text`` (a text answer: nothing is masked).
+
+    A list of calls that repeats a call it already holds (same name and arguments: a small model's loop)
+    is closed there: from then on only tokens that close the list are allowed, where the grammar allows one.
+    """
 
     def __init__(self, grammar: ToolGrammar, tokenizer: Tokenizer):
         self.json = JsonConstraint(grammar.grammar, Vocabulary.of(tokenizer))
         self.classes = TokenClasses.of(tokenizer)
         self.phase = "open" if grammar.lazy else "call"
         self.out = bytearray()  # the call's text
+        self.elements = ListElements()
 
     def mask(self, logits: np.ndarray) -> np.ndarray:
         """A copy of ``logits`` (V,) with the tokens this phase forbids at -inf."""
@@ -162,6 +169,8 @@ class ToolCallConstraint:
         allowed = self.json.allowed()
         if self.phase == "open":  # whitespace and text as the model likes; a call only as the grammar does
             allowed = allowed | self.classes.text | self.classes.space
+        elif self.elements.repeated and (allowed & self.classes.closes).any():
+            allowed = allowed & self.classes.closes
         return np.where(allowed, logits, np.float32(-np.inf)).astype(np.float32, copy=False)
 
     def accept(self, token_id: int) -> None:
@@ -171,6 +180,7 @@ class ToolCallConstraint:
             return  # (leading whitespace is not the grammar's: it starts at the first other token)
         self.json.accept(token_id)
         self.out += self.classes.bytes[token_id]
+        self.elements.feed(self.out, len(self.classes.bytes[token_id]))
         self.phase = "call"
 
     @property
@@ -195,3 +205,36 @@ class ToolCallConstraint:
             }
             for c in (value if isinstance(value, list) else [value])
         ]
+
+
+class ListElements:
+    """The top-level elements of a JSON list, found byte by byte in the call text as it grows (strings and
+    nesting skipped); ``repeated``: one element equals an earlier one."""
+
+    def __init__(self):
+        self.depth, self.in_string, self.escaped = 0, False, False
+        self.is_list: bool | None = None
+        self.start = 0
+        self.seen: list[Any] = []
+        self.repeated = False
+
+    def feed(self, out: bytearray, n: int) -> None:
+        """The last ``n`` bytes of ``out`` are new."""
+        for i in range(len(out) - n, len(out)):
+            b = out[i]
+            if self.in_string:
+                self.escaped, self.in_string = (False, True) if self.escaped else (b == 0x5C, b != 0x22)
+            elif b == 0x22:
+                self.in_string = True
+            elif b in OPENERS:
+                self.is_list = (b == 0x5B) if self.is_list is None else self.is_list
+                self.depth += 1
+                self.start = i if self.depth == 2 else self.start
+            elif b in b"]}":
+                self.depth -= 1
+                if self.is_list and self.depth == 1:
+                    self._element(json.loads(out[self.start : i + 1]))
+
+    def _element(self, value: Any) -> None:
+        self.repeated = self.repeated or value in self.seen
+        self.seen.append(value)
