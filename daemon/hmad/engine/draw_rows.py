@@ -18,6 +18,9 @@ along the row. The selections (top-k, top-p's kept set, min-p) are sets and orde
 that give exactly the per-row result. ``tests/test_draw_rows.py`` checks the tokens and the uniforms used
 against ``sample_candidates`` on fresh random rows and settings.
 
+The candidates are of the adjusted rows (the device adds each request's logit_bias and presence/frequency
+deltas before its top-k: engine/sampling.py, step 0), so nothing here adds them again.
+
 Rows left to the per-row path (``None``): a repetition penalty (it needs the request's recent tokens), a
 candidate that is not finite, an id given twice, more than 128 candidates, a top-p boundary bucket holding
 equal weights among unequal ones (the per-row path orders those with numpy's unstable sort), and top-p's
