@@ -54,6 +54,7 @@ def test_tags_ps_show(client, hmad):
     assert listed.size > 0 and len(listed.digest) == 64
     [running] = client.ps().models
     assert running.model == listed.model and running.size > 0 and running.expires_at.year > 2100
+    assert running.size_vram == 0  # the CPU backend: no device-local heap
     with Client(hmad.socket) as c:
         context = c.status()["context_length"]
     assert running.context_length == context

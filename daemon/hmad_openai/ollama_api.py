@@ -157,7 +157,7 @@ async def ps(request: Request) -> Response:
     del entry["modified_at"]
     entry.update(
         size=int(sum(memory.values())),
-        size_vram=int(sum(v for k, v in memory.items() if not k.startswith(("host", "page cache")))),
+        size_vram=int(sum(v for k, v in memory.items() if "device-local" in k)),  # hmad's status' heap names
         expires_at=FOREVER,
         context_length=info.get("context_length"),
     )
