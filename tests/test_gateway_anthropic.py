@@ -103,8 +103,8 @@ def test_end_turn_and_sampling_fields(client, hmad):
 def test_output_config_format_is_hmads_json_schema(client, hmad):
     schema = {"type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"],
               "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}  # fmt: skip
-    fmt = {"format": {"type": "json_schema", "schema": schema}}
-    r = client.messages.create(model="any", messages=MESSAGES, max_tokens=32, output_config=fmt)
+    config = {"output_config": {"format": {"type": "json_schema", "schema": schema}}}
+    r = client.messages.create(model="any", messages=MESSAGES, max_tokens=32, extra_body=config)
     assert json.loads(r.content[0].text)["x"] in (1, 2) and r.stop_reason == "end_turn"
 
 
