@@ -219,6 +219,14 @@ def stored(name: str, v: Any) -> Any:
     return float(v) if kind == "real" else list(v) if kind == "strings" else v
 
 
+def to_wire(name: str, v: Any) -> Any:
+    """A value as a request frame carries it: a logit_bias map with its int ids as decimal strings (the
+    daemon unpacks maps with string keys only); anything else, and a map that is not valid, unchanged."""
+    if v is None or name not in BY_NAME or BY_NAME[name].kind != "bias" or problem(name, v):
+        return v
+    return {str(token_id(k)): b for k, b in v.items()}
+
+
 def table(indent: int = 4) -> str:
     """The fields as the protocol's docstring lists them: name, what it allows, default, help."""
     rows = []
