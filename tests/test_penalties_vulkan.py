@@ -87,10 +87,11 @@ def _poison(be) -> None:
 
 def test_the_device_adds_the_deltas_before_its_argmax_and_topk(models):
     """Random entries (several per row, some forcing a token with +100 or banning the argmax with -100):
-    the device's argmax and top-k candidates are those of the host's rows plus the same float32 deltas."""
-    _, vk, _, sched = models
+    the device's argmax and top-k candidates are those of the host's rows plus the same float32 deltas; the
+    numpy backend's argmax (its reference, core.batch.add_bias) picks the same tokens."""
+    cpu, vk, cpu_sched, sched = models
     be, n = vk.backend, 8
-    batch = _batch(sched, n)
+    batch, cpu_batch = _batch(sched, n), _batch(cpu_sched, n)
     raw = vk.forward(batch)  # the copy tail: rows as computed, without the deltas
     rng = np.random.default_rng()
     vocab = raw.shape[1]
@@ -108,10 +109,11 @@ def test_the_device_adds_the_deltas_before_its_argmax_and_topk(models):
                 deltas = np.append(rng.uniform(-30, 30, toks.size - 1), -100.0 if kind == 1 else 100.0)
             toks, idx = np.unique(toks, return_index=True)
             entries += [(r, int(t), float(d)) for t, d in zip(toks, np.asarray(deltas)[idx], strict=True)]
-        batch.bias = np.array(entries, BIAS_DTYPE)
+        batch.bias = cpu_batch.bias = np.array(entries, BIAS_DTYPE)
         want = raw.copy()
         want[batch.bias["row"], batch.bias["token"]] += batch.bias["delta"]
         assert not np.array_equal(want.argmax(axis=1), raw.argmax(axis=1))
+        assert np.array_equal(cpu.backend.greedy(cpu.backend.run(cpu.net, cpu_batch)), want.argmax(axis=1))
         for _ in range(2):  # both parities
             _poison(be)
             assert np.array_equal(be.greedy(be.run(vk.net, batch)), want.argmax(axis=1))

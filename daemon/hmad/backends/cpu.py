@@ -23,7 +23,7 @@ import numpy as np
 from hmad.backends import ggml_numerics as ggml
 from hmad.backends import invariant
 from hmad.backends.base import Backend
-from hmad.core.batch import StepBatch
+from hmad.core.batch import BIAS_DTYPE, StepBatch, add_bias
 from hmad.core.kv_layout import KVLayout
 from hmad.core.quants import dequantize
 from hmad.core.tensors import WeightTensor
@@ -200,6 +200,18 @@ class CpuBackend(Backend):
 
     def to_numpy(self, x):
         return np.asarray(x)
+
+    # -- the step's token picks ------------------------------------------------------------------------
+    def run(self, net, batch: StepBatch):
+        """``net.forward(batch)``; the batch's logit adjustments kept for :meth:`greedy`."""
+        self._bias = batch.bias
+        return net.forward(batch)
+
+    def greedy(self, logits) -> np.ndarray:
+        """Argmax of each row plus the last step's ``batch.bias`` (the reference of a device's argmax: the
+        engine picks this backend's tokens from whole rows, where its sampler adds them itself)."""
+        rows = add_bias(self.to_numpy(logits), getattr(self, "_bias", np.zeros(0, BIAS_DTYPE)))
+        return np.argmax(rows, axis=-1).astype(np.int64)
 
 
 def _plain_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:

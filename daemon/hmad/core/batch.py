@@ -106,6 +106,16 @@ class StepBatch:
         )
 
 
+def add_bias(logits: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """``logits`` (S_out, V) float32 plus ``bias`` (BIAS_DTYPE entries): one float32 add per entry, as
+    shaders/logit_bias.comp adds them (a copy; the rows themselves when there is none)."""
+    if not len(bias):
+        return logits
+    out = np.array(logits, dtype=np.float32, copy=True)
+    out[bias["row"], bias["token"]] += bias["delta"]
+    return out
+
+
 def _bias_entries(row: int, ids: np.ndarray, deltas: np.ndarray) -> np.ndarray:
     """One logit row's (ids, deltas) as BIAS_DTYPE entries."""
     out = np.empty(len(ids), BIAS_DTYPE)
