@@ -96,7 +96,7 @@ FIELDS: tuple[SamplingField, ...] = (
     SamplingField("frequency_penalty", "real", -MAX_PENALTY, MAX_PENALTY, 0.0, 0.0,
                   "subtracted from each token's logit once per time it was generated so far (0 = off)"),
     SamplingField("logit_bias", "bias", -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, NO_BIAS, NO_BIAS,
-                  "added to a token's logit: token id -> bias (repeatable ID=BIAS)"),
+                  "added to each given token's logit before sampling (OpenAI's)"),
 )  # fmt: skip
 BY_NAME: dict[str, SamplingField] = {f.name: f for f in FIELDS}
 NAMES: tuple[str, ...] = tuple(BY_NAME)
@@ -253,7 +253,8 @@ def add_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] = NAMES) -
             text = f"{f.help}: at most {f.hi}, of 1 to {MAX_STOP_CHARS} characters"
             parser.add_argument(f.flag, action="append", type=_flag_type(f), metavar="STR", help=text)
         elif f.kind == "bias":
-            text = f"{f.help}; bias {describe_range('real', f.lo, f.hi)}, at most {MAX_LOGIT_BIAS_ENTRIES}"
+            bias = describe_range("real", f.lo, f.hi)
+            text = f"{f.help}: ID=BIAS, repeatable, at most {MAX_LOGIT_BIAS_ENTRIES}; BIAS {bias}"
             parser.add_argument(f.flag, action="append", type=_flag_type(f), metavar="ID=BIAS", help=text)
         else:
             allowed = describe_range(f.kind, f.lo, f.hi, f.lo_open)  # a flag is never null
