@@ -8,6 +8,7 @@ import pytest
 
 from hmaclient import sampling
 from hmad_openai.errors import OpenAIError
+from hmad_openai.openai_api import CallText
 from hmad_openai.schema import ChatRequest, CompletionRequest, parse
 
 OUT_OF_RANGE = {
@@ -75,3 +76,18 @@ def test_tools_and_tool_turns_pass_to_hmad_and_legacy_functions_are_refused():
     with pytest.raises(OpenAIError) as e:
         parse(ChatRequest, json.dumps(body).encode()).hmad_messages()
     assert e.value.param == "messages[3].tool_call_id"
+
+
+@pytest.mark.parametrize(
+    "tools, forced, pieces, sent, left",
+    [
+        (False, False, [" {", "x"], [" {", "x"], ""),  # no tools: all text
+        (True, False, [" ", "\n", "Hi", "!"], ["", "", " \nHi", "!"], ""),  # spaces wait for the first char
+        (True, False, [" ", '{"na', 'me"'], ["", "", ""], ' {"name"'),  # a call: held back, never content
+        (True, True, ["Hi"], [""], "Hi"),  # required: whatever comes is the call's
+    ],
+)
+def test_streamed_text_of_a_possible_call_is_held_back(tools, forced, pieces, sent, left):
+    held = CallText(tools, forced)
+    assert [held.feed(p) for p in pieces] == sent
+    assert held.rest() == left
