@@ -7,6 +7,7 @@ calls and results is accepted, bad requests get one error each and the daemon se
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jsonschema
 import numpy as np
@@ -18,6 +19,7 @@ from hmaclient import Client, RequestError
 from hmaclient import protocol as P
 from hmad.engine.tool_calls import ToolCallConstraint, call_schema, tool_grammar
 from hmad.model.chat import render_chat
+from hmad.model.chat_template import ChatTemplate
 from hmad.model.tokenizer import SpmTokenizer
 from hmad.model.tools import fold_tools
 
@@ -167,6 +169,14 @@ def test_the_prompt_holds_the_tools_the_calls_and_the_results():
     assert "You MUST call the function add." in named and "JSON list" not in named
     none = fold_tools(req.messages, req.tools, "none")
     assert none[0] == {"role": "system", "content": "Be brief."}
+
+
+def test_gemma3s_own_template_renders_the_tool_turns_as_the_builtin_does(tok):
+    source = (Path(__file__).parent / "fixtures" / "chat_templates" / "gemma3_it.jinja").read_text()
+    gemma3 = ChatTemplate(source, tok, "gemma3_it.jinja")
+    req = _generate(messages=[*HISTORY, {"role": "assistant", "content": "-3 C."}, HISTORY[0]], tools=TOOLS)
+    turns = fold_tools(req.messages, req.tools, req.tool_choice)  # (Gemma 3's roles must alternate)
+    assert tok.encode(render_chat(turns, template=gemma3)) == tok.encode(render_chat(turns))
 
 
 # -- the grammar -------------------------------------------------------------------------------------------
