@@ -58,6 +58,17 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: (not item.get_closest_marker("slow"), bool(item.get_closest_marker("alone"))))
 
 
+def pytest_configure(config):
+    """``--dist loadgroup`` needs a pytest on which pytest-xdist can mark the groups: it edits
+    ``item._nodeid``, which pytest 9 no longer reads, so there every group is spread over the workers and
+    each builds the group's module fixtures (pyproject.toml's test extra pins pytest below 9)."""
+    if getattr(config.option, "dist", None) == "loadgroup" and pytest.version_tuple >= (9,):
+        raise pytest.UsageError(
+            f"--dist loadgroup ignores xdist_group under pytest {pytest.__version__}: install the test "
+            "extra's pytest (pip install -e '.[test]')"
+        )
+
+
 _cores_lock: list = []  # the open lock files while this worker runs a test
 
 

@@ -58,8 +58,8 @@ ERROR_CODES = frozenset(
     }
 )
 
-FINISH_REASONS = frozenset({"stop", "length"})
-ROLES = frozenset({"system", "user", "model", "assistant"})
+FINISH_REASONS = frozenset({"stop", "length", "tool_calls"})
+ROLES = frozenset({"system", "user", "model", "assistant", "tool"})
 REQUEST_TYPES = frozenset({"generate", "cancel", "status", "ping", "metrics"})
 
 # What each version added: (request type, field) -> version, with field None for a whole request type.

@@ -231,13 +231,10 @@ def _plain_message(i: int, m: Any) -> tuple[dict[str, str], str | None]:
     if not isinstance(m, dict) or set(m) != {"role", "content"}:
         return {}, f"messages[{i}] must be a map with exactly 'role' and 'content'"
     if not isinstance(m["role"], str) or m["role"] not in ROLES:
-        return {}, f"messages[{i}].role must be one of {sorted(_ROLES)}, got {m['role']!r:.64}"
+        return {}, f"messages[{i}].role must be one of {sorted(ROLES)}, got {m['role']!r:.64}"
     if not isinstance(m["content"], str):
         return {}, f"messages[{i}].content must be a str, got {_kind(m['content'])}"
     return {"role": m["role"], "content": m["content"]}, None
-
-
-_ROLES = ROLES | {"tool"}  # a tool result takes hmaclient.tools' check
 
 
 # Request builders (the client's side). Each returns the message map, validated as the daemon will.
