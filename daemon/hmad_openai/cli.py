@@ -1,4 +1,5 @@
-"""``hmad-openai``: serve OpenAI's HTTP API for the hmad at ``--socket``, on 127.0.0.1:8080 by default.
+"""``hmad-openai``: serve OpenAI's, Anthropic's and Ollama's HTTP APIs for the hmad at ``--socket``, on
+127.0.0.1:8080 by default (``docs/gateway.md``).
 
     hmad-openai [--socket PATH] [--host ADDR] [--port N] [--api-key KEY | --api-key-file PATH]
                 [--model-name NAME] [--cors-origin ORIGIN]... [--allowed-host NAME]...
@@ -39,7 +40,7 @@ BODY_TIMEOUT_S = 30.0  # the largest body (MAX_BODY_BYTES) at a slow link's pace
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="hmad-openai", description="OpenAI-compatible HTTP gateway to hmad.")
+    ap = argparse.ArgumentParser(prog="hmad-openai", description="HTTP gateway to hmad: the OpenAI, Anthropic and Ollama APIs.")
     ap.add_argument("--socket", metavar="PATH", help=f"hmad's socket (default: {default_socket_path()})")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     ap.add_argument("--port", type=tcp_port, default=8080, help="TCP port (default: 8080; 0: any free port)")
