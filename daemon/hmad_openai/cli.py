@@ -40,7 +40,9 @@ BODY_TIMEOUT_S = 30.0  # the largest body (MAX_BODY_BYTES) at a slow link's pace
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="hmad-openai", description="HTTP gateway to hmad: the OpenAI, Anthropic and Ollama APIs.")
+    ap = argparse.ArgumentParser(
+        prog="hmad-openai", description="HTTP gateway to hmad: the OpenAI, Anthropic and Ollama APIs."
+    )
     ap.add_argument("--socket", metavar="PATH", help=f"hmad's socket (default: {default_socket_path()})")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     ap.add_argument("--port", type=tcp_port, default=8080, help="TCP port (default: 8080; 0: any free port)")
