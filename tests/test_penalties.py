@@ -168,11 +168,8 @@ def test_the_wire_form():
     p = SamplingParams(**req.sampling())
     p.validate()
     assert p.logit_bias == req.logit_bias and p.adjusts and p.counts_matter
-    # a Python caller's int ids: to_wire gives the frame's string keys (msgpack maps of the wire have them)
+    # a Python caller's int ids: generate_request gives the frame's string keys (to_wire)
     msg = P.generate_request("r", "hi", logit_bias={7: 1.5, "9": -2})
-    with pytest.raises(P.ProtocolError, match="int is not allowed for map key"):
-        P.parse_request(P.pack(msg))
-    msg["logit_bias"] = fields.to_wire("logit_bias", msg["logit_bias"])
     assert msg["logit_bias"] == {"7": 1.5, "9": -2}
     assert P.parse_request(P.pack(msg)).logit_bias == {7: 1.5, 9: -2.0}
     assert fields.to_wire("logit_bias", [7]) == [7] and fields.to_wire("top_k", 3) == 3

@@ -509,10 +509,16 @@ def test_sampling_fields_are_the_one_tables():
     assert P.SAMPLING_FIELDS == sampling.NAMES
     assert set(sampling.NAMES) <= {f.name for f in dataclasses.fields(P.GenerateRequest)}
     for f in sampling.FIELDS:
-        past = ["s"] * (int(f.hi) + 1) if f.kind == "strings" else f.hi + (1 if f.kind == "int" else 0.5)
+        if f.kind == "bias":  # a map: one entry over the count limit, then the limit at the bound
+            past = {str(i): f.hi for i in range(sampling.MAX_LOGIT_BIAS_ENTRIES + 1)}
+        else:
+            past = ["s"] * (int(f.hi) + 1) if f.kind == "strings" else f.hi + (1 if f.kind == "int" else 0.5)
         with pytest.raises(P.ProtocolError) as e:  # the check itself: 2^64 does not fit msgpack
             P.validate_request({k: v for k, v in gen(**{f.name: past}).items() if v is not None}, "r1")
         assert (e.value.code, e.value.message) == (P.BAD_REQUEST, sampling.problem(f.name, past))
-        at = ["s"] * int(f.hi) if f.kind == "strings" else f.hi
+        if f.kind == "bias":
+            at = {str(i): f.hi for i in range(sampling.MAX_LOGIT_BIAS_ENTRIES)}
+        else:
+            at = ["s"] * int(f.hi) if f.kind == "strings" else f.hi
         assert getattr(P.parse_request(raw(gen(**{f.name: at}))), f.name) == sampling.stored(f.name, at)
     assert "temperature" in P.__doc__ and sampling.describe(sampling.BY_NAME["top_p"]) in P.__doc__

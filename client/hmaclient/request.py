@@ -247,7 +247,7 @@ def generate_request(
     and the sampling fields. None values are
     left out; ``v`` is the lowest version that has every field used."""
     msg = {"type": "generate", "id": id, "prompt": prompt, "messages": messages, **fields}
-    msg = {k: v for k, v in msg.items() if v is not None}
+    msg = {k: sampling.to_wire(k, v) for k, v in msg.items() if v is not None}
     msg = {"v": required_version(msg), **msg}
     validate_request(msg, id)
     return msg

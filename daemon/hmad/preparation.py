@@ -34,6 +34,7 @@ def prepare(
     PromptTooLong, UnencodableText or ValueError (naming the problem)."""
     params = SamplingParams(**{**vars(defaults), **req.sampling()})
     params.validate()
+    params.check_vocab(model.config.vocab_size)  # a logit_bias id past the vocabulary: bad_request
     grammar = _grammar(req, model.tokenizer)
     template = model.tokenizer.chat_template  # the model's own, or None: the built-in Gemma turns
     messages = req.messages
