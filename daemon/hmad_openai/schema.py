@@ -11,15 +11,15 @@ What maps where:
     response_format json_object         -> json_schema {"type": "object"}
     response_format json_schema         -> json_schema <its schema>
     top_k, min_p, repetition_penalty, repeat_last_n (hmad's, as llama-server takes them) -> the same
+    presence_penalty, frequency_penalty, logit_bias ({"<token id>": bias}) -> the same (hmad's own: OpenAI's)
     tools ({type: function, function: {name, description, parameters}}), tool_choice ("auto", "none",
     "required", {type: function, function: {name}}), parallel_tool_calls -> the same (hmaclient.tools
     checks them); assistant messages' tool_calls (content null) and role "tool" messages (tool_call_id,
     name) -> hmad's tool turns
 
 Refused with a 400 that says why (rather than silently ignored, since they change the answer): n other than
-1, non-zero presence_penalty / frequency_penalty (hmad has the multiplicative repetition_penalty instead),
-logprobs / top_logprobs, a non-empty logit_bias, the legacy functions / function_call (send tools /
-tool_choice), echo, best_of > 1, suffix, token id prompts, non-text content parts. Fields this module does
+1, logprobs / top_logprobs, the legacy functions / function_call (send tools / tool_choice), echo,
+best_of > 1, suffix, token id prompts, non-text content parts. Fields this module does
 not name (user, metadata, store, ...) are ignored.
 The sampling fields' types and ranges are hmad's own (hmaclient.sampling, as pydantic types from
 hmad.engine.sampling_schema): one out of range is a 400 naming it in the wire's words ("top_p must be a
@@ -75,9 +75,6 @@ class _Common(_SamplingBody):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
 
     @property
@@ -88,7 +85,7 @@ class _Common(_SamplingBody):
         """hmaclient ``generate`` keyword arguments (None values left out), after refusing what hmad cannot
         do."""
         self._refuse_unsupported()
-        out = {k: getattr(self, k) for k in _SAMPLING if getattr(self, k) is not None}
+        out = {k: sampling.to_wire(k, getattr(self, k)) for k in _SAMPLING if getattr(self, k) is not None}
         if self.stop is not None:
             out["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         schema = self._json_schema()
@@ -99,12 +96,6 @@ class _Common(_SamplingBody):
     def _refuse_unsupported(self) -> None:
         if self.n not in (None, 1):
             raise bad_request(f"n must be 1 (hmad answers one choice per request), got {self.n}", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                msg = f"{name} is not supported; hmad's repetition_penalty (multiplicative, 1 = off) is"
-                raise bad_request(msg, name)
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
 
     def _json_schema(self) -> dict[str, Any] | None:
         fmt = self.response_format
