@@ -100,13 +100,16 @@ def test_the_device_adds_the_deltas_before_its_argmax_and_topk(models):
         for r in range(n):
             toks = rng.choice(vocab, int(rng.integers(0, 12)), replace=False)
             deltas = rng.uniform(-30, 30, toks.size)
-            kind = rng.integers(3) if r else 2  # row 0 forces a token: the deltas change an argmax
+            kind = rng.integers(3)
             if kind == 1:  # ban the argmax
                 toks, deltas = np.append(toks[toks != raw[r].argmax()], raw[r].argmax()), None
             elif kind == 2:  # force a token
                 toks, deltas = np.append(toks, (raw[r].argmax() + 1 + rng.integers(vocab - 1)) % vocab), None
             if deltas is None:
                 deltas = np.append(rng.uniform(-30, 30, toks.size - 1), -100.0 if kind == 1 else 100.0)
+            if r == 0:  # one sure change of an argmax: a token lifted past the row's maximum
+                t = (raw[0].argmax() + 1) % vocab
+                toks, deltas = np.array([t]), np.array([raw[0].max() - raw[0][t] + 1.0])
             toks, idx = np.unique(toks, return_index=True)
             entries += [(r, int(t), float(d)) for t, d in zip(toks, np.asarray(deltas)[idx], strict=True)]
         batch.bias = cpu_batch.bias = np.array(entries, BIAS_DTYPE)
