@@ -256,7 +256,7 @@ CHAT = {"model": "any", "messages": [{"role": "user", "content": "hi"}], "max_to
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        ("chat", {"n": 2}, "n"),
+        ("chat", {"n": 17}, "n"),
         ("chat", {"temperature": -1}, "temperature"),
         ("chat", {"temperature": "hot"}, "temperature"),
         ("chat", {"top_p": 0}, "top_p"),

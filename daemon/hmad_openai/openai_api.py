@@ -1,9 +1,15 @@
 """OpenAI's API: ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models``, streamed as server-sent
-events or answered whole (:data:`ROUTES`, mounted by ``app.build_app``)."""
+events or answered whole (:data:`ROUTES`, mounted by ``app.build_app``).
+
+An answer of n choices is n generations of the same prompt in hmad, sent together: their prompts share KV
+blocks through hmad's prefix cache where it has one. The first to fail (or the client leaving) cancels the
+others; a stream interleaves the choices' chunks as their pieces come.
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from typing import Any
 
 from starlette.requests import Request
@@ -12,6 +18,7 @@ from starlette.routing import Route
 
 from hmaclient import protocol as P
 from hmaclient.errors import RequestError
+from hmaclient.results import Piece
 from hmaclient.stream import AsyncStream
 from hmad_openai import responses as R
 from hmad_openai.errors import OpenAIError, bad_request, from_exception
@@ -32,17 +39,30 @@ async def completions(request: Request) -> Response:
 async def _generation(
     request: Request, req: ChatRequest | CompletionRequest, params: dict[str, Any], chat: bool, **inputs: Any
 ) -> Response:
-    """One generation for either endpoint: ``inputs`` are what hmaclient takes besides ``params`` (chat:
-    the messages; completions: the raw prompt). Streamed as SSE or answered whole; a refusal is an HTTP
-    error, a client gone before the answer cancels the generation."""
+    """The answer of either endpoint, one generation per choice: ``inputs`` are what hmaclient takes besides
+    ``params`` (chat: the messages; completions: the raw prompt). Streamed as SSE or answered whole; a
+    refusal is an HTTP error, a client gone before the answer cancels the generations."""
     gw: Gateway = gateway_of(request)
     reply = R.Reply(await gw.model_name(), chat=chat)
+    each = req.choice_params(params)
     if req.stream:
-        stream = gw.client.stream(**inputs, **params)
-        held = CallText(chat and req.calls_tools, chat and req.must_call)
-        return await _streamed(request, reply, stream, req.include_usage, held)
-    result = await unless_disconnected(request, gw.client.generate(**inputs, **params))
-    return JSONResponse(reply.whole(result))
+        streams = [gw.client.stream(**inputs, **p) for p in each]
+        held = [CallText(chat and req.calls_tools, chat and req.must_call) for _ in each]
+        return await _streamed(request, reply, streams, req.include_usage, held)
+    results = await unless_disconnected(request, _all(gw.client.generate(**inputs, **p) for p in each))
+    return JSONResponse(reply.whole(results))
+
+
+async def _all(works: Iterable[Awaitable[Any]]) -> list[Any]:
+    """Every work's result, in order. The first failure cancels the others (and so their generations in
+    hmad) and is raised; so does a cancellation of the caller."""
+    tasks = [asyncio.ensure_future(w) for w in works]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def list_models(request: Request) -> Response:
@@ -65,12 +85,18 @@ async def get_model(request: Request) -> Response:
 
 
 async def _streamed(
-    request: Request, reply: R.Reply, stream: AsyncStream, include_usage: bool, held: CallText
+    request: Request, reply: R.Reply, streams: list[AsyncStream], include_usage: bool, held: list[CallText]
 ) -> Response:
-    """Wait until hmad accepts the request (a refusal is an HTTP error), then stream its pieces as SSE."""
-    await unless_disconnected(request, stream.start())
+    """Wait until hmad accepts every choice's request (a refusal is an HTTP error, and cancels the others),
+    then stream their pieces as SSE."""
+    try:
+        await unless_disconnected(request, _all(s.start() for s in streams))
+    except BaseException:
+        for s in streams:
+            await s.aclose()
+        raise
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    events = _events(reply, stream, include_usage, held)
+    events = _events(reply, streams, include_usage, held)
     return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
 
@@ -105,32 +131,70 @@ class CallText:
 
 
 async def _events(
-    reply: R.Reply, stream: AsyncStream, include_usage: bool, held: CallText
+    reply: R.Reply, streams: list[AsyncStream], include_usage: bool, held: list[CallText]
 ) -> AsyncIterator[str]:
-    """The SSE body. Starlette cancels it when the client disconnects; leaving the stream cancels the
-    generation. An error after the start goes out as an ``error`` event (the OpenAI client raises it)."""
+    """The SSE body: each choice's chunks under its index, as its pieces come, and its finish when its
+    generation ends. Starlette cancels it when the client disconnects; leaving the streams cancels the
+    generations. An error after the start goes out as an ``error`` event (the OpenAI client raises it)."""
+    results: list[Any] = [None] * len(streams)
+    merged = _merged(streams)
     try:
         if reply.chat:
-            yield R.sse(reply.chunk(None, role=True))
-        async for piece in stream:
-            text = held.feed(piece.text)
-            if text:
-                yield R.sse(reply.chunk(text))
-        result = stream.result
-        if result.finish_reason == "cancelled":
-            raise OpenAIError(503, "hmad cancelled the request (it is shutting down)", "service_unavailable")
-        if result.tool_calls:
-            yield R.sse(reply.tool_calls_chunk(result))
-        elif held.held:
-            yield R.sse(reply.chunk(held.rest()))
-        yield R.sse(reply.chunk(None, result.finish_reason))
+            for i in range(len(streams)):
+                yield R.sse(reply.chunk(None, role=True, index=i))
+        async for i, piece in merged:
+            if piece is not None:
+                text = held[i].feed(piece.text)
+                if text:
+                    yield R.sse(reply.chunk(text, index=i))
+                continue
+            results[i] = result = streams[i].result
+            if result.finish_reason == "cancelled":
+                raise OpenAIError(
+                    503, "hmad cancelled the request (it is shutting down)", "service_unavailable"
+                )
+            if result.tool_calls:
+                yield R.sse(reply.tool_calls_chunk(result, i))
+            elif held[i].held:
+                yield R.sse(reply.chunk(held[i].rest(), index=i))
+            yield R.sse(reply.chunk(None, result.finish_reason, index=i))
         if include_usage:
-            yield R.sse(reply.usage_chunk(result))
+            yield R.sse(reply.usage_chunk(results))
     except Exception as e:  # noqa: BLE001 - every failure becomes the stream's error event
         yield R.sse(openai_error(e).body())
     finally:
-        await stream.aclose()
+        for s in streams:  # first: closing the merge awaits, which a cancelled body may not finish
+            await s.aclose()
+        await merged.aclose()
     yield R.DONE_EVENT
+
+
+async def _merged(streams: list[AsyncStream]) -> AsyncIterator[tuple[int, Piece | None]]:
+    """(i, piece) as the streams' pieces come; (i, None) once stream i has ended. A stream's failure is
+    raised here; leaving early cancels the readers (and so the generations)."""
+    queue: asyncio.Queue[tuple[int, Piece | None, BaseException | None]] = asyncio.Queue()
+
+    async def read(i: int, stream: AsyncStream) -> None:
+        try:
+            async for piece in stream:
+                queue.put_nowait((i, piece, None))
+            queue.put_nowait((i, None, None))
+        except Exception as e:  # noqa: BLE001 - handed to the merged iteration
+            queue.put_nowait((i, None, e))
+
+    readers = [asyncio.ensure_future(read(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, piece, error = await queue.get()
+            if error is not None:
+                raise error
+            left -= piece is None
+            yield i, piece
+    finally:
+        for r in readers:
+            r.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
 
 
 def openai_error(e: Exception) -> OpenAIError:

@@ -1,10 +1,11 @@
 """OpenAI response objects: chat completions, text completions, their stream chunks, usage, models.
 
 ``Reply`` holds what every object of one answer shares (id, created, model, kind); its methods build the
-whole answer (stream=false) and each stream chunk. Tool calls (finish_reason ``tool_calls``) go out as
-``message.tool_calls`` with content null, or streamed as one ``tool_calls`` delta holding every call whole
-(index, id, type, function name and arguments), as llama-server sends a call it parsed. Server-sent
-events are ``data: <json>\\n\\n`` lines, ending with ``data: [DONE]``.
+whole answer (stream=false) and each stream chunk. An answer of n choices (``n``) holds one hmad result per
+choice, ``index`` 0..n-1; each stream chunk carries one choice's index. Tool calls (finish_reason
+``tool_calls``) go out as ``message.tool_calls`` with content null, or streamed as one ``tool_calls``
+delta holding every call whole (index, id, type, function name and arguments), as llama-server sends a
+call it parsed. Server-sent events are ``data: <json>\\n\\n`` lines, ending with ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,16 +27,20 @@ def sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def usage(r: Result) -> dict[str, Any]:
-    """OpenAI's usage from hmad's counts; ``prompt_tokens_details.cached_tokens`` where hmad's ``done``
-    reports prefix-cache hits (``cached_tokens``)."""
+def usage(results: Sequence[Result]) -> dict[str, Any]:
+    """OpenAI's usage from hmad's counts of each choice's generation: the prompt counted once, the completion
+    tokens summed; ``prompt_tokens_details.cached_tokens`` where hmad's ``done`` reports prefix-cache hits
+    (``cached_tokens``): the fewest of any choice (the prompt as the choice that computed most of it)."""
+    prompt = results[0].prompt_tokens
+    completion = sum(r.generated_tokens for r in results)
     out: dict[str, Any] = {
-        "prompt_tokens": r.prompt_tokens,
-        "completion_tokens": r.generated_tokens,
-        "total_tokens": r.prompt_tokens + r.generated_tokens,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
     }
-    if isinstance(r.extra.get("cached_tokens"), int):
-        out["prompt_tokens_details"] = {"cached_tokens": r.extra["cached_tokens"]}
+    cached = [r.extra.get("cached_tokens") for r in results]
+    if all(isinstance(c, int) for c in cached):
+        out["prompt_tokens_details"] = {"cached_tokens": min(cached)}
     return out
 
 
@@ -62,38 +68,45 @@ class Reply:
     def __post_init__(self) -> None:
         self.id = self.id or ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
 
-    def whole(self, r: Result) -> dict[str, Any]:
-        """The answer of a stream=false request (tool calls: ``message.tool_calls``, content null)."""
-        if self.chat:
-            message = {"role": "assistant", "content": r.text, "refusal": None}
-            if r.tool_calls:
-                message.update(content=None, tool_calls=tool_calls(r.tool_calls))
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": r.finish_reason}
-        else:
-            choice = {"index": 0, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}
+    def whole(self, results: Sequence[Result]) -> dict[str, Any]:
+        """The answer of a stream=false request, one choice per result (tool calls: ``message.tool_calls``,
+        content null)."""
         body = self._head("chat.completion" if self.chat else "text_completion")
-        return {**body, "choices": [choice], "usage": usage(r)}
+        choices = [self._choice(i, r) for i, r in enumerate(results)]
+        return {**body, "choices": choices, "usage": usage(results)}
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict[str, Any]:
-        """A stream chunk: a piece of text, the role announcement (chat's first chunk) or the finish."""
+    def _choice(self, index: int, r: Result) -> dict[str, Any]:
+        if not self.chat:
+            return {"index": index, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}
+        message = {"role": "assistant", "content": r.text, "refusal": None}
+        if r.tool_calls:
+            message.update(content=None, tool_calls=tool_calls(r.tool_calls))
+        return {"index": index, "message": message, "logprobs": None, "finish_reason": r.finish_reason}
+
+    def chunk(
+        self, text: str | None, finish_reason: str | None = None, role: bool = False, index: int = 0
+    ) -> dict[str, Any]:
+        """A stream chunk of choice ``index``: a piece of text, the role announcement (chat's first chunk of
+        each choice) or the finish."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         return {**self._chunk_head(), "choices": [choice]}
 
-    def tool_calls_chunk(self, r: Result) -> dict[str, Any]:
-        """The chunk carrying every call of the answer, each whole (index, id, type, name, arguments)."""
+    def tool_calls_chunk(self, r: Result, index: int = 0) -> dict[str, Any]:
+        """The chunk carrying every call of choice ``index``, each whole (index, id, type, name,
+        arguments)."""
         delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls(r.tool_calls))]}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
         return {**self._chunk_head(), "choices": [choice]}
 
-    def usage_chunk(self, r: Result) -> dict[str, Any]:
-        """The last chunk when stream_options.include_usage is set: no choices, the usage."""
-        return {**self._chunk_head(), "choices": [], "usage": usage(r)}
+    def usage_chunk(self, results: Sequence[Result]) -> dict[str, Any]:
+        """The last chunk when stream_options.include_usage is set: no choices, the usage of all."""
+        return {**self._chunk_head(), "choices": [], "usage": usage(results)}
 
     def _chunk_head(self) -> dict[str, Any]:
         return self._head("chat.completion.chunk" if self.chat else "text_completion")

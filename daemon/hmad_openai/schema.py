@@ -16,9 +16,10 @@ What maps where:
     "required", {type: function, function: {name}}), parallel_tool_calls -> the same (hmaclient.tools
     checks them); assistant messages' tool_calls (content null) and role "tool" messages (tool_call_id,
     name) -> hmad's tool turns
+    n (1 to MAX_CHOICES)                -> that many generations of the same prompt (``choice_params``)
 
-Refused with a 400 that says why (rather than silently ignored, since they change the answer): n other than
-1, logprobs / top_logprobs, the legacy functions / function_call (send tools / tool_choice), echo,
+Refused with a 400 that says why (rather than silently ignored, since they change the answer): n out of
+range, logprobs / top_logprobs, the legacy functions / function_call (send tools / tool_choice), echo,
 best_of > 1, suffix, token id prompts, non-text content parts. Fields this module does
 not name (user, metadata, store, ...) are ignored.
 The sampling fields' types and ranges are hmad's own (hmaclient.sampling, as pydantic types from
@@ -38,6 +39,8 @@ from hmad_openai.errors import OpenAIError, bad_request
 
 # OpenAI's names that are hmad's sampling fields (stop, a str or a list, is translated by hand)
 _SAMPLING = tuple(name for name in sampling.NAMES if name != "stop")
+# Choices per request (n): each is a generation of its own in hmad, counted against its in-flight limits.
+MAX_CHOICES = 16
 
 
 class _Body(BaseModel):
@@ -93,9 +96,23 @@ class _Common(_SamplingBody):
             out["json_schema"] = schema
         return out
 
+    @property
+    def choices(self) -> int:
+        """How many choices the answer has (n; absent: 1)."""
+        return 1 if self.n is None else self.n
+
+    def choice_params(self, params: dict[str, Any]) -> list[dict[str, Any]]:
+        """``params`` for each choice: with a seed, choice i draws with seed + i (mod 2^64), so choices
+        differ and each repeats; without, each has fresh entropy."""
+        seed = params.get("seed")
+        if seed is None:
+            return [params] * self.choices
+        return [{**params, "seed": (seed + i) % (sampling.MAX_SEED + 1)} for i in range(self.choices)]
+
     def _refuse_unsupported(self) -> None:
-        if self.n not in (None, 1):
-            raise bad_request(f"n must be 1 (hmad answers one choice per request), got {self.n}", "n")
+        if not 1 <= self.choices <= MAX_CHOICES:
+            msg = f"n must be an integer from 1 to {MAX_CHOICES} (choices per request), got {self.n}"
+            raise bad_request(msg, "n")
 
     def _json_schema(self) -> dict[str, Any] | None:
         fmt = self.response_format
