@@ -130,6 +130,8 @@ class Request:
             "tokens_per_s": round((n - 1) / decode_s, 3) if n > 1 and decode_s > 0 else 0.0,
         }
         cut = bool(self.stops and self.stops.hit)  # a stop string cut the text short
+        if cut:
+            stats["stop_sequence"] = self.stops.matched  # which one (Anthropic's stop_sequence)
         if isinstance(self.grammar_state, ToolCallConstraint):  # the answer is these calls
             calls = None if cut else self.grammar_state.calls()
             if calls:
