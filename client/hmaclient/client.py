@@ -119,8 +119,9 @@ class AsyncClient:
         max_tokens), tools (a list of {name, description, parameters}), tool_choice ("auto", "none",
         "required" or {"name": ...}) and parallel_tool_calls (the result's ``tool_calls`` then holds the
         calls, each {id, name, arguments: JSON text}, with finish_reason "tool_calls"; messages may carry
-        an assistant's ``tool_calls`` and ``role: "tool"`` results). Raises RequestCancelled if the
-        request is cancelled.
+        an assistant's ``tool_calls`` and ``role: "tool"`` results) and logprobs (an int 0..20: the result's
+        ``logprobs`` then holds each token's ``Logprob`` with that many alternatives; streamed, each
+        ``Piece`` has its tokens'). Raises RequestCancelled if the request is cancelled.
         """
         timeout = self.timeout if timeout is _DEFAULT else timeout
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -26,8 +26,14 @@ def accepted(id: Id, rid: int, *, v: int = PROTOCOL_VERSION) -> dict[str, Any]:
     return {"v": v, "type": "accepted", "id": id, "rid": rid}
 
 
-def token(id: Id, text: str, token_ids: list[int], *, v: int = PROTOCOL_VERSION) -> dict[str, Any]:
-    return {"v": v, "type": "token", "id": id, "text": text, "token_ids": list(token_ids)}
+def token(
+    id: Id, text: str, token_ids: list[int], *, v: int = PROTOCOL_VERSION, logprobs: list | None = None
+) -> dict[str, Any]:
+    """``logprobs``: one entry per id of ``token_ids`` (the request asked for them: docs/protocol.md)."""
+    msg = {"v": v, "type": "token", "id": id, "text": text, "token_ids": list(token_ids)}
+    if logprobs is not None:
+        msg["logprobs"] = logprobs
+    return msg
 
 
 def done(
@@ -44,8 +50,8 @@ def done(
     v: int = PROTOCOL_VERSION,
     **extra: Any,
 ) -> dict[str, Any]:
-    """``text`` and ``token_ids`` only with stream=false. ``extra`` fields (e.g. schema_complete) go out as
-    they are."""
+    """``text`` and ``token_ids`` only with stream=false (and ``logprobs``, when asked for, in ``extra``).
+    ``extra`` fields (e.g. schema_complete) go out as they are."""
     msg = {
         "v": v,
         "type": "done",
@@ -103,6 +109,18 @@ class Token:
     id: Id
     text: str
     token_ids: list[int]
+    logprobs: list[Logprob] | None = None  # one per id, when the request asked for logprobs
+
+
+@dataclass
+class Logprob:
+    """A generated token's logprob and its ``top`` alternatives, each (id, logprob, text), most likely
+    first (docs/protocol.md, "Logprobs")."""
+
+    token_id: int
+    text: str
+    logprob: float
+    top: list[tuple[int, float, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -118,6 +136,7 @@ class Done:
     token_ids: list[int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # fields this version does not know
     tool_calls: list[dict[str, str]] = field(default_factory=list)  # [{id, name, arguments (JSON text)}]
+    logprobs: list[Logprob] | None = None  # stream=false, when asked for: one per id of token_ids
 
 
 @dataclass
@@ -202,13 +221,38 @@ def parse_reply(frame: bytes, max_size: int = MAX_REPLY_BYTES) -> Reply:
     if mtype == "metrics":
         return Metrics(mid, [f for f in msg["metrics"] if _is_family(f)])
     if mtype == "done":
-        known = {"v", "type", "id", "text", "token_ids", "tool_calls", *required}
+        known = {"v", "type", "id", "text", "token_ids", "tool_calls", "logprobs", *required}
         extra = {k: v for k, v in msg.items() if k not in known}
         calls = _tool_calls(msg.get("tool_calls"), mid)
+        ids, lps = msg.get("token_ids"), _logprobs(msg.get("logprobs"), mid)
         return Done(
-            mid, **values, text=msg.get("text"), token_ids=msg.get("token_ids"), extra=extra, tool_calls=calls
+            mid, **values, text=msg.get("text"), token_ids=ids, extra=extra, tool_calls=calls, logprobs=lps
         )
+    if mtype == "token":
+        return Token(mid, **values, logprobs=_logprobs(msg.get("logprobs"), mid))
     return cls(mid, **values)
+
+
+def _logprobs(entries: Any, mid: Id) -> list[Logprob] | None:
+    """A reply's logprobs: absent is None; each {token_id, text, logprob, top: [[id, logprob, text]]}."""
+    if entries is None:
+        return None
+    try:
+        return [
+            Logprob(
+                int(e["token_id"]),
+                str(e["text"]),
+                float(e["logprob"]),
+                [(int(i), float(lp), str(t)) for i, lp, t in e["top"]],
+            )
+            for e in entries
+        ]
+    except (TypeError, KeyError, ValueError):
+        raise ProtocolError(
+            BAD_REQUEST,
+            "logprobs must be a list of {token_id, text, logprob, top: [[id, logprob, text]]}",
+            mid,
+        ) from None
 
 
 def _tool_calls(calls: Any, mid: Id) -> list[dict[str, str]]:

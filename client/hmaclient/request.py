@@ -55,6 +55,7 @@ class GenerateRequest:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None  # alternatives per generated token (hmaclient.sampling.MAX_LOGPROBS)
     json_schema: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, str] = "auto"
@@ -67,8 +68,11 @@ class GenerateRequest:
         return bool(self.tools) and self.tool_choice != "none"
 
     def sampling(self) -> dict[str, Any]:
-        """The sampling fields the client gave, as ``SamplingParams`` keyword arguments (None left out)."""
-        return {k: getattr(self, k) for k in SAMPLING_FIELDS if getattr(self, k) is not None}
+        """The sampling fields the client gave, and logprobs, as ``SamplingParams`` keyword arguments (None
+        left out)."""
+        return {
+            k: getattr(self, k) for k in (*SAMPLING_FIELDS, *COUNT_FIELDS) if getattr(self, k) is not None
+        }
 
 
 @dataclass
@@ -99,11 +103,22 @@ Request = GenerateRequest | CancelRequest | StatusRequest | PingRequest | Metric
 
 
 SAMPLING_FIELDS = sampling.NAMES  # the sampling fields of a generate, stop included
+COUNT_FIELDS = ("logprobs",)  # what a generate reports besides its tokens (hmaclient.sampling.MAX_LOGPROBS)
 _ENVELOPE = ("v", "type", "id")
 _TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 _FIELDS = {
     "generate": frozenset(
-        {*_ENVELOPE, "prompt", "messages", "raw", "stream", "json_schema", *_TOOL_FIELDS, *SAMPLING_FIELDS}
+        {
+            *_ENVELOPE,
+            "prompt",
+            "messages",
+            "raw",
+            "stream",
+            "json_schema",
+            *_TOOL_FIELDS,
+            *SAMPLING_FIELDS,
+            *COUNT_FIELDS,
+        }
     ),
     "cancel": frozenset(_ENVELOPE),
     "status": frozenset(_ENVELOPE),
@@ -181,6 +196,11 @@ def _generate(msg: dict[str, Any], mid: Id) -> GenerateRequest:
             if problem:
                 raise fail(problem)
             setattr(req, name, sampling.stored(name, value))
+    for name in COUNT_FIELDS:
+        problem = sampling.logprobs_problem(name, msg.get(name))
+        if problem:
+            raise fail(problem)
+        setattr(req, name, msg.get(name))
     if msg.get("json_schema") is not None:
         if not isinstance(msg["json_schema"], dict):
             raise fail(f"json_schema must be a map (a JSON Schema object), got {_kind(msg['json_schema'])}")

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hmaclient import protocol as P
+from hmaclient.reply import Logprob
 
 
 @dataclass
@@ -14,13 +15,15 @@ class Piece:
 
     text: str
     token_ids: list[int]
+    logprobs: list[Logprob] | None = None  # one per id, when the request asked for logprobs
 
 
 @dataclass
 class Result:
     """A finished generation. ``finish_reason``: "stop", "length", "tool_calls" (the answer is the calls in
     ``tool_calls``: each {id, name, arguments}, arguments a JSON object's text), or (streams only)
-    "cancelled"."""
+    "cancelled". ``logprobs`` (asked for with ``logprobs=N``): each token's
+    ``Logprob`` (token_id, text, logprob, top: [(id, logprob, text)] most likely first)."""
 
     text: str
     token_ids: list[int]
@@ -34,6 +37,7 @@ class Result:
     rid: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     tool_calls: list[dict[str, str]] = field(default_factory=list)
+    logprobs: list[Logprob] | None = None  # one per id of token_ids, when the request asked for logprobs
 
     @property
     def timings(self) -> dict[str, float]:

@@ -24,6 +24,10 @@ entries, each id an int or its decimal string (JSON and msgpack maps of the wire
 not the prompt's), to the logits before anything else samples them: ``logit[j] += bias[j] -
 presence_penalty * (count[j] > 0) - frequency_penalty * count[j]``. An id outside the model's vocabulary is
 refused by the daemon, which knows it.
+
+``logprobs`` is not a sampling field (it changes no token, and has no default in the daemon's config): an
+int from 0 to :data:`MAX_LOGPROBS`, how many most likely alternatives each generated token reports with its
+own logprob (0: its own only); absent or nil: none. :func:`logprobs_problem` is its check.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ MAX_PENALTY = 2.0  # presence_penalty, frequency_penalty: OpenAI's range
 MAX_LOGIT_BIAS = 100.0  # a logit_bias entry's bias: OpenAI's range
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
 MAX_TOKEN_ID = 2**31 - 1  # a logit_bias id on the wire (the daemon checks it against its vocabulary)
+MAX_LOGPROBS = 20  # alternatives per token: OpenAI's top_logprobs limit
 NO_BIAS = types.MappingProxyType({})  # logit_bias's default and off: no entry (read-only: shared)
 
 
@@ -202,6 +207,14 @@ def problem(name: str, v: Any) -> str | None:
     if f.kind == "bias" and v is not None:
         return _bias_problem(f, v)
     return f"{name} must be {describe(f)}, got {_show(v)}"
+
+
+def logprobs_problem(name: str, v: Any) -> str | None:
+    """None when ``v`` is a value of the count field ``name`` (logprobs: None or an int from 0 to
+    :data:`MAX_LOGPROBS`), else the wire's message."""
+    if v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS):
+        return None
+    return f"{name} must be {describe_range('int', 0, MAX_LOGPROBS)}, or null (none), got {_show(v)}"
 
 
 def _show(v: Any) -> str:

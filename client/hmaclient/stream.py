@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from hmaclient import protocol as P
 from hmaclient.errors import RequestError
+from hmaclient.reply import Logprob
 from hmaclient.results import Piece, Result
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ class AsyncStream:
         self._finished = False
         self._text: list[str] = []
         self._ids: list[int] = []
+        self._logprobs: list[Logprob] | None = None  # the streamed tokens' (when asked for)
         self._held: list[Piece] = []  # pieces read by start() before the iteration asked for them
 
     def __aiter__(self) -> AsyncStream:
@@ -120,7 +122,9 @@ class AsyncStream:
         elif isinstance(reply, P.Token):
             self._text.append(reply.text)
             self._ids += reply.token_ids
-            return Piece(reply.text, list(reply.token_ids))
+            if reply.logprobs is not None:
+                self._logprobs = (self._logprobs or []) + reply.logprobs
+            return Piece(reply.text, list(reply.token_ids), reply.logprobs)
         elif isinstance(reply, P.Done):
             self._finish(self._done_result(reply))
         elif isinstance(reply, P.Cancelled):
@@ -144,12 +148,16 @@ class AsyncStream:
             total_s=float(d.total_s),
             extra=d.extra,
             tool_calls=d.tool_calls,
+            logprobs=d.logprobs,
         )
 
-    def _result(self, reason: str, text: str | None = None, token_ids: Any = None, **kw: Any) -> Result:
+    def _result(
+        self, reason: str, text: str | None = None, token_ids: Any = None, logprobs: Any = None, **kw: Any
+    ) -> Result:
         text = "".join(self._text) if text is None else text
         ids = list(self._ids) if token_ids is None else list(token_ids)
-        return Result(text, ids, reason, id=self.id, rid=self.rid, **kw)
+        logprobs = self._logprobs if logprobs is None else logprobs
+        return Result(text, ids, reason, id=self.id, rid=self.rid, logprobs=logprobs, **kw)
 
     def _finish(self, result: Result | None) -> None:
         self.result, self._finished = result, True

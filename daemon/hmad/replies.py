@@ -48,6 +48,7 @@ class Replies:
         self.routes, self.peers, self.metrics, self.counters = routes, peers, metrics, counters
         self.cancel = cancel
         self.forward_s, self.events_forwarded = 0.0, 0  # time the loop spends per reply (pack + send)
+        self.logprobs: dict[int, list[dict]] = {}  # rid -> a non-streaming request's logprobs so far
 
     def us_per_reply(self) -> float:
         return round(1e6 * self.forward_s / max(1, self.events_forwarded), 2)
@@ -70,6 +71,7 @@ class Replies:
     def end(self, rid: int, reply: dict | None) -> None:
         """Close ``rid``'s route, sending ``reply`` (its terminal one) if given."""
         route = self.routes.pop(rid)
+        self.logprobs.pop(rid, None)
         if reply is not None:
             self.send(route.peer, reply)
 
@@ -85,6 +87,7 @@ class Replies:
             return
         for rid in self.routes.of_peer(peer):
             route = self.routes.pop(rid)
+            self.logprobs.pop(rid, None)
             if not route.preparing:  # (a preparing one finds no route when it is prepared)
                 self.cancel(rid)
             self.counters["peer_gone"] += 1
@@ -113,16 +116,19 @@ class Replies:
             return  # its peer is gone or it already ended
         if ev.kind == "token":
             if route.stream:
-                self.send(route.peer, P.token(route.client_id, ev.text, ev.token_ids, v=route.v))
+                reply = P.token(route.client_id, ev.text, ev.token_ids, v=route.v, logprobs=ev.logprobs)
+                self.send(route.peer, reply)
             else:
                 route.text.append(ev.text)
                 route.token_ids += ev.token_ids
+                if ev.logprobs is not None:
+                    self.logprobs.setdefault(ev.request_id, []).extend(ev.logprobs)
             return
         if ev.kind == "done" and ev.finish_reason == "stop" and ev.stats.get("tool_calls"):
             ev.finish_reason = "tool_calls"  # the answer is the calls (engine.tool_calls)
         reason = {"done": ev.finish_reason, "cancelled": "cancel"}.get(ev.kind, ev.error_code or P.INTERNAL)
         self.metrics.request_ended(ev.kind, reason, ev.stats)
-        self.end(ev.request_id, self._terminal(route, ev))
+        self.end(ev.request_id, self._terminal(route, ev, self.logprobs.get(ev.request_id)))
 
     def _event_failed(self, ev: Event, e: Exception) -> None:
         log.exception("reply to request %d (%s event) failed", ev.request_id, ev.kind)
@@ -138,10 +144,13 @@ class Replies:
             self.end(ev.request_id, reply)
 
     @staticmethod
-    def _terminal(route: Route, ev: Event) -> dict:
+    def _terminal(route: Route, ev: Event, logprobs: list[dict] | None = None) -> dict:
+        """The terminal reply; a non-streaming done carries the text, ids and ``logprobs`` gathered."""
         v = route.v
         if ev.kind == "done":
             extra = {} if route.stream else {"text": "".join(route.text), "token_ids": route.token_ids}
+            if logprobs is not None and not route.stream:
+                extra["logprobs"] = logprobs
             return P.done(route.client_id, ev.finish_reason, **ev.stats, **extra, v=v)
         if ev.kind == "cancelled":
             return P.cancelled(route.client_id, ev.stats.get("generated_tokens", 0), v=v)

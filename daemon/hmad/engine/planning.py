@@ -8,7 +8,8 @@ input fed on the device, except those that token ends by length.
 
 Where the tokens are picked (engine/scheduler.py, "Which tokens the device picks"): by the device's argmax
 when every request of the step is greedy (``greedy_ok``); from the device's top-k candidates when every
-request's sampler needs at most ``topk_max`` of them; else from full logits rows on the host.
+request's sampler needs at most ``topk_max`` of them; else from full logits rows on the host, as for every
+step holding a request with a grammar or with logprobs (``needs_row``).
 
 A request's additive adjustments (logit_bias, presence and frequency penalties: engine/sampling.py, step 0)
 ride on its part's slice (``SeqSlice.bias``) into the step, where the device adds them before its argmax
@@ -29,9 +30,15 @@ Part = tuple[Request, SeqSlice, list[int], bool]  # request, its slice, its inpu
 
 
 def greedy_ok(r: Request) -> bool:
-    """Whether the device's argmax is ``r``'s token (greedy, no repetition penalty, no grammar; the additive
-    adjustments the device adds first, where it can: ``StepPlanner._bias_fits``)."""
-    return r.params.temperature == 0 and r.params.repetition_penalty == 1.0 and r.constraint is None
+    """Whether the device's argmax is ``r``'s token (greedy, no repetition penalty, no grammar, no logprobs;
+    the additive adjustments the device adds first, where it can: ``StepPlanner._bias_fits``)."""
+    return r.params.temperature == 0 and r.params.repetition_penalty == 1.0 and not needs_row(r)
+
+
+def needs_row(r: Request) -> bool:
+    """Whether ``r``'s token needs its whole logits row on the host: a grammar masks it, or its logprobs are
+    of it (engine/logprobs.py; the device does not reduce a row to them yet)."""
+    return r.constraint is not None or r.params.logprobs is not None
 
 
 def device_sampling(wanting: list[Request], fed: dict[int, int]) -> np.ndarray:
@@ -117,7 +124,7 @@ class StepPlanner:
         return (
             self.max_chunk > 1  # the local ring has room to redo a position (KVCacheManager.prepare)
             and getattr(be, "sample_on_device", False)
-            and r.constraint is None
+            and not needs_row(r)
             and p.repetition_penalty == 1.0
             and 0 < p.top_k <= getattr(be, "topk_max", 0)
         )
@@ -135,7 +142,7 @@ class StepPlanner:
         """Whether every token of this step can be sampled from the backend's on-device top-k candidates
         (each request's sampler needs at most that many: engine/sampling.py, "Candidates")."""
         m = getattr(self.model.backend, "topk_max", 0)
-        if not (reqs and m) or any(r.constraint for r in reqs) or not self._bias_fits(reqs):
+        if not (reqs and m) or any(needs_row(r) for r in reqs) or not self._bias_fits(reqs):
             return False
         needs = [r.sampler.candidates_needed(r.prompt_ids + r.output_ids) for r in reqs]
         return all(n is not None and n <= m for n in needs)

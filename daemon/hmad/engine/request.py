@@ -43,6 +43,7 @@ class Event:
     finish_reason: str = ""
     stats: dict[str, Any] = field(default_factory=dict)
     error_code: str = ""
+    logprobs: list[dict] | None = None  # one entry per token id (engine/logprobs.py), when asked for
 
     @property
     def terminal(self) -> bool:
@@ -80,10 +81,12 @@ class Request:
     stops: StopMatcher | None = None
     decoder: StreamDecoder | None = None
     grammar_state: JsonConstraint | ToolCallConstraint | None = None  # the grammar's state (``start``)
+    tokenizer: Tokenizer | None = None  # (``start``) for the text of its logprobs' tokens
 
     def start(self, tokenizer: Tokenizer) -> None:
         """Make the per-request state. Raises ValueError if the grammar cannot run on this tokenizer."""
         self.sampler = Sampler(self.params)
+        self.tokenizer = tokenizer
         self.stops = StopMatcher(list(self.params.stop or []))
         self.decoder = StreamDecoder(tokenizer)
         if isinstance(self.grammar, ToolGrammar):
@@ -97,6 +100,10 @@ class Request:
         or its tool-call grammar found the answer is text (then its steps may take the device's picks)."""
         m = self.grammar_state
         return None if isinstance(m, ToolCallConstraint) and m.phase == "text" else m
+
+    def token_text(self, token_id: int) -> str:
+        """A token's own text (control tokens as written, a lone byte of a character U+FFFD)."""
+        return self.tokenizer.token_bytes(token_id, special=True).decode("utf-8", errors="replace")
 
     @property
     def n_positions(self) -> int:

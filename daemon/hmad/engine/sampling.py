@@ -77,6 +77,7 @@ class SamplingParams:
     presence_penalty: float = fields.OFF["presence_penalty"]  # 0 = off
     frequency_penalty: float = fields.OFF["frequency_penalty"]  # 0 = off
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias; ids as ints once validated
+    logprobs: int | None = None  # alternatives each token reports (engine/logprobs.py); None: no logprobs
 
     def __post_init__(self) -> None:
         if isinstance(self.logit_bias, Mapping) and not isinstance(self.logit_bias, dict):
@@ -109,11 +110,14 @@ class SamplingParams:
         """Raise ValueError naming the first field out of range, with what it allows and the value (the
         wire's wording: "top_p must be a number in (0, 1], got 1.5"). The daemon runs it once per request,
         before the request reaches the engine; ``Sampler`` trusts it."""
-        values = vars(self)  # the fields, uncopied (asdict's deep copy costs more than the check)
+        values = {k: v for k, v in vars(self).items() if k != "logprobs"}  # (not a sampling field)
         try:
             _CHECK.model_validate(values)
         except pydantic.ValidationError as e:
             raise ValueError(message(e, values)[1]) from None
+        wrong = fields.logprobs_problem("logprobs", self.logprobs)
+        if wrong:
+            raise ValueError(wrong)
         self.logit_bias = fields.stored("logit_bias", self.logit_bias)  # {int id: float}
 
     def check_vocab(self, vocab: int) -> None:
@@ -221,11 +225,21 @@ class Sampler:
         ``recent_tokens`` may be the whole history; only the last ``repeat_last_n`` are looked at.
         The caller's array is never modified.
         """
-        p = self.params
+        return self.pick(self.prepare(logits, recent_tokens, generated))
+
+    def prepare(
+        self, logits: np.ndarray, recent_tokens: Sequence[int] = (), generated: Sequence[int] = ()
+    ) -> np.ndarray:
+        """Steps 0-1 on ``logits`` (V,): the row :meth:`pick` draws from, and the one a token's logprob is
+        of (engine/logprobs.py). A copy when anything changed; the caller's array is never modified."""
         logits = np.asarray(logits)
         if logits.ndim != 1 or logits.size == 0:
             raise ValueError(f"logits must be a non-empty 1-D array, got shape {logits.shape}")
-        logits = self._penalize(self.adjust(logits, generated), recent_tokens)
+        return self._penalize(self.adjust(logits, generated), recent_tokens)
+
+    def pick(self, logits: np.ndarray) -> int:
+        """Steps 2-7 on a row :meth:`prepare` made: the token."""
+        p = self.params
         if p.temperature == 0:
             return int(np.argmax(logits))
         ids, kept = _top_k(logits, p.top_k)  # ids None => every token, in id order

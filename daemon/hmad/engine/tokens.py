@@ -13,6 +13,10 @@ Failures: an exception while sampling, decoding or stop-matching one request's t
 alone with an ``error`` event (code internal); the token events it produced before raising are dropped
 (``TokenTaker.guarded``).
 
+Logprobs: a request with ``logprobs`` also needs its whole row (engine/planning.py, ``needs_row``); the
+logprobs of its token are of the row the sampler drew from (engine/logprobs.py), and ride on the token event
+that carries the token's id (``with_logprobs``).
+
 Structured output: a request with a grammar (``Request.constraint``) needs its whole logits row, so a step
 holding one reads the full rows back (``model.forward``) rather than the on-device argmax or top-k. Its
 mask sets every token the grammar forbids to -inf before the sampler runs; end-of-turn is allowed only once
@@ -29,6 +33,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from hmad.engine import logprobs
 from hmad.engine.draw_rows import DRAW_ROWS_MIN, draw_rows
 from hmad.engine.request import Event, Request, State
 
@@ -58,6 +63,15 @@ def cancelled(r: Request) -> Event:
     return Event("cancelled", r.id, stats=r.stats())
 
 
+def with_logprobs(events: list[Event], entry: dict) -> list[Event]:
+    """``events`` of one token, its logprobs ``entry`` on the token event that carries its id (none does
+    when the token ends the turn, or a stop string cut it with no text before)."""
+    for ev in events:
+        if ev.kind == "token" and ev.token_ids:
+            ev.logprobs = [entry]
+    return events
+
+
 class TokenTaker:
     """Turns a step's output into each request's token and events (module docstring)."""
 
@@ -79,8 +93,11 @@ class TokenTaker:
             t0 = time.perf_counter()
             row = r.constraint.mask(row)
             self.recent_mask_s.append(time.perf_counter() - t0)
-        tok = r.sampler.sample(row, r.prompt_ids + r.output_ids, r.output_ids)  # adjusted here (sampling.py)
-        return self.take(r, tok)
+        row = r.sampler.prepare(row, r.prompt_ids + r.output_ids, r.output_ids)  # adjusted here (sampling.py)
+        tok = r.sampler.pick(row)
+        if r.params.logprobs is None:
+            return self.take(r, tok)
+        return with_logprobs(self.take(r, tok), logprobs.entry(row, tok, r.params.logprobs, r.token_text))
 
     def sample_candidates(self, reqs: list[Request], ids: np.ndarray, vals: np.ndarray) -> list[Event]:
         """The host's draw from each request's on-device candidates (S_out, M)."""

@@ -1,0 +1,114 @@
+"""Logprobs through a real hmad on a real socket (the numpy backend, a tiny model): logprobs=0 and =5,
+streamed and whole; each token's logprob equals the numpy reference computed from ``forward_full``'s
+logits at its position; greedy's token is its own top-1; values <= 0, the top list sorted; bad values get
+one bad_request each and the daemon answers the next request."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from daemon_harness import Daemon
+from tiny_gguf import make_tiny_gguf
+
+from hmaclient import Client
+from hmaclient import protocol as P
+from hmad.composition import load_model
+from hmad.engine.generate import forward_full
+
+PROMPT = "hello there"
+ASK = dict(prompt=PROMPT, raw=True, max_tokens=6)
+# relative to the value: the daemon's rows come from its decode steps, the reference's from one pass over the
+# whole sequence; the tiny model's logits reach ~100, where float32's rounding is ~1e-5
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    path = make_tiny_gguf(tmp_path_factory.mktemp("model") / "tiny.gguf", seed=5)
+    d = Daemon(path, tmp_path_factory.mktemp("hmad")).wait_ready()
+    yield d, load_model(path, "cpu")
+    assert d.stop() == 0, d.log_text()
+
+
+def _reference(model, ids: list[int], bias: dict[int, float]) -> np.ndarray:
+    """Log-softmax (float64) of the logits rows that produced each generated token of ``ids``, ``bias``
+    added: rows len(prompt)-1 .. end-1 of one forward pass over the whole sequence (prompt first)."""
+    prompt = model.tokenizer.encode(PROMPT)
+    logits = forward_full(model, prompt + ids[:-1])[len(prompt) - 1 :]
+    for t, b in bias.items():
+        logits[:, t] += np.float32(b)
+    logits = logits.astype(np.float64)
+    m = logits.max(axis=1, keepdims=True)
+    return logits - m - np.log(np.exp(logits - m).sum(axis=1, keepdims=True))
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= TOL * max(1.0, abs(b))
+
+
+def _check(model, token_ids, entries, n: int, greedy: bool, bias: dict[int, float] | None = None) -> None:
+    assert token_ids and [e.token_id for e in entries] == token_ids
+    ref = _reference(model, token_ids, bias or {})
+    for pos, e in enumerate(entries):
+        assert e.logprob <= 0 and _close(e.logprob, ref[pos, e.token_id]), (pos, e.logprob)
+        assert e.text == model.tokenizer.token_bytes(e.token_id, True).decode("utf-8", "replace")
+        assert len(e.top) == n
+        values = [lp for _, lp, _ in e.top]
+        assert values == sorted(values, reverse=True) and all(v <= 0 for v in values)
+        want = np.argsort(-ref[pos], kind="stable")[:n].tolist()
+        assert [i for i, _, _ in e.top] == want or all(map(_close, values, ref[pos, want]))
+        for i, lp, _ in e.top:
+            assert _close(lp, ref[pos, i])
+        if greedy and n:
+            assert e.top[0][0] == e.token_id
+
+
+@pytest.mark.parametrize("n", [0, 5])
+def test_whole_and_streamed_logprobs_equal_the_numpy_reference(setup, n):
+    hmad, model = setup
+    with Client(hmad.socket, timeout=60) as c:
+        whole = c.generate(**ASK, temperature=0.0, logprobs=n)
+        _check(model, whole.token_ids, whole.logprobs, n, greedy=True)
+        gen = c.stream(**ASK, temperature=0.0, logprobs=n)
+        pieces = []
+        try:
+            while True:
+                pieces.append(next(gen))
+        except StopIteration as stop:
+            streamed = stop.value
+        assert [e for p in pieces for e in p.logprobs or []] == streamed.logprobs
+        assert streamed.token_ids == whole.token_ids
+        assert [(e.token_id, e.logprob) for e in streamed.logprobs] == [
+            (e.token_id, e.logprob) for e in whole.logprobs
+        ]
+        plain = c.generate(**ASK, temperature=0.0)  # none asked: none sent, the same tokens
+        assert plain.logprobs is None and plain.token_ids == whole.token_ids
+
+
+def test_sampled_tokens_report_the_adjusted_rows_distribution(setup):
+    """The tiny model's answer is near certain (its runner-up ~100 nats behind): a +100 logit_bias on the
+    first token's runners-up makes a real distribution. A temperature-0.7, top-k 3 draw from it reports
+    the adjusted row's log-softmax over the whole vocabulary, not the truncated sampler's."""
+    hmad, model = setup
+    with Client(hmad.socket, timeout=60) as c:
+        first = c.generate(**ASK, temperature=0.0, logprobs=5).logprobs[0]
+        bias = {i: 100.0 for i, _, _ in first.top[1:4]}
+        r = c.generate(**ASK, temperature=0.7, top_k=3, seed=11, logprobs=3, logit_bias=bias)
+    _check(model, r.token_ids, r.logprobs, 3, greedy=False, bias=bias)
+    assert any(e.top[1][1] > -20 for e in r.logprobs)  # the bias made alternatives near the top
+    assert all(math.fsum(math.exp(lp) for _, lp, _ in e.top) < 1.0 + 1e-9 for e in r.logprobs)
+
+
+def test_bad_logprobs_get_one_bad_request_and_the_next_request_is_answered(setup):
+    hmad, _ = setup
+    for i, bad in enumerate([-1, 21, "5"]):
+        msg = {"v": 2, "type": "generate", "id": f"bad{i}", "prompt": "hi", "logprobs": bad}
+        reply = P.parse_reply(hmad._ask(msg, 10.0))
+        assert isinstance(reply, P.Error) and reply.code == P.BAD_REQUEST, reply
+        assert (
+            reply.message.startswith("logprobs must be an integer from 0 to 20") and "\n" not in reply.message
+        )
+        with Client(hmad.socket, timeout=60) as c:
+            assert c.generate(**ASK, temperature=0.0, logprobs=1).logprobs
