@@ -4,8 +4,11 @@ process, spoken to over real HTTP (httpx) and raw sockets; refused requests neve
 
 from __future__ import annotations
 
+import json
 import select
+import shutil
 import socket
+import subprocess
 import time
 from urllib.parse import urlsplit
 
@@ -125,18 +128,48 @@ def test_request_without_host_is_refused(gateway):
 # -- Content-Type ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "content_type", ["text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded", None]
-)
-def test_post_must_be_json(gateway, daemon, content_type):
-    """A page may POST text/plain (or a form) to any origin without a CORS preflight: refused with 415."""
+NOT_JSON = ["text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded", None]
+
+
+@pytest.mark.parametrize("origin", ["http://evil.test", "null"])
+@pytest.mark.parametrize("content_type", NOT_JSON)
+def test_a_web_pages_post_must_be_json(gateway, daemon, content_type, origin):
+    """A page may POST text/plain (or a form) to any origin without a CORS preflight, and the browser sends
+    its Origin (``null`` from a sandboxed frame): refused with 415."""
     before = _generations(daemon)
-    headers = {} if content_type is None else {"Content-Type": content_type}
+    headers = {"Origin": origin, **({} if content_type is None else {"Content-Type": content_type})}
     body = httpx.Request("POST", "http://x", json=COMPLETION).content
     r = httpx.post(gateway.url + "/v1/completions", content=body, headers=headers, timeout=60)
     message = _error(r, 415, "unsupported_media_type")
     assert "application/json" in message and (content_type is None or repr(content_type) in message)
     assert _generations(daemon) == before
+
+
+@pytest.mark.parametrize("content_type", NOT_JSON)
+def test_a_post_without_origin_is_read_as_json_whatever_its_type(gateway, content_type):
+    """curl -d '{...}' sends application/x-www-form-urlencoded, Ollama's and others' examples rely on it: a
+    request with no Origin comes from no web page, so its body is read as JSON."""
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    body = httpx.Request("POST", "http://x", json=COMPLETION).content
+    r = httpx.post(gateway.url + "/v1/completions", content=body, headers=headers, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == " b b", r.text
+    ollama = {"model": "any", "prompt": "x b", "raw": True, "stream": False, "options": {"num_predict": 2}}
+    body = httpx.Request("POST", "http://x", json=ollama).content
+    r = httpx.post(gateway.url + "/api/generate", content=body, headers=headers, timeout=60)
+    assert r.status_code == 200 and r.json()["response"] == " b b", r.text
+    r = httpx.post(gateway.url + "/v1/completions", content=b"prompt=x+b", headers=headers, timeout=60)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+def test_curl_without_a_content_type_flag(gateway):
+    """The very command of Ollama's docs, through a real curl (skipped where there is none)."""
+    curl = shutil.which("curl")
+    if curl is None:
+        pytest.skip("no curl on this machine")
+    body = '{"model": "any", "prompt": "x b", "raw": true, "stream": false, "options": {"num_predict": 2}}'
+    out = subprocess.run([curl, "-s", gateway.url + "/api/generate", "-d", body], capture_output=True,
+                         text=True, timeout=60, check=True).stdout  # fmt: skip
+    assert json.loads(out)["response"] == " b b", out
 
 
 @pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "Application/JSON"])

@@ -11,13 +11,14 @@ error pages (in each API's own shape) and the request counts.
                     else 503; no key needed)
 
 Every request must name a loopback address or an ``--allowed-host`` name in its Host header, and a POST
-must be ``Content-Type: application/json`` (``hmad_openai.guards``); the server cuts off slow request heads
-and bodies (``hmad_openai.deadlines``). Errors, unknown paths and methods (404, 405) included, are JSON in
-the shape of the API the path belongs to: Ollama's ``{"error": "..."}`` under /api/, Anthropic's
-``{"type": "error", "error": {...}}`` under /v1/messages, OpenAI's elsewhere. With an API key set, every
-path but /health and / needs it, as ``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (Anthropic's
-header), else 401. A client that disconnects has its generation cancelled in hmad: a stream when the server
-sees the disconnect, a stream=false request through a watch on the connection while it waits.
+from a web page (with an ``Origin``) must be ``Content-Type: application/json`` (``hmad_openai.guards``);
+the server cuts off slow request heads and bodies (``hmad_openai.deadlines``). Errors, unknown paths and
+methods (404, 405) included, are JSON in the shape of the API the path belongs to: Ollama's
+``{"error": "..."}`` under /api/, Anthropic's ``{"type": "error", "error": {...}}`` under /v1/messages,
+OpenAI's elsewhere. With an API key set, every path but /health and / needs it, as ``Authorization: Bearer
+<key>`` or ``x-api-key: <key>`` (Anthropic's header), else 401. A client that disconnects has its generation
+cancelled in hmad: a stream when the server sees the disconnect, a stream=false request through a watch on
+the connection while it waits.
 """
 
 from __future__ import annotations

@@ -75,9 +75,9 @@ def gateway_of(request: Request) -> Gateway:
 
 
 async def read_body(request: Request) -> bytes:
-    """The JSON body (415 for another Content-Type, 413 past MAX_BODY_BYTES; ClientGone if the client left
-    or was cut off by the body deadline)."""
-    require_json(request.headers.get("content-type"))
+    """The JSON body (415 for another Content-Type from a web page: ``guards.require_json``; 413 past
+    MAX_BODY_BYTES; ClientGone if the client left or was cut off by the body deadline)."""
+    require_json(request.headers.get("content-type"), request.headers.get("origin"))
     chunks, n = [], 0
     try:
         async for chunk in request.stream():

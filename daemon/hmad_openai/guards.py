@@ -3,9 +3,11 @@
 - a ``Host`` that names neither a loopback address (127.0.0.0/8, ::1, ``localhost``; any port) nor a name
   given with ``--allowed-host``: a page on a name the attacker controls that resolves to 127.0.0.1 (DNS
   rebinding) sends its own name as Host. 400, code ``invalid_host``. ``--allowed-host '*'`` takes any.
-- a POST body whose ``Content-Type`` is not ``application/json``: a page may POST ``text/plain`` to any
-  origin without a CORS preflight, while ``application/json`` needs one (which only ``--cors-origin``
-  origins pass). 415, code ``unsupported_media_type``.
+- from a browser (the request carries an ``Origin`` header, as a browser's POST always does), a body whose
+  ``Content-Type`` is not ``application/json``: a page may POST ``text/plain`` or a form to any origin
+  without a CORS preflight, while ``application/json`` needs one (which only ``--cors-origin`` origins
+  pass). 415, code ``unsupported_media_type``. A request without ``Origin`` comes from no web page (curl,
+  SDKs, scripts), so its body is read as JSON whatever its type (``curl URL -d '{...}'`` sends a form's).
 
 Slow clients are cut off by the server's read deadlines (``hmad_openai.deadlines``).
 """
@@ -76,9 +78,11 @@ class AllowedHosts:
         await self.app(scope, receive, send)
 
 
-def require_json(content_type: str | None) -> None:
-    """Raise a 415 OpenAIError unless the Content-Type is application/json (parameters such as charset
-    allowed)."""
+def require_json(content_type: str | None, origin: str | None) -> None:
+    """Raise a 415 OpenAIError when a request from a web page (``origin``: its Origin header, None when it
+    has none) does not send its body as application/json (parameters such as charset allowed)."""
+    if origin is None:
+        return
     media = (content_type or "").partition(";")[0].strip().lower()
     if media != JSON:
         got = f"got {content_type!r}" if content_type else "got none"
