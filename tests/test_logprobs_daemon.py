@@ -112,3 +112,16 @@ def test_bad_logprobs_get_one_bad_request_and_the_next_request_is_answered(setup
         )
         with Client(hmad.socket, timeout=60) as c:
             assert c.generate(**ASK, temperature=0.0, logprobs=1).logprobs
+
+
+def test_a_grammars_forbidden_tokens_are_never_alternatives(setup):
+    """With json_schema the row is masked: every listed alternative is a token the grammar allowed there
+    (finite), so the top list may be shorter than asked; the probabilities listed sum to at most 1."""
+    hmad, _ = setup
+    with Client(hmad.socket, timeout=60) as c:
+        r = c.generate(**ASK, temperature=0.0, logprobs=20, json_schema={"type": "boolean"})
+    assert r.text in ("true", "false") and len(r.logprobs) == len(r.token_ids)
+    for e in r.logprobs:
+        assert math.isfinite(e.logprob) and all(math.isfinite(lp) for _, lp, _ in e.top)
+        assert e.top[0][0] == e.token_id and math.fsum(math.exp(lp) for _, lp, _ in e.top) <= 1 + 1e-9
+    assert any(len(e.top) < 20 for e in r.logprobs)  # the mask left fewer than 20 tokens somewhere
