@@ -10,11 +10,14 @@ in flight): n=3 runs 2 choices and queues one, n=6 is refused busy.
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
 from daemon_harness import Daemon
 from gateway_harness import CLEAN_EXIT, KEY, Gateway, assert_serving, load, wait
+from test_tool_calls_gateway import WEATHER, _valid_call
 from tiny_gguf import MIXED, make_tiny_gguf
 
 from hmaclient import Client
@@ -133,6 +136,21 @@ def test_siblings_share_the_prompt_through_the_prefix_cache(oai, hmad):
     assert after["lookups"] - before["lookups"] == 3
     assert after["hits"] - before["hits"] >= 1  # the queued third at least: the first's blocks are its own
     assert after["reused_tokens"] - before["reused_tokens"] >= 48
+
+
+def test_each_choice_may_be_tool_calls(oai, hmad):
+    kw = {"model": "any", "messages": MESSAGES, "tools": [WEATHER], "tool_choice": "required", "n": 2,
+          "parallel_tool_calls": False, "max_tokens": 200, "temperature": 0}  # fmt: skip
+    r = oai.chat.completions.create(**kw)
+    assert [c.finish_reason for c in r.choices] == ["tool_calls"] * 2
+    args = [_valid_call(c.message.tool_calls[0]) for c in r.choices]
+    assert args[0] == args[1]  # greedy
+    calls: dict[int, list] = {0: [], 1: []}
+    for chunk in oai.chat.completions.create(**kw, stream=True):
+        [choice] = chunk.choices
+        assert not choice.delta.content
+        calls[choice.index] += choice.delta.tool_calls or []
+    assert [json.loads(calls[i][0].function.arguments) for i in (0, 1)] == args
 
 
 @pytest.mark.parametrize(
