@@ -79,6 +79,7 @@ def test_whole_and_streamed_logprobs_equal_the_numpy_reference(setup, n):
         except StopIteration as stop:
             streamed = stop.value
         assert [e for p in pieces for e in p.logprobs or []] == streamed.logprobs
+        assert all([e.token_id for e in p.logprobs or []] == p.token_ids for p in pieces)  # one per id
         assert streamed.token_ids == whole.token_ids
         assert [(e.token_id, e.logprob) for e in streamed.logprobs] == [
             (e.token_id, e.logprob) for e in whole.logprobs
