@@ -34,23 +34,24 @@ def test_log_softmax_equals_the_float64_reference_on_random_rows(scale):
         ref = np.array(_reference(row))
         finite = np.isfinite(ref)
         assert np.array_equal(finite, np.isfinite(lp))
-        np.testing.assert_allclose(lp[finite], ref[finite], rtol=1e-12, atol=1e-9)
-        assert (lp[finite] <= 0).all() and math.isclose(math.fsum(np.exp(lp[finite])), 1.0, rel_tol=1e-12)
+        np.testing.assert_allclose(lp[finite], ref[finite], rtol=0, atol=1e-6)  # float32 exponentials
+        assert (lp[finite] <= 0).all() and math.isclose(math.fsum(np.exp(lp[finite])), 1.0, rel_tol=1e-6)
 
 
 def test_top_is_sorted_ties_by_lower_id_and_skips_masked_tokens():
-    row = np.array([1.0, 3.0, 3.0, -np.inf, 2.0, 3.0, -np.inf], dtype=np.float32)
-    lp = L.log_softmax(row)
-    assert [i for i, _ in L.top(lp, 3)] == [1, 2, 5]  # three equal: by id
-    assert [i for i, _ in L.top(lp, 2)] == [1, 2]  # the edge's ties by id too
-    assert [i for i, _ in L.top(lp, 20)] == [1, 2, 5, 4, 0]  # the masked ones never
-    assert L.top(lp, 0) == []
+    row = np.array([1.0, 3.0, 3.0, -np.inf, 2.0, 3.0, np.nan], dtype=np.float32)
+    assert L.top(row, 3) == [1, 2, 5]  # three equal: by id
+    assert L.top(row, 2) == [1, 2]  # the edge's ties by id too
+    assert L.top(row, 20) == [1, 2, 5, 4, 0]  # the masked ones (and NaN, counted as -inf) never
+    assert L.top(row, 0) == []
+    assert L.entry(row, 6, 2, str)["logprob"] == -np.inf
     rng = np.random.default_rng(1)
     for n in (1, 5, 20):
-        lp = L.log_softmax(rng.standard_normal(1000).astype(np.float32))
-        got = L.top(lp, n)
-        assert [i for i, _ in got] == np.argsort(-lp, kind="stable")[:n].tolist()
-        assert all(a[1] >= b[1] for a, b in zip(got, got[1:], strict=False))
+        row = rng.standard_normal(1000).astype(np.float32)
+        got = L.top(row, n)
+        assert got == np.argsort(-row.astype(np.float64), kind="stable")[:n].tolist()
+        values = [v for _, v, _ in L.entry(row, 0, n, str)["top"]]
+        assert values == sorted(values, reverse=True)
 
 
 def test_entry_is_the_chosen_tokens_logprob_and_its_alternatives():
@@ -71,8 +72,7 @@ def test_logprobs_are_of_the_adjusted_row_before_temperature():
     prepared = Sampler(p).prepare(row - 1.0, recent_tokens=[5])
     assert prepared[3] == 1.0 and prepared[5] == -2.0 and prepared[0] == -1.0
     assert Sampler(p).pick(prepared) in range(16)
-    lp = L.log_softmax(prepared)
-    assert L.top(lp, 1)[0][0] == 3
+    assert L.top(prepared, 1) == [3]
 
 
 @pytest.mark.parametrize("bad", [-1, 21, "5", 2.0, True, [1]])

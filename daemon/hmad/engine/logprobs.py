@@ -7,8 +7,11 @@ top-p and min-p (engine/sampling.py, steps 0-1). That is the model's distributio
 report it, not the sampler's truncated one: a temperature-0.5 or top-k draw reports the same values as a
 greedy one from the same row.
 
-Numerics: float64 throughout, ``x - max - log(sum(exp(x - max)))`` (max-subtracted log-sum-exp); tokens
-the row holds at -inf (a grammar's mask) have logprob -inf and never appear among the alternatives.
+Numerics: ``logprob(i) = x_i - logsumexp(x)``, the log-sum-exp max-subtracted, ``m + log(sum(exp(x - m)))``,
+its exponentials in float32 (no overflow: every ``x - m <= 0``) summed in float64, the subtraction in
+float64: within ~1e-6 of a float64 log-softmax, for less than its cost on a 262k-token row. NaN counts as
+-inf (as the sampler counts it); tokens at -inf (a grammar's mask) have logprob -inf and are never
+alternatives.
 
 The wire form of one token (docs/protocol.md, "Logprobs"): ``{"token_id", "text", "logprob", "top"}``,
 ``top`` the ``n`` most likely tokens of the row as ``[id, logprob, text]``, most likely first, equal
@@ -22,36 +25,47 @@ from collections.abc import Callable
 
 import numpy as np
 
-MAX_TOP = 20  # OpenAI's top_logprobs limit; the wire's bound is hmaclient.sampling.MAX_LOGPROBS
+
+def _values(row: np.ndarray) -> np.ndarray:
+    """``row`` as float32, NaN as -inf (as the sampler counts it)."""
+    x = np.asarray(row, dtype=np.float32)
+    return np.where(np.isnan(x), np.float32(-np.inf), x) if np.isnan(x.max()) else x
 
 
-def log_softmax(row: np.ndarray) -> np.ndarray:
-    """``row`` (V,) -> its log-softmax (V,) float64, max-subtracted; -inf entries stay -inf."""
-    x = np.asarray(row, dtype=np.float64)
+def logsumexp(row: np.ndarray) -> float:
+    """``log(sum(exp(row)))`` of a float32 row (V,), max-subtracted (module docstring)."""
+    x = _values(row)
     m = x.max()
     if not np.isfinite(m):  # all -inf (nothing allowed) or a +inf: no distribution to report
         raise ValueError(f"logits row has no finite maximum ({m})")
-    shifted = x - m
-    return shifted - np.log(np.exp(shifted).sum())
+    return float(m) + float(np.log(np.exp(x - m).sum(dtype=np.float64)))
 
 
-def top(lp: np.ndarray, n: int) -> list[tuple[int, float]]:
-    """The ``n`` largest finite entries of ``lp`` (V,) as (id, logprob), largest first, ties by lower id."""
-    n = min(n, lp.size)
+def log_softmax(row: np.ndarray) -> np.ndarray:
+    """``row`` (V,) -> its log-softmax (V,) float64, as :func:`entry` reports it; -inf entries stay -inf."""
+    return _values(row).astype(np.float64) - logsumexp(row)
+
+
+def top(row: np.ndarray, n: int) -> list[int]:
+    """The ids of the ``n`` largest finite entries of ``row`` (V,), largest first, equal values by lower id
+    (a row's order is its logprobs' order)."""
+    x = _values(row)
+    n = min(n, x.size)
     if n <= 0:
         return []
-    if n < lp.size:  # every entry at least the n-th largest, so equal values at the edge go by id
-        edge = lp[np.argpartition(-lp, n - 1)[n - 1]]
-        ids = np.flatnonzero(lp >= edge)
+    if n < x.size:  # every entry at least the n-th largest, so equal values at the edge go by id
+        edge = x[np.argpartition(-x, n - 1)[n - 1]]
+        ids = np.flatnonzero(x >= edge)
     else:
-        ids = np.arange(lp.size)
-    ids = ids[np.lexsort((ids, -lp[ids]))][:n]
-    return [(int(i), float(lp[i])) for i in ids if np.isfinite(lp[i])]
+        ids = np.arange(x.size)
+    ids = ids[np.lexsort((ids, -x[ids]))][:n]
+    return [int(i) for i in ids if np.isfinite(x[i])]
 
 
 def entry(row: np.ndarray, tok: int, n: int, text: Callable[[int], str]) -> dict:
     """The wire's entry of token ``tok`` drawn from ``row`` (V,) with ``n`` alternatives (module
     docstring); ``text(id)`` gives a token's text."""
-    lp = log_softmax(row)
-    alts = [[i, v, text(i)] for i, v in top(lp, n)]
-    return {"token_id": int(tok), "text": text(tok), "logprob": float(lp[tok]), "top": alts}
+    x = _values(row)
+    lse = logsumexp(x)
+    alts = [[i, float(x[i]) - lse, text(i)] for i in top(x, n)]
+    return {"token_id": int(tok), "text": text(tok), "logprob": float(x[tok]) - lse, "top": alts}
