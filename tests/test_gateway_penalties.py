@@ -61,8 +61,8 @@ def test_logit_bias_on_chat_equals_hmads(oai, hmad):
 
 def test_zero_penalties_change_nothing_and_others_equal_hmads(oai, hmad):
     plain = oai.completions.create(model="any", prompt="a x b", **GREEDY).choices[0].text
-    zero = oai.completions.create(
-        model="any", prompt="a x b", presence_penalty=0, frequency_penalty=0.0, **GREEDY
+    zero = oai.completions.create(  # what many frameworks send by default
+        model="any", prompt="a x b", presence_penalty=0, frequency_penalty=0.0, logit_bias={}, n=1, **GREEDY
     ).choices[0]
     assert zero.text == plain
     kw = {"presence_penalty": 1.5, "frequency_penalty": 0.5, "max_tokens": 8, "temperature": 0}
