@@ -75,27 +75,29 @@ def test_logprobs_are_of_the_adjusted_row_before_temperature():
     assert L.top(prepared, 1) == [3]
 
 
+@pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
 @pytest.mark.parametrize("bad", [-1, 21, "5", 2.0, True, [1]])
-def test_the_wire_refuses_bad_logprobs_in_one_line(bad):
-    msg = {"v": 2, "type": "generate", "id": 1, "prompt": "hi", "logprobs": bad}
+def test_the_wire_refuses_bad_logprobs_in_one_line(name, bad):
+    msg = {"v": 2, "type": "generate", "id": 1, "prompt": "hi", name: bad}
     with pytest.raises(P.ProtocolError) as e:
         P.validate_request(msg, 1)
     assert e.value.code == P.BAD_REQUEST
-    assert e.value.message.startswith("logprobs must be an integer from 0 to 20, or null (none), got")
+    assert e.value.message.startswith(f"{name} must be an integer from 0 to 20, or null (none), got")
     assert "\n" not in e.value.message
-    with pytest.raises(ValueError, match="logprobs must be"):
-        SamplingParams(logprobs=bad).validate()
+    with pytest.raises(ValueError, match=f"{name} must be"):
+        SamplingParams(**{name: bad}).validate()
 
 
+@pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
 @pytest.mark.parametrize("good", [0, 5, sampling.MAX_LOGPROBS, None])
-def test_the_wire_takes_logprobs_to_the_sampling_params(good):
-    msg = P.generate_request(1, "hi", logprobs=good)
-    assert ("logprobs" in msg) == (good is not None)
+def test_the_wire_takes_logprobs_to_the_sampling_params(name, good):
+    msg = P.generate_request(1, "hi", **{name: good})
+    assert (name in msg) == (good is not None)
     req = P.validate_request(msg, 1)
-    assert req.logprobs == good
+    assert getattr(req, name) == good
     params = SamplingParams(**req.sampling())
     params.validate()
-    assert params.logprobs == good
+    assert getattr(params, name) == good
 
 
 def test_replies_carry_logprobs_both_ways():
@@ -106,6 +108,10 @@ def test_replies_carry_logprobs_both_ways():
     done = P.done(1, "stop", 3, 1, 0.1, 0.0, 0.2, text="a", token_ids=[7], logprobs=[entry])
     d = P.parse_reply(P.pack(done))
     assert d.logprobs == tok.logprobs and "logprobs" not in d.extra
+    done["prompt_logprobs"] = [None, entry]
+    assert P.parse_reply(P.pack(done)).prompt_logprobs == [None, *tok.logprobs]
+    with pytest.raises(P.ProtocolError):
+        P.parse_reply(P.pack({**done, "prompt_logprobs": [entry]}))  # the first prompt token has none
     bad = {**P.token(1, "a", [7]), "logprobs": [{"token_id": 7}]}
     with pytest.raises(P.ProtocolError):
         P.parse_reply(P.pack(bad))

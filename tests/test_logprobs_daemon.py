@@ -126,3 +126,36 @@ def test_a_grammars_forbidden_tokens_are_never_alternatives(setup):
         assert math.isfinite(e.logprob) and all(math.isfinite(lp) for _, lp, _ in e.top)
         assert e.top[0][0] == e.token_id and math.fsum(math.exp(lp) for _, lp, _ in e.top) <= 1 + 1e-9
     assert any(len(e.top) < 20 for e in r.logprobs)  # the mask left fewer than 20 tokens somewhere
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_logprobs_equal_the_numpy_reference(setup, stream):
+    """Each prompt token's logprob given the tokens before it (the first has none: nil), on done, streamed
+    or not; asked twice, the second answer is the same (the prefix cache holds no logits rows)."""
+    hmad, model = setup
+    prompt = model.tokenizer.encode(PROMPT)
+    logits = forward_full(model, prompt).astype(np.float64)
+    ref = logits - logits.max(axis=1, keepdims=True)
+    ref -= np.log(np.exp(ref).sum(axis=1, keepdims=True))
+    with Client(hmad.socket, timeout=60) as c:
+        runs = []
+        for _ in range(2):
+            if stream:
+                gen = c.stream(**ASK, temperature=0.0, prompt_logprobs=4)
+                r = None
+                try:
+                    while True:
+                        next(gen)
+                except StopIteration as stop:
+                    r = stop.value
+            else:
+                r = c.generate(**ASK, temperature=0.0, prompt_logprobs=4)
+            runs.append(r.prompt_logprobs)
+            assert r.logprobs is None  # (only the prompt's asked for)
+    entries = runs[0]
+    assert len(entries) == len(prompt) and entries[0] is None
+    for i, e in enumerate(entries[1:], start=1):
+        assert e.token_id == prompt[i] and _close(e.logprob, ref[i - 1, prompt[i]]), (i, e)
+        assert [t for t, _, _ in e.top] == np.argsort(-ref[i - 1], kind="stable")[:4].tolist()
+        assert all(_close(lp, ref[i - 1, t]) for t, lp, _ in e.top)
+    assert [(e.token_id, e.logprob) for e in runs[1][1:]] == [(e.token_id, e.logprob) for e in entries[1:]]

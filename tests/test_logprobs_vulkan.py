@@ -36,7 +36,7 @@ def scheds(tmp_path_factory):
     path = make_tiny_gguf(tmp_path_factory.mktemp("lp") / "tiny.gguf", seed=3)
     cpu = load_model(path, "cpu", numerics="f32")
     vk = load_model(path, "vulkan")
-    yield Scheduler(cpu, CFG), Scheduler(vk, CFG)
+    yield Scheduler(cpu, CFG), Scheduler(vk, CFG), path
     vk.backend.close()
 
 
@@ -63,7 +63,7 @@ def _close(a: float, b: float) -> bool:
 def test_vulkan_logprobs_equal_numpys(scheds):
     import numpy as np
 
-    cpu, vk = scheds
+    cpu, vk, _ = scheds
     rng = np.random.default_rng(0)
     vocab = cpu.model.config.vocab_size
     prompts = [rand_ids(rng, n, vocab) for n in (5, 9, 3)]
@@ -81,3 +81,44 @@ def test_vulkan_logprobs_equal_numpys(scheds):
             assert [i for i, _, _ in a["top"]] == [i for i, _, _ in b["top"]]
             assert all(_close(x[1], y[1]) for x, y in zip(a["top"], b["top"], strict=True))
     assert [len(e) for _, e in _run(vk, prompts[:1], params[:1])] == [5]  # alone: the same count
+
+
+def test_vulkan_prompt_logprobs_over_chunks_equal_numpys_and_the_whole_pass(scheds):
+    """A 40-token prompt in chunks of 16 beside another request: every prompt token's entry on both backends
+    equals the log-softmax of one pass over the whole prompt (forward_full) at the position before it."""
+    import numpy as np
+
+    from hmad.engine.generate import forward_full
+
+    cpu, vk, path = scheds
+    rng = np.random.default_rng(2)
+    vocab = cpu.model.config.vocab_size
+    prompts = [rand_ids(rng, 40, vocab), rand_ids(rng, 7, vocab)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3),
+        SamplingParams(temperature=0.0, max_tokens=3),
+    ]
+    got = {}
+    for name, sched in (("vk", vk), ("cpu", cpu)):
+        for p in params:
+            p.validate()
+        pairs = zip(prompts, params, strict=True)
+        reqs = [Request(next(_ids), list(ids), dataclasses.replace(p)) for ids, p in pairs]
+        for r in reqs:
+            sched.submit(r)
+        while sched.has_work():
+            sched.step()
+        got[name] = reqs[0].prompt_logprobs
+        assert reqs[1].prompt_logprobs is None
+    model = load_model(path, "cpu", numerics="f32")  # (forward_full makes its own KV pools)
+    logits = forward_full(model, list(prompts[0])).astype(np.float64)
+    ref = logits - logits.max(axis=1, keepdims=True)
+    ref -= np.log(np.exp(ref).sum(axis=1, keepdims=True))
+    for name, entries in got.items():
+        assert len(entries) == 40 and entries[0] is None, name
+        for i, e in enumerate(entries[1:], start=1):
+            assert e["token_id"] == prompts[0][i] and _close(e["logprob"], ref[i - 1, prompts[0][i]]), (
+                name,
+                i,
+            )
+            assert all(_close(lp, ref[i - 1, t]) for t, lp, _ in e["top"])

@@ -137,6 +137,7 @@ class Done:
     extra: dict[str, Any] = field(default_factory=dict)  # fields this version does not know
     tool_calls: list[dict[str, str]] = field(default_factory=list)  # [{id, name, arguments (JSON text)}]
     logprobs: list[Logprob] | None = None  # stream=false, when asked for: one per id of token_ids
+    prompt_logprobs: list[Logprob | None] | None = None  # when asked for: one per prompt token, first None
 
 
 @dataclass
@@ -221,16 +222,29 @@ def parse_reply(frame: bytes, max_size: int = MAX_REPLY_BYTES) -> Reply:
     if mtype == "metrics":
         return Metrics(mid, [f for f in msg["metrics"] if _is_family(f)])
     if mtype == "done":
-        known = {"v", "type", "id", "text", "token_ids", "tool_calls", "logprobs", *required}
-        extra = {k: v for k, v in msg.items() if k not in known}
-        calls = _tool_calls(msg.get("tool_calls"), mid)
-        ids, lps = msg.get("token_ids"), _logprobs(msg.get("logprobs"), mid)
-        return Done(
-            mid, **values, text=msg.get("text"), token_ids=ids, extra=extra, tool_calls=calls, logprobs=lps
-        )
+        return _done(msg, mid, values)
     if mtype == "token":
         return Token(mid, **values, logprobs=_logprobs(msg.get("logprobs"), mid))
     return cls(mid, **values)
+
+
+def _done(msg: dict[str, Any], mid: Id, values: dict[str, Any]) -> Done:
+    known = {"v", "type", "id", "text", "token_ids", "tool_calls", "logprobs", "prompt_logprobs", *values}
+    prompt = msg.get("prompt_logprobs")
+    if prompt is not None:  # the first prompt token has no entry (nil)
+        if not isinstance(prompt, list) or (prompt and prompt[0] is not None):
+            raise ProtocolError(BAD_REQUEST, "done reply: prompt_logprobs must be a list, nil first", mid)
+        prompt = [None, *(_logprobs(prompt[1:], mid) or [])] if prompt else []
+    return Done(
+        mid,
+        **values,
+        text=msg.get("text"),
+        token_ids=msg.get("token_ids"),
+        extra={k: v for k, v in msg.items() if k not in known},
+        tool_calls=_tool_calls(msg.get("tool_calls"), mid),
+        logprobs=_logprobs(msg.get("logprobs"), mid),
+        prompt_logprobs=prompt,
+    )
 
 
 def _logprobs(entries: Any, mid: Id) -> list[Logprob] | None:

@@ -56,6 +56,7 @@ class GenerateRequest:
     frequency_penalty: float | None = None
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None  # alternatives per generated token (hmaclient.sampling.MAX_LOGPROBS)
+    prompt_logprobs: int | None = None  # alternatives per prompt token
     json_schema: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, str] = "auto"
@@ -103,7 +104,10 @@ Request = GenerateRequest | CancelRequest | StatusRequest | PingRequest | Metric
 
 
 SAMPLING_FIELDS = sampling.NAMES  # the sampling fields of a generate, stop included
-COUNT_FIELDS = ("logprobs",)  # what a generate reports besides its tokens (hmaclient.sampling.MAX_LOGPROBS)
+COUNT_FIELDS = (
+    "logprobs",
+    "prompt_logprobs",
+)  # what a generate reports besides its tokens (hmaclient.sampling.MAX_LOGPROBS)
 _ENVELOPE = ("v", "type", "id")
 _TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 _FIELDS = {

@@ -38,6 +38,7 @@ class Result:
     extra: dict[str, Any] = field(default_factory=dict)
     tool_calls: list[dict[str, str]] = field(default_factory=list)
     logprobs: list[Logprob] | None = None  # one per id of token_ids, when the request asked for logprobs
+    prompt_logprobs: list[Logprob | None] | None = None  # one per prompt token (the first None), when asked
 
     @property
     def timings(self) -> dict[str, float]:

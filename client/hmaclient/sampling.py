@@ -27,7 +27,8 @@ refused by the daemon, which knows it.
 
 ``logprobs`` is not a sampling field (it changes no token, and has no default in the daemon's config): an
 int from 0 to :data:`MAX_LOGPROBS`, how many most likely alternatives each generated token reports with its
-own logprob (0: its own only); absent or nil: none. :func:`logprobs_problem` is its check.
+own logprob (0: its own only); absent or nil: none. ``prompt_logprobs`` likewise for each prompt token
+(given the tokens before it). :func:`logprobs_problem` is their check.
 """
 
 from __future__ import annotations

@@ -149,6 +149,7 @@ class AsyncStream:
             extra=d.extra,
             tool_calls=d.tool_calls,
             logprobs=d.logprobs,
+            prompt_logprobs=d.prompt_logprobs,
         )
 
     def _result(

@@ -151,6 +151,8 @@ class Replies:
             extra = {} if route.stream else {"text": "".join(route.text), "token_ids": route.token_ids}
             if logprobs is not None and not route.stream:
                 extra["logprobs"] = logprobs
+            if ev.prompt_logprobs is not None:  # streamed or not: only done has them
+                extra["prompt_logprobs"] = ev.prompt_logprobs
             return P.done(route.client_id, ev.finish_reason, **ev.stats, **extra, v=v)
         if ev.kind == "cancelled":
             return P.cancelled(route.client_id, ev.stats.get("generated_tokens", 0), v=v)

@@ -35,6 +35,8 @@ class SeqSlice:
     # (token ids int32, deltas float32) or None: added to this part's logit row (if it wants one) before a
     # device picks or pre-selects its token (``StepBatch.bias``; the request's Sampler.adjustments)
     bias: tuple[np.ndarray, np.ndarray] | None = None
+    # wanting logits, every position's row rather than the last one's (a request's prompt logprobs)
+    all_rows: bool = False
 
     @property
     def end_pos(self) -> int:
@@ -73,7 +75,8 @@ class StepBatch:
         feed: list[int] | None = None,
         sampling: np.ndarray | None = None,
     ) -> StepBatch:
-        """Assemble a batch from (slice without start, its token ids, wants logits of its last token);
+        """Assemble a batch from (slice without start, its token ids, wants logits of its last token, or of
+        each of its tokens with ``SeqSlice.all_rows``);
         ``feed``: per part, the previous step's ids row its one token comes from, or -1 (see ``feed``);
         ``sampling``: per logit row (see ``sampling``)."""
         tokens, positions, seqs, rows, start, bias = [], [], [], [], 0, []
@@ -82,6 +85,8 @@ class StepBatch:
             tokens.append(np.asarray(toks, dtype=np.int32))
             positions.append(np.arange(s.pos0, s.pos0 + s.n, dtype=np.int32))
             if want:
+                if s.all_rows:
+                    rows += range(start, start + s.n - 1)
                 if s.bias is not None and len(s.bias[0]):
                     bias.append(_bias_entries(len(rows), *s.bias))
                 rows.append(start + s.n - 1)

@@ -37,8 +37,13 @@ def greedy_ok(r: Request) -> bool:
 
 def needs_row(r: Request) -> bool:
     """Whether ``r``'s token needs its whole logits row on the host: a grammar masks it, or its logprobs are
-    of it (engine/logprobs.py; the device does not reduce a row to them yet)."""
-    return r.constraint is not None or r.params.logprobs is not None
+    of it (engine/logprobs.py; the device does not reduce a row to them yet), or its prompt's are."""
+    return r.constraint is not None or r.params.logprobs is not None or prompt_rows(r)
+
+
+def prompt_rows(r: Request) -> bool:
+    """Whether ``r``'s prefill reads every position's row (its prompt logprobs), not only the last one's."""
+    return r.params.prompt_logprobs is not None and r.state is State.PREFILL
 
 
 def device_sampling(wanting: list[Request], fed: dict[int, int]) -> np.ndarray:
@@ -82,7 +87,9 @@ class StepPlanner:
             )
             if done_prompt and r.params.adjusts:
                 s.bias = r.sampler.adjustments(r.output_ids)
-            parts.append((r, s, toks, done_prompt))
+            s.all_rows = r.id not in fed and prompt_rows(r)
+            r.step_rows = len(toks) if s.all_rows else 1  # its logit rows (TokenTaker.sample)
+            parts.append((r, s, toks, done_prompt or s.all_rows))
             budget -= len(toks)
         for r, _, toks, _ in parts:
             r.n_cached += len(toks)

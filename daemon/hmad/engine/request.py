@@ -44,6 +44,7 @@ class Event:
     stats: dict[str, Any] = field(default_factory=dict)
     error_code: str = ""
     logprobs: list[dict] | None = None  # one entry per token id (engine/logprobs.py), when asked for
+    prompt_logprobs: list[dict | None] | None = None  # (done) one per prompt token, the first None
 
     @property
     def terminal(self) -> bool:
@@ -68,7 +69,7 @@ class Request:
     tag: Any = None  # opaque to the engine: the server's routing info
     grammar: str | ToolGrammar | None = None
     owner: bytes | None = None
-    tenant: int | None = None
+    tenant: int | str | None = None
     state: State = State.WAITING
     n_cached: int = 0  # positions already in the KV cache
     n_reused: int = 0  # of the prompt's, those found in the prefix cache at admission
@@ -82,11 +83,18 @@ class Request:
     decoder: StreamDecoder | None = None
     grammar_state: JsonConstraint | ToolCallConstraint | None = None  # the grammar's state (``start``)
     tokenizer: Tokenizer | None = None  # (``start``) for the text of its logprobs' tokens
+    step_rows: int = 1  # its logit rows in the step being taken (all of a prefill chunk's: prompt logprobs)
+    prompt_logprobs: list[dict | None] | None = None  # one per prompt token, the first None (``start``)
 
     def start(self, tokenizer: Tokenizer) -> None:
         """Make the per-request state. Raises ValueError if the grammar cannot run on this tokenizer."""
         self.sampler = Sampler(self.params)
         self.tokenizer = tokenizer
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+            # every prompt position computed (none found in the prefix cache, whose rows are gone): a tenant
+            # of its own, whose blocks no other request reuses
+            self.tenant = f"prompt_logprobs:{self.id}"
         self.stops = StopMatcher(list(self.params.stop or []))
         self.decoder = StreamDecoder(tokenizer)
         if isinstance(self.grammar, ToolGrammar):

@@ -78,6 +78,7 @@ class SamplingParams:
     frequency_penalty: float = fields.OFF["frequency_penalty"]  # 0 = off
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias; ids as ints once validated
     logprobs: int | None = None  # alternatives each token reports (engine/logprobs.py); None: no logprobs
+    prompt_logprobs: int | None = None  # alternatives each prompt token reports; None: none
 
     def __post_init__(self) -> None:
         if isinstance(self.logit_bias, Mapping) and not isinstance(self.logit_bias, dict):
@@ -110,14 +111,16 @@ class SamplingParams:
         """Raise ValueError naming the first field out of range, with what it allows and the value (the
         wire's wording: "top_p must be a number in (0, 1], got 1.5"). The daemon runs it once per request,
         before the request reaches the engine; ``Sampler`` trusts it."""
-        values = {k: v for k, v in vars(self).items() if k != "logprobs"}  # (not a sampling field)
+        counts = ("logprobs", "prompt_logprobs")  # (not sampling fields)
+        values = {k: v for k, v in vars(self).items() if k not in counts}
         try:
             _CHECK.model_validate(values)
         except pydantic.ValidationError as e:
             raise ValueError(message(e, values)[1]) from None
-        wrong = fields.logprobs_problem("logprobs", self.logprobs)
-        if wrong:
-            raise ValueError(wrong)
+        for name in counts:
+            wrong = fields.logprobs_problem(name, getattr(self, name))
+            if wrong:
+                raise ValueError(wrong)
         self.logit_bias = fields.stored("logit_bias", self.logit_bias)  # {int id: float}
 
     def check_vocab(self, vocab: int) -> None:

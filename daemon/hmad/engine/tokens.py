@@ -46,9 +46,11 @@ def ended(r: Request, reason: str) -> None:
 
 
 def finish(r: Request, reason: str, events: list[Event]) -> list[Event]:
-    """End ``r`` normally (``stop`` or ``length``): its last token events, then ``done``."""
+    """End ``r`` normally (``stop`` or ``length``): its last token events, then ``done`` (with the prompt's
+    logprobs, when asked for)."""
     ended(r, reason)
-    return [*events, Event("done", r.id, finish_reason=reason, stats=r.stats())]
+    done = Event("done", r.id, finish_reason=reason, stats=r.stats(), prompt_logprobs=r.prompt_logprobs)
+    return [*events, done]
 
 
 def fail(r: Request, message: str, code: str = "internal") -> list[Event]:
@@ -82,11 +84,26 @@ class TokenTaker:
 
     # -- the three forms of a step's output -------------------------------------------------------------
     def sample(self, reqs: list[Request], logits: np.ndarray) -> list[Event]:
-        """Host sampling from each request's logits row (S_out, V)."""
-        events = []
-        for r, row in zip(reqs, logits, strict=True):
-            events += self.guarded(r, lambda r=r, row=row: self._sample_one(r, row))
+        """Host sampling from each request's logits rows (S_out, V): ``r.step_rows`` each, in order; the
+        last is its token's when its prompt is cached by this step, the others its prompt logprobs'."""
+        events, at = [], 0
+        for r in reqs:
+            rows, at = logits[at : at + r.step_rows], at + r.step_rows
+            events += self.guarded(r, lambda r=r, rows=rows: self._take_rows(r, rows))
+        if at != len(logits):
+            raise ValueError(f"{len(logits)} logit rows for {at} wanted")
         return events
+
+    def _take_rows(self, r: Request, rows: np.ndarray) -> list[Event]:
+        """``r``'s rows of a step: prompt logprobs for each row that predicts a prompt token, then its
+        token from the row of the prompt's last position (when this step computed it)."""
+        n_prompt, first = len(r.prompt_ids), r.n_cached - len(rows)  # the rows' first position
+        if r.prompt_logprobs is not None and first < n_prompt - 1:
+            for pos in range(first, min(r.n_cached, n_prompt - 1)):
+                tok = r.prompt_ids[pos + 1]
+                row = rows[pos - first]
+                r.prompt_logprobs.append(logprobs.entry(row, tok, r.params.prompt_logprobs, r.token_text))
+        return self._sample_one(r, rows[-1]) if r.n_cached >= n_prompt else []
 
     def _sample_one(self, r: Request, row: np.ndarray) -> list[Event]:
         if r.constraint is not None:  # structured output: the tokens its grammar forbids go to -inf
