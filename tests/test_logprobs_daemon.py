@@ -159,3 +159,20 @@ def test_prompt_logprobs_equal_the_numpy_reference(setup, stream):
         assert [t for t, _, _ in e.top] == np.argsort(-ref[i - 1], kind="stable")[:4].tolist()
         assert all(_close(lp, ref[i - 1, t]) for t, lp, _ in e.top)
     assert [(e.token_id, e.logprob) for e in runs[1][1:]] == [(e.token_id, e.logprob) for e in entries[1:]]
+
+
+def test_a_long_prompts_logprobs_span_its_chunks(setup):
+    """A prompt past one prompt-logprobs chunk (planning.PROMPT_ROWS_MAX) has an entry for every token."""
+    from hmad.engine.planning import PROMPT_ROWS_MAX
+
+    hmad, model = setup
+    text = "hello there " * 30
+    prompt = model.tokenizer.encode(text)
+    assert len(prompt) > PROMPT_ROWS_MAX + 1
+    logits = forward_full(model, prompt).astype(np.float64)
+    ref = logits - logits.max(axis=1, keepdims=True)
+    ref -= np.log(np.exp(ref).sum(axis=1, keepdims=True))
+    with Client(hmad.socket, timeout=60) as c:
+        entries = c.generate(prompt=text, raw=True, max_tokens=1, prompt_logprobs=0).prompt_logprobs
+    assert len(entries) == len(prompt) and entries[0] is None
+    assert all(e.top == [] and _close(e.logprob, ref[i - 1, prompt[i]]) for i, e in enumerate(entries[1:], 1))

@@ -27,6 +27,9 @@ from hmad.engine.kvcache import KVCacheManager
 from hmad.engine.request import Request, State
 
 Part = tuple[Request, SeqSlice, list[int], bool]  # request, its slice, its input ids, wants logits
+# Prompt tokens a step prefills of a request with prompt logprobs, each position's whole row read back:
+# 64 rows of Gemma 3's 262,144 logits are 64 MiB a step (docs/protocol.md, "Logprobs").
+PROMPT_ROWS_MAX = 64
 
 
 def greedy_ok(r: Request) -> bool:
@@ -77,7 +80,8 @@ class StepPlanner:
                 break
             if r.id in fed and not self._goes_on(r):
                 continue
-            toks = [0] if r.id in fed else r.next_input(min(self.max_chunk, budget))
+            chunk = min(self.max_chunk, budget, PROMPT_ROWS_MAX if prompt_rows(r) else budget)
+            toks = [0] if r.id in fed else r.next_input(chunk)
             # a fed row of a sampling request may be computed again a position back (_redo_fed_row)
             keep = int(r.id in fed and not greedy_ok(r))
             tables = self.kv.prepare(r.id, r.n_cached, len(toks), keep_back=keep)
