@@ -121,7 +121,8 @@ class AsyncClient:
         calls, each {id, name, arguments: JSON text}, with finish_reason "tool_calls"; messages may carry
         an assistant's ``tool_calls`` and ``role: "tool"`` results) and logprobs (an int 0..20: the result's
         ``logprobs`` then holds each token's ``Logprob`` with that many alternatives; streamed, each
-        ``Piece`` has its tokens'). Raises RequestCancelled if the request is cancelled.
+        ``Piece`` has its tokens') and prompt_logprobs (likewise for each prompt token, in the result's
+        ``prompt_logprobs``, the first None). Raises RequestCancelled if the request is cancelled.
         """
         timeout = self.timeout if timeout is _DEFAULT else timeout
         deadline = None if timeout is None else time.monotonic() + timeout

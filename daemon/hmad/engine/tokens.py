@@ -15,7 +15,9 @@ alone with an ``error`` event (code internal); the token events it produced befo
 
 Logprobs: a request with ``logprobs`` also needs its whole row (engine/planning.py, ``needs_row``); the
 logprobs of its token are of the row the sampler drew from (engine/logprobs.py), and ride on the token event
-that carries the token's id (``with_logprobs``).
+that carries the token's id (``with_logprobs``). A request with ``prompt_logprobs`` gets every row of its
+prefill chunks (``sample``: ``Request.step_rows`` rows each): each row but the token's gives the logprob of
+the prompt token after it, gathered on ``Request.prompt_logprobs`` for its ``done``.
 
 Structured output: a request with a grammar (``Request.constraint``) needs its whole logits row, so a step
 holding one reads the full rows back (``model.forward``) rather than the on-device argmax or top-k. Its
