@@ -101,6 +101,7 @@ Replies (daemon -> client)
                end): float seconds; tokens_per_s: float decode rate (0 if < 2 tokens).
                cached_tokens: int, the prompt tokens whose KV came from the prefix cache (not computed;
                absent from daemons before it, so clients read it as optional: Done.extra).
+               stop_sequence: str, the stop string that ended the answer (only then; Done.extra).
                With json_schema also schema_complete (bool): true when the text is a whole JSON value
                that satisfies the schema; false when max_tokens (or the context) ran out first
                (finish_reason "length": the text is a valid but unfinished prefix) or a stop string cut it.

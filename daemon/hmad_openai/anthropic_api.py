@@ -8,9 +8,8 @@ whole or streamed as Anthropic's server-sent events:
 
 What each request field becomes is ``anthropic_schema``'s docstring. ``stop_reason``: "max_tokens" when
 max_tokens (or the context) ran out, "tool_use" when the answer is tool calls (tool_use blocks, their input
-the call's arguments), "stop_sequence" when hmad's reply names the stop string that ended it, else
-"end_turn". hmad's reply does not name the stop string yet, so an answer a stop sequence cut reads
-"end_turn" with ``stop_sequence`` null. Usage: ``input_tokens`` the prompt tokens hmad computed,
+the call's arguments), "stop_sequence" (with ``stop_sequence`` the string) when a stop string ended it
+(hmad's ``done`` names it), else "end_turn". Usage: ``input_tokens`` the prompt tokens hmad computed,
 ``cache_read_input_tokens`` those its prefix cache gave (their sum is the prompt), ``output_tokens`` the
 generated ones. The key may come as ``x-api-key`` (``app``). Errors are
 ``{"type": "error", "error": {"type", "message"}}`` with the HTTP status.
@@ -149,9 +148,8 @@ class _Blocks:
         return self._start({"type": "text", "text": ""})
 
     def finish(self, r: Result) -> list[str]:
-        if not self.open and not r.tool_calls:
-            self.text_start()
-        events = self._stop() if self.open else []
+        events = self.text_start() if not self.open and not r.tool_calls else []  # an empty answer's block
+        events += self._stop() if self.open else []
         for call in r.tool_calls:
             events += self._start({**_tool_use(call), "input": {}})
             partial = {"type": "input_json_delta", "partial_json": call["arguments"]}
