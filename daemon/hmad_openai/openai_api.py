@@ -33,17 +33,25 @@ async def chat_completions(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     req = parse(CompletionRequest, await read_body(request))
-    return await _generation(request, req, req.params(), chat=False, prompt=req.text(), raw=True)
+    prompt = req.text()
+    echo = {"echo": prompt if req.echo else None, "drop": req.drops_answer}
+    return await _generation(request, req, req.params(), chat=False, prompt=prompt, raw=True, reply=echo)
 
 
 async def _generation(
-    request: Request, req: ChatRequest | CompletionRequest, params: dict[str, Any], chat: bool, **inputs: Any
+    request: Request,
+    req: ChatRequest | CompletionRequest,
+    params: dict[str, Any],
+    chat: bool,
+    reply: dict[str, Any] | None = None,
+    **inputs: Any,
 ) -> Response:
     """The answer of either endpoint, one generation per choice: ``inputs`` are what hmaclient takes besides
-    ``params`` (chat: the messages; completions: the raw prompt). Streamed as SSE or answered whole; a
-    refusal is an HTTP error, a client gone before the answer cancels the generations."""
+    ``params`` (chat: the messages; completions: the raw prompt), ``reply`` more of ``R.Reply``'s fields
+    (completions' echo). Streamed as SSE or answered whole; a refusal is an HTTP error, a client gone
+    before the answer cancels the generations."""
     gw: Gateway = gateway_of(request)
-    reply = R.Reply(await gw.model_name(), chat=chat)
+    reply = R.Reply(await gw.model_name(), chat=chat, **(reply or {}))
     each = req.choice_params(params)
     if req.stream:
         streams = [gw.client.stream(**inputs, **p) for p in each]
@@ -137,6 +145,7 @@ async def _events(
     generation ends. Starlette cancels it when the client disconnects; leaving the streams cancels the
     generations. An error after the start goes out as an ``error`` event (the OpenAI client raises it)."""
     results: list[Any] = [None] * len(streams)
+    marks = [Logprobs(reply.chat) for _ in streams]
     merged = _merged(streams)
     try:
         if reply.chat:
@@ -144,9 +153,10 @@ async def _events(
                 yield R.sse(reply.chunk(None, role=True, index=i))
         async for i, piece in merged:
             if piece is not None:
+                marks[i].add(piece)
                 text = held[i].feed(piece.text)
                 if text:
-                    yield R.sse(reply.chunk(text, index=i))
+                    yield R.sse(reply.chunk(text, index=i, logprobs=marks[i].take(text)))
                 continue
             results[i] = result = streams[i].result
             if result.finish_reason == "cancelled":
@@ -156,7 +166,8 @@ async def _events(
             if result.tool_calls:
                 yield R.sse(reply.tool_calls_chunk(result, i))
             elif held[i].held:
-                yield R.sse(reply.chunk(held[i].rest(), index=i))
+                text = held[i].rest()
+                yield R.sse(reply.chunk(text, index=i, logprobs=marks[i].take(text)))
             yield R.sse(reply.chunk(None, result.finish_reason, index=i))
         if include_usage:
             yield R.sse(reply.usage_chunk(results))
@@ -167,6 +178,31 @@ async def _events(
             await s.aclose()
         await merged.aclose()
     yield R.DONE_EVENT
+
+
+class Logprobs:
+    """A streamed choice's logprobs not yet sent: a chunk carries those of the tokens its text came from
+    (text held back as a possible tool call carries them when it goes out). Completions' ``text_offset``
+    counts from the start of the choice's text."""
+
+    def __init__(self, chat: bool):
+        self.chat, self.pending, self.offset, self.asked = chat, [], 0, False
+
+    def add(self, piece: Piece) -> None:
+        if piece.logprobs is not None:
+            self.asked = True
+            self.pending.extend(piece.logprobs)
+
+    def take(self, text: str) -> dict[str, Any] | None:
+        """The logprobs for a chunk of ``text`` (None when the request asked for none)."""
+        if not self.asked:
+            return None
+        entries, self.pending = self.pending, []
+        if self.chat:
+            return R.chat_logprobs(entries)
+        out = R.completion_logprobs(entries, self.offset)
+        self.offset += len(text)
+        return out
 
 
 async def _merged(streams: list[AsyncStream]) -> AsyncIterator[tuple[int, Piece | None]]:

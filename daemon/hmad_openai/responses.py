@@ -5,7 +5,10 @@ whole answer (stream=false) and each stream chunk. An answer of n choices (``n``
 choice, ``index`` 0..n-1; each stream chunk carries one choice's index. Tool calls (finish_reason
 ``tool_calls``) go out as ``message.tool_calls`` with content null, or streamed as one ``tool_calls``
 delta holding every call whole (index, id, type, function name and arguments), as llama-server sends a
-call it parsed. Server-sent events are ``data: <json>\\n\\n`` lines, ending with ``data: [DONE]``.
+call it parsed. Logprobs (hmaclient's ``Logprob``s) go out in each API's shape: chat's ``{"content": [{token,
+logprob, bytes, top_logprobs}]}``, completions' ``{tokens, token_logprobs, top_logprobs, text_offset}``;
+an echoed prompt's (completions' ``echo``) come first, its first token's logprob null. Server-sent events
+are ``data: <json>\\n\\n`` lines, ending with ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from hmaclient.reply import Logprob
 from hmaclient.results import Result
 
 DONE_EVENT = "data: [DONE]\n\n"
@@ -52,6 +56,42 @@ def tool_calls(calls: list[dict[str, str]]) -> list[dict[str, Any]]:
     ]
 
 
+# A logprob JSON can carry (-inf, which only a masked token has, is not JSON): vLLM's floor
+_FLOOR = -9999.0
+
+
+def _value(logprob: float) -> float:
+    return max(logprob, _FLOOR)
+
+
+def _token(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": _value(logprob), "bytes": list(text.encode())}
+
+
+def chat_logprobs(entries: Sequence[Logprob]) -> dict[str, Any]:
+    """Chat's ``logprobs``: per token its text, logprob, UTF-8 bytes and top alternatives."""
+    content = [
+        {**_token(e.text, e.logprob), "top_logprobs": [_token(text, lp) for _id, lp, text in e.top]}
+        for e in entries
+    ]
+    return {"content": content}
+
+
+def completion_logprobs(entries: Sequence[Logprob | None], offset: int = 0) -> dict[str, Any]:
+    """Completions' ``logprobs``: parallel lists; ``text_offset`` each token's start in the answer's text
+    from ``offset``, by the tokens' own texts. An entry None (a prompt's first token) has a null logprob
+    and top; its text is unknown, so empty."""
+    out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for e in entries:
+        text = "" if e is None else e.text
+        out["tokens"].append(text)
+        out["token_logprobs"].append(None if e is None else _value(e.logprob))
+        out["top_logprobs"].append(None if e is None else {t: _value(lp) for _id, lp, t in e.top})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
 def model_object(name: str, created: int) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": created, "owned_by": "hmad"}
 
@@ -62,6 +102,8 @@ class Reply:
 
     model: str
     chat: bool
+    echo: str | None = None  # completions' echo: the prompt, first in each choice's text
+    drop: bool = False  # completions' echo with max_tokens 0: the generated token is not in the answer
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -77,24 +119,44 @@ class Reply:
 
     def _choice(self, index: int, r: Result) -> dict[str, Any]:
         if not self.chat:
-            return {"index": index, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}
+            return self._text_choice(index, r)
         message = {"role": "assistant", "content": r.text, "refusal": None}
         if r.tool_calls:
             message.update(content=None, tool_calls=tool_calls(r.tool_calls))
-        return {"index": index, "message": message, "logprobs": None, "finish_reason": r.finish_reason}
+        logprobs = None if r.logprobs is None else chat_logprobs(r.logprobs)
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": r.finish_reason}
+
+    def _text_choice(self, index: int, r: Result) -> dict[str, Any]:
+        """A completion's choice: the echoed prompt first (its tokens' logprobs too, when asked)."""
+        text = "" if self.drop else r.text
+        entries: list[Logprob | None] | None = None
+        if r.logprobs is not None:
+            entries = [] if self.drop else list(r.logprobs)
+            if self.echo is not None:
+                entries = list(r.prompt_logprobs or []) + entries
+        if self.echo is not None:
+            text = self.echo + text
+        logprobs = None if entries is None else completion_logprobs(entries)
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": r.finish_reason}
 
     def chunk(
-        self, text: str | None, finish_reason: str | None = None, role: bool = False, index: int = 0
+        self,
+        text: str | None,
+        finish_reason: str | None = None,
+        role: bool = False,
+        index: int = 0,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """A stream chunk of choice ``index``: a piece of text, the role announcement (chat's first chunk of
-        each choice) or the finish."""
+        """A stream chunk of choice ``index``: a piece of text (with its tokens' ``logprobs`` in the API's
+        shape, when asked), the role announcement (chat's first chunk of each choice) or the finish."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            text = text or ""
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._chunk_head(), "choices": [choice]}
 
     def tool_calls_chunk(self, r: Result, index: int = 0) -> dict[str, Any]:

@@ -17,11 +17,15 @@ What maps where:
     checks them); assistant messages' tool_calls (content null) and role "tool" messages (tool_call_id,
     name) -> hmad's tool turns
     n (1 to MAX_CHOICES)                -> that many generations of the same prompt (``choice_params``)
+    chat logprobs true (+ top_logprobs N, 0..MAX_LOGPROBS; absent: 0) -> logprobs N
+    completions logprobs N              -> logprobs N; with echo true also prompt_logprobs N
+    completions echo true               -> the prompt's text (and tokens' logprobs) first in the answer;
+                                           max_tokens 0 with echo asks hmad for 1 token and drops it
 
 Refused with a 400 that says why (rather than silently ignored, since they change the answer): n out of
-range, logprobs / top_logprobs, the legacy functions / function_call (send tools / tool_choice), echo,
-best_of > 1, suffix, token id prompts, non-text content parts. Fields this module does
-not name (user, metadata, store, ...) are ignored.
+range, top_logprobs out of range or without logprobs, the legacy functions / function_call (send tools /
+tool_choice), echo with stream, best_of > 1, suffix, token id prompts, non-text content parts. Fields
+this module does not name (user, metadata, store, ...) are ignored.
 The sampling fields' types and ranges are hmad's own (hmaclient.sampling, as pydantic types from
 hmad.engine.sampling_schema): one out of range is a 400 naming it in the wire's words ("top_p must be a
 number in (0, 1], got 1.5").
@@ -178,12 +182,15 @@ class ChatRequest(_Common):
     def params(self) -> dict[str, Any]:
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
-        if self.logprobs or self.top_logprobs:
-            raise bad_request("logprobs are not supported", "logprobs")
+        top = _count("top_logprobs", self.top_logprobs)
+        if top is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         if self.functions or self.function_call:
             msg = "functions and function_call are OpenAI's deprecated form: send tools and tool_choice"
             raise bad_request(msg, "functions" if self.functions else "function_call")
         out = super().params()
+        if self.logprobs:
+            out["logprobs"] = top or 0
         for name in ("tools", "tool_choice", "parallel_tool_calls"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
@@ -203,21 +210,41 @@ class ChatRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: Any = None
+    max_tokens: int | None = None  # 0 allowed with echo (checked in params)
     echo: bool | None = None
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
 
+    @property
+    def drops_answer(self) -> bool:
+        """Whether the generated token is dropped: echo with max_tokens 0 (hmad generates at least one;
+        the answer is the prompt alone, as lm-evaluation-harness asks for a prompt's logprobs)."""
+        return bool(self.echo) and self.max_tokens == 0
+
     def params(self) -> dict[str, Any]:
-        if self.logprobs is not None:
-            raise bad_request("logprobs are not supported", "logprobs")
-        if self.echo:
-            raise bad_request("echo is not supported", "echo")
+        n = _count("logprobs", self.logprobs)
+        if self.echo and self.stream:
+            raise bad_request("echo is not supported with stream: true", "echo")
         if self.best_of not in (None, 1):
             raise bad_request(f"best_of must be 1, got {self.best_of}", "best_of")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
-        return super().params()
+        wanted = self.max_tokens
+        if self.drops_answer:
+            self.max_tokens = 1
+        try:
+            problem = sampling.problem("max_tokens", self.max_tokens) if self.max_tokens is not None else None
+            if problem:
+                raise bad_request(problem, "max_tokens")
+            out = super().params()
+        finally:
+            self.max_tokens = wanted
+        if n is not None:
+            out["logprobs"] = n
+            if self.echo:
+                out["prompt_logprobs"] = n
+        return out
 
     def text(self) -> str:
         """The prompt: a str, or a list holding one str."""
@@ -229,6 +256,14 @@ class CompletionRequest(_Common):
         if isinstance(p, list) and p and all(isinstance(x, int | list) for x in p):
             raise bad_request("token id prompts are not supported; send the prompt as text", "prompt")
         raise bad_request("prompt must be a string or a list of one string", "prompt")
+
+
+def _count(name: str, v: int | None) -> int | None:
+    """A logprobs count (alternatives per token, 0..MAX_LOGPROBS), or a 400 in the wire's words."""
+    problem = sampling.logprobs_problem(name, v)
+    if problem:
+        raise bad_request(problem, name)
+    return v
 
 
 def _content_text(content: str | list[dict[str, Any]] | None, i: int) -> str:
