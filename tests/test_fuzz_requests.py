@@ -59,7 +59,7 @@ CONTEXT = 32  # the daemons' context: keeps the accepted requests cheap (prompts
 WELL_BEHAVED = {"embedded": "1, 2, 3, 4, 5, 6,", "no_byte_tokens": "the cat and the dog"}
 
 SAMPLING_FIELDS = [*P.SAMPLING_FIELDS, "raw", "stream"]
-KNOWN_FIELDS = {"v", "type", "id", "prompt", "messages", *SAMPLING_FIELDS, "timeout"}
+KNOWN_FIELDS = {"v", "type", "id", "prompt", "messages", *SAMPLING_FIELDS, *P.COUNT_FIELDS, "timeout"}
 
 
 # -- strategies ------------------------------------------------------------------------------------------

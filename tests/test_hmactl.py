@@ -307,3 +307,31 @@ def test_ctrl_c_cancels_and_exits_130(hmad, json_mode):
         # Nothing left running. (The daemon also cancels the requests of a peer that disconnects, so this
         # checks what the interrupted hmactl leaves behind, not which of the two ended the generation.)
         _wait(lambda: _load(c) == (0, 0, 0))
+
+
+def test_query_logprobs(hmad, capsys):
+    """--logprobs / --prompt-logprobs: after the streamed answer one line a token (logprob, text, top),
+    or with --json the lists hmaclient gets; out of range is a usage error naming the field."""
+    q = ["--socket", hmad.socket, "query", "--raw", "--max-tokens", "3", "--temperature", "0"]
+    with Client(hmad.socket) as c:
+        ref = c.generate("x b", raw=True, max_tokens=3, temperature=0, logprobs=2, prompt_logprobs=1)
+    assert cli.main([*q, "--logprobs", "2", "--prompt-logprobs", "1", "x b"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ref.text
+    p = lines.index("prompt logprobs:")
+    g = lines.index("logprobs:")
+    assert g - p - 1 == len(ref.prompt_logprobs) == ref.prompt_tokens
+    assert "(the first token: no logprob)" in lines[p + 1]
+    assert len(lines) - g - 1 == len(ref.logprobs) == 3
+    for line, e in zip(lines[g + 1 :], ref.logprobs, strict=True):
+        assert line.split()[0] == f"{e.logprob:.4f}" and json.dumps(e.text) in line
+        assert f"top: {json.dumps(e.top[0][2])} {e.top[0][1]:.4f}" in line
+    assert cli.main([*q, "--json", "--logprobs", "2", "--prompt-logprobs", "1", "x b"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert [e["token_id"] for e in obj["logprobs"]] == ref.token_ids
+    assert [len(e["top"]) for e in obj["logprobs"]] == [2, 2, 2]
+    assert obj["prompt_logprobs"][0] is None and len(obj["prompt_logprobs"]) == ref.prompt_tokens
+    assert [e["logprob"] for e in obj["logprobs"]] == [e.logprob for e in ref.logprobs]
+    with pytest.raises(SystemExit) as info:
+        cli.main([*q, "--logprobs", "21", "x b"])
+    assert info.value.code == 2 and "logprobs must be an integer from 0 to 20" in capsys.readouterr().err

@@ -5,14 +5,18 @@
     hmactl [--socket PATH] [--timeout S] metrics [--json | --prometheus]
     hmactl [--socket PATH] [--timeout S] query [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
            [--min-p P] [--repetition-penalty R] [--repeat-last-n N] [--seed S] [--stop STR]... [--raw]
-           [--json-schema FILE_OR_JSON] [--json] PROMPT|-
+           [--json-schema FILE_OR_JSON] [--logprobs N] [--prompt-logprobs N] [--json] PROMPT|-
 
 ``query`` streams the answer to stdout as it arrives (``-`` reads the prompt from stdin; ``--raw`` skips the
 chat template); with ``--json`` it prints one JSON object at the end instead. Its sampling flags are
 hmaclient.sampling's fields (``hmactl query --help`` shows each one's range and default); one not given
 takes the daemon's default. ``--json-schema`` makes the
 answer one JSON value satisfying that JSON Schema (a file holding it, or its JSON text; ``'{"type":
-"object"}'`` is any JSON object). Ctrl-C cancels the request.
+"object"}'`` is any JSON object). ``--logprobs N`` / ``--prompt-logprobs N`` (0..20) ask for each generated /
+prompt token's logprob and its N most likely alternatives: printed after the answer, one token a line
+(logprob, the token's text as a JSON string, then the alternatives), or with ``--json`` as lists of
+{token_id, text, logprob, top: [[id, logprob, text]]} (the prompt's first item null). Ctrl-C cancels the
+request.
 ``metrics`` prints the daemon's counters and histograms (requests by outcome, tokens, time to first token,
 batch sizes, KV blocks, memory); ``--prometheus`` as Prometheus text (needs prometheus_client: the
 ``prometheus`` extra, ``pip install 'hmaclient[prometheus]'``), ``--json`` as the families the daemon sent.
@@ -25,16 +29,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 import time
+from collections.abc import Generator
 from typing import Any, TextIO
 
 from hmaclient import sampling
 from hmaclient.args import json_schema_arg
 from hmaclient.client import Client
 from hmaclient.errors import DaemonUnreachable, HmadTimeout, HmaError, RequestError
-from hmaclient.protocol import ProtocolError, default_socket_path
+from hmaclient.protocol import Logprob, ProtocolError, default_socket_path
+from hmaclient.results import Piece, Result
 
 EXIT_OK, EXIT_REQUEST, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -67,9 +74,33 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE_OR_JSON",
         help="answer with JSON satisfying this JSON Schema: a file, or the schema's JSON text",
     )
+    for flag, what in (("--logprobs", "generated"), ("--prompt-logprobs", "prompt")):
+        q.add_argument(
+            flag,
+            type=_count_arg(flag[2:].replace("-", "_")),
+            metavar="N",
+            help=f"show each {what} token's logprob and its N most likely alternatives "
+            f"(N from 0 to {sampling.MAX_LOGPROBS})",
+        )
     q.add_argument("--json", action="store_true", help="print one JSON object at the end, no streaming")
     q.add_argument("prompt", metavar="PROMPT|-", help="the prompt, or - to read it from stdin")
     return ap
+
+
+def _count_arg(name: str) -> Any:
+    """The argparse type of count field ``name`` (alternatives per token, 0..MAX_LOGPROBS)."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        problem = sampling.logprobs_problem(name, n)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return n
+
+    return parse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,6 +172,8 @@ def _query(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         **sampling.from_args(args),  # the flags given; the daemon's defaults for the rest
         "raw": True if args.raw else None,
         "json_schema": args.json_schema,
+        "logprobs": args.logprobs,
+        "prompt_logprobs": args.prompt_logprobs,
     }
     if args.json:
         r = client.generate(prompt, **params)
@@ -154,19 +187,57 @@ def _query(client: Client, args: argparse.Namespace, out: TextIO) -> int:
             "timings": r.timings,
             **({"schema_complete": r.extra["schema_complete"]} if "schema_complete" in r.extra else {}),
         }
+        for name in ("logprobs", "prompt_logprobs"):
+            entries = getattr(r, name)
+            if entries is not None:
+                obj[name] = [None if e is None else dataclasses.asdict(e) for e in entries]
         print(json.dumps(obj, ensure_ascii=False), file=out)
         return EXIT_OK
-    last = ""
     with contextlib.closing(client.stream(prompt, **params)) as pieces:
-        for piece in pieces:
-            if piece.text:
-                out.write(piece.text)
-                out.flush()
-                last = piece.text
-    if last and not last.endswith("\n"):
-        out.write("\n")
+        result, logprobs = _write_answer(pieces, out)
+    if args.prompt_logprobs is not None and result is not None:
+        out.write("\n".join(["prompt logprobs:", *format_logprobs(result.prompt_logprobs or [])]) + "\n")
+    if args.logprobs is not None:
+        out.write("\n".join(["logprobs:", *format_logprobs(logprobs)]) + "\n")
     out.flush()
     return EXIT_OK
+
+
+def _write_answer(pieces: Generator[Piece, None, Result | None], out: TextIO) -> tuple[Result | None, list]:
+    """Write the answer's pieces as they come, ending with a newline; the result (None if cancelled) and
+    the generated tokens' logprobs."""
+    last, logprobs = "", []
+    while True:
+        try:
+            piece = next(pieces)
+        except StopIteration as end:
+            result = end.value
+            break
+        logprobs += piece.logprobs or []
+        if piece.text:
+            out.write(piece.text)
+            out.flush()
+            last = piece.text
+    if last and not last.endswith("\n"):
+        out.write("\n")
+    return result, logprobs
+
+
+def format_logprobs(entries: list[Logprob | None]) -> list[str]:
+    """One line a token: its logprob, its text as a JSON string, then its alternatives (text logprob,
+    most likely first); a prompt's first token (None: nothing comes before it) as a dash."""
+    lines = []
+    for e in entries:
+        if e is None:
+            lines.append(f"  {'-':>9}  (the first token: no logprob)")
+            continue
+        top = ", ".join(f"{_shown(t)} {lp:.4f}" for _id, lp, t in e.top)
+        lines.append(f"  {e.logprob:9.4f}  {_shown(e.text)}" + (f"  top: {top}" if e.top else ""))
+    return lines
+
+
+def _shown(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
 
 
 # -- metrics ----------------------------------------------------------------------------------------------

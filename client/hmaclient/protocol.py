@@ -69,6 +69,13 @@ Requests (client -> daemon)
                                             Not with json_schema (unless "none"); not with a raw prompt.
     parallel_tool_calls bool                default true: an answer may be a JSON list of calls (1..16).
                                             (docs/protocol.md: the prompt form, the grammar, the triggers.)
+    logprobs            int | nil           0..MAX_LOGPROBS (20), default nil (none): each generated token
+                                            reports its logprob and this many most likely alternatives
+                                            (``token.logprobs``, ``done.logprobs``). The model's
+                                            distribution before temperature, over the whole vocabulary.
+    prompt_logprobs     int | nil           0..MAX_LOGPROBS, default nil: likewise for each prompt token
+                                            (``done.prompt_logprobs``); the prompt is then computed whole
+                                            (no prefix cache). Both: COUNT_FIELDS; docs/protocol.md.
     An absent sampling field (or nil) means "the daemon's default" (its config's ``sampling:`` section).
     An int field takes ints only, a number field ints or finite floats; bools are not numbers.
 
@@ -91,6 +98,10 @@ Replies (daemon -> client)
                (the ids of a stop string's tokens are included though its text is never sent).
                Concatenating every piece's text and token_ids gives what ``done`` would carry with
                stream=false.
+               With ``logprobs``: also logprobs, one entry per id of token_ids, in order:
+               {token_id: int, text: str (the token's own bytes as UTF-8; one byte of a multi-byte
+               character reads U+FFFD), logprob: float <= 0, top: list of [id, logprob, text], most likely
+               first, at most ``logprobs`` long}. Clients read it as ``Logprob``.
 ``done``       {id, finish_reason, prompt_tokens, generated_tokens, ttft_s, tokens_per_s, total_s,
                cached_tokens, and with stream=false: text, token_ids}
                finish_reason: "stop" (end of turn / EOS, or a stop string, or with json_schema: the JSON
@@ -102,6 +113,10 @@ Replies (daemon -> client)
                cached_tokens: int, the prompt tokens whose KV came from the prefix cache (not computed;
                absent from daemons before it, so clients read it as optional: Done.extra).
                stop_sequence: str, the stop string that ended the answer (only then; Done.extra).
+               With ``logprobs`` and stream=false also logprobs (entries as on ``token``, one per id of
+               token_ids). With ``prompt_logprobs`` (streamed or not) also prompt_logprobs: one item per
+               prompt token as the model saw it (template and BOS included), the first nil, each other an
+               entry as above.
                With json_schema also schema_complete (bool): true when the text is a whole JSON value
                that satisfies the schema; false when max_tokens (or the context) ran out first
                (finish_reason "length": the text is a valid but unfinished prefix) or a stop string cut it.
@@ -228,6 +243,7 @@ from hmaclient.reply import (  # noqa: F401
     Cancelled,
     Done,
     Error,
+    Logprob,
     Metrics,
     Pong,
     Reply,
@@ -244,6 +260,7 @@ from hmaclient.reply import (  # noqa: F401
     token,
 )
 from hmaclient.request import (  # noqa: F401
+    COUNT_FIELDS,
     SAMPLING_FIELDS,
     CancelRequest,
     GenerateRequest,
@@ -259,5 +276,6 @@ from hmaclient.request import (  # noqa: F401
     status_request,
     validate_request,
 )
+from hmaclient.sampling import MAX_LOGPROBS  # noqa: F401
 
 __doc__ = (__doc__ or "").replace("{SAMPLING_TABLE}", sampling.table())
