@@ -13,7 +13,8 @@ running.
 
 A stream is an ``AsyncStream`` (``hmaclient.stream``); answers are ``Piece``s and ``Result``s
 (``hmaclient.results``). Errors are the ``HmaError``s of ``hmaclient.errors``, which says when each is
-raised; bad parameters raise ``protocol.ProtocolError`` (a ``ValueError``) before anything is sent.
+raised; bad parameters raise ``protocol.ProtocolError`` (a ``ValueError``) before anything is sent, and a
+reply that breaks the protocol raises one (naming the bad field) in the call it answers, at once.
 """
 
 from __future__ import annotations
@@ -263,7 +264,7 @@ class AsyncClient:
             try:
                 reply = P.parse_reply(frames[0])
             except P.ProtocolError as e:
-                log.warning("dropped a malformed reply: %s", e)
+                self._route_malformed(e)
                 continue
             pending = self._pending.get(reply.id)
             if pending is None:
@@ -273,6 +274,19 @@ class AsyncClient:
                     del self._pending[reply.id]
             else:
                 pending.queue.put_nowait(reply)
+
+    def _route_malformed(self, e: P.ProtocolError) -> None:
+        """A reply that breaks the protocol: the request it names (if one waits) fails with the error at once
+        and its id is freed (its replies, if more come, are dropped; a stream left on the error cancels
+        it); one naming no such request is dropped."""
+        pending = self._pending.get(e.id) if isinstance(e.id, int | str) else None
+        if pending is None:
+            log.warning("dropped a malformed reply: %s", e)
+            return
+        log.warning("a malformed reply to request %r: %s", e.id, e)
+        del self._pending[e.id]
+        if not pending.abandoned:
+            pending.queue.put_nowait(P.ProtocolError(e.code, f"malformed reply from hmad: {e.message}", e.id))
 
     async def _watch_connection(self) -> None:
         """On a disconnect, fail the requests in flight (after replies already received are read)."""
@@ -340,6 +354,8 @@ class AsyncClient:
             raise ConnectionLost(self.path)
         if reply is _CLOSED:
             raise RuntimeError("this hmaclient was closed while the request ran")
+        if isinstance(reply, P.ProtocolError):  # the daemon's reply to it broke the protocol
+            raise reply
         return reply
 
     async def _call(self, build: Any, expect: type[T], timeout: float | None) -> T:

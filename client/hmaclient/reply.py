@@ -201,9 +201,20 @@ _REPLY_SCHEMA: dict[str, tuple[type, dict[str, tuple[type, ...] | type]]] = {
 def parse_reply(frame: bytes, max_size: int = MAX_REPLY_BYTES) -> Reply:
     """One frame from the daemon -> a reply dataclass. Unknown fields are ignored (``Done.extra`` keeps them).
 
-    Unknown error codes are passed through as they are (a newer daemon may add codes).
+    Unknown error codes are passed through as they are (a newer daemon may add codes). A reply that breaks
+    the protocol raises ProtocolError (with the reply's id when it could be read, naming the bad field), and
+    nothing else: a client routes it to the request it concerns.
     """
     msg, mid = _message(frame, max_size)
+    try:
+        return _reply(msg, mid)
+    except ProtocolError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a check this module lacks: still the reply's fault, named
+        raise ProtocolError(BAD_REQUEST, f"{msg.get('type')} reply: malformed ({e!r:.200})", mid) from e
+
+
+def _reply(msg: dict[str, Any], mid: Id) -> Reply:
     mtype = msg["type"]
     if mtype not in _REPLY_SCHEMA:
         raise ProtocolError(UNKNOWN_TYPE, f"unknown reply type {mtype!r:.64}", mid)
@@ -224,12 +235,17 @@ def parse_reply(frame: bytes, max_size: int = MAX_REPLY_BYTES) -> Reply:
     if mtype == "done":
         return _done(msg, mid, values)
     if mtype == "token":
+        _check_ids(msg["token_ids"], "token", mid)
         return Token(mid, **values, logprobs=_logprobs(msg.get("logprobs"), mid))
     return cls(mid, **values)
 
 
 def _done(msg: dict[str, Any], mid: Id, values: dict[str, Any]) -> Done:
     known = {"v", "type", "id", "text", "token_ids", "tool_calls", "logprobs", "prompt_logprobs", *values}
+    if msg.get("text") is not None and not isinstance(msg["text"], str):
+        raise ProtocolError(BAD_REQUEST, "done reply: field 'text' must be a str", mid)
+    if msg.get("token_ids") is not None:
+        _check_ids(msg["token_ids"], "done", mid)
     prompt = msg.get("prompt_logprobs")
     if prompt is not None:  # the first prompt token has no entry (nil)
         if not isinstance(prompt, list) or (prompt and prompt[0] is not None):
@@ -245,6 +261,11 @@ def _done(msg: dict[str, Any], mid: Id, values: dict[str, Any]) -> Done:
         logprobs=_logprobs(msg.get("logprobs"), mid),
         prompt_logprobs=prompt,
     )
+
+
+def _check_ids(ids: Any, mtype: str, mid: Id) -> None:
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ProtocolError(BAD_REQUEST, f"{mtype} reply: field 'token_ids' must be a list of int", mid)
 
 
 def _logprobs(entries: Any, mid: Id) -> list[Logprob] | None:
