@@ -168,7 +168,7 @@ async def _events(
             elif held[i].held:
                 text = held[i].rest()
                 yield R.sse(reply.chunk(text, index=i, logprobs=marks[i].take(text)))
-            yield R.sse(reply.chunk(None, result.finish_reason, index=i))
+            yield R.sse(reply.chunk(None, result.finish_reason, index=i, logprobs=marks[i].left()))
         if include_usage:
             yield R.sse(reply.usage_chunk(results))
     except Exception as e:  # noqa: BLE001 - every failure becomes the stream's error event
@@ -203,6 +203,11 @@ class Logprobs:
         out = R.completion_logprobs(entries, self.offset)
         self.offset += len(text)
         return out
+
+    def left(self) -> dict[str, Any] | None:
+        """The logprobs of tokens no chunk's text carried (a last byte of a character, say), for the
+        finish chunk; None when there are none."""
+        return self.take("") if self.pending else None
 
 
 async def _merged(streams: list[AsyncStream]) -> AsyncIterator[tuple[int, Piece | None]]:
