@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model, model_validator
 
 from hmaclient import sampling
 from hmad.engine.sampling_schema import field_type
@@ -210,17 +210,26 @@ class ChatRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: Any = None
-    max_tokens: int | None = None  # 0 allowed with echo (checked in params)
     echo: bool | None = None
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+    _drop: bool = PrivateAttr(False)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _echo_alone(cls, data: Any, handler: Any) -> Any:
+        """``max_tokens: 0`` with ``echo: true`` (the answer is the prompt alone, as lm-evaluation-harness
+        asks for a prompt's logprobs): hmad generates at least one token, so ask for 1 and drop it."""
+        drop = isinstance(data, dict) and data.get("echo") is True and _is_zero(data.get("max_tokens"))
+        req = handler({**data, "max_tokens": 1} if drop else data)
+        req._drop = drop
+        return req
 
     @property
     def drops_answer(self) -> bool:
-        """Whether the generated token is dropped: echo with max_tokens 0 (hmad generates at least one;
-        the answer is the prompt alone, as lm-evaluation-harness asks for a prompt's logprobs)."""
-        return bool(self.echo) and self.max_tokens == 0
+        """Whether the generated token is left out of the answer (echo with max_tokens 0)."""
+        return self._drop
 
     def params(self) -> dict[str, Any]:
         n = _count("logprobs", self.logprobs)
@@ -230,16 +239,7 @@ class CompletionRequest(_Common):
             raise bad_request(f"best_of must be 1, got {self.best_of}", "best_of")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
-        wanted = self.max_tokens
-        if self.drops_answer:
-            self.max_tokens = 1
-        try:
-            problem = sampling.problem("max_tokens", self.max_tokens) if self.max_tokens is not None else None
-            if problem:
-                raise bad_request(problem, "max_tokens")
-            out = super().params()
-        finally:
-            self.max_tokens = wanted
+        out = super().params()
         if n is not None:
             out["logprobs"] = n
             if self.echo:
@@ -256,6 +256,10 @@ class CompletionRequest(_Common):
         if isinstance(p, list) and p and all(isinstance(x, int | list) for x in p):
             raise bad_request("token id prompts are not supported; send the prompt as text", "prompt")
         raise bad_request("prompt must be a string or a list of one string", "prompt")
+
+
+def _is_zero(v: Any) -> bool:
+    return type(v) is int and v == 0
 
 
 def _count(name: str, v: int | None) -> int | None:
