@@ -147,6 +147,11 @@ VALID = {  # values the daemon takes
     "stop": st.lists(SHORT_TEXT.filter(bool), max_size=3),
     "raw": st.booleans(),
     "stream": st.booleans(),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "logit_bias": st.dictionaries(st.integers(0, 63).map(str), st.floats(-100, 100), max_size=4),  # in vocab
+    "logprobs": st.integers(0, 5),
+    "prompt_logprobs": st.integers(0, 3),
 }
 EDGE = {  # values at and just past the protocol's limits (some taken, some refused)
     "max_tokens": st.sampled_from([0, 8, P.MAX_TOKENS_LIMIT, P.MAX_TOKENS_LIMIT + 1]),
@@ -162,6 +167,14 @@ EDGE = {  # values at and just past the protocol's limits (some taken, some refu
     ),
     "raw": st.sampled_from([0, 1, "true"]),
     "stream": st.sampled_from([0, 1, "false"]),
+    "presence_penalty": st.sampled_from([-2, 2, 2.0000001, -3, float("nan")]),
+    "frequency_penalty": st.sampled_from([-2, 2, -2.5, float("inf")]),
+    "logit_bias": st.sampled_from(
+        [{}, {"0": 100}, {"1": 100.5}, {"-1": 1}, {"x": 1}, {"999999999": 1}, {"2": "1"}, [1, 2]]
+        + [{str(i): -100 for i in range(300)}, {str(i): 1 for i in range(301)}]
+    ),
+    "logprobs": st.sampled_from([-1, 0, 20, 21, "5", True]),
+    "prompt_logprobs": st.sampled_from([-1, 0, 20, 21, 2.0]),
 }
 UNKNOWN_NAME = st.text(max_size=12).filter(lambda k: k not in KNOWN_FIELDS)
 
@@ -189,6 +202,14 @@ def generate_fields(draw) -> dict:
         elif kind < 0.37:
             msg[name] = draw(EDGE[name])
         elif kind < 0.39:
+            msg[name] = draw(JUNK)
+    for name in P.COUNT_FIELDS:  # logprobs: rarer (their steps read whole logits rows back)
+        kind = rnd.random()
+        if kind < 0.08:
+            msg[name] = draw(VALID[name])
+        elif kind < 0.11:
+            msg[name] = draw(EDGE[name])
+        elif kind < 0.12:
             msg[name] = draw(JUNK)
     if rnd.random() < 0.04:
         msg[draw(UNKNOWN_NAME)] = draw(JUNK)
