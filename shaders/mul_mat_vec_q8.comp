@@ -7,7 +7,9 @@
 // workgroup); lane l of lane group c takes units u = l + LANES c, l + LANES (KS + c), ... of those rows,
 // decodes each unit once and uses it for every token, and loads each block of x once for all NR rows (x,
 // three planes of it, is the larger stream through L1); the lanes' partial sums are added in shared memory
-// (no assumption on the subgroup size: lavapipe's is 8, RADV's 32 or 64). The layouts (NR, KS) are variants
+// (no assumption on the subgroup size: lavapipe's is 8, RADV's 32 or 64). ONE_LANE (LANES 1, the "_l1" layout, for CPU
+// implementations): each invocation takes its NR rows' whole K and writes them, no shared memory. The
+// layouts (NR, KS, LANES) are variants
 // (kernels_matmul.Q8_LAYOUTS), picked per weight shape (kernels_matmul.q8_matvec_layout).
 // PLANES 3 (the exact decode path): x comes as three int8 planes (q8act.glsl), each block's three integer dots
 // combined with their power-of-two plane scales before the float factors.
@@ -34,7 +36,11 @@ layout(binding = 4) readonly buffer WU { W_ELEM w_up[]; };
 #include "dq_int8.glsl"
 #endif
 
+#ifdef ONE_LANE
+#define LANES 1u  // the "_l1" layout: each invocation its rows' whole K (CPU implementations)
+#else
 #define LANES 32u
+#endif
 #ifndef MAX_T
 #define MAX_T 8u  // the _t1 variants: 1 (decode at batch 1: fewer registers, more rows in flight)
 #endif
@@ -158,6 +164,20 @@ void main() {
         }
     }
 
+#ifdef ONE_LANE  // (KS 1)
+    // one invocation per row group: its sums are whole (no lanes to add), written as they are
+    [[unroll]] for (uint r = 0; r < NR; ++r) {
+        const uint n = row0 + r;
+        [[unroll]] for (uint t = 0; t < MAX_T; ++t) {
+#ifdef GEGLU
+            const float s = gelu_mul(acc[r * MAX_T + t], acc[(NR + r) * MAX_T + t]);
+#else
+            const float s = acc[r * MAX_T + t];
+#endif
+            if (t < p.T && n < p.N) y[t * p.y_stride + p.row_offset + n] = s;
+        }
+    }
+#else
     [[unroll]] for (uint a = 0; a < NACC; ++a) red[lane][grp * NACC + a] = acc[a];
     barrier();
     // invocation i < RGROUPS * NR * T sums (row group, row, token) = (i / (NR T), i / T % NR, i % T) over
@@ -176,6 +196,7 @@ void main() {
         const uint n = (group_index() * RGROUPS + g) * NR + r;
         if (n < p.N) y[t * p.y_stride + p.row_offset + n] = s;
     }
+#endif
 #ifdef QOUT
     const uint rows = RGROUPS * NR, n0 = group_index() * rows;  // this workgroup's rows, inside one block
     if (n0 < p.N && last_to_arrive(n0 / 32u, 32u / rows)) quantize_block(n0 / 32u);

@@ -134,7 +134,7 @@ def test_mul_mat_vec_q8(dev, kernels, gpu, t, variant):
     rng = np.random.default_rng()
     geglu, one = "_geglu" in variant, variant.endswith("_t1")
     kern = kernels(f"mul_mat_vec_q8x_{t}{variant}")
-    shapes = [(256, 37, 1), (768, 22, 3), (2048, 9, 8)]
+    shapes = [(256, 37, 1), (768, 22, 3), (2048, 9, 8), (256, 300, 5)]  # the last: over one workgroup's rows
     for k, n, ntok in [(k, n, 1) for k, n, _ in shapes] if one else shapes:
         raw, wref = _weights(t, n, k, rng)
         raw_u, uref = _weights(t, n, k, rng)

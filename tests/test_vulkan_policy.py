@@ -145,3 +145,15 @@ def test_options_are_checked_and_frozen():
         o.fuse = False  # type: ignore[misc]
     assert replace(o, fuse="qout").fused("qout") and not replace(o, fuse="qout").fused("split_sums")
     assert o.planes == 3 and replace(o, matvec="int8").planes == 1 and replace(o, matvec="float").planes == 0
+
+
+def test_one_lane_matvec_on_cpu_implementations_only():
+    """The "_l1" int8 mat-vec (one invocation per row group) for the LM head on a CPU implementation; GPUs
+    keep 32 lanes a row group; 0 turns it off."""
+    head, q = 262144, 1024
+    cpu = policy.resolve(VulkanOptions(), caps("lavapipe"))
+    assert policy.q8_one_lane(cpu, head) and not policy.q8_one_lane(cpu, q)
+    for name in ("nvidia", "rdna3", "intel", "old"):
+        assert not policy.q8_one_lane(policy.resolve(VulkanOptions(), caps(name)), head)
+    off = policy.resolve(VulkanOptions(matvec_one_lane_rows=0), caps("lavapipe"))
+    assert not policy.q8_one_lane(off, head)

@@ -12,6 +12,7 @@ import numpy as np
 from hmad.backends.vulkan.kernels_matmul import MATVEC_MAX_T, UNIT_TYPES, row_ranges, weight_row_bytes
 from hmad.backends.vulkan.push import MatMulPush
 from hmad.backends.vulkan.variants import (  # noqa: F401 (Q8_T1_LAYOUTS: read here by the benchmarks)
+    Q8_LANES,
     Q8_LAYOUTS,
     Q8_T1_LAYOUTS,
     Q8_TAILS,
@@ -51,17 +52,26 @@ def q8_matvec_suffixes() -> list[str]:
     return [suffix for suffix, _ in q8_matvec_variants()]
 
 
-def q8_matvec_layout(t: int, n: int, k: int, geglu: bool = False) -> str:
+def q8_matvec_layout(t: int, n: int, k: int, geglu: bool = False, one_lane: bool = False) -> str:
     """The layout (a :data:`Q8_LAYOUTS` suffix) of the int8 mat-vec for ``t`` tokens of an N × K weight:
     the fastest measured at the 27B and 270M layer shapes (bench/bench_vulkan_matvec_layouts.py; the times
     are in docs/tuning.md). At one token 2 rows a lane group on one lane group, unless that leaves under 128
     workgroups (then K split over two lane groups). At 2..8 tokens, where the per-token work bounds the
     kernel: 4 rows a lane group from N = 4096, and K split over two lane groups when K >= 1024 and the
-    workgroups would be under 512. A GeGLU pair stays at 2 rows (its NR 4 variants are not built)."""
+    workgroups would be under 512. A GeGLU pair stays at 2 rows (its NR 4 variants are not built).
+    ``one_lane`` (policy.q8_one_lane: a CPU implementation's many-row mat-vec): "_l1", each invocation two
+    whole rows, for a plain mat-vec."""
+    if one_lane and not geglu:
+        return "_l1"
     nr = 4 if t > 1 and n >= 4096 and not geglu else 2
     groups = n / (Q8_MATVEC_BLOCK // Q8_MATVEC_LANES * nr)
     split = groups < 128 if t == 1 else groups < 512 and k >= 1024
     return {(2, False): "", (2, True): "_k2", (4, False): "_r4", (4, True): "_r4k2"}[nr, split]
+
+
+def q8_lanes(name: str) -> int:
+    """Invocations per lane group (LANES) of an int8 mat-vec kernel name."""
+    return next((lanes for lay, lanes in Q8_LANES.items() if lay in name), Q8_MATVEC_LANES)
 
 
 def q8_matvec_variant(name: str) -> tuple[QType, tuple[int, int]]:
@@ -101,7 +111,7 @@ def record_matvec_q8(
         raise ValueError(f"{kernel.name}: T={t} tokens, this q8 mat-vec takes 1..{max_t}")
     ws = [w] if w_up is None else [w, w_up]
     pieces = row_ranges(kernel, ws, rb, n, max_range)
-    rows_per_group = kernel.block_size // (Q8_MATVEC_LANES * ks) * nr
+    rows_per_group = kernel.block_size // (q8_lanes(kernel.name) * ks) * nr
     if tail:
         _check_tail(kernel, len(pieces), n, y_stride or n, rows_per_group)
     for binds, rows, row0 in pieces:

@@ -148,7 +148,8 @@ def matvec_q8(
     fixed = ctx.options.deterministic  # one layout, never _t1: the same reduction order for every row count
     for t0 in range(0, t, MATVEC_MAX_T):
         tc = min(MATVEC_MAX_T, t - t0)
-        lay = q8_matvec_layout(MATVEC_MAX_T if fixed else tc, n, k, geglu=len(ws) > 1)
+        one_lane = policy.q8_one_lane(ctx.options, n)
+        lay = q8_matvec_layout(MATVEC_MAX_T if fixed else tc, n, k, geglu=len(ws) > 1, one_lane=one_lane)
         kern = ctx.kernel(base + lay + ("" if fixed else policy.t1(tc)) + suffix)
         xq_rows = rows(xq.view, t0, tc, planes * k)
         chunk = [xq_rows, rows(xd.view, t0, tc, k // 4), rows(y.view, t0, tc, 4 * n)]

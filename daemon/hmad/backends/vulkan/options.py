@@ -54,6 +54,7 @@ class VulkanOptions:
     coopmat_prefill_target: int | None = None  # else for about this many workgroups (prefill) ...
     coopmat_decode_target: int | None = None  # ... and decode batches (None: kernels_matmul's)
     matmul_registers: str = "auto"  # auto | on | off: the many-token float mat-mat in registers
+    matvec_one_lane_rows: int | None = None  # int8 mat-vecs of this many rows one lane a row group (0: never)
 
     def __post_init__(self):
         checks = (

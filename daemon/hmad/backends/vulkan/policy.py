@@ -52,6 +52,10 @@ PREFETCH_AUTO_BYTES = 8 << 20
 #: workgroups a split-K dispatch aims for per host thread of a CPU implementation: a few, so that the
 #: threads finish together, without the empty splits a GPU-sized target leaves (tuning: CPU drivers)
 CPU_GROUPS_PER_THREAD = 4
+#: on a CPU implementation, int8 mat-vecs of this many rows or more (the LM head) run one invocation per row
+#: group ("_l1"): its SIMD runs invocations side by side, and 32 lanes on one row's short K sit idle and
+#: then add through shared memory (tuning: matvec_one_lane_rows)
+CPU_ONE_LANE_MIN_ROWS = 32768
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,7 @@ def resolve(o: VulkanOptions, c: DeviceCaps, deterministic_auto: bool = False) -
         geglu_xh=pick(o.geglu_xh, GEGLU_XH_MIN_TOKENS),
         coopmat_prefill_target=pick(o.coopmat_prefill_target, COOPMAT_PREFILL_TARGET_GROUPS),
         matmul_registers="on" if matmul_registers(o.matmul_registers, c.type) else "off",
+        matvec_one_lane_rows=pick(o.matvec_one_lane_rows, CPU_ONE_LANE_MIN_ROWS if c.is_cpu else 0),
     )
 
 
@@ -173,6 +178,11 @@ def q8_path(o: VulkanOptions, c: DeviceCaps, t: int, w: Weight) -> bool:
     step = MATVEC_MAX_T
     aligned = all(b % c.offset_align == 0 for b in (step * k * planes, step * k // 4, step * 4 * n))
     return aligned if det else t <= step or aligned
+
+
+def q8_one_lane(o: VulkanOptions, n: int) -> bool:
+    """Whether the int8 mat-vec of an N-row weight runs one invocation per row group (``_l1``)."""
+    return bool(o.matvec_one_lane_rows) and n >= o.matvec_one_lane_rows
 
 
 def mmq_for(o: VulkanOptions, c: DeviceCaps, t: int, w: Weight) -> bool:

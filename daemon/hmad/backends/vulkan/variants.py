@@ -55,8 +55,12 @@ UNIT_VARIANTS = (
 #: groups per row group, splitting the rows' K between them); built for T <= 8 tokens, and the
 #: Q8_T1_LAYOUTS for one token too (``_t1``); GeGLU variants at NR 2 only (at NR 4 and 8 tokens their
 #: reduction would need 32.1 KiB of shared memory, over the 32 KiB lavapipe and some GPUs allow)
-Q8_LAYOUTS = {"": (2, 1), "_k2": (2, 2), "_r4": (4, 1), "_r4k2": (4, 2)}
-Q8_T1_LAYOUTS = ("", "_k2")
+Q8_LAYOUTS = {"": (2, 1), "_k2": (2, 2), "_r4": (4, 1), "_r4k2": (4, 2), "_l1": (2, 1)}
+Q8_T1_LAYOUTS = ("", "_k2", "_l1")
+#: layouts whose lane groups are not 32 lanes wide: "_l1", one invocation per row group (each its own
+#: rows' whole K, no reduction across lanes): for CPU implementations, whose SIMD runs invocations side by
+#: side (kernels_q8.q8_matvec_layout)
+Q8_LANES = {"_l1": 1}
 #: fused tails of the one-token int8 mat-vec (in the Q8_T1_LAYOUTS): suffix -> (the variant it extends,
 #: defines, bindings). "_t1_qo" (GeGLU): its output's q8 form for the down projection (XQ, XD, N / 32
 #: counters, y again)
@@ -123,21 +127,29 @@ def coopmat_layout_variant(
 def q8_matvec_variants() -> list[tuple[str, dict[str, str]]]:
     """(name suffix after the type, defines) of every int8 mat-vec variant: [_geglu] layout [_t1]."""
     out = []
-    for lay, (nr, ks) in Q8_LAYOUTS.items():
-        d = {"NR": f"{nr}u", "KS": f"{ks}u"} if lay else {}
-        for geglu, g in (("", {}), ("_geglu", {"GEGLU": "1"}))[: 1 if nr > 2 else 2]:
+    for lay, (nr, _) in Q8_LAYOUTS.items():
+        d = _q8_defines(lay)
+        for geglu, g in (("", {}), ("_geglu", {"GEGLU": "1"}))[: 1 if nr > 2 or lay in Q8_LANES else 2]:
             out.append((f"{geglu}{lay}", {**g, **d}))
             if lay in Q8_T1_LAYOUTS:
                 out.append((f"{geglu}{lay}_t1", {**g, **d, "MAX_T": "1u"}))
     return out
 
 
+def _q8_defines(lay: str) -> dict[str, str]:
+    """The defines of int8 mat-vec layout ``lay`` (none for the default)."""
+    if not lay:
+        return {}
+    nr, ks = Q8_LAYOUTS[lay]
+    lanes = {"ONE_LANE": "1"} if Q8_LANES.get(lay) == 1 else {}
+    return {"NR": f"{nr}u", "KS": f"{ks}u", **lanes}
+
+
 def q8_tail_variants() -> list[tuple[str, dict[str, str], int]]:
     """(name suffix after the type, defines, bindings) of the int8 mat-vec variants with a fused tail."""
     out = []
-    for lay in Q8_T1_LAYOUTS:
-        nr, ks = Q8_LAYOUTS[lay]
-        d = {"NR": f"{nr}u", "KS": f"{ks}u"} if lay else {}
+    for lay in (lay for lay in Q8_T1_LAYOUTS if lay not in Q8_LANES):  # a tail's rows must divide 32
+        d = _q8_defines(lay)
         for suffix, (base, extra, n_buffers) in Q8_TAILS.items():
             out.append((f"{base}{lay}{suffix}", {**d, **extra, "MAX_T": "1u"}, n_buffers))
     return out
