@@ -110,7 +110,9 @@ def test_sections_mirror_the_classes_they_configure():
 
     # engine.deterministic goes to the backend (backend_options), every other engine key to the scheduler
     assert names(config_mod.EngineConfig) == [*names(SchedulerConfig), "deterministic"]
-    assert sorted(names(config_mod.SamplingConfig)) == sorted(names(SamplingParams))
+    from hmaclient.protocol import COUNT_FIELDS  # logprobs counts: asked per request, no config default
+
+    assert sorted(names(config_mod.SamplingConfig)) == sorted(set(names(SamplingParams)) - set(COUNT_FIELDS))
     from hmad.backends.vulkan.options import VulkanOptions
 
     assert set(names(config_mod.VulkanConfig)) < set(names(VulkanOptions))  # its defaults are VulkanOptions'
