@@ -95,15 +95,33 @@ def check_schema(grammar: str, tokenizer: Tokenizer) -> None:
         raise ValueError(f"json_schema cannot be used: {why}") from None
 
 
-class Vocabulary:
+class PerTokenizer:
+    """What is built once per tokenizer, on first use (``Sub.of(tokenizer)``, under a lock), and dropped
+    with the tokenizer; each subclass keeps its own cache."""
+
+    _cache: weakref.WeakKeyDictionary
+    _lock: threading.Lock
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._cache, cls._lock = weakref.WeakKeyDictionary(), threading.Lock()
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer):
+        """The tokenizer's instance, built on first use."""
+        with cls._lock:
+            made = cls._cache.get(tokenizer)
+            if made is None:
+                made = cls._cache[tokenizer] = cls(tokenizer)
+            return made
+
+
+class Vocabulary(PerTokenizer):
     """llguidance's view of one tokenizer: every token's bytes, the special ids, EOS = end-of-turn ids.
 
     Building it indexes all token bytes (about 2 s for Gemma 3's 262,144 tokens on one core), so it is
     made once per tokenizer, on the first constrained request, and shared by every later one.
     """
-
-    _cache: weakref.WeakKeyDictionary[Tokenizer, Vocabulary] = weakref.WeakKeyDictionary()
-    _lock = threading.Lock()
 
     def __init__(self, tokenizer: Tokenizer):
         if llguidance is None:
@@ -114,15 +132,6 @@ class Vocabulary:
         wrapper = llguidance.TokenizerWrapper(_Pieces(tokenizer))
         self.ll = llguidance.LLTokenizer(wrapper, n_vocab=self.size, eos_token=self.eos_ids)
         log.info("structured output: indexed %d tokens in %.2f s", self.size, time.perf_counter() - t0)
-
-    @classmethod
-    def of(cls, tokenizer: Tokenizer) -> Vocabulary:
-        """The tokenizer's vocabulary index, built on first use."""
-        with cls._lock:
-            vocab = cls._cache.get(tokenizer)
-            if vocab is None:
-                vocab = cls._cache[tokenizer] = cls(tokenizer)
-            return vocab
 
 
 class _Pieces:

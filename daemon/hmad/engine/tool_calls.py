@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import json
 import secrets
-import threading
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from hmad.engine.structured import JsonConstraint, Vocabulary, compile_schema, llguidance
+from hmad.engine.structured import JsonConstraint, PerTokenizer, Vocabulary, compile_schema, llguidance
 from hmad.model.tokenizer import Tokenizer
 
 OPENERS = b"{["  # a call's first byte
@@ -120,13 +118,10 @@ def check_tools(grammar: ToolGrammar, tokenizer: Tokenizer) -> None:
         raise ValueError(f"the tools cannot be used: {str(e).splitlines()[0]}") from None
 
 
-class TokenClasses:
+class TokenClasses(PerTokenizer):
     """Per token of one vocabulary: its bytes, and whether it is ``text`` (its first non-space byte opens
     no call, or it is a special token), ``space`` (only spaces, tabs and newlines) or ``closes`` (its first
     non-space byte is ``]``)."""
-
-    _cache: weakref.WeakKeyDictionary[Tokenizer, TokenClasses] = weakref.WeakKeyDictionary()
-    _lock = threading.Lock()
 
     def __init__(self, tokenizer: Tokenizer):
         n = tokenizer.vocab_size
@@ -136,14 +131,6 @@ class TokenClasses:
         self.space = np.array([bool(b) and not s for b, s in pairs], dtype=bool)
         self.text = np.array([not b or bool(s and s[0] not in OPENERS) for b, s in pairs], dtype=bool)
         self.closes = np.array([s[:1] == b"]" for s in stripped], dtype=bool)
-
-    @classmethod
-    def of(cls, tokenizer: Tokenizer) -> TokenClasses:
-        with cls._lock:
-            made = cls._cache.get(tokenizer)
-            if made is None:
-                made = cls._cache[tokenizer] = cls(tokenizer)
-            return made
 
 
 class ToolCallConstraint:
