@@ -10,6 +10,7 @@ import itertools
 import pytest
 from test_model_cpu import rand_ids
 from tiny_gguf import make_tiny_gguf
+from vk_harness import open_device
 
 from hmad.composition import load_model
 from hmad.engine.request import Request
@@ -26,13 +27,8 @@ _ids = itertools.count()
 
 @pytest.fixture(scope="module")
 def scheds(tmp_path_factory):
-    try:
-        from hmad.backends.vulkan import device as vkdev
-
-        with vkdev.Device():
-            pass
-    except Exception as e:  # no loader, no driver, unsuitable device
-        pytest.skip(f"no usable Vulkan device ({e}); apt-get install mesa-vulkan-drivers provides lavapipe")
+    with open_device():  # or a skip that says why
+        pass
     path = make_tiny_gguf(tmp_path_factory.mktemp("lp") / "tiny.gguf", seed=3)
     cpu = load_model(path, "cpu", numerics="f32")
     vk = load_model(path, "vulkan")

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from test_model_cpu import rand_ids
 from tiny_gguf import make_tiny_gguf
+from vk_harness import open_device
 
 from hmad.composition import load_model
 from hmad.core.batch import BIAS_DTYPE, SeqSlice, StepBatch
@@ -25,13 +26,8 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    try:
-        from hmad.backends.vulkan import device as vkdev
-
-        with vkdev.Device():
-            pass
-    except Exception as e:  # no loader, no driver, unsuitable device
-        pytest.skip(f"no usable Vulkan device ({e}); apt-get install mesa-vulkan-drivers provides lavapipe")
+    with open_device():  # or a skip that says why
+        pass
     path = make_tiny_gguf(tmp_path_factory.mktemp("pen") / "tiny.gguf", seed=3)
     cpu = load_model(path, "cpu", numerics="f32")
     vk = load_model(path, "vulkan")
