@@ -179,6 +179,15 @@ EDGE = {  # values at and just past the protocol's limits (some taken, some refu
 UNKNOWN_NAME = st.text(max_size=12).filter(lambda k: k not in KNOWN_FIELDS)
 
 
+def _maybe_field(msg: dict, name: str, draw, kind: float, upto: tuple[float, float, float]) -> None:
+    """Set ``msg[name]`` to a valid value when ``kind`` < upto[0], an edge one below upto[1], junk below
+    upto[2]; else leave it absent."""
+    for limit, values in zip(upto, (VALID[name], EDGE[name], JUNK), strict=True):
+        if kind < limit:
+            msg[name] = draw(values)
+            return
+
+
 @st.composite
 def generate_fields(draw) -> dict:
     """A generate's fields but v/type/id: a prompt or messages, then each field absent, sane or junk."""
@@ -196,21 +205,9 @@ def generate_fields(draw) -> dict:
     if rnd.random() < 0.04:
         msg[rnd.choice(["prompt", "messages"])] = draw(JUNK)
     for name in SAMPLING_FIELDS:
-        kind = rnd.random()
-        if kind < 0.34:
-            msg[name] = draw(VALID[name])
-        elif kind < 0.37:
-            msg[name] = draw(EDGE[name])
-        elif kind < 0.39:
-            msg[name] = draw(JUNK)
+        _maybe_field(msg, name, draw, rnd.random(), (0.34, 0.37, 0.39))
     for name in P.COUNT_FIELDS:  # logprobs: rarer (their steps read whole logits rows back)
-        kind = rnd.random()
-        if kind < 0.08:
-            msg[name] = draw(VALID[name])
-        elif kind < 0.11:
-            msg[name] = draw(EDGE[name])
-        elif kind < 0.12:
-            msg[name] = draw(JUNK)
+        _maybe_field(msg, name, draw, rnd.random(), (0.08, 0.11, 0.12))
     if rnd.random() < 0.04:
         msg[draw(UNKNOWN_NAME)] = draw(JUNK)
     return msg
