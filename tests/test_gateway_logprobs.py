@@ -1,5 +1,6 @@
-"""Logprobs through hmad-openai (chat ``logprobs``/``top_logprobs``, completions ``logprobs`` and ``echo``),
-with the official ``openai`` client against a real gateway in front of a real hmad on a tiny random GGUF:
+"""Logprobs through hmad-openai (chat ``logprobs``/``top_logprobs``, completions ``logprobs`` and ``echo``,
+Responses ``include``/``top_logprobs``, Ollama ``logprobs``/``top_logprobs``), with the official ``openai``
+and ``ollama`` clients against a real gateway in front of a real hmad on a tiny random GGUF:
 each value equals what hmaclient gets for the same greedy request, streamed and whole; an
 lm-evaluation-harness-shaped request (``echo: true, logprobs: 1, max_tokens: 0`` on context +
 continuation) scores the continuation as hmaclient's prompt_logprobs do.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import math
 
 import gateway_harness as harness
+import httpx
 import openai
 import pytest
 from gateway_harness import KEY
@@ -171,3 +173,73 @@ def test_echo_with_stream_is_400(oai, hmad):
     with pytest.raises(openai.BadRequestError) as info:
         oai.completions.create(model="any", prompt="x b", max_tokens=2, echo=True, stream=True)
     assert info.value.body["param"] == "echo"
+
+
+# -- the Responses and Ollama APIs ---------------------------------------------------------------------------
+
+
+def _assert_entries(got: list, ref, top: int) -> None:
+    """Responses' and Ollama's entries ({token, logprob, bytes, top_logprobs}, objects or dicts) equal
+    hmaclient's."""
+
+    def field(e, name):
+        return e[name] if isinstance(e, dict) else getattr(e, name)
+
+    assert [field(e, "token") for e in got] == [e.text for e in ref]
+    for e, want in zip(got, ref, strict=True):
+        assert math.isclose(field(e, "logprob"), want.logprob, abs_tol=CLOSE)
+        alts = [(field(t, "token"), field(t, "logprob")) for t in field(e, "top_logprobs")]
+        assert len(alts) == top and [t for t, _ in alts] == [t for _i, _lp, t in want.top]
+        pairs = zip(alts, want.top, strict=True)
+        assert all(math.isclose(lp, w, abs_tol=CLOSE) for (_, lp), (_i, w, _t) in pairs)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_logprobs_equal_hmaclient(oai, hmad, stream):
+    with Client(hmad.socket) as c:
+        ref = c.generate(messages=MESSAGES, max_tokens=5, temperature=0, logprobs=2)
+    args = {"model": "any", "input": MESSAGES, "max_output_tokens": 5, "temperature": 0, "top_logprobs": 2}
+    args["include"] = ["message.output_text.logprobs"]
+    if stream:
+        events = list(oai.responses.create(**args, stream=True))
+        deltas = [e for e in events if e.type == "response.output_text.delta"]
+        assert "".join(e.delta for e in deltas) == ref.text
+        _assert_entries([lp for e in deltas for lp in e.logprobs], ref.logprobs, 2)
+        [done] = [e for e in events if e.type == "response.output_text.done"]
+        _assert_entries(done.logprobs, ref.logprobs, 2)
+        r = events[-1].response
+    else:
+        r = oai.responses.create(**args)
+    assert r.output_text == ref.text
+    _assert_entries(r.output[0].content[0].logprobs, ref.logprobs, 2)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_ollama_logprobs_equal_hmaclient(gateway, hmad, chat):
+    import ollama
+
+    client = ollama.Client(host=gateway.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    opts = {"temperature": 0, "num_predict": 5}
+    with Client(hmad.socket) as c:
+        ref = c.generate(**({"messages": MESSAGES} if chat else {"prompt": "x b", "raw": True}), max_tokens=5,
+                         temperature=0, logprobs=3)  # fmt: skip
+    for stream in (False, True):
+        if chat:
+            out = client.chat(model="any", messages=MESSAGES, options=opts, stream=stream, logprobs=True,
+                              top_logprobs=3)  # fmt: skip
+        else:
+            out = client.generate(model="any", prompt="x b", raw=True, options=opts, stream=stream,
+                                  logprobs=True, top_logprobs=3)  # fmt: skip
+        parts = list(out) if stream else [out]
+        text = "".join(p.message.content if chat else p.response for p in parts)
+        assert text == ref.text
+        _assert_entries([lp for p in parts for lp in (p.logprobs or [])], ref.logprobs, 3)
+
+
+def test_bad_top_logprobs_is_400_on_responses_and_ollama(gateway, oai, hmad):
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.responses.create(model="any", input="x b", top_logprobs=21)
+    assert info.value.body["param"] == "top_logprobs"
+    body = {"model": "any", "messages": MESSAGES, "logprobs": True, "top_logprobs": 21}
+    r = httpx.post(gateway.url + "/api/chat", headers={"Authorization": f"Bearer {KEY}"}, json=body)
+    assert r.status_code == 400 and "top_logprobs" in r.json()["error"]

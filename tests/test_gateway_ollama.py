@@ -4,6 +4,7 @@ gateway in front of a real hmad (gateway_harness.py): answers equal hmaclient's 
 from __future__ import annotations
 
 import json
+import re
 
 import gateway_harness as harness
 import httpx
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 import hmad as hmad_package
 from hmaclient import Client
+from hmad_openai.ollama_api import ollama_name
 
 daemon, gateway, hmad = harness.daemon, harness.gateway, harness.hmad  # the module's fixtures
 
@@ -67,6 +69,23 @@ def test_tags_ps_show(client, hmad):
     with pytest.raises(ollama.ResponseError) as info:
         client.show("llama3.2")
     assert info.value.status_code == 404 and "llama3.2" in info.value.error
+
+
+@pytest.mark.parametrize(
+    ("name", "listed"),
+    [
+        ("Gemma 3 270m", "gemma-3-270m:latest"),  # the embedded model's general.name
+        ("gemma3:27b-it-q4_K_M", "gemma3:27b-it-q4_k_m"),
+        ("  ", "hmad:latest"),
+    ],
+)
+def test_ollama_names(name, listed):
+    assert ollama_name(name) == listed
+
+
+@given(st.text())
+def test_any_model_name_becomes_an_ollama_name(name):
+    assert re.fullmatch(r"[a-z0-9._-]+:[a-z0-9._-]+", ollama_name(name))
 
 
 # -- chat and generate -------------------------------------------------------------------------------------

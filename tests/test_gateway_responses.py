@@ -163,7 +163,7 @@ IMAGE = {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}
         ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "role must be"),
         ({"input": [{"type": "web_search_call"}]}, "input[0].type", "not supported"),
         ({"tools": [{"type": "web_search"}]}, "tools", "not supported"),
-        ({"top_logprobs": 2}, "top_logprobs", "logprobs"),
+        ({"top_logprobs": 21}, "top_logprobs", "top_logprobs"),
         ({"text": {"format": {"type": "json_schema"}}}, "text.format", "json_schema with a schema"),
     ],
 )  # fmt: skip

@@ -2,7 +2,7 @@
 
     GET|HEAD /                  "Ollama is running" (what clients probe first)
     GET  /api/version           {"version": hmad's version}
-    GET  /api/tags, /api/ps     the one model hmad serves (listed as NAME:latest where its name has no tag)
+    GET  /api/tags, /api/ps     the one model hmad serves, named as Ollama names models (:func:`ollama_name`)
     POST /api/show              its details, model_info (architecture, context length), capabilities
     POST /api/chat              messages (and tools) -> hmad's chat template; NDJSON pieces unless
                                 "stream": false; tool calls come as message.tool_calls
@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -34,6 +35,7 @@ from starlette.routing import Route
 import hmad
 from hmaclient.results import Result
 from hmaclient.stream import AsyncStream
+from hmad_openai import responses as R
 from hmad_openai import runs
 from hmad_openai.bodies import parse
 from hmad_openai.errors import OpenAIError, from_exception
@@ -43,6 +45,14 @@ from hmad_openai.ollama_schema import ChatBody, GenerateBody, ShowBody
 FAMILY = "gemma3"  # hmad serves Gemma 3
 # hmad keeps its model loaded for ever; Ollama shows a model kept "forever" (keep_alive -1) so.
 FOREVER = "2318-01-01T00:00:00Z"
+
+
+def ollama_name(name: str) -> str:
+    """``name`` as Ollama writes model names, ``model:tag``, lower case, no spaces: "Gemma 3 270m" ->
+    "gemma-3-270m:latest" (what a user types after ``ollama run``, and what apps send back)."""
+    model, _, tag = name.partition(":")
+    slug = re.sub(r"[^a-z0-9._-]+", "-", model.lower()).strip("-") or "hmad"
+    return f"{slug}:{re.sub(r'[^a-z0-9._-]+', '-', tag.lower()).strip('-') or 'latest'}"
 
 
 def error_response(err: OpenAIError) -> Response:
@@ -76,7 +86,7 @@ async def generate(request: Request) -> Response:
 
 async def _generation(request: Request, body: ChatBody | GenerateBody, inputs: dict, chat: bool) -> Response:
     t0, params = time.monotonic(), body.params()
-    reply = _Reply(await gateway_of(request).model_name(), chat, t0, runs.may_call(params))
+    reply = _Reply(await _reply_model(request), chat, t0, runs.may_call(params))
     if body.streams:
         return await runs.streamed(request, inputs, params, reply.lines, runs.NDJSON)
     return JSONResponse(reply.final(await runs.whole(request, inputs, params), whole=True))
@@ -85,8 +95,14 @@ async def _generation(request: Request, body: ChatBody | GenerateBody, inputs: d
 async def _loaded(request: Request, body: ChatBody | GenerateBody) -> Response:
     """The answer to a request that only loads the model (its fields checked all the same)."""
     body.params()
-    reply = _Reply(await gateway_of(request).model_name(), isinstance(body, ChatBody), time.monotonic())
+    reply = _Reply(await _reply_model(request), isinstance(body, ChatBody), time.monotonic())
     return JSONResponse({**reply.piece(""), "done": True, "done_reason": "load"})
+
+
+async def _reply_model(request: Request) -> str:
+    """The ``model`` of an answer: the served model's Ollama name without its ``:latest``, as /api/tags lists
+    it (hmad answers with its one model whatever the request names)."""
+    return ollama_name(await gateway_of(request).model_name()).removesuffix(":latest")
 
 
 class _Reply:
@@ -95,7 +111,11 @@ class _Reply:
     def __init__(self, model: str, chat: bool, t0: float, may_call: bool = False):
         self.model, self.chat, self.t0, self.may_call = model, chat, t0, may_call
 
-    def piece(self, text: str, calls: list[dict[str, str]] | None = None) -> dict[str, Any]:
+    def piece(
+        self, text: str, calls: list[dict[str, str]] | None = None, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """One object of the answer: ``text`` (and ``calls``), with its tokens' ``logprobs`` (chat's
+        ``{"content": [...]}`` from ``StreamedLogprobs``) where asked for."""
         out: dict[str, Any] = {"model": self.model, "created_at": _now()}
         if self.chat:
             out["message"] = {"role": "assistant", "content": text}
@@ -103,13 +123,17 @@ class _Reply:
                 out["message"]["tool_calls"] = [_tool_call(j, c) for j, c in enumerate(calls)]
         else:
             out["response"] = text
+        if logprobs is not None:
+            out["logprobs"] = logprobs["content"]
         out["done"] = False
         return out
 
     def final(self, r: Result, whole: bool) -> dict[str, Any]:
         """The last object: the counts (and, answered whole, the answer). Tool calls end as "stop", as
         Ollama's do."""
-        out = self.piece("" if r.tool_calls or not whole else r.text, r.tool_calls if whole else None)
+        text = "" if r.tool_calls or not whole else r.text
+        logprobs = R.chat_logprobs(r.logprobs) if whole and r.logprobs is not None else None
+        out = self.piece(text, r.tool_calls if whole else None, logprobs)
         reason = "stop" if r.finish_reason == "tool_calls" else r.finish_reason
         out.update(done=True, done_reason=reason, **self._counts(r))
         return out
@@ -126,16 +150,17 @@ class _Reply:
 
     async def lines(self, stream: AsyncStream) -> AsyncIterator[str]:
         """The NDJSON body: a line per piece of text, then the final counts (or an error line)."""
-        watch = runs.CallWatch(self.may_call)
+        watch, marks = runs.CallWatch(self.may_call), R.StreamedLogprobs(chat=True)
         try:
             async for p in stream:
+                marks.add(p)
                 text = watch.feed(p.text)
                 if text:
-                    yield runs.dumps(self.piece(text)) + "\n"
+                    yield runs.dumps(self.piece(text, logprobs=marks.take(text))) + "\n"
             result = runs.finished(stream)
             text = watch.rest(result)
-            if text or result.tool_calls:
-                yield runs.dumps(self.piece(text, result.tool_calls)) + "\n"
+            if text or result.tool_calls or marks.pending:
+                yield runs.dumps(self.piece(text, result.tool_calls, marks.take(text))) + "\n"
             yield runs.dumps(self.final(result, whole=False)) + "\n"
         except Exception as e:  # noqa: BLE001 - every failure becomes the stream's error line
             yield runs.dumps({"error": from_exception(e).message}) + "\n"
@@ -170,7 +195,7 @@ async def show(request: Request) -> Response:
     info = await gw.client.status()
     entry = await _model_entry(gw, info)
     asked = body.model or body.name or ""
-    if asked not in (entry["name"], entry["name"].removesuffix(":latest")):
+    if asked not in (entry["name"], entry["name"].removesuffix(":latest"), await gw.model_name()):
         raise OpenAIError(404, f"model '{asked}' not found", code="model_not_found")
     context = info.get("context_length")
     return JSONResponse(
@@ -192,7 +217,7 @@ async def _model_entry(gw: Gateway, info: dict[str, Any] | None = None) -> dict[
     (not a hash of its bytes, which the gateway may not read); ``size`` is the file's, where readable."""
     info = info if info is not None else await gw.client.status()
     name = await gw.model_name(refresh=True)
-    tagged = name if ":" in name else f"{name}:latest"
+    tagged = ollama_name(name)
     path = str(info.get("model", ""))
     try:
         size = os.path.getsize(path)

@@ -18,8 +18,12 @@
     assistant tool_calls {function: {name, arguments}} -> the turn's tool_calls (ids made up where absent)
     tool messages (content, tool_name)                -> tool turns answering the oldest open call of that
                                                       name (of any name without tool_name)
+    logprobs true (+ top_logprobs 0..20)              -> logprobs (top_logprobs alternatives a token): each
+                                                      line's ``logprobs`` are its tokens' {token, logprob,
+                                                      bytes, top_logprobs}; top_logprobs without logprobs
+                                                      is ignored, as Ollama ignores it
 
-Refused with a 400: images, think (the model does not think), logprobs, suffix, template, context (send the
+Refused with a 400: images, think (the model does not think), suffix, template, context (send the
 conversation as /api/chat messages), system with raw. Ignored: keep_alive (hmad keeps its one model
 loaded), the model's name (hmad serves one model; see ``ollama_api``).
 """
@@ -70,6 +74,7 @@ class _Common(Body):
     format: str | dict[str, Any] | None = None
     think: bool | str | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     keep_alive: Any = None
 
     @property
@@ -81,9 +86,9 @@ class _Common(Body):
         cannot do."""
         if self.think not in (None, False):
             raise bad_request(f'"{self.model}" does not support thinking', "think")
-        if self.logprobs:
-            raise bad_request("logprobs are not supported", "logprobs")
         out = options_params(self.options or {})
+        if self.logprobs:
+            out["logprobs"] = self.top_logprobs or 0
         if self.format == "json":
             out["json_schema"] = {"type": "object"}
         elif isinstance(self.format, dict):

@@ -145,7 +145,7 @@ async def _events(
     generation ends. Starlette cancels it when the client disconnects; leaving the streams cancels the
     generations. An error after the start goes out as an ``error`` event (the OpenAI client raises it)."""
     results: list[Any] = [None] * len(streams)
-    marks = [Logprobs(reply.chat) for _ in streams]
+    marks = [R.StreamedLogprobs(reply.chat) for _ in streams]
     merged = _merged(streams)
     try:
         if reply.chat:
@@ -178,36 +178,6 @@ async def _events(
             await s.aclose()
         await merged.aclose()
     yield R.DONE_EVENT
-
-
-class Logprobs:
-    """A streamed choice's logprobs not yet sent: a chunk carries those of the tokens its text came from
-    (text held back as a possible tool call carries them when it goes out). Completions' ``text_offset``
-    counts from the start of the choice's text."""
-
-    def __init__(self, chat: bool):
-        self.chat, self.pending, self.offset, self.asked = chat, [], 0, False
-
-    def add(self, piece: Piece) -> None:
-        if piece.logprobs is not None:
-            self.asked = True
-            self.pending.extend(piece.logprobs)
-
-    def take(self, text: str) -> dict[str, Any] | None:
-        """The logprobs for a chunk of ``text`` (None when the request asked for none)."""
-        if not self.asked:
-            return None
-        entries, self.pending = self.pending, []
-        if self.chat:
-            return R.chat_logprobs(entries)
-        out = R.completion_logprobs(entries, self.offset)
-        self.offset += len(text)
-        return out
-
-    def left(self) -> dict[str, Any] | None:
-        """The logprobs of tokens no chunk's text carried (a last byte of a character, say), for the
-        finish chunk; None when there are none."""
-        return self.take("") if self.pending else None
 
 
 async def _merged(streams: list[AsyncStream]) -> AsyncIterator[tuple[int, Piece | None]]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hmaclient.reply import Logprob
-from hmaclient.results import Result
+from hmaclient.results import Piece, Result
 
 DONE_EVENT = "data: [DONE]\n\n"
 
@@ -175,3 +175,33 @@ class Reply:
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+
+class StreamedLogprobs:
+    """A streamed answer's logprobs not yet sent: a chunk carries those of the tokens its text came from
+    (text held back as a possible tool call carries them when it goes out). Completions' ``text_offset``
+    counts from the start of the choice's text. The Responses and Ollama streams take chat's shape."""
+
+    def __init__(self, chat: bool):
+        self.chat, self.pending, self.offset, self.asked = chat, [], 0, False
+
+    def add(self, piece: Piece) -> None:
+        if piece.logprobs is not None:
+            self.asked = True
+            self.pending.extend(piece.logprobs)
+
+    def take(self, text: str) -> dict[str, Any] | None:
+        """The logprobs for a chunk of ``text`` (None when the request asked for none)."""
+        if not self.asked:
+            return None
+        entries, self.pending = self.pending, []
+        if self.chat:
+            return chat_logprobs(entries)
+        out = completion_logprobs(entries, self.offset)
+        self.offset += len(text)
+        return out
+
+    def left(self) -> dict[str, Any] | None:
+        """The logprobs of tokens no chunk's text carried (a last byte of a character, say), for the
+        finish chunk; None when there are none."""
+        return self.take("") if self.pending else None

@@ -26,6 +26,7 @@ from starlette.routing import Route
 
 from hmaclient.results import Result
 from hmaclient.stream import AsyncStream
+from hmad_openai import responses as R
 from hmad_openai import runs
 from hmad_openai.bodies import parse
 from hmad_openai.errors import from_exception
@@ -95,10 +96,12 @@ class _Reply:
     def items(self, r: Result) -> list[dict[str, Any]]:
         if r.tool_calls:
             return [self.call_item(c) for c in r.tool_calls]
-        return [self.message_item(r.text, "incomplete" if r.finish_reason == "length" else "completed")]
+        logprobs = R.chat_logprobs(r.logprobs)["content"] if r.logprobs is not None else []
+        status = "incomplete" if r.finish_reason == "length" else "completed"
+        return [self.message_item(r.text, status, logprobs)]
 
-    def message_item(self, text: str | None, status: str) -> dict[str, Any]:
-        content = [] if text is None else [_text_part(text)]
+    def message_item(self, text: str | None, status: str, logprobs: list | None = None) -> dict[str, Any]:
+        content = [] if text is None else [_text_part(text, logprobs or [])]
         return {
             "type": "message",
             "id": self.message_id,
@@ -135,6 +138,7 @@ class _Reply:
         text = _TextItem(self)
         try:
             async for p in stream:
+                text.marks.add(p)
                 for event in text.delta(watch.feed(p.text)):
                     yield event
             result = runs.finished(stream)
@@ -172,6 +176,7 @@ class _TextItem:
 
     def __init__(self, reply: _Reply):
         self.reply, self.text, self.open, self.items = reply, "", False, []
+        self.marks, self.logprobs = R.StreamedLogprobs(chat=True), []  # to send; sent (the done event's)
 
     @property
     def index(self) -> int:
@@ -182,8 +187,16 @@ class _TextItem:
             return []
         events = [] if self.open else self._open()
         self.text += text
+        logprobs = self._logprobs(text)
         at = {"item_id": self.reply.message_id, "output_index": 0, "content_index": 0}
-        return [*events, self.reply.event("response.output_text.delta", **at, delta=text, logprobs=[])]
+        return [*events, self.reply.event("response.output_text.delta", **at, delta=text, logprobs=logprobs)]
+
+    def _logprobs(self, text: str) -> list[dict[str, Any]]:
+        """The entries of the tokens ``text`` came from (kept for the done event and the item)."""
+        taken = self.marks.take(text)
+        entries = taken["content"] if taken else []
+        self.logprobs += entries
+        return entries
 
     def _open(self) -> list[str]:
         self.open = True
@@ -201,18 +214,19 @@ class _TextItem:
         events = [] if self.open else self._open()
         r, status = self.reply, "incomplete" if result.finish_reason == "length" else "completed"
         at = {"item_id": r.message_id, "output_index": 0, "content_index": 0}
-        item = r.message_item(self.text, status)
+        self._logprobs("")  # a token no delta's text carried (the last byte of a character, say)
+        item = r.message_item(self.text, status, self.logprobs)
         self.items = [item]
         return [
             *events,
-            r.event("response.output_text.done", **at, text=self.text, logprobs=[]),
-            r.event("response.content_part.done", **at, part=_text_part(self.text)),
+            r.event("response.output_text.done", **at, text=self.text, logprobs=self.logprobs),
+            r.event("response.content_part.done", **at, part=_text_part(self.text, self.logprobs)),
             r.event("response.output_item.done", output_index=0, item=item),
         ]
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 ROUTES = [Route("/v1/responses", responses, methods=["POST"])]

@@ -15,10 +15,13 @@
     text.format json_object | json_schema -> json_schema {"type": "object"} | its schema
     tools (type function: name, description, parameters), tool_choice auto|none|required|{type function,
     name}, parallel_tool_calls           -> tools, tool_choice, parallel_tool_calls
+    include message.output_text.logprobs, top_logprobs (0..20; either asks for them)
+                                          -> logprobs: the output_text's ``logprobs`` (and each text delta
+                                          event's), {token, logprob, bytes, top_logprobs} a token
 
 Refused with a 400: previous_response_id and conversation (the gateway keeps no state: send the whole
-conversation as input), background, stored prompts (prompt), logprobs (top_logprobs, include of
-message.output_text.logprobs), image and file inputs, other tool types (web_search, file_search, ...).
+conversation as input), background, stored prompts (prompt), image and file inputs, other tool types
+(web_search, file_search, ...).
 Ignored: store, metadata, user, reasoning, truncation, service_tier, safety_identifier, prompt_cache_key,
 include (other values), stream_options.
 """
@@ -36,6 +39,7 @@ RENAMES = {"max_output_tokens": "max_tokens"}
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "repeat_last_n", "seed")
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 class ResponsesBody(Body):
@@ -59,8 +63,12 @@ class ResponsesBody(Body):
     conversation: Any = None
     background: bool | None = None
     prompt: Any = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     include: list[str] | None = Field(default=None)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.include or ()) or bool(self.top_logprobs)
 
     def params(self) -> dict[str, Any]:
         """hmaclient ``generate`` keyword arguments, messages and tools included."""
@@ -78,6 +86,8 @@ class ResponsesBody(Body):
             out["tool_choice"] = _choice(self.tool_choice)
         if self.parallel_tool_calls is not None:
             out["parallel_tool_calls"] = self.parallel_tool_calls
+        if self.wants_logprobs:
+            out["logprobs"] = self.top_logprobs or 0
         return out
 
     def _refuse_state(self) -> None:
@@ -92,8 +102,6 @@ class ResponsesBody(Body):
             raise bad_request(
                 "stored prompts (prompt) are not supported; send instructions and input", "prompt"
             )
-        if self.top_logprobs or "message.output_text.logprobs" in (self.include or ()):
-            raise bad_request("logprobs are not supported", "top_logprobs")
 
     def _json_schema(self) -> dict[str, Any] | None:
         fmt = (self.text or {}).get("format")
