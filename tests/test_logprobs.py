@@ -75,6 +75,81 @@ def test_logprobs_are_of_the_adjusted_row_before_temperature():
     assert L.top(prepared, 1) == [3]
 
 
+def _device_candidates(row: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.float32]:
+    """What the device's top-k tail gives for ``row``: its ``k`` best (ids, values) in shaders/topk.comp's
+    order (NaN as -inf; ties by lower id), and the row's log-sum-exp rounded to float32."""
+    x = np.where(np.isnan(row), np.float32(-np.inf), row)
+    ids = np.lexsort((np.arange(x.size), -x))[:k]
+    return ids, row[ids], np.float32(L.logsumexp(row))
+
+
+def test_the_candidates_entry_equals_the_rows():
+    """On random rows with ties, a grammar's -inf and a NaN: the entry from the candidates and the row's
+    float32 log-sum-exp equals the one from the whole row, the alternatives in the same order, within the
+    float32 rounding of the log-sum-exp."""
+    rng = np.random.default_rng(5)
+    for trial in range(20):
+        row = (rng.standard_normal(3000) * 4).astype(np.float32)
+        row[rng.integers(0, row.size, 40)] = row.max()  # ties at the top, across the edge of the k
+        row[rng.integers(0, row.size, 5)] = -np.inf
+        row[7] = np.nan
+        ids, vals, lse = _device_candidates(row, 64)
+        order = rng.permutation(ids.size) if trial % 2 else np.arange(ids.size)  # in any order
+        for n in (0, 1, 5, 20):
+            tok = int(ids[rng.integers(0, ids.size)])
+            got = L.entry_from_candidates(ids[order], vals[order], float(lse), tok, n, str)
+            want = L.entry(row, tok, n, str)
+            assert got["token_id"] == tok and got["text"] == want["text"]
+            assert math.isclose(got["logprob"], want["logprob"], rel_tol=0, abs_tol=1e-5)
+            assert [a[0] for a in got["top"]] == [a[0] for a in want["top"]]
+            pairs = zip(got["top"], want["top"], strict=True)
+            assert all(math.isclose(a[1], b[1], abs_tol=1e-5) for a, b in pairs)
+    # a row with fewer finite values than candidates: the masked ones are never alternatives
+    row = np.full(300, -np.inf, np.float32)
+    row[[3, 9, 200]] = [1.0, 2.0, 2.0]
+    ids, vals, lse = _device_candidates(row, 128)
+    got = L.entry_from_candidates(ids, vals, float(lse), 3, 20, str)
+    assert [a[0] for a in got["top"]] == [9, 200, 3] == [a[0] for a in L.entry(row, 3, 20, str)["top"]]
+
+
+def test_the_candidates_entry_refuses_a_row_without_a_distribution():
+    ids, vals = np.array([4, 2]), np.array([1.0, 0.5], np.float32)
+    for lse in (float("-inf"), float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="no finite maximum"):
+            L.entry_from_candidates(ids, vals, lse, 4, 1, str)
+    with pytest.raises(ValueError, match="not among"):
+        L.entry_from_candidates(ids, vals, 1.5, 3, 1, str)
+
+
+def test_a_row_without_a_distribution_fails_its_request_alone(tmp_path):
+    """TokenTaker.sample_candidates with a non-finite log-sum-exp on one row: that request ends with an
+    error naming it, the other gets its token and its logprobs entry from the candidates."""
+    from tiny_gguf import make_tiny_gguf
+
+    from hmad.engine.request import Request, State
+    from hmad.engine.tokens import TokenTaker
+    from hmad.model.loader import read_model_files
+
+    tok = read_model_files(make_tiny_gguf(tmp_path / "tiny.gguf")).tokenizer
+    reqs = []
+    for i in range(2):
+        p = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2)
+        p.validate()
+        reqs.append(Request(i, [5, 6], p, state=State.PREFILL, n_cached=2))
+        reqs[-1].start(tok)
+    ids = np.array([[40, 41, 42], [40, 41, 42]])
+    vals = np.array([[3.0, 2.0, 1.0], [3.0, 2.0, 1.0]], np.float32)
+    lse = np.array([np.nan, 3.5], np.float32)
+    events = TokenTaker(eot=set(), context=64).sample_candidates(reqs, ids, vals, lse)
+    errors = [e for e in events if e.kind == "error"]
+    assert [e.request_id for e in errors] == [0] and "no finite maximum" in errors[0].text
+    (token,) = [e for e in events if e.kind == "token"]
+    assert token.request_id == 1 and token.token_ids == [40]
+    (entry,) = token.logprobs
+    assert entry["token_id"] == 40 and math.isclose(entry["logprob"], -0.5)
+    assert [a[0] for a in entry["top"]] == [40, 41] and math.isclose(entry["top"][1][1], -1.5)
+
+
 @pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
 @pytest.mark.parametrize("bad", [-1, 21, "5", 2.0, True, [1]])
 def test_the_wire_refuses_bad_logprobs_in_one_line(name, bad):

@@ -1,18 +1,23 @@
 """Logprobs on the Vulkan backend (lavapipe in CI) against the numpy backend: the same requests (greedy and
 sampled, one alone and several in a step beside requests without logprobs) give the same tokens and the
-same logprobs within a tolerance, since the rows come from different backends. Needs a Vulkan device."""
+same logprobs within a tolerance, since the rows come from different backends; generated tokens' from the
+top-k tail's candidates and row log-sum-exps (row_lse.comp, tested alone here too), no whole row read
+back. Needs a Vulkan device."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
 
+import numpy as np
 import pytest
 from test_model_cpu import rand_ids
-from tiny_gguf import make_tiny_gguf
+from tiny_gguf import make_tiny_gguf, tiny_vocab
 from vk_harness import open_device
 
 from hmad.composition import load_model
+from hmad.core.batch import BIAS_DTYPE, SeqSlice, StepBatch
+from hmad.engine.kvcache import KVCacheManager
 from hmad.engine.request import Request
 from hmad.engine.sampling import SamplingParams
 from hmad.engine.scheduler import Scheduler, SchedulerConfig
@@ -56,9 +61,107 @@ def _close(a: float, b: float) -> bool:
     return abs(a - b) <= TOL * max(1.0, abs(b))
 
 
-def test_vulkan_logprobs_equal_numpys(scheds):
-    import numpy as np
+def _lse64(rows: np.ndarray) -> np.ndarray:
+    """Each row's log-sum-exp in float64, NaN as -inf; -inf for a row with no finite value."""
+    x = np.where(np.isnan(rows), -np.inf, rows.astype(np.float64))
+    m = x.max(axis=1, keepdims=True)
+    safe = np.where(np.isfinite(m), m, 0.0)
+    with np.errstate(divide="ignore"):
+        return (safe + np.log(np.exp(x - safe).sum(axis=1, keepdims=True)))[:, 0]
 
+
+# row_lse.comp alone: float32 exponentials summed in float32 per invocation, then merged; against float64
+LSE_TOL = 1e-5  # relative to max(1, |lse|)
+
+
+TINY_V = len(tiny_vocab()[0])
+
+
+@pytest.mark.parametrize(
+    ("vocab", "chunk"),
+    [(TINY_V, TINY_V), (TINY_V, 256), (262_144, 262_144), (262_144, 4096), (262_144, 5000)],
+)
+def test_row_lse_equals_numpys_float64(dev, kernels, gpu, vocab, chunk):
+    """row_lse.comp as the tails record it: one stage when ``chunk`` >= V, else each chunk's (max, sum) then
+    each row's merged (row_lse_chunks_f32, row_lse_merge_f32; a last chunk shorter than the others). Random
+    rows of the tiny model's vocabulary and of Gemma 3's, with -inf entries, a NaN, large and very negative
+    values, one finite entry, and rows of only -inf or NaN (-inf out); rows ``stride`` apart with +1e30 in
+    the gap (never read); the outputs and the chunks' buffers poisoned with NaN first."""
+    from hmad.backends.vulkan.push import RowLsePush
+    from hmad.backends.vulkan.recorder import CommandRecorder
+
+    rng = np.random.default_rng(vocab)
+    s, stride = 9, vocab + 5
+    rows = (rng.standard_normal((s, vocab)) * 3).astype(np.float32)
+    rows[1, rng.integers(0, vocab, vocab // 3)] = -np.inf  # a grammar's mask
+    rows[2, rng.integers(0, vocab)] = np.nan  # counted as -inf
+    rows[3] = rows[3] * 10 + 100  # Gemma's peaked rows: a few far above the rest
+    rows[3, rng.integers(0, vocab, 3)] = 130.0
+    rows[4] = rows[4] - 1e4  # every exp(x) underflows without the max subtracted
+    rows[5] = -np.inf
+    rows[5, vocab - 1] = 2.5  # one finite value, the last: lse is it
+    rows[6] = -np.inf  # nothing allowed: -inf
+    rows[7] = np.nan
+    rows[8, : vocab // 2] = -np.inf  # the max late in the row, after a run of -inf
+    padded = np.full((s, stride), 1e30, np.float32)
+    padded[:, :vocab] = rows
+    b_in = gpu.put(padded)
+    b_out = gpu.poison(gpu.alloc(4 * s))
+    n = -(-vocab // chunk)
+    rec = CommandRecorder(dev).begin()
+    if n == 1:
+        k = kernels("row_lse_f32")
+        rec.dispatch(k, [b_in, b_out], RowLsePush(s, vocab, stride, vocab), k.groups_for(s))
+    else:
+        first, merge = kernels("row_lse_chunks_f32"), kernels("row_lse_merge_f32")
+        c_max, c_sum = gpu.poison(gpu.alloc(4 * s * n)), gpu.poison(gpu.alloc(4 * s * n))
+        rec.dispatch(
+            first, [b_in, c_max, c_sum], RowLsePush(s, vocab, stride, chunk), first.groups_for(s * n)
+        )
+        rec.dispatch(merge, [c_max, b_out, c_sum], RowLsePush(s, n, n, n), merge.groups_for(s))
+    rec.end()
+    rec.submit()
+    rec.close()
+    got, want = gpu.get(b_out).astype(np.float64), _lse64(rows)
+    assert np.isneginf(got[6]) and np.isneginf(got[7]) and np.isneginf(want[[6, 7]]).all()
+    assert got[5] == 2.5
+    finite = [0, 1, 2, 3, 4, 5, 8]
+    err = np.abs(got[finite] - want[finite]) / np.maximum(1.0, np.abs(want[finite]))
+    assert (err <= LSE_TOL).all(), (err, got, want)
+
+
+def _batch(sched: Scheduler, n: int) -> StepBatch:
+    """One sequence of ``n`` random tokens from an empty cache (the scheduler's pools, idle between its
+    runs), every row's logits wanted."""
+    blocks = KVCacheManager(sched.layout).reserve(0, n)
+    s = SeqSlice(0, 0, n, 0, blocks.global_table, blocks.local_table)
+    ids = rand_ids(np.random.default_rng(4), n, sched.model.config.vocab_size)
+    batch = StepBatch.build([(s, ids, True)], sched.layout.block_size)
+    batch.logit_rows = np.arange(n, dtype=np.int32)
+    return batch
+
+
+def test_the_topk_tails_lse_is_of_the_adjusted_rows(scheds):
+    """Backend.topk's log-sum-exps (candidates buffer poisoned first) are those of the step's whole rows,
+    read back by the copy tail, plus its logit adjustments, in float64, within LSE_TOL; both parities."""
+    _, sched, _ = scheds
+    be = sched.model.backend
+    batch = _batch(sched, 6)
+    raw = sched.model.forward(batch)  # (6, V): the copy tail reads the rows as computed
+    lift = [(r, t, raw[r].max() - raw[r, t] + d) for r, t, d in ((0, 3, 2.0), (2, 7, 1.0), (5, 1, 4.0))]
+    batch.bias = np.array([*lift, (3, int(raw[3].argmax()), -30.0)], BIAS_DTYPE)  # each row's lse moves
+    want = raw.astype(np.float64)
+    want[batch.bias["row"], batch.bias["token"]] += batch.bias["delta"]
+    be.topk(be.run(sched.model.net, batch))  # the candidates buffer exists from here on
+    for _ in range(2):
+        be.readback.topk_buf.array(np.uint32)[:] = 0x7FC00000  # NaN everywhere: ids, values and lse
+        ids, _, lse = be.topk(be.run(sched.model.net, batch))
+        assert lse.shape == (6,) and lse.dtype == np.float32
+        assert np.allclose(lse, _lse64(want), rtol=LSE_TOL, atol=LSE_TOL)
+        assert np.array_equal(ids[:, 0], want.argmax(axis=1))
+
+
+def test_vulkan_logprobs_equal_numpys(scheds):
     cpu, vk, _ = scheds
     rng = np.random.default_rng(0)
     vocab = cpu.model.config.vocab_size
@@ -66,24 +169,51 @@ def test_vulkan_logprobs_equal_numpys(scheds):
     bias = {int(t): 100.0 for t in rng.integers(4, vocab, 3)}  # a real distribution (the model is peaked)
     params = [
         SamplingParams(temperature=0.0, max_tokens=5, logprobs=5, logit_bias=bias),
-        SamplingParams(temperature=0.8, top_k=8, seed=7, max_tokens=5, logprobs=2, logit_bias=bias),
+        SamplingParams(temperature=0.8, top_k=8, seed=7, max_tokens=5, logprobs=20, logit_bias=bias),
         SamplingParams(temperature=0.0, max_tokens=5),  # none asked, in the same steps
     ]
-    for mine, ref in zip(_run(vk, prompts, params), _run(cpu, prompts, params), strict=True):
-        assert mine[0] == ref[0]
-        assert len(mine[1]) == len(ref[1])
-        for a, b in zip(mine[1], ref[1], strict=True):
+    be = vk.model.backend
+    before = be.topk_steps, be.row_steps
+    mine_all = _run(vk, prompts, params)
+    assert be.topk_steps > before[0] and be.row_steps == before[1], "logprobs read whole rows back"
+    _assert_equal(mine_all, _run(cpu, prompts, params))
+    before = be.topk_steps, be.row_steps
+    assert [len(e) for _, e in _run(vk, prompts[:1], params[:1])] == [5]  # alone: the same count
+    assert be.topk_steps > before[0] and be.row_steps == before[1]
+
+
+def _assert_equal(got, ref) -> None:
+    """The same tokens, and logprobs and alternatives within TOL, the alternatives in the same order."""
+    for mine, theirs in zip(got, ref, strict=True):
+        assert mine[0] == theirs[0]
+        assert len(mine[1]) == len(theirs[1])
+        for a, b in zip(mine[1], theirs[1], strict=True):
             assert a["token_id"] == b["token_id"] and _close(a["logprob"], b["logprob"]), (a, b)
             assert [i for i, _, _ in a["top"]] == [i for i, _, _ in b["top"]]
             assert all(_close(x[1], y[1]) for x, y in zip(a["top"], b["top"], strict=True))
-    assert [len(e) for _, e in _run(vk, prompts[:1], params[:1])] == [5]  # alone: the same count
+
+
+def test_logprobs_with_a_repetition_penalty_read_whole_rows(scheds):
+    """The device's log-sum-exp is of the row before the repetition penalty: such a request's steps read
+    whole rows, and still equal numpy's."""
+    cpu, vk, _ = scheds
+    rng = np.random.default_rng(6)
+    vocab = cpu.model.config.vocab_size
+    prompts = [rand_ids(rng, 6, vocab)]
+    bias = {int(t): 100.0 for t in rng.integers(4, vocab, 3)}
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=3, logprobs=3, repetition_penalty=1.5, logit_bias=bias)
+    ]
+    be = vk.model.backend
+    before = be.topk_steps, be.row_steps
+    got = _run(vk, prompts, params)
+    assert be.topk_steps == before[0] and be.row_steps > before[1]
+    _assert_equal(got, _run(cpu, prompts, params))
 
 
 def test_vulkan_prompt_logprobs_over_chunks_equal_numpys_and_the_whole_pass(scheds):
     """A 40-token prompt in chunks of 16 beside another request: every prompt token's entry on both backends
     equals the log-softmax of one pass over the whole prompt (forward_full) at the position before it."""
-    import numpy as np
-
     from hmad.engine.generate import forward_full
 
     cpu, vk, path = scheds

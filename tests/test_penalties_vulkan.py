@@ -117,7 +117,7 @@ def test_the_device_adds_the_deltas_before_its_argmax_and_topk(models):
             _poison(be)
             assert np.array_equal(be.greedy(be.run(vk.net, batch)), want.argmax(axis=1))
         _poison(be)
-        ids, vals = be.topk(be.run(vk.net, batch))
+        ids, vals, _ = be.topk(be.run(vk.net, batch))
         assert np.array_equal(vals, np.take_along_axis(want, ids, axis=1))  # the adjusted values, bit for bit
         k = ids.shape[1]
         best = -np.sort(-want, axis=1)[:, :k]

@@ -117,13 +117,16 @@ class Backend(ABC):
         raise NotImplementedError(f"{self.name} backend does not pipeline steps")
 
     def candidates(self, launched: Any) -> tuple[np.ndarray, np.ndarray]:
-        """A collected ``launch_sampled`` step's candidates, as ``topk`` returns them (the host checks each
-        device-drawn token against its own draw from them)."""
+        """A collected ``launch_sampled`` step's candidates (ids, values), as ``topk`` returns them, without
+        the log-sum-exps (the host checks each device-drawn token against its own draw from them)."""
         raise NotImplementedError(f"{self.name} backend does not sample on the device")
 
-    def topk(self, logits: Act) -> tuple[np.ndarray, np.ndarray]:
+    def topk(self, logits: Act) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(ids int64, values float32), each (S_out, topk_max): the best logits of each row, largest first,
-        equal values lowest id first (shaders/topk.comp's order). Only where ``topk_max`` > 0."""
+        equal values lowest id first (shaders/topk.comp's order); and each row's log-sum-exp (S_out,)
+        float32 over the whole row, NaN counted as -inf (a token's logprob is its value minus it: engine/
+        logprobs.py; a row with no finite maximum gives a non-finite one). Both after the step's
+        ``batch.bias`` adjustments. Only where ``topk_max`` > 0."""
         raise NotImplementedError(f"{self.name} backend has no on-device top-k")
 
     # -- ops ---------------------------------------------------------------------------------------------

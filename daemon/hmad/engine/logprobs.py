@@ -13,6 +13,12 @@ float64: within ~1e-6 of a float64 log-softmax, for less than its cost on a 262k
 -inf (as the sampler counts it); tokens at -inf (a grammar's mask) have logprob -inf and are never
 alternatives.
 
+Where they are computed: from the row itself on the host (:func:`entry`: prompt logprobs, and the tokens
+of a request that needs its row: a grammar, a repetition penalty, a backend without an on-device top-k), or
+from the device's top-k candidates and the row's log-sum-exp, which the device reduces after adding the
+step's adjustments (:func:`entry_from_candidates`; backends/base.py ``topk``, shaders/row_lse.comp, float32:
+within ~1e-5 relative of this module's); engine/planning.py, ``needs_row``, says which.
+
 The wire form of one token (docs/protocol.md, "Logprobs"): ``{"token_id", "text", "logprob", "top"}``,
 ``top`` the ``n`` most likely tokens of the row as ``[id, logprob, text]``, most likely first, equal
 values by lower id; ``text`` is the token's own bytes as UTF-8 (a byte that is part of a character:
@@ -67,5 +73,27 @@ def entry(row: np.ndarray, tok: int, n: int, text: Callable[[int], str]) -> dict
     docstring); ``text(id)`` gives a token's text."""
     x = _values(row)
     lse = logsumexp(x)
-    alts = [[i, float(x[i]) - lse, text(i)] for i in top(x, n)]
-    return {"token_id": int(tok), "text": text(tok), "logprob": float(x[tok]) - lse, "top": alts}
+    return _wire(tok, float(x[tok]) - lse, [(i, float(x[i]) - lse) for i in top(x, n)], text)
+
+
+def entry_from_candidates(
+    ids: np.ndarray, vals: np.ndarray, lse: float, tok: int, n: int, text: Callable[[int], str]
+) -> dict:
+    """:func:`entry` from a row's best values ``vals`` of tokens ``ids`` (M,) (at least ``n`` of them, and
+    ``tok`` among them) and the whole row's log-sum-exp ``lse``, as the device gives them. Raises
+    ValueError when ``lse`` is not finite (no finite maximum) or ``tok`` is not a candidate."""
+    if not np.isfinite(lse):
+        raise ValueError(f"logits row has no finite maximum (its log-sum-exp is {lse})")
+    x, ids = _values(vals), np.asarray(ids, dtype=np.int64)
+    at = np.flatnonzero(ids == tok)
+    if not at.size:
+        raise ValueError(f"token {tok} is not among the row's {ids.size} candidates")
+    order = np.lexsort((ids, -x))  # the row's order: largest first, equal values by lower id
+    alts = [(int(ids[j]), float(x[j]) - lse) for j in order[: max(n, 0)] if np.isfinite(x[j])]
+    return _wire(tok, float(x[at[0]]) - lse, alts, text)
+
+
+def _wire(tok: int, logprob: float, alts: list[tuple[int, float]], text: Callable[[int], str]) -> dict:
+    """The wire's entry of ``tok`` (module docstring): its logprob and the (id, logprob) alternatives."""
+    top_ = [[i, lp, text(i)] for i, lp in alts]
+    return {"token_id": int(tok), "text": text(tok), "logprob": logprob, "top": top_}

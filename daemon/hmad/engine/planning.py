@@ -7,9 +7,12 @@ lasts; each part takes the KV blocks its positions need (``KVCacheManager.prepar
 input fed on the device, except those that token ends by length.
 
 Where the tokens are picked (engine/scheduler.py, "Which tokens the device picks"): by the device's argmax
-when every request of the step is greedy (``greedy_ok``); from the device's top-k candidates when every
-request's sampler needs at most ``topk_max`` of them; else from full logits rows on the host, as for every
-step holding a request with a grammar or with logprobs (``needs_row``).
+when every request of the step is greedy without logprobs (``greedy_ok``); from the device's top-k
+candidates when every request needs at most ``topk_max`` of them (``candidates_needed``); else from full
+logits rows on the host, as for every step holding a request that ``needs_row``: a grammar, prompt
+logprobs, or logprobs the candidates cannot give. A request's logprobs come from its candidates and its
+row's log-sum-exp, both reduced on the device (engine/logprobs.py), when it has no repetition penalty (the
+device's sum is of the row before it) and wants at most ``topk_max`` candidates, its alternatives too.
 
 A request's additive adjustments (logit_bias, presence and frequency penalties: engine/sampling.py, step 0)
 ride on its part's slice (``SeqSlice.bias``) into the step, where the device adds them before its argmax
@@ -33,15 +36,34 @@ PROMPT_ROWS_MAX = 64
 
 
 def greedy_ok(r: Request) -> bool:
-    """Whether the device's argmax is ``r``'s token (greedy, no repetition penalty, no grammar, no logprobs;
-    the additive adjustments the device adds first, where it can: ``StepPlanner._bias_fits``)."""
-    return r.params.temperature == 0 and r.params.repetition_penalty == 1.0 and not needs_row(r)
+    """Whether the device's argmax is ``r``'s token (greedy, no repetition penalty, no grammar, no logprobs:
+    those come from the top-k path; the additive adjustments the device adds first, where it can:
+    ``StepPlanner._bias_fits``)."""
+    p = r.params
+    return p.temperature == 0 and p.repetition_penalty == 1.0 and p.logprobs is None and not needs_row(r)
 
 
-def needs_row(r: Request) -> bool:
-    """Whether ``r``'s token needs its whole logits row on the host: a grammar masks it, or its logprobs are
-    of it (engine/logprobs.py; the device does not reduce a row to them yet), or its prompt's are."""
-    return r.constraint is not None or r.params.logprobs is not None or prompt_rows(r)
+def needs_row(r: Request, topk_max: int = 0) -> bool:
+    """Whether ``r``'s token needs its whole logits row on the host: a grammar masks it, its prompt's
+    logprobs are read (``prompt_rows``), or it has logprobs that a backend's ``topk_max`` candidates and
+    the row's log-sum-exp cannot give (``candidates_needed``; engine/logprobs.py)."""
+    if r.constraint is not None or prompt_rows(r):
+        return True
+    if r.params.logprobs is None:
+        return False
+    n = candidates_needed(r)
+    return n is None or n > topk_max
+
+
+def candidates_needed(r: Request) -> int | None:
+    """How many of its row's best logits ``r``'s token needs (its sampler's count: engine/sampling.py,
+    "Candidates"), its logprobs' alternatives too; None: the whole row (top-k off, a penalty < 1, or
+    logprobs with a repetition penalty, which the device's log-sum-exp is not of)."""
+    p = r.params
+    n = r.sampler.candidates_needed(r.prompt_ids + r.output_ids)
+    if p.logprobs is None or n is None:
+        return n
+    return None if p.repetition_penalty != 1.0 else max(n, p.logprobs, 1)
 
 
 def prompt_rows(r: Request) -> bool:
@@ -126,8 +148,11 @@ class StepPlanner:
         return n <= getattr(self.model.backend, "bias_max", 0) and all(i[-1] < vocab for i in ids if i.size)
 
     def _on_device(self, r: Request) -> bool:
-        """Whether the device can pick ``r``'s tokens in a pipelined step."""
+        """Whether the device can pick ``r``'s tokens in a pipelined step (never with logprobs: the sample
+        tail reads back no log-sum-exp)."""
         if r.params.counts_matter:  # its next step's deltas count the token the step in flight gives it
+            return False
+        if r.params.logprobs is not None:
             return False
         if greedy_ok(r):
             return True
@@ -150,10 +175,11 @@ class StepPlanner:
         )
 
     def topk_on_device(self, reqs: list[Request]) -> bool:
-        """Whether every token of this step can be sampled from the backend's on-device top-k candidates
-        (each request's sampler needs at most that many: engine/sampling.py, "Candidates")."""
+        """Whether every token of this step (and its logprobs) can be taken from the backend's on-device
+        top-k candidates and row log-sum-exps (no request ``needs_row``; each needs at most that many
+        candidates: ``candidates_needed``)."""
         m = getattr(self.model.backend, "topk_max", 0)
-        if not (reqs and m) or any(needs_row(r) for r in reqs) or not self._bias_fits(reqs):
+        if not (reqs and m) or any(needs_row(r, m) for r in reqs) or not self._bias_fits(reqs):
             return False
-        needs = [r.sampler.candidates_needed(r.prompt_ids + r.output_ids) for r in reqs]
+        needs = [candidates_needed(r) for r in reqs]
         return all(n is not None and n <= m for n in needs)

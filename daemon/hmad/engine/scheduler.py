@@ -34,13 +34,13 @@ logits (a grammar, a repetition penalty, top-k off) waits for the step in flight
 steps in submission order, so KV blocks freed on the host while a step is in flight are only rewritten by
 later steps.
 
-Which tokens the device picks: greedy requests' (temperature 0, no repetition penalty, no grammar) by its
-argmax; with ``sample_on_device`` also sampling requests with top_k within the backend's ``topk_max``, no
-repetition penalty and no grammar: their step (``launch_sampled``) draws each row's token on the device from
-its top-k candidates with the uniform the request's sampler will use for that token
-(``Sampler.upcoming``: one draw ahead while its step n is in flight). The host then draws the token itself
-from the same candidates and uniform (``Sampler.sample_candidates``, as a step run alone would; a step's
-rows at once where there are a few, engine/draw_rows.py, to the same tokens), and its token is the
+Which tokens the device picks: greedy requests' (temperature 0, no repetition penalty, no grammar, no
+logprobs) by its argmax; with ``sample_on_device`` also sampling requests with top_k within the backend's
+``topk_max``, no repetition penalty, no grammar and no logprobs: their step (``launch_sampled``) draws each
+row's token on the device from its top-k candidates with the uniform the request's sampler will use for that
+token (``Sampler.upcoming``: one draw ahead while its step n is in flight). The host then draws the token
+itself from the same candidates and uniform (``Sampler.sample_candidates``, as a step run alone would; a
+step's rows at once where there are a few, engine/draw_rows.py, to the same tokens), and its token is the
 request's: where the device's differs (a rounding edge: float32 there, float64 here), the row that the
 device's token fed in step n + 1 is dropped and its position computed again in the next step
 (``draws_corrected`` counts them). So a request gets the same tokens pipelined or not, alone or in any mix.
@@ -250,7 +250,7 @@ class Scheduler:
         if self.planner.topk_on_device(wanting):
             return self.tokens.sample_candidates(
                 wanting, *self._forward(self.model.forward_topk, batch)
-            )  # (S_out, M)
+            )  # (S_out, M) ids and values, (S_out,) log-sum-exps
         return self.tokens.sample(wanting, self._forward(self.model.forward, batch))  # logits (S_out, V)
 
     def _forward(self, fn, batch: StepBatch):

@@ -1,21 +1,22 @@
 """Taking each request's next token, and ending requests: the one place a request's events are made.
 
-A step's output reaches a request here in one of three forms: a logits row (the host samples it, adding
-the request's logit_bias and presence/frequency penalties itself), a row of on-device top-k candidates (the
-host draws from them), or an id the device picked (greedy); the device adds those adjustments before the
-last two (engine/planning.py). Each token
-then goes through ``TokenTaker.accept``: end of turn, the stream decoder, stop strings, the grammar, and the
-limits (max_tokens, the context). Every request ends through ``finish``, ``fail`` or ``cancelled`` below,
-each setting it FINISHED and making its one terminal event (done | error | cancelled); the scheduler
-never emits one for a request that is FINISHED already, so each accepted request gets exactly one.
+A step's output reaches a request here in one of three forms: a logits row (the host samples it, adding the
+request's logit_bias and presence/frequency penalties itself), a row of on-device top-k candidates and the
+row's log-sum-exp (the host draws from them), or an id the device picked (greedy); the device adds those
+adjustments before the last two (engine/planning.py). Each token then goes through ``TokenTaker.accept``: end
+of turn, the stream decoder, stop strings, the grammar, and the limits (max_tokens, the context). Every
+request ends through ``finish``, ``fail`` or ``cancelled`` below, each setting it FINISHED and making its one
+terminal event (done | error | cancelled); the scheduler never emits one for a request that is FINISHED
+already, so each accepted request gets exactly one.
 
 Failures: an exception while sampling, decoding or stop-matching one request's token ends that request
 alone with an ``error`` event (code internal); the token events it produced before raising are dropped
 (``TokenTaker.guarded``).
 
-Logprobs: a request with ``logprobs`` also needs its whole row (engine/planning.py, ``needs_row``); the
-logprobs of its token are of the row the sampler drew from (engine/logprobs.py), and ride on the token event
-that carries the token's id (``with_logprobs``). A request with ``prompt_logprobs`` gets every row of its
+Logprobs: the logprobs of a request's token are of the row the sampler drew from (engine/logprobs.py): from
+the row itself (``_sample_one``), or from the device's candidates and the row's log-sum-exp
+(``sample_candidates``; engine/planning.py, ``needs_row``, says which); they ride on the token event that
+carries the token's id (``with_logprobs``). A request with ``prompt_logprobs`` gets every row of its
 prefill chunks (``sample``: ``Request.step_rows`` rows each): each row but the token's gives the logprob of
 the prompt token after it, gathered on ``Request.prompt_logprobs`` for its ``done``.
 
@@ -118,12 +119,27 @@ class TokenTaker:
             return self.take(r, tok)
         return with_logprobs(self.take(r, tok), logprobs.entry(row, tok, r.params.logprobs, r.token_text))
 
-    def sample_candidates(self, reqs: list[Request], ids: np.ndarray, vals: np.ndarray) -> list[Event]:
-        """The host's draw from each request's on-device candidates (S_out, M)."""
+    def sample_candidates(
+        self, reqs: list[Request], ids: np.ndarray, vals: np.ndarray, lse: np.ndarray
+    ) -> list[Event]:
+        """The host's draw from each request's on-device candidates (S_out, M), its logprobs from them and
+        its row's log-sum-exp (S_out,) where it asked for them."""
         events = []
-        for r, i, v, tok in zip(reqs, ids, vals, self.drawn_together(reqs, ids, vals), strict=True):
-            events += self.guarded(r, lambda r=r, i=i, v=v, tok=tok: self.take(r, self.draw(r, i, v, tok)))
+        for r, i, v, e, tok in zip(reqs, ids, vals, lse, self.drawn_together(reqs, ids, vals), strict=True):
+            events += self.guarded(
+                r, lambda r=r, i=i, v=v, e=e, tok=tok: self._take_candidate(r, i, v, e, tok)
+            )
         return events
+
+    def _take_candidate(
+        self, r: Request, ids: np.ndarray, vals: np.ndarray, lse: np.float32, tok: int | None
+    ) -> list[Event]:
+        """``r``'s token drawn from its candidates (``tok``: drawn already), with its logprobs entry."""
+        tok = self.draw(r, ids, vals, tok)
+        if r.params.logprobs is None:
+            return self.take(r, tok)
+        entry = logprobs.entry_from_candidates(ids, vals, float(lse), tok, r.params.logprobs, r.token_text)
+        return with_logprobs(self.take(r, tok), entry)
 
     def take_ids(self, reqs: list[Request], ids: np.ndarray, dropped: set[int] = frozenset()) -> list[Event]:
         """The device's picks (S_out,), one per request."""

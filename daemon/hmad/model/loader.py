@@ -68,9 +68,10 @@ class Model:
         ``sample_on_device``)."""
         return self.backend.launch_sampled(self.backend.run(self.net, batch))
 
-    def forward_topk(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, values) of the best ``backend.topk_max`` logits of each of ``batch.logit_rows``, selected
-        on the device (only the candidates come back); backends with ``topk_max`` > 0."""
+    def forward_topk(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, values) of the best ``backend.topk_max`` logits of each of ``batch.logit_rows`` and each
+        row's log-sum-exp, reduced on the device (only those come back: ``Backend.topk``); backends with
+        ``topk_max`` > 0."""
         return self.backend.topk(self.backend.run(self.net, batch))
 
 

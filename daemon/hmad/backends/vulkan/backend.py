@@ -107,6 +107,7 @@ class VulkanBackend(Backend):
         self.readback = Readback(self.ctx)
         self.topk_steps = 0  # steps sampled from on-device top-k candidates
         self.sampled_steps = 0  # steps drawn on the device (launch_sampled)
+        self.row_steps = 0  # steps whose whole logits rows were read back (to_numpy)
 
     @property
     def options(self) -> VulkanOptions:
@@ -304,8 +305,8 @@ class VulkanBackend(Backend):
         return self.ctx.ids[done.parity].array(np.uint32)[: done.n_out].astype(np.int64)
 
     def candidates(self, done: Launched) -> tuple[np.ndarray, np.ndarray]:
-        """A collected ``launch_sampled`` step's candidates, as ``topk`` returns them; read before the next
-        launch on its parity."""
+        """A collected ``launch_sampled`` step's candidates (ids, values), as ``topk`` returns them (no
+        log-sum-exps); read before the next launch on its parity."""
         if not done.sampled or self.submit.in_flight[done.parity] is done:
             raise RuntimeError("candidates(): a sampled step, once collected")
         return self.readback.candidates(self.readback.cands[done.parity], done.graph, done.n_out)
@@ -315,6 +316,7 @@ class VulkanBackend(Backend):
         if not isinstance(x, StepOutput):
             raise TypeError("VulkanBackend.to_numpy reads a step's logits (what run() returns)")
         self.submit.run_alone(x, self.readback.copy_tail(x.graph))
+        self.row_steps += 1
         return self.readback.logits(x.n_out, x.shape[1])
 
     def greedy(self, x) -> np.ndarray:
@@ -323,13 +325,15 @@ class VulkanBackend(Backend):
             raise ValueError("only launch_greedy takes a batch with fed rows")
         return self.collect(self.launch_greedy(x))
 
-    def topk(self, x) -> tuple[np.ndarray, np.ndarray]:
-        """Run the step with topk.comp on the GPU; read back the best TOPK_CANDIDATES (id, value) pairs of
-        each logits row (8 bytes each, not the row's V floats)."""
+    def topk(self, x) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Run the step with topk.comp and row_lse.comp on the GPU; read back the best TOPK_CANDIDATES
+        (id, value) pairs of each logits row and its log-sum-exp (8 bytes a candidate and 4 a row, not the
+        row's V floats)."""
         _check_bias(x)
         self.submit.run_alone(x, self.readback.topk_tail(x.graph, self.submit.parity))
         self.topk_steps += 1
-        return self.readback.candidates(self.readback.topk_buf, x.graph, x.n_out)
+        ids, vals = self.readback.candidates(self.readback.topk_buf, x.graph, x.n_out)
+        return ids, vals, self.readback.lse(x.graph, x.n_out)
 
     # -- ops: append dispatches (ops_norm, ops_matmul, ops_attention); the fused ones fall back to the
     # compositions of backends/base.py where their kernels cannot take the shapes ---------------------------

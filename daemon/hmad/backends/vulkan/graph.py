@@ -50,16 +50,17 @@ class Graph:
     # the top-k's first-stage candidates (device-local), shared by its tails: they run one after another
     topk_chunks: BufferView | None = None
     argmax_chunks: BufferView | None = None  # likewise for the argmax tails (argmax.comp's two stages)
+    lse_chunks: BufferView | None = None  # and the top-k tails' log-sum-exps (row_lse.comp's two stages)
 
     def close(self) -> None:
         tails = [t for t, _ in (*self.sample_tails.values(), *self.topk_tails.values())]
         for r in (self.rec, *self.argmax_tails, *self.heads.values(), self.copy_tail, *tails):
             if r is not None:
                 r.close()
-        for buf in (self.topk_chunks, self.argmax_chunks):
+        for buf in (self.topk_chunks, self.argmax_chunks, self.lse_chunks):
             if buf is not None:
                 buf.arena.close()
-        self.topk_chunks = self.argmax_chunks = None
+        self.topk_chunks = self.argmax_chunks = self.lse_chunks = None
 
 
 class StepOutput:

@@ -175,6 +175,12 @@ class TopkPush(ctypes.Structure):
     _fields_ = [(n, u32) for n in ("n_rows", "n_cols", "row_stride", "k", "chunk")]
 
 
+class RowLsePush(ctypes.Structure):
+    """shaders/row_lse.comp"""
+
+    _fields_ = [(n, u32) for n in ("n_rows", "n_cols", "row_stride", "chunk")]
+
+
 class CoopMatPeakPush(ctypes.Structure):
     """shaders/coopmat_peak.comp (bench_vulkan_coopmat_peak.py): built for the (NA, NB) fragment counts of
     VARIANTS (kernels ``coopmat_peak_a<NA>x<NB>``: NA NB accumulators a subgroup), ROUNDS x NA x NB products

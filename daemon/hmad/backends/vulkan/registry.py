@@ -47,6 +47,7 @@ SOURCES: dict[str, tuple[type[ctypes.Structure], int]] = {
     "attention_reduce.comp": (p.AttentionReducePush, 256),
     "argmax.comp": (p.ArgmaxPush, 256),
     "topk.comp": (p.TopkPush, 256),
+    "row_lse.comp": (p.RowLsePush, 256),
     "feed_tokens.comp": (p.FeedPush, 64),
     "logit_bias.comp": (p.LogitBiasPush, 64),
     "sample_topk.comp": (p.SampleTopkPush, 128),  # block >= topk's candidates

@@ -5,7 +5,8 @@ A step's head copies its parity's mapped metadata into the device-local copy eve
 the batch has ``feed`` rows) runs feed_tokens.comp, which writes into the tokens section the ids the step
 before it (the other parity) computed. A tail reads the logits back in one of four forms: the argmax into
 the parity's id buffer (argmax.comp; one per parity, made with the recording), the logit rows copied into a
-host-visible buffer, the top-k candidates (topk.comp), or each row's token drawn on the device from its top-k
+host-visible buffer, the top-k candidates (topk.comp) with each row's log-sum-exp (row_lse.comp: a
+token's logprob is its candidate value minus it), or each row's token drawn on the device from its top-k
 (sample_topk.comp, with the row's sampling and uniform from the metadata's ``sample`` section) into the
 parity's ids, its candidates readable too. Rows longer than a chunk take two stages, the first stage's
 candidates in a device-local buffer of the graph that its tails share (steps run one after another).
@@ -24,7 +25,7 @@ from hmad.backends.vulkan.activations import Act, rows
 from hmad.backends.vulkan.context import RecordContext
 from hmad.backends.vulkan.graph import Graph
 from hmad.backends.vulkan.memory import BufferView, create_buffer
-from hmad.backends.vulkan.push import ArgmaxPush, FeedPush, SampleTopkPush, TopkPush
+from hmad.backends.vulkan.push import ArgmaxPush, FeedPush, RowLsePush, SampleTopkPush, TopkPush
 from hmad.backends.vulkan.recorder import CommandRecorder
 from hmad.backends.vulkan.shapes import ARGMAX_CHUNKS, topk_chunk, topk_chunks
 
@@ -101,8 +102,9 @@ class Readback:
     def __init__(self, ctx: RecordContext):
         self.ctx = ctx
         self.readback: BufferView | None = None
-        self.topk_buf: BufferView | None = None  # mapped: ids (rows, k) uint32, then values (rows, k)
-        self.cands: list[BufferView | None] = [None, None]  # likewise, per parity, for the sample tails
+        # mapped: ids (rows, k) uint32, then values (rows, k) float32, then each row's lse (rows,) (_layout)
+        self.topk_buf: BufferView | None = None
+        self.cands: list[BufferView | None] = [None, None]  # ids, values, per parity, for the sample tails
 
     def copy_tail(self, graph: Graph) -> CommandRecorder:
         """The logits -> host-visible readback copy of ``graph`` (re-made when the readback buffer grew)."""
@@ -130,36 +132,43 @@ class Readback:
             current.arena.close()
         return create_buffer(self.ctx.dev, need, "readback", label)
 
-    def _layout(self, n_rows: int, vocab: int) -> tuple[int, int]:
-        """(k, byte offset of the values) in a candidates buffer: ids (rows, k) first, values aligned."""
+    def _layout(self, n_rows: int, vocab: int) -> tuple[int, int, int]:
+        """(k, byte offset of the values, byte offset of the log-sum-exps) in a candidates buffer: ids
+        (rows, k) first, then values (rows, k), then (the top-k tail's) lse (rows,), each aligned."""
         k = min(TOPK_CANDIDATES, vocab)
-        return k, -(-4 * n_rows * k // self.ctx.align) * self.ctx.align
+        half = self._aligned(4 * n_rows * k)
+        return k, half, half + self._aligned(4 * n_rows * k)
+
+    def _aligned(self, nbytes: int) -> int:
+        return -(-nbytes // self.ctx.align) * self.ctx.align
 
     def topk_tail(self, graph: Graph, parity: int) -> CommandRecorder:
-        """The top-k tail of ``graph`` on ``parity`` (re-made when the candidates buffer grew)."""
+        """The top-k tail of ``graph`` on ``parity``, each row's log-sum-exp too (re-made when the candidates
+        buffer grew)."""
         n_rows, vocab = graph.logits.shape
-        k, half = self._layout(n_rows, vocab)
-        self.topk_buf = self._buffer(self.topk_buf, half + 4 * n_rows * k, "top-k candidates")
+        _, _, at = self._layout(n_rows, vocab)
+        self.topk_buf = self._buffer(self.topk_buf, at + 4 * n_rows, "top-k candidates")
         tail, into = graph.topk_tails.get(parity, (None, None))
         if into is not self.topk_buf:
             if tail is not None:
                 tail.close()
             tail = CommandRecorder(self.ctx.dev).begin()
-            self._record_topk(tail, graph, self.topk_buf, parity)
+            self._record_topk(tail, graph, self.topk_buf, parity, lse=True)
             tail = tail.end()
             graph.topk_tails[parity] = (tail, self.topk_buf)
         return tail
 
     def _record_topk(
-        self, tail: CommandRecorder, graph: Graph, into: BufferView, parity: int
+        self, tail: CommandRecorder, graph: Graph, into: BufferView, parity: int, lse: bool = False
     ) -> tuple[BufferView, BufferView]:
         """Append, after a barrier, ``parity``'s logit adjustments (bias.py) then topk.comp over ``graph``'s
-        logits writing the candidates buffer ``into`` (``_layout``); returns its (ids, values) views. A row
-        longer than ``topk_chunk()`` takes two stages (the shader's header): its chunks' best into the
-        graph's ``topk_chunks``, then their best."""
+        logits writing the candidates buffer ``into`` (``_layout``), with ``lse`` row_lse.comp too (the
+        rows' log-sum-exps after the adjustments); returns the (ids, values) views. A row longer than
+        ``topk_chunk()`` takes two stages (the shader's header): its chunks' best into the graph's
+        ``topk_chunks``, then their best."""
         ctx = self.ctx
         n_rows, vocab = graph.logits.shape
-        k, half = self._layout(n_rows, vocab)
+        k, half, at = self._layout(n_rows, vocab)
         ids = rows(into, 0, 1, 4 * n_rows * k)
         vals = BufferView(into.arena, into.offset + half, 4 * n_rows * k, name="top-k values")
         first, merge = ctx.kernel("topk_f32"), ctx.kernel("topk_merge_f32")
@@ -167,6 +176,10 @@ class Readback:
         chunks = -(-vocab // chunk)
         tail.barrier()
         bias.record(ctx, tail, graph.logits, parity)
+        if lse:
+            self._record_lse(
+                tail, graph, BufferView(into.arena, into.offset + at, 4 * n_rows, name="top-k lse")
+            )
         if chunks == 1:
             push = TopkPush(n_rows, vocab, vocab, k, vocab)
             tail.dispatch(first, [graph.logits.view, ids, vals], push, first.groups_for(n_rows))
@@ -182,11 +195,33 @@ class Readback:
         tail.dispatch(merge, [c_vals, ids, vals, c_ids], push, merge.groups_for(n_rows))
         return ids, vals
 
+    def _record_lse(self, tail: CommandRecorder, graph: Graph, out: BufferView) -> None:
+        """Append row_lse.comp over ``graph``'s logits (adjusted already) into ``out`` (rows,): one stage, or
+        each chunk's (max, sum) into the graph's ``lse_chunks`` (argmax.comp's chunks: the same reduction's
+        shape), then each row's merged."""
+        ctx = self.ctx
+        n_rows, vocab = graph.logits.shape
+        chunk = topk_chunk(vocab, ARGMAX_CHUNKS)
+        n = -(-vocab // chunk)
+        if n == 1:
+            k = ctx.kernel("row_lse_f32")
+            push = RowLsePush(n_rows, vocab, vocab, vocab)
+            tail.dispatch(k, [graph.logits.view, out], push, k.groups_for(n_rows))
+            return
+        if graph.lse_chunks is None:  # (rows, chunks) maxima, then sums
+            graph.lse_chunks = pair(ctx, 4 * n_rows * n, "lse per chunk")
+        c_max, c_sum = parts(ctx, graph.lse_chunks, 4 * n_rows * n)
+        first, merge = ctx.kernel("row_lse_chunks_f32"), ctx.kernel("row_lse_merge_f32")
+        push = RowLsePush(n_rows, vocab, vocab, chunk)
+        tail.dispatch(first, [graph.logits.view, c_max, c_sum], push, first.groups_for(n_rows * n))
+        push = RowLsePush(n_rows, n, n, n)
+        tail.dispatch(merge, [c_max, out, c_sum], push, merge.groups_for(n_rows))
+
     def sample_tail(self, graph: Graph, parity: int) -> CommandRecorder:
         """``graph``'s sample tail on ``parity`` (re-made when that parity's candidates buffer grew)."""
         ctx = self.ctx
         n_rows, vocab = graph.logits.shape
-        k, half = self._layout(n_rows, vocab)
+        k, half, _ = self._layout(n_rows, vocab)
         buf = self.cands[parity] = self._buffer(
             self.cands[parity], half + 4 * n_rows * k, f"sampled candidates {parity}"
         )
@@ -209,11 +244,18 @@ class Readback:
     def candidates(self, into: BufferView, graph: Graph, n_out: int) -> tuple[np.ndarray, np.ndarray]:
         """The first ``n_out`` rows of a candidates buffer: (ids int64, values float32), each (n_out, k)."""
         n_rows, vocab = graph.logits.shape
-        k, half = self._layout(n_rows, vocab)
+        k, half, _ = self._layout(n_rows, vocab)
         buf = into.array(np.uint8)
         ids = buf[: 4 * n_rows * k].view(np.uint32).reshape(n_rows, k)[:n_out].astype(np.int64)
         vals = buf[half : half + 4 * n_rows * k].view(np.float32).reshape(n_rows, k)[:n_out].copy()
         return ids, vals
+
+    def lse(self, graph: Graph, n_out: int) -> np.ndarray:
+        """The top-k tail's first ``n_out`` log-sum-exps (n_out,) float32 (a row with no finite maximum:
+        -inf; one with a +inf: +inf or NaN)."""
+        n_rows, vocab = graph.logits.shape
+        _, _, at = self._layout(n_rows, vocab)
+        return self.topk_buf.array(np.uint8)[at : at + 4 * n_rows].view(np.float32)[:n_out].copy()
 
     def close(self) -> None:
         for b in (self.readback, self.topk_buf, *self.cands):

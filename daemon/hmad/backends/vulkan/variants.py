@@ -222,8 +222,8 @@ def _attention() -> list[Variant]:
 
 
 def _tails() -> list[Variant]:
-    """Readback tails (argmax, top-k, sampling, token feed, logit adjustments), fused norms and activation
-    quantizers."""
+    """Readback tails (argmax, top-k, log-sum-exp, sampling, token feed, logit adjustments), fused norms
+    and activation quantizers."""
     return [
         _v("argmax_f32", "argmax.comp", 2),
         _v("argmax_chunks_f32", "argmax.comp", 3, CHUNKS="1"),  # logits, ids, values
@@ -233,6 +233,9 @@ def _tails() -> list[Variant]:
         _v("sample_topk", "sample_topk.comp", 4),
         _v("topk_f32", "topk.comp", 3),
         _v("topk_merge_f32", "topk.comp", 4, FROM_CANDIDATES="1"),  # values, ids, vals, the candidates' ids
+        _v("row_lse_f32", "row_lse.comp", 2),  # logits, each row's log-sum-exp
+        _v("row_lse_chunks_f32", "row_lse.comp", 3, CHUNKS="1"),  # logits, each chunk's max and sum
+        _v("row_lse_merge_f32", "row_lse.comp", 3, MERGE="1"),  # the chunks' maxima, lse, their sums
         _v("norm_rope_f32", "norm_rope.comp", 4),
         _v("norm_rope_kv_f32", "norm_rope_kv.comp", 9),
         _v("norm_rope_kv_f16", "norm_rope_kv.comp", 9, POOL_TYPE="float16_t"),
