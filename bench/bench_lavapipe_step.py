@@ -59,8 +59,8 @@ def kernel_table(rec) -> list[tuple[str, int, float]]:
     return [(k, count[k], v) for k, v in ms.most_common()]
 
 
-def bench(path: str, backend: str, sizes: list[int], reps: int, top: int) -> dict:
-    opts = {"timestamps": True} if backend == "vulkan" else {}
+def bench(path: str, backend: str, sizes: list[int], reps: int, top: int, options: dict | None = None):
+    opts = {"timestamps": True, **(options or {})} if backend == "vulkan" else {}
     model = load_model(path, backend, **opts)
     be, out = model.backend, {}
     layout = KVLayout.plan(model.config, max(sizes) + 64, 1, max(sizes))
@@ -93,9 +93,11 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=12, help="kernels shown per step size")
     ap.add_argument("--numpy", action="store_true", help="the numpy backend's step times too")
     ap.add_argument("--out", help="write the results here as JSON")
+    ap.add_argument("--option", action="append", default=[], help="a Vulkan option, NAME=VALUE (repeatable)")
     args = ap.parse_args()
     sizes = [int(s) for s in args.tokens.split(",")]
-    res = {"vulkan": bench(args.model, "vulkan", sizes, args.reps, args.top)}
+    options = dict(_option(o) for o in args.option)
+    res = {"vulkan": bench(args.model, "vulkan", sizes, args.reps, args.top, options)}
     if args.numpy:
         res["numpy"] = bench(args.model, "cpu", sizes, args.reps, args.top)
     head = f"\n{'tokens':>6} {'bucket':>6} {'vulkan step s':>14} {'gpu s':>8}"
@@ -107,6 +109,14 @@ def main() -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1, default=str))
     return 0
+
+
+def _option(text: str) -> tuple[str, object]:
+    """``NAME=VALUE`` -> (name, value as an int, a bool or the string)."""
+    name, _, value = text.partition("=")
+    if value.lstrip("-").isdigit():
+        return name, int(value)
+    return name, {"true": True, "false": False}.get(value, value)
 
 
 if __name__ == "__main__":

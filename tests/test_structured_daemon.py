@@ -2,7 +2,8 @@
 poor, the constraint is what makes it valid JSON) answers a nested schema greedily and sampled, every answer
 parsing and validating; a schema that cannot be finished in max_tokens ends "length" with
 schema_complete false; bad schemas are bad_request; protocol versions 1 and 2 side by side; hmactl's
---json-schema; a daemon without llguidance refuses json_schema and serves the rest."""
+--json-schema; a daemon without llguidance refuses json_schema and serves the rest; the 270M's tool calls
+carry the arguments the question gives."""
 
 from __future__ import annotations
 
@@ -164,3 +165,39 @@ def test_without_llguidance_json_schema_is_refused_and_the_rest_served(tmp_path)
             assert c.generate("the cat", max_tokens=3, temperature=0).generated_tokens == 3
     finally:
         assert d.stop() == 0, d.log_text()
+
+
+WEATHER_TOOL = {
+    "name": "get_weather",
+    "description": "Get the current weather for a city",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "description": "the city"},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        },
+        "required": ["city"],
+    },
+}
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize(
+    ("question", "want"),
+    [
+        ("What is the weather in Paris?", {"city": "Paris"}),
+        ("How warm is it in Tokyo right now, in fahrenheit?", {"city": "Tokyo", "unit": "fahrenheit"}),
+    ],
+)
+def test_the_270m_calls_a_tool_with_the_arguments_the_question_gives(hmad, question, want, parallel):
+    """The embedded model, greedy, tool_choice required: one call, its arguments the question's (the
+    objects decoded closed: no keys copied from the schema; a list of calls ends at its first repeat)."""
+    messages = [{"role": "user", "content": question}]
+    with Client(hmad.socket) as c:
+        r = c.generate(messages=messages, tools=[WEATHER_TOOL], tool_choice="required",
+                       parallel_tool_calls=parallel, max_tokens=200, temperature=0)  # fmt: skip
+    assert r.finish_reason == "tool_calls" and len(r.tool_calls) == 1, (r.text, r.tool_calls)
+    [call] = r.tool_calls
+    args = json.loads(call["arguments"])
+    jsonschema.validate(args, {**WEATHER_TOOL["parameters"], "additionalProperties": False})
+    assert call["name"] == "get_weather" and args.items() >= want.items(), args

@@ -17,7 +17,7 @@ from tiny_gguf import make_tiny_gguf, tiny_vocab
 
 from hmaclient import Client, RequestError
 from hmaclient import protocol as P
-from hmad.engine.tool_calls import ToolCallConstraint, call_schema, tool_grammar
+from hmad.engine.tool_calls import ToolCallConstraint, call_schema, closed, tool_grammar
 from hmad.model.chat import render_chat
 from hmad.model.chat_template import ChatTemplate
 from hmad.model.tokenizer import SpmTokenizer
@@ -240,7 +240,23 @@ def test_a_list_that_repeats_a_call_is_closed(tok):
     allowed = np.isfinite(c.mask(np.zeros(tok.vocab_size, np.float32)))
     assert allowed.any() and not (allowed & ~c.classes.closes).any()  # only "]" may follow
     c.accept(tok.token_id("<0x5D>"))
-    assert c.stopped and [json.loads(x["arguments"])["a"] for x in c.calls()] == [1, 7, 1]
+    assert c.stopped and [json.loads(x["arguments"])["a"] for x in c.calls()] == [1, 7]  # each call once
+
+
+def test_after_a_repeat_strings_are_not_forced_to_close_the_list(tok):
+    """The 270M's loop: a token closes a repeated call and goes on with a comma; the next element's
+    strings stay free (the list closes at that element's end, where "]" is allowed)."""
+    c = ToolCallConstraint(tool_grammar(TOOLS, "required", parallel=True), tok)
+    call = '{"name": "add", "parameters": {"a": 1, "b": 2}}'
+    for tok_id in tok.encode(f'[{call}, {call}, {{"name": "get_weather", "parameters": {{"city": "', False):
+        c.accept(tok_id)
+    assert c.elements.repeated and not c.elements.between
+    allowed = np.isfinite(c.mask(np.zeros(tok.vocab_size, np.float32)))
+    assert (allowed & ~c.classes.closes).any()  # a city's letters, not only "]"
+    for tok_id in tok.encode('Oslo"}}', False):
+        c.accept(tok_id)
+    allowed = np.isfinite(c.mask(np.zeros(tok.vocab_size, np.float32)))
+    assert c.elements.between and allowed.any() and not (allowed & ~c.classes.closes).any()
 
 
 def test_the_call_schema_pins_names_to_their_parameters():
@@ -250,6 +266,43 @@ def test_the_call_schema_pins_names_to_their_parameters():
         jsonschema.validate({"name": "add", "parameters": {"city": "Oslo"}}, schema)
     with pytest.raises(ValueError, match="tool 'bad'"):
         tool_grammar([{"name": "bad", "parameters": {"type": "nope"}}], "auto", True)
+
+
+def test_objects_that_say_nothing_of_other_keys_are_decoded_closed():
+    obj = {"type": "object", "properties": {"city": {"type": "string"}}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "where": obj,
+            "properties": {"type": "object", "properties": {"x": {"type": "integer"}}},  # a key so named
+            "stops": {"type": "array", "items": obj},
+            "either": {"anyOf": [obj, {"type": "null"}]},
+            "open": {**obj, "additionalProperties": True},
+            "tagged": {"type": "object", "properties": {"a": {}}, "patternProperties": {"^x-": {}}},
+        },
+    }
+    out = closed(schema)
+    props = out["properties"]
+    assert out["additionalProperties"] is False and set(props) == set(schema["properties"])
+    assert props["where"]["additionalProperties"] is False
+    assert props["properties"]["additionalProperties"] is False
+    assert set(props["properties"]["properties"]) == {"x"}
+    assert props["stops"]["items"]["additionalProperties"] is False
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False
+    assert props["open"]["additionalProperties"] is True and "additionalProperties" not in props["tagged"]
+    assert schema["properties"]["where"] == obj  # the tool's own schema is left as it was
+    for merged in (  # subschemas that add keys to the same object: neither side is closed
+        {"allOf": [obj, {"properties": {"zip": {"type": "string"}}}]},
+        {**obj, "anyOf": [{"properties": {"zip": {}}}, {"required": ["city"]}]},
+        {**obj, "$ref": "#/$defs/X", "$defs": {"X": {"properties": {"zip": {"type": "string"}}}}},
+    ):
+        jsonschema.validate({"city": "Oslo", "zip": "0150"}, closed(merged))
+    tool = [{"name": "go", "parameters": schema}]
+    call = {"name": "go", "parameters": {"where": {"city": "Oslo"}, "stops": [{"city": "Bergen"}]}}
+    jsonschema.validate(call, call_schema(tool, "required", parallel=False))
+    for extra in ({"type": "object"}, {"where": {"city": "Oslo", "type": "object"}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({"name": "go", "parameters": extra}, call_schema(tool, "required", False))
 
 
 def test_tools_own_definitions_and_refs_do_not_collide(tok):

@@ -7,7 +7,11 @@
 The call form (hmad.model.tools tells the model so): one JSON object ``{"name": N, "parameters": {...}}``,
 or, with parallel calls allowed, a JSON list of them. The grammar is the JSON Schema "one call, or a
 list of 1.. calls" where a call is anyOf, per tool, {name: const N, parameters: N's schema}: the name is
-one of the tools and the arguments validate against that tool's schema, by construction.
+one of the tools and the arguments validate against that tool's schema, by construction. An object in
+a tool's parameters that says nothing of other keys (no ``additionalProperties``, ``patternProperties``
+or ``unevaluatedProperties``) is decoded closed: only its own properties (``closed``), as llama.cpp's
+grammars and OpenAI's strict mode read a function's schema; a small model otherwise fills the arguments
+with keys copied from the schema. ``"additionalProperties": true`` (or a schema) opens it again.
 
 ``required`` or a named tool: the grammar holds from the first token, so the answer is a call. ``auto``
 (``ToolGrammar.lazy``): the grammar waits. While the answer is only whitespace, a token is allowed if it
@@ -21,6 +25,7 @@ first non-space character is ``{`` or ``[``.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +36,7 @@ from hmad.engine.structured import JsonConstraint, PerTokenizer, Vocabulary, com
 from hmad.model.tokenizer import Tokenizer
 
 OPENERS = b"{["  # a call's first byte
+CLOSE_COMMA = re.compile(rb"}[ \t\r\n]*,")  # a token that may end a call in a list and go on
 SPACE = b" \t\r\n"
 MAX_PARALLEL_CALLS = 16  # calls in one answer
 MAX_LEADING_SPACE = 2  # whitespace before a call
@@ -54,7 +60,7 @@ def call_schema(tools: list[dict[str, Any]], choice: Any, parallel: bool) -> dic
     never collide."""
     if isinstance(choice, dict):
         tools = [t for t in tools if t["name"] == choice["name"]]
-    defs = {f"tool{i}": _rebased(t["parameters"], f"#/$defs/tool{i}") for i, t in enumerate(tools)}
+    defs = {f"tool{i}": _rebased(closed(t["parameters"]), f"#/$defs/tool{i}") for i, t in enumerate(tools)}
     calls = [
         {
             "type": "object",
@@ -74,6 +80,69 @@ def call_schema(tools: list[dict[str, Any]], choice: Any, parallel: bool) -> dic
 
 
 _DATA_KEYWORDS = ("const", "enum", "default", "examples")  # values, not schemas: no $ref in them is one
+# the keywords whose value is a schema, a list of schemas, or a map of names to schemas (JSON Schema 2020-12)
+_SUBSCHEMA = ("items", "additionalProperties", "not", "contains", "propertyNames", "if", "then", "else",
+              "unevaluatedItems", "additionalItems", "unevaluatedProperties")  # fmt: skip
+_SUBSCHEMAS = ("prefixItems",)
+# the keywords whose subschemas describe the same object as their schema (its keys may come from them)
+_COMBINED = ("allOf", "anyOf", "oneOf", "if", "then", "else")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_OPENERS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def closed(schema: Any) -> Any:
+    """``schema`` with ``"additionalProperties": false`` on every object schema that has ``properties``
+    and says nothing of other keys (module docstring). Where subschemas add keys to the same object (a
+    schema with properties and a combinator, ``$ref`` or conditional beside them; the members of an
+    ``allOf``, and the definitions such a ``$ref`` or member points to), neither it nor those subschemas
+    are closed; their own nested objects are."""
+    return _closed(schema, True, _merged_refs(schema))
+
+
+def _closed(schema: Any, close: bool, merged: set[str], at: str = "#") -> Any:
+    """:func:`closed` of the subschema at pointer ``at`` (``merged``: pointers left open)."""
+    if not isinstance(schema, dict):
+        return schema
+    own = isinstance(schema.get("properties"), dict)
+    out = dict(schema)
+    for k, v in schema.items():
+        if k in _SUBSCHEMA and k not in _COMBINED:
+            out[k] = (
+                [_closed(x, True, merged) for x in v] if isinstance(v, list) else _closed(v, True, merged)
+            )
+        elif k in _COMBINED:
+            members = v if isinstance(v, list) else [v]
+            done = [_closed(x, not own and k != "allOf", merged) for x in members]
+            out[k] = done if isinstance(v, list) else done[0]
+        elif k in _SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {
+                name: _closed(x, k != "dependentSchemas", merged, f"{at}/{k}/{name}") for name, x in v.items()
+            }
+    opened = any(k in schema for k in (*_OPENERS, *_COMBINED, "$ref", "dependentSchemas")) or at in merged
+    if close and own and not opened:
+        out["additionalProperties"] = False
+    return out
+
+
+def _merged_refs(schema: Any) -> set[str]:
+    """The ``$ref`` pointers of ``schema`` that add keys to another object: beside properties, or an
+    ``allOf`` member's."""
+    refs: set[str] = set()
+
+    def walk(s: Any, merging: bool) -> None:
+        if isinstance(s, list):
+            for x in s:
+                walk(x, merging)
+        elif isinstance(s, dict):
+            ref = s.get("$ref")
+            if isinstance(ref, str) and (merging or isinstance(s.get("properties"), dict)):
+                refs.add(ref)
+            for k, v in s.items():
+                if k not in _DATA_KEYWORDS:
+                    walk(v, k == "allOf")
+
+    walk(schema, False)
+    return refs
 
 
 def _rebased(schema: Any, root: str) -> Any:
@@ -121,7 +190,8 @@ def check_tools(grammar: ToolGrammar, tokenizer: Tokenizer) -> None:
 class TokenClasses(PerTokenizer):
     """Per token of one vocabulary: its bytes, and whether it is ``text`` (its first non-space byte opens
     no call, or it is a special token), ``space`` (only spaces, tabs and newlines) or ``closes`` (its first
-    non-space byte is ``]``)."""
+    non-space byte is ``]``), and ``close_comma``: it holds a ``}`` and then a ``,`` (it may end a call
+    in a list and go on to the next)."""
 
     def __init__(self, tokenizer: Tokenizer):
         n = tokenizer.vocab_size
@@ -131,6 +201,7 @@ class TokenClasses(PerTokenizer):
         self.space = np.array([bool(b) and not s for b, s in pairs], dtype=bool)
         self.text = np.array([not b or bool(s and s[0] not in OPENERS) for b, s in pairs], dtype=bool)
         self.closes = np.array([s[:1] == b"]" for s in stripped], dtype=bool)
+        self.close_comma = np.array([CLOSE_COMMA.search(b) is not None for b in self.bytes], dtype=bool)
 
 
 class ToolCallConstraint:
@@ -139,7 +210,10 @@ class ToolCallConstraint:
     grammar holds), ``text`` (a text answer: nothing is masked).
 
     A list of calls that repeats a call it already holds (same name and arguments: a small model's loop)
-    is closed there: from then on only tokens that close the list are allowed, where the grammar allows one.
+    is closed there: from then on, between its elements, only tokens that close the list are allowed where
+    the grammar allows one. So that the end of each call is seen before the list goes on, in a list no
+    token may hold a ``}`` and then a ``,`` (``}`` and ``,`` come as tokens of their own). ``calls()``
+    holds each call once.
     """
 
     def __init__(self, grammar: ToolGrammar, tokenizer: Tokenizer):
@@ -156,9 +230,16 @@ class ToolCallConstraint:
         allowed = self.json.allowed()
         if self.phase == "open":  # whitespace and text as the model likes; a call only as the grammar does
             allowed = allowed | self.classes.text | self.classes.space
-        elif self.elements.repeated and (allowed & self.classes.closes).any():
-            allowed = allowed & self.classes.closes
+        elif self.elements.is_list:
+            allowed = self._in_list(allowed)
         return np.where(allowed, logits, np.float32(-np.inf)).astype(np.float32, copy=False)
+
+    def _in_list(self, allowed: np.ndarray) -> np.ndarray:
+        """``allowed`` narrowed in a list of calls (class docstring), never to nothing."""
+        if self.elements.repeated and self.elements.between and (allowed & self.classes.closes).any():
+            return allowed & self.classes.closes
+        split = allowed & ~self.classes.close_comma
+        return split if split.any() else allowed
 
     def accept(self, token_id: int) -> None:
         if self.phase == "open" and self.classes.text[token_id]:
@@ -184,14 +265,19 @@ class ToolCallConstraint:
         if not self.complete:
             return None
         value = json.loads(self.out.decode("utf-8"))
-        return [
-            {
-                "id": "call_" + secrets.token_hex(12),
-                "name": c["name"],
-                "arguments": json.dumps(c["parameters"]),
-            }
-            for c in (value if isinstance(value, list) else [value])
-        ]
+        unique: list[dict[str, Any]] = []
+        for c in value if isinstance(value, list) else [value]:
+            if c not in unique:  # a repeat is the same call again (class docstring)
+                unique.append(c)
+        return [{"id": _call_id(), "name": c["name"], "arguments": _arguments(c)} for c in unique]
+
+
+def _call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def _arguments(call: dict[str, Any]) -> str:
+    return json.dumps(call["parameters"])
 
 
 class ListElements:
@@ -221,6 +307,11 @@ class ListElements:
                 self.depth -= 1
                 if self.is_list and self.depth == 1:
                     self._element(json.loads(out[self.start : i + 1]))
+
+    @property
+    def between(self) -> bool:
+        """In a list, between two of its elements (not inside one, nor in a string)."""
+        return bool(self.is_list) and self.depth == 1 and not self.in_string
 
     def _element(self, value: Any) -> None:
         self.repeated = self.repeated or value in self.seen
