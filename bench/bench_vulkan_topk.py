@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The tails of a step: the on-device top-k of its logits rows (shaders/topk.comp, what a sampled step runs
-before sample_topk.comp) and the greedy argmax (shaders/argmax.comp): GPU time against their first stage's
-chunk count.
+before sample_topk.comp), each row's log-sum-exp (shaders/row_lse.comp, which the top-k tail records after
+it, for logprobs) and the greedy argmax (shaders/argmax.comp): GPU time against their first stage's chunk
+count (the log-sum-exp at the backend's chunks, argmax's; its values checked against numpy's).
 
 For each row count (``--rows``) and first-stage chunk count a row (``--chunks``, ``--argmax-chunks``; 1: one
 stage, one workgroup a row, the kernels before issue 17's seventh session), ``--reps`` top-ks (or argmaxes)
@@ -26,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 from hmad.backends.vulkan.device import Device  # noqa: E402
 from hmad.backends.vulkan.memory import Uploader, create_buffer  # noqa: E402
 from hmad.backends.vulkan.pipelines import Kernel  # noqa: E402
-from hmad.backends.vulkan.push import ArgmaxPush, TopkPush  # noqa: E402
+from hmad.backends.vulkan.push import ArgmaxPush, RowLsePush, TopkPush  # noqa: E402
 from hmad.backends.vulkan.recorder import CommandRecorder  # noqa: E402
-from hmad.backends.vulkan.shapes import topk_chunk  # noqa: E402
+from hmad.backends.vulkan.shapes import ARGMAX_CHUNKS, topk_chunk  # noqa: E402
 
 K = 128  # the backend's candidates a row (TOPK_CANDIDATES)
 
@@ -64,6 +65,21 @@ def record_argmax(rec, kernels, bufs, rows: int, vocab: int, chunks: int) -> int
         first, [logits, c_ids, c_vals], ArgmaxPush(rows, vocab, vocab, chunk), first.groups_for(rows * n)
     )
     rec.dispatch(merge, [c_vals, out, c_ids], ArgmaxPush(rows, n, n, n), merge.groups_for(rows))
+    return 2
+
+
+def record_lse(rec, kernels, bufs, rows: int, vocab: int, chunks: int) -> int:
+    """Record one log-sum-exp of (rows, vocab) as the backend does (``Readback._record_lse``)."""
+    single, first, merge = kernels
+    logits, out, c_max, c_sum = bufs
+    chunk = topk_chunk(vocab, chunks)
+    n = -(-vocab // chunk)
+    if n == 1:
+        rec.dispatch(single, [logits, out], RowLsePush(rows, vocab, vocab, vocab), single.groups_for(rows))
+        return 1
+    push = RowLsePush(rows, vocab, vocab, chunk)
+    rec.dispatch(first, [logits, c_max, c_sum], push, first.groups_for(rows * n))
+    rec.dispatch(merge, [c_max, out, c_sum], RowLsePush(rows, n, n, n), merge.groups_for(rows))
     return 2
 
 
@@ -108,6 +124,7 @@ def main() -> int:
     dev = Device(args.device)
     kernels = (Kernel(dev, "topk_f32"), Kernel(dev, "topk_merge_f32"))
     argmax = tuple(Kernel(dev, f"argmax{v}_f32") for v in ("", "_chunks", "_merge"))
+    lse = tuple(Kernel(dev, f"row_lse{v}_f32") for v in ("", "_chunks", "_merge"))
     rows_list = [int(r) for r in args.rows.split(",")]
     vocab, big = args.vocab, max(rows_list)
     chunk_counts = [int(c) for c in f"{args.chunks},{args.argmax_chunks}".split(",")]
@@ -132,6 +149,12 @@ def main() -> int:
             if not np.array_equal(got, np.argmax(host[:rows], axis=1)):
                 raise SystemExit(f"argmax chunks {chunks}, rows {rows}: ids differ from numpy's")
             line[f"argmax_us_chunks{chunks}"] = us
+        bufs_l = [logits, out, c_ids, c_vals]
+        line["lse_us"] = time_tail(dev, record_lse, lse, bufs_l, rows, vocab, ARGMAX_CHUNKS, args.reps)
+        x = host[:rows].astype(np.float64)
+        want = x.max(axis=1) + np.log(np.exp(x - x.max(axis=1, keepdims=True)).sum(axis=1))
+        if not np.allclose(out.array(np.float32)[:rows], want, rtol=1e-5):
+            raise SystemExit(f"lse, rows {rows}: values differ from numpy's")
         for chunks in map(int, args.chunks.split(",")):
             check(dev, kernels, bufs, host[:rows], chunks)
             line[f"topk_us_chunks{chunks}"] = time_tail(
@@ -144,7 +167,7 @@ def main() -> int:
     for b in (*bufs, out):
         b.arena.close()
     up.close()
-    for k in (*kernels, *argmax):
+    for k in (*kernels, *argmax, *lse):
         k.close()
     dev.close()
     return 0
