@@ -293,6 +293,8 @@ SHAPES = {
         max_size=2,
     ),  # fmt: skip
     "format": st.sampled_from(["json", "", "yaml", {"type": "object"}, {"type": 5}]),
+    "logprobs": st.booleans(),
+    "top_logprobs": st.integers(-1, 21),
 }
 
 

@@ -202,6 +202,8 @@ SHAPES = {
         st.fixed_dictionaries({"type": st.just("function"), "name": st.text(max_size=4)}), max_size=2
     ),
     "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function"}]),
+    "top_logprobs": st.integers(-1, 21),
+    "include": st.lists(st.sampled_from(["message.output_text.logprobs", "reasoning.encrypted_content", 5])),
 }
 
 
