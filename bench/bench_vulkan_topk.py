@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """The tails of a step: the on-device top-k of its logits rows (shaders/topk.comp, what a sampled step runs
 before sample_topk.comp), each row's log-sum-exp (shaders/row_lse.comp, which the top-k tail records after
-it, for logprobs) and the greedy argmax (shaders/argmax.comp): GPU time against their first stage's chunk
-count (the log-sum-exp at the backend's chunks, argmax's; its values checked against numpy's).
+it, for logprobs), each row's logit of one given token (shaders/row_gather.comp, recorded beside it, for
+prompt logprobs) and the greedy argmax (shaders/argmax.comp): GPU time against their first stage's chunk
+count (the log-sum-exp at the backend's chunks, argmax's; its values and the gather's checked against
+numpy's).
 
 For each row count (``--rows``) and first-stage chunk count a row (``--chunks``, ``--argmax-chunks``; 1: one
 stage, one workgroup a row, the kernels before issue 17's seventh session), ``--reps`` top-ks (or argmaxes)
@@ -27,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 from hmad.backends.vulkan.device import Device  # noqa: E402
 from hmad.backends.vulkan.memory import Uploader, create_buffer  # noqa: E402
 from hmad.backends.vulkan.pipelines import Kernel  # noqa: E402
-from hmad.backends.vulkan.push import ArgmaxPush, RowLsePush, TopkPush  # noqa: E402
+from hmad.backends.vulkan.push import ArgmaxPush, RowGatherPush, RowLsePush, TopkPush  # noqa: E402
 from hmad.backends.vulkan.recorder import CommandRecorder  # noqa: E402
 from hmad.backends.vulkan.shapes import ARGMAX_CHUNKS, topk_chunk  # noqa: E402
 
@@ -83,6 +85,15 @@ def record_lse(rec, kernels, bufs, rows: int, vocab: int, chunks: int) -> int:
     return 2
 
 
+def record_gather(rec, kernels, bufs, rows: int, vocab: int, chunks: int) -> int:
+    """Record one target gather of (rows, vocab) as the backend does (``Readback._record_gather``; its
+    targets at word 0 of ``meta``)."""
+    (k,) = kernels
+    meta, logits, out = bufs
+    rec.dispatch(k, [meta, logits, out], RowGatherPush(rows, vocab, vocab, 0), k.groups_for(rows))
+    return 1
+
+
 def time_tail(dev, record_fn, kernels, bufs, rows: int, vocab: int, chunks: int, reps: int) -> float:
     """Median GPU µs of one tail (``record`` or ``record_argmax``) over ``reps`` recorded back to back."""
     rec = CommandRecorder(dev, timestamps=True, max_commands=2 * reps + 1).begin()
@@ -125,6 +136,7 @@ def main() -> int:
     kernels = (Kernel(dev, "topk_f32"), Kernel(dev, "topk_merge_f32"))
     argmax = tuple(Kernel(dev, f"argmax{v}_f32") for v in ("", "_chunks", "_merge"))
     lse = tuple(Kernel(dev, f"row_lse{v}_f32") for v in ("", "_chunks", "_merge"))
+    gather = (Kernel(dev, "row_gather_f32"),)
     rows_list = [int(r) for r in args.rows.split(",")]
     vocab, big = args.vocab, max(rows_list)
     chunk_counts = [int(c) for c in f"{args.chunks},{args.argmax_chunks}".split(",")]
@@ -134,8 +146,11 @@ def main() -> int:
     c_ids, c_vals = (create_buffer(dev, 4 * big * n_max, "device", n) for n in ("chunk ids", "chunk values"))
     out = create_buffer(dev, 4 * big, "readback", "argmax")
     host = (np.random.default_rng().standard_normal((big, vocab)) * 3).astype(np.float32)
+    targets = np.random.default_rng().integers(0, vocab, big)
+    meta = create_buffer(dev, 4 * big, "device", "targets")
     up = Uploader(dev)
     up.upload(logits, host)
+    up.upload(meta, (targets + 1).astype(np.uint32))  # the metadata's words: 1 + the id
     up.flush()
     bufs = [logits, ids, vals, c_ids, c_vals]
     res = {"device": dev.describe()["name"], "driver": dev.info.driver, "vocab": vocab, "k": K, "runs": []}
@@ -155,6 +170,11 @@ def main() -> int:
         want = x.max(axis=1) + np.log(np.exp(x - x.max(axis=1, keepdims=True)).sum(axis=1))
         if not np.allclose(out.array(np.float32)[:rows], want, rtol=1e-5):
             raise SystemExit(f"lse, rows {rows}: values differ from numpy's")
+        line["gather_us"] = time_tail(
+            dev, record_gather, gather, [meta, logits, out], rows, vocab, 1, args.reps
+        )
+        if not np.array_equal(out.array(np.float32)[:rows], host[np.arange(rows), targets[:rows]]):
+            raise SystemExit(f"gather, rows {rows}: values differ from numpy's")
         for chunks in map(int, args.chunks.split(",")):
             check(dev, kernels, bufs, host[:rows], chunks)
             line[f"topk_us_chunks{chunks}"] = time_tail(
@@ -164,10 +184,10 @@ def main() -> int:
         print("  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in line.items()))
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
-    for b in (*bufs, out):
+    for b in (*bufs, out, meta):
         b.arena.close()
     up.close()
-    for k in (*kernels, *argmax, *lse):
+    for k in (*kernels, *argmax, *lse, *gather):
         k.close()
     dev.close()
     return 0

@@ -121,6 +121,81 @@ def test_the_candidates_entry_refuses_a_row_without_a_distribution():
         L.entry_from_candidates(ids, vals, 1.5, 3, 1, str)
 
 
+def test_the_target_entry_equals_the_rows():
+    """A prompt token's entry from its row's candidates, log-sum-exp and the token's own logit (gathered
+    whether or not it is a candidate; NaN counts as -inf) equals the whole row's, alternatives too."""
+    rng = np.random.default_rng(6)
+    row = (rng.standard_normal(3000) * 4).astype(np.float32)
+    row[rng.integers(0, row.size, 5)] = -np.inf
+    row[7] = np.nan
+    ids, vals, lse = _device_candidates(row, 64)
+    outside = [int(t) for t in np.argsort(row)[:100] if t not in set(ids.tolist())]
+    masked = int(np.flatnonzero(row == -np.inf)[0])
+    for tok in (int(ids[0]), int(ids[-1]), outside[0], outside[-1], 7, masked):
+        for n in (0, 5, 20):
+            got = L.entry_from_target(ids, vals, float(lse), tok, row[tok], n, str)
+            want = L.entry(row, tok, n, str)
+            assert got["token_id"] == tok and got["text"] == want["text"]
+            if tok in (7, masked):  # NaN and -inf: -inf
+                assert got["logprob"] == want["logprob"] == -np.inf
+            else:
+                assert math.isclose(got["logprob"], want["logprob"], rel_tol=0, abs_tol=1e-5)
+            assert [a[0] for a in got["top"]] == [a[0] for a in want["top"]]
+    with pytest.raises(ValueError, match="no finite maximum"):
+        L.entry_from_target(ids, vals, float("nan"), 3, 1.0, 1, str)
+
+
+def test_prompt_entries_from_candidate_rows(tmp_path):
+    """TokenTaker.sample_candidates on a step holding two chunks' rows of a prompt-logprobs request beside
+    a decoding one: each prompt row gives the entry of the prompt token after it from its candidates,
+    log-sum-exp and gathered logit, as TokenTaker.sample gives it from the whole rows; the chunk that ends
+    the prompt draws the first token from its last row; the other request's row is its own."""
+    from tiny_gguf import make_tiny_gguf
+
+    from hmad.engine.request import Request, State
+    from hmad.engine.tokens import TokenTaker
+    from hmad.model.loader import read_model_files
+
+    tok = read_model_files(make_tiny_gguf(tmp_path / "tiny.gguf")).tokenizer
+    rng = np.random.default_rng(8)
+    prompt = [int(t) for t in rng.integers(1, 300, 7)]
+
+    def requests():
+        p = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=3, logprobs=2)
+        p.validate()
+        lp = Request(0, list(prompt), p, state=State.PREFILL)
+        q = SamplingParams(temperature=0.0, max_tokens=4)
+        q.validate()
+        dec = Request(1, [5, 6], q, state=State.DECODE, n_cached=3, output_ids=[9])
+        for r in (lp, dec):
+            r.start(tok)
+        return lp, dec
+
+    got, want = requests(), requests()
+    for chunk in ([0, 4], [4, 7]):  # positions 0-3, then 4-6 (the prompt's last: the token's row)
+        rows = (rng.standard_normal((chunk[1] - chunk[0] + 1, 300)) * 3).astype(np.float32)
+        for lp, _ in (got, want):
+            lp.n_cached, lp.step_rows = chunk[1], chunk[1] - chunk[0]
+        cands = [_device_candidates(r, 64) for r in rows]
+        ids, vals = np.stack([c[0] for c in cands]), np.stack([c[1] for c in cands])
+        lse = np.array([c[2] for c in cands], np.float32)
+        targets = np.full(len(rows), np.nan, np.float32)
+        for j, pos in enumerate(range(*chunk)):
+            if pos + 1 < len(prompt):
+                targets[j] = rows[j, prompt[pos + 1]]
+        ev_got = TokenTaker(eot=set(), context=64).sample_candidates(list(got), ids, vals, lse, targets)
+        ev_want = TokenTaker(eot=set(), context=64).sample(list(want), rows)
+        assert [(e.kind, e.request_id, e.token_ids) for e in ev_got] == [
+            (e.kind, e.request_id, e.token_ids) for e in ev_want
+        ]
+    (lp, _), (lp_want, _) = got, want
+    assert len(lp.prompt_logprobs) == len(prompt) and lp.prompt_logprobs[0] is None
+    for a, b in zip(lp.prompt_logprobs[1:], lp_want.prompt_logprobs[1:], strict=True):
+        assert a["token_id"] == b["token_id"] and math.isclose(a["logprob"], b["logprob"], abs_tol=1e-5)
+        assert [t[0] for t in a["top"]] == [t[0] for t in b["top"]] and len(a["top"]) == 3
+    assert lp.output_ids == lp_want.output_ids and len(lp.output_ids) == 1
+
+
 def test_a_row_without_a_distribution_fails_its_request_alone(tmp_path):
     """TokenTaker.sample_candidates with a non-finite log-sum-exp on one row: that request ends with an
     error naming it, the other gets its token and its logprobs entry from the candidates."""

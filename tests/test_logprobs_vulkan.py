@@ -2,7 +2,8 @@
 sampled, one alone and several in a step beside requests without logprobs) give the same tokens and the
 same logprobs within a tolerance, since the rows come from different backends; generated tokens' from the
 top-k tail's candidates and row log-sum-exps (row_lse.comp, tested alone here too), no whole row read
-back. Needs a Vulkan device."""
+back; prompt tokens' (prompt_logprobs) likewise, with each prompt token's logit gathered from the row before
+it (row_gather.comp, tested alone here too). Needs a Vulkan device."""
 
 from __future__ import annotations
 
@@ -248,3 +249,157 @@ def test_vulkan_prompt_logprobs_over_chunks_equal_numpys_and_the_whole_pass(sche
                 i,
             )
             assert all(_close(lp, ref[i - 1, t]) for t, lp, _ in e["top"])
+
+
+# -- prompt logprobs from the top-k tail: candidates, log-sum-exp and the prompt token's gathered logit ------
+
+
+@pytest.mark.parametrize("vocab", [TINY_V, 262_144])
+def test_row_gather_takes_each_rows_target(dev, kernels, gpu, vocab):
+    """row_gather.comp alone: each row's logit of its target (the metadata word 1 + id at ``targets_off``;
+    0: none) into an output poisoned with a finite value first, exactly; a row without a target, or with
+    one outside the vocabulary, gets NaN; a NaN or -inf logit comes back as it is. Rows ``stride`` apart
+    with +1e30 in the gap; more logit rows than targets given (the rest: none)."""
+    from hmad.backends.vulkan.push import RowGatherPush
+    from hmad.backends.vulkan.recorder import CommandRecorder
+
+    rng = np.random.default_rng(vocab + 1)
+    s, stride, off = 70, vocab + 3, 11  # 70 rows: more than one workgroup of 64
+    rows = (rng.standard_normal((s, vocab)) * 3).astype(np.float32)
+    padded = np.full((s, stride), 1e30, np.float32)
+    padded[:, :vocab] = rows
+    targets = rng.integers(0, vocab, s).astype(np.int64)
+    targets[[0, 5]] = vocab - 1, 0  # the row's last and first columns
+    rows[1, targets[1]] = padded[1, targets[1]] = np.nan
+    rows[2, targets[2]] = padded[2, targets[2]] = -np.inf
+    words = np.full(off + s + 4, 0xDEADBEEF, np.uint32)  # the other sections: never read
+    words[off : off + s] = targets + 1
+    words[off + 3] = 0  # no target
+    words[off + 4] = vocab + 1  # id vocab: outside
+    words[off + s - 6 : off + s] = 0  # the last rows: none given
+    b_meta, b_in = gpu.put(words), gpu.put(padded)
+    b_out = gpu.put(np.full(s, 7777.0, np.float32))
+    k = kernels("row_gather_f32")
+    rec = CommandRecorder(dev).begin()
+    rec.dispatch(k, [b_meta, b_in, b_out], RowGatherPush(s, vocab, stride, off), k.groups_for(s))
+    rec.end()
+    rec.submit()
+    rec.close()
+    got = gpu.get(b_out)[:s]
+    none = [3, 4, *range(s - 6, s)]
+    assert np.isnan(got[none]).all()
+    want = rows[np.arange(s), targets]
+    some = np.setdiff1d(np.arange(s), none)
+    assert np.array_equal(got[some], want[some], equal_nan=True)
+    assert np.isnan(got[1]) and np.isneginf(got[2])
+
+
+def test_the_topk_tail_gathers_each_rows_target_after_the_adjustments(scheds):
+    """Backend.topk_targets after Backend.topk (the candidates buffer poisoned first): each logit row's
+    logit of its ``batch.targets`` token, the step's adjustments added (one row's target is adjusted too),
+    equal to the copy tail's row plus them; -1 rows NaN; both parities, and a step without targets."""
+    from hmad.core.batch import add_bias
+
+    _, sched, _ = scheds
+    be = sched.model.backend
+    batch = _batch(sched, 7)
+    raw = sched.model.forward(batch)  # (7, V): the copy tail reads the rows as computed
+    vocab = raw.shape[1]
+    batch.targets = np.array([3, vocab - 1, -1, 0, 17, -1, 250], np.int32)
+    batch.bias = np.array([(0, 3, 2.5), (4, 9, -1.0), (6, 250, 0.75)], BIAS_DTYPE)
+    want = add_bias(raw, batch.bias)
+    be.topk(be.run(sched.model.net, batch))  # the candidates buffer exists from here on
+    for _ in range(2):
+        be.readback.topk_buf.array(np.uint32)[:] = 0x44F2_2000  # 1937.0 everywhere
+        x = be.run(sched.model.net, batch)
+        ids, vals, lse = be.topk(x)
+        got = be.topk_targets(x)
+        assert got.shape == (7,) and got.dtype == np.float32
+        has = batch.targets >= 0
+        assert np.array_equal(got[has], want[has.nonzero()[0], batch.targets[has]])
+        assert np.isnan(got[~has]).all()
+        assert np.allclose(lse, _lse64(want), rtol=LSE_TOL, atol=LSE_TOL)
+    batch.targets = None  # no targets: every row NaN (the section is zeros)
+    x = be.run(sched.model.net, batch)
+    be.topk(x)
+    assert np.isnan(be.topk_targets(x)).all()
+
+
+def _run_prompt(sched: Scheduler, prompts, params: list[SamplingParams]):
+    """Each request's (token ids, logprobs entries, prompt logprobs entries), driving ``sched``."""
+    out, reqs = {}, []
+    for ids, p in zip(prompts, params, strict=True):
+        p.validate()
+        rid = next(_ids)
+        sched.submit(Request(rid, list(ids), dataclasses.replace(p)))
+        out[rid] = ([], [], None)
+        reqs.append(rid)
+    while sched.has_work():
+        for ev in sched.step():
+            if ev.kind == "token":
+                out[ev.request_id][0].extend(ev.token_ids)
+                out[ev.request_id][1].extend(ev.logprobs or [])
+            elif ev.kind == "done":
+                out[ev.request_id] = (*out[ev.request_id][:2], ev.prompt_logprobs)
+            else:
+                raise AssertionError(f"{ev.kind}: {ev.text}")
+    return [out[r] for r in reqs]
+
+
+LONG_CFG = SchedulerConfig(max_seqs=4, step_tokens=160, max_chunk=128, kv_tokens=1024, prefix_cache=False)
+
+
+@pytest.fixture(scope="module")
+def long_scheds(scheds):
+    """Schedulers whose chunks reach PROMPT_ROWS_MAX (their own models: a scheduler sizes its KV pools)."""
+    path = scheds[2]
+    cpu = load_model(path, "cpu", numerics="f32")
+    vk = load_model(path, "vulkan")
+    yield Scheduler(cpu, LONG_CFG), Scheduler(vk, LONG_CFG)
+    vk.backend.close()
+
+
+@pytest.mark.parametrize("which", ["chunks_of_16", "chunks_of_64"])
+def test_vulkan_prompt_logprobs_take_the_topk_path_and_equal_numpys(scheds, long_scheds, which):
+    """Prompt logprobs (N 5 and 0, greedy and sampled, a logit_bias, generated logprobs too) of a 100-token
+    prompt and a 20-token one, beside two requests without logprobs in the same steps: every step takes
+    the top-k tail (no whole row read back), and the prompt entries, tokens and logprobs equal numpy's
+    within TOL; chunks of 16 rows (step_tokens 24), or of PROMPT_ROWS_MAX (64 then 36)."""
+    from hmad.engine.planning import PROMPT_ROWS_MAX
+
+    cpu, vk = (scheds[0], scheds[1]) if which == "chunks_of_16" else long_scheds
+    assert which == "chunks_of_16" or (vk.cfg.max_chunk > PROMPT_ROWS_MAX == 64)
+    rng = np.random.default_rng(11)
+    vocab = cpu.model.config.vocab_size
+    prompts = [rand_ids(rng, n, vocab) for n in (100, 20, 9, 12)]
+    bias = {int(t): 100.0 for t in rng.integers(4, vocab, 3)}  # a real distribution (the model is peaked)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=5, logprobs=3, logit_bias=bias),
+        SamplingParams(temperature=0.8, top_k=8, seed=5, max_tokens=4, prompt_logprobs=0, logit_bias=bias),
+        SamplingParams(temperature=0.0, max_tokens=6),  # none asked, in the same steps
+        SamplingParams(temperature=0.7, top_k=16, seed=2, max_tokens=6),
+    ]
+    be, taker, rows = vk.model.backend, vk.tokens.sample_candidates, []
+
+    def counted(reqs, ids, *rest):  # the most rows of the long prompt's in one step
+        rows.append(max(r.step_rows for r in reqs))
+        return taker(reqs, ids, *rest)
+
+    before = be.topk_steps, be.row_steps
+    vk.tokens.sample_candidates = counted
+    try:
+        got = _run_prompt(vk, prompts, params)
+    finally:
+        del vk.tokens.sample_candidates
+    assert be.topk_steps > before[0] and be.row_steps == before[1], "prompt logprobs read whole rows back"
+    assert max(rows) == (16 if which == "chunks_of_16" else PROMPT_ROWS_MAX)
+    want = _run_prompt(cpu, prompts, params)
+    _assert_equal([g[:2] for g in got], [w[:2] for w in want])
+    for (_, _, mine), (_, _, theirs), ids, p in zip(got, want, prompts, params, strict=True):
+        if p.prompt_logprobs is None:
+            assert mine is None and theirs is None
+            continue
+        assert len(mine) == len(theirs) == len(ids) and mine[0] is None and theirs[0] is None
+        assert [e["token_id"] for e in mine[1:]] == list(ids[1:])
+        assert all(len(e["top"]) == p.prompt_logprobs for e in mine[1:])
+        _assert_equal([(list(ids), mine[1:])], [(list(ids), theirs[1:])])

@@ -129,6 +129,12 @@ class Backend(ABC):
         ``batch.bias`` adjustments. Only where ``topk_max`` > 0."""
         raise NotImplementedError(f"{self.name} backend has no on-device top-k")
 
+    def topk_targets(self, logits: Act) -> np.ndarray:
+        """After ``topk(logits)`` (before the next step): each row's logit of its ``batch.targets`` token
+        (S_out,) float32, after the same adjustments (a prompt token's logprob is it minus the row's
+        log-sum-exp), NaN on a row with no target. Only where ``topk_max`` > 0."""
+        raise NotImplementedError(f"{self.name} backend has no on-device top-k")
+
     # -- ops ---------------------------------------------------------------------------------------------
     @abstractmethod
     def embed(self, table: Weight, tokens: Act, scale: float) -> Act:

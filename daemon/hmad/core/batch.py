@@ -37,6 +37,9 @@ class SeqSlice:
     bias: tuple[np.ndarray, np.ndarray] | None = None
     # wanting logits, every position's row rather than the last one's (a request's prompt logprobs)
     all_rows: bool = False
+    # (n,) int32 or None: with ``all_rows``, per row the token whose logit the step also gathers (the prompt
+    # token after that position; -1: none, e.g. the prompt's last row) (``StepBatch.targets``)
+    targets: np.ndarray | None = None
 
     @property
     def end_pos(self) -> int:
@@ -63,6 +66,9 @@ class StepBatch:
     # topk, launch_*), each (row, token) at most once; full rows (``run``'s logits) come back without them:
     # the host sampler adds the same deltas itself (engine/sampling.py, step 0)
     bias: np.ndarray = field(default_factory=lambda: np.zeros(0, BIAS_DTYPE))
+    # (S_out,) int32 or None: per logit row, the token whose logit (after ``bias``) a backend's ``topk``
+    # gathers too (Backend.topk_targets: a prompt token's logprob), -1 for a row with none; None: no row has
+    targets: np.ndarray | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -79,7 +85,7 @@ class StepBatch:
         each of its tokens with ``SeqSlice.all_rows``);
         ``feed``: per part, the previous step's ids row its one token comes from, or -1 (see ``feed``);
         ``sampling``: per logit row (see ``sampling``)."""
-        tokens, positions, seqs, rows, start, bias = [], [], [], [], 0, []
+        tokens, positions, seqs, rows, start, bias, targets, given = [], [], [], [], 0, [], [], False
         for s, toks, want in parts:
             s.start, s.n = start, len(toks)
             tokens.append(np.asarray(toks, dtype=np.int32))
@@ -90,6 +96,8 @@ class StepBatch:
                 if s.bias is not None and len(s.bias[0]):
                     bias.append(_bias_entries(len(rows), *s.bias))
                 rows.append(start + s.n - 1)
+                targets.append(_targets(s))
+                given = given or s.targets is not None
             seqs.append(s)
             start += s.n
         fed = None
@@ -108,6 +116,7 @@ class StepBatch:
             feed=fed,
             sampling=sampling,
             bias=np.concatenate(bias) if bias else np.zeros(0, BIAS_DTYPE),
+            targets=np.concatenate(targets) if given else None,
         )
 
 
@@ -119,6 +128,15 @@ def add_bias(logits: np.ndarray, bias: np.ndarray) -> np.ndarray:
     out = np.array(logits, dtype=np.float32, copy=True)
     out[bias["row"], bias["token"]] += bias["delta"]
     return out
+
+
+def _targets(s: SeqSlice) -> np.ndarray:
+    """The targets of ``s``'s logit rows (all its rows with ``all_rows``, else its last): -1 where none."""
+    n = s.n if s.all_rows else 1
+    if s.targets is None:
+        return np.full(n, -1, np.int32)
+    assert s.all_rows and len(s.targets) == n, "targets: one a row of an all_rows slice"
+    return np.asarray(s.targets, np.int32)
 
 
 def _bias_entries(row: int, ids: np.ndarray, deltas: np.ndarray) -> np.ndarray:

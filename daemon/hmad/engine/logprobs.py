@@ -13,11 +13,13 @@ float64: within ~1e-6 of a float64 log-softmax, for less than its cost on a 262k
 -inf (as the sampler counts it); tokens at -inf (a grammar's mask) have logprob -inf and are never
 alternatives.
 
-Where they are computed: from the row itself on the host (:func:`entry`: prompt logprobs, and the tokens
-of a request that needs its row: a grammar, a repetition penalty, a backend without an on-device top-k), or
+Where they are computed: from the row itself on the host (:func:`entry`: the tokens and prompt tokens of
+a request that needs its rows: a grammar, a repetition penalty, a backend without an on-device top-k), or
 from the device's top-k candidates and the row's log-sum-exp, which the device reduces after adding the
 step's adjustments (:func:`entry_from_candidates`; backends/base.py ``topk``, shaders/row_lse.comp, float32:
-within ~1e-5 relative of this module's); engine/planning.py, ``needs_row``, says which.
+within ~1e-5 relative of this module's); a prompt token, seldom among its row's candidates, by its logit
+which the device gathers from the row too (:func:`entry_from_target`; backends/base.py ``topk_targets``,
+shaders/row_gather.comp). engine/planning.py, ``needs_row``, says which.
 
 The wire form of one token (docs/protocol.md, "Logprobs"): ``{"token_id", "text", "logprob", "top"}``,
 ``top`` the ``n`` most likely tokens of the row as ``[id, logprob, text]``, most likely first, equal
@@ -82,15 +84,26 @@ def entry_from_candidates(
     """:func:`entry` from a row's best values ``vals`` of tokens ``ids`` (M,) (at least ``n`` of them, and
     ``tok`` among them) and the whole row's log-sum-exp ``lse``, as the device gives them. Raises
     ValueError when ``lse`` is not finite (no finite maximum) or ``tok`` is not a candidate."""
-    if not np.isfinite(lse):
-        raise ValueError(f"logits row has no finite maximum (its log-sum-exp is {lse})")
     x, ids = _values(vals), np.asarray(ids, dtype=np.int64)
     at = np.flatnonzero(ids == tok)
     if not at.size:
         raise ValueError(f"token {tok} is not among the row's {ids.size} candidates")
+    return entry_from_target(ids, vals, lse, tok, float(x[at[0]]), n, text)
+
+
+def entry_from_target(
+    ids: np.ndarray, vals: np.ndarray, lse: float, tok: int, value: float, n: int, text: Callable[[int], str]
+) -> dict:
+    """:func:`entry` of token ``tok`` whose logit in the row is ``value`` (a prompt token's, gathered on the
+    device whether or not it is a candidate; NaN counts as -inf), its alternatives the row's best ``vals``
+    of tokens ``ids`` (M,) (at least ``n``) and the whole row's log-sum-exp ``lse``. Raises ValueError when
+    ``lse`` is not finite (no finite maximum)."""
+    if not np.isfinite(lse):
+        raise ValueError(f"logits row has no finite maximum (its log-sum-exp is {lse})")
+    x, ids = _values(vals), np.asarray(ids, dtype=np.int64)
     order = np.lexsort((ids, -x))  # the row's order: largest first, equal values by lower id
     alts = [(int(ids[j]), float(x[j]) - lse) for j in order[: max(n, 0)] if np.isfinite(x[j])]
-    return _wire(tok, float(x[at[0]]) - lse, alts, text)
+    return _wire(tok, float(_values(np.float32(value))) - lse, alts, text)
 
 
 def _wire(tok: int, logprob: float, alts: list[tuple[int, float]], text: Callable[[int], str]) -> dict:

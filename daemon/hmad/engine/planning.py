@@ -9,10 +9,13 @@ input fed on the device, except those that token ends by length.
 Where the tokens are picked (engine/scheduler.py, "Which tokens the device picks"): by the device's argmax
 when every request of the step is greedy without logprobs (``greedy_ok``); from the device's top-k
 candidates when every request needs at most ``topk_max`` of them (``candidates_needed``); else from full
-logits rows on the host, as for every step holding a request that ``needs_row``: a grammar, prompt
-logprobs, or logprobs the candidates cannot give. A request's logprobs come from its candidates and its
-row's log-sum-exp, both reduced on the device (engine/logprobs.py), when it has no repetition penalty (the
-device's sum is of the row before it) and wants at most ``topk_max`` candidates, its alternatives too.
+logits rows on the host, as for every step holding a request that ``needs_row``: a grammar, or logprobs the
+candidates cannot give. A request's logprobs come from its candidates and its row's log-sum-exp, both
+reduced on the device (engine/logprobs.py), when it has no repetition penalty (the device's sum is of the
+row before it) and wants at most ``topk_max`` candidates, its alternatives too. So do its prompt's
+(``prompt_logprobs``, every row of its prefill chunks: ``prompt_rows``), each prompt token's logit gathered
+on the device from the row before it too (``SeqSlice.targets``: ``prompt_targets``), since it is seldom
+among the candidates.
 
 A request's additive adjustments (logit_bias, presence and frequency penalties: engine/sampling.py, step 0)
 ride on its part's slice (``SeqSlice.bias``) into the step, where the device adds them before its argmax
@@ -30,8 +33,10 @@ from hmad.engine.kvcache import KVCacheManager
 from hmad.engine.request import Request, State
 
 Part = tuple[Request, SeqSlice, list[int], bool]  # request, its slice, its input ids, wants logits
-# Prompt tokens a step prefills of a request with prompt logprobs, each position's whole row read back:
-# 64 rows of Gemma 3's 262,144 logits are 64 MiB a step (docs/protocol.md, "Logprobs").
+# Prompt tokens a step prefills of a request with prompt logprobs, each position's row wanted: on the
+# device's top-k path a row of candidates each, but whole rows where a step reads them (a backend without
+# top-k, a grammar or repetition penalty in the step): 64 rows of Gemma 3's 262,144 logits are 64 MiB a step
+# (docs/protocol.md, "Logprobs").
 PROMPT_ROWS_MAX = 64
 
 
@@ -44,12 +49,12 @@ def greedy_ok(r: Request) -> bool:
 
 
 def needs_row(r: Request, topk_max: int = 0) -> bool:
-    """Whether ``r``'s token needs its whole logits row on the host: a grammar masks it, its prompt's
-    logprobs are read (``prompt_rows``), or it has logprobs that a backend's ``topk_max`` candidates and
-    the row's log-sum-exp cannot give (``candidates_needed``; engine/logprobs.py)."""
-    if r.constraint is not None or prompt_rows(r):
+    """Whether ``r``'s rows must come whole to the host: a grammar masks them, or it wants logprobs (of its
+    tokens, or of its prompt's while it prefills: ``prompt_rows``) that a backend's ``topk_max`` candidates,
+    the row's log-sum-exp and its target's logit cannot give (``candidates_needed``; engine/logprobs.py)."""
+    if r.constraint is not None:
         return True
-    if r.params.logprobs is None:
+    if r.params.logprobs is None and not prompt_rows(r):
         return False
     n = candidates_needed(r)
     return n is None or n > topk_max
@@ -57,18 +62,29 @@ def needs_row(r: Request, topk_max: int = 0) -> bool:
 
 def candidates_needed(r: Request) -> int | None:
     """How many of its row's best logits ``r``'s token needs (its sampler's count: engine/sampling.py,
-    "Candidates"), its logprobs' alternatives too; None: the whole row (top-k off, a penalty < 1, or
-    logprobs with a repetition penalty, which the device's log-sum-exp is not of)."""
+    "Candidates"), its logprobs' alternatives too, and its prompt's while it prefills (``prompt_rows``);
+    None: the whole row (top-k off, a penalty < 1, or logprobs with a repetition penalty, which the
+    device's log-sum-exp is not of)."""
     p = r.params
     n = r.sampler.candidates_needed(r.prompt_ids + r.output_ids)
-    if p.logprobs is None or n is None:
+    counts = [c for c in (p.logprobs, p.prompt_logprobs if prompt_rows(r) else None) if c is not None]
+    if not counts or n is None:
         return n
-    return None if p.repetition_penalty != 1.0 else max(n, p.logprobs, 1)
+    return None if p.repetition_penalty != 1.0 else max(n, *counts, 1)
 
 
 def prompt_rows(r: Request) -> bool:
     """Whether ``r``'s prefill reads every position's row (its prompt logprobs), not only the last one's."""
     return r.params.prompt_logprobs is not None and r.state is State.PREFILL
+
+
+def prompt_targets(r: Request, pos0: int, n: int) -> np.ndarray:
+    """The prompt token each of ``r``'s rows at positions ``pos0 .. pos0 + n - 1`` predicts (row ``pos``:
+    ``prompt_ids[pos + 1]``, its prompt logprob's token: TokenTaker.prompt_entries), -1 past the prompt's
+    last (its row draws the first generated token) (n,) int32."""
+    pos = np.arange(pos0 + 1, pos0 + n + 1)
+    ids = np.asarray(r.prompt_ids, np.int32)
+    return np.where(pos < len(ids), ids[np.minimum(pos, len(ids) - 1)], -1).astype(np.int32)
 
 
 def device_sampling(wanting: list[Request], fed: dict[int, int]) -> np.ndarray:
@@ -114,6 +130,8 @@ class StepPlanner:
             if done_prompt and r.params.adjusts:
                 s.bias = r.sampler.adjustments(r.output_ids)
             s.all_rows = r.id not in fed and prompt_rows(r)
+            if s.all_rows:
+                s.targets = prompt_targets(r, r.n_cached, len(toks))
             r.step_rows = len(toks) if s.all_rows else 1  # its logit rows (TokenTaker.sample)
             parts.append((r, s, toks, done_prompt or s.all_rows))
             budget -= len(toks)

@@ -250,7 +250,7 @@ class Scheduler:
         if self.planner.topk_on_device(wanting):
             return self.tokens.sample_candidates(
                 wanting, *self._forward(self.model.forward_topk, batch)
-            )  # (S_out, M) ids and values, (S_out,) log-sum-exps
+            )  # (S_out, M) ids and values, (S_out,) log-sum-exps and targets' logits (prompt logprobs)
         return self.tokens.sample(wanting, self._forward(self.model.forward, batch))  # logits (S_out, V)
 
     def _forward(self, fn, batch: StepBatch):

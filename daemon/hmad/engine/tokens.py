@@ -17,8 +17,10 @@ Logprobs: the logprobs of a request's token are of the row the sampler drew from
 the row itself (``_sample_one``), or from the device's candidates and the row's log-sum-exp
 (``sample_candidates``; engine/planning.py, ``needs_row``, says which); they ride on the token event that
 carries the token's id (``with_logprobs``). A request with ``prompt_logprobs`` gets every row of its
-prefill chunks (``sample``: ``Request.step_rows`` rows each): each row but the token's gives the logprob of
-the prompt token after it, gathered on ``Request.prompt_logprobs`` for its ``done``.
+prefill chunks (``Request.step_rows`` rows each, in either form): each row but the token's gives the logprob
+of the prompt token after it (``prompt_entries``; from the device's candidates, the row's log-sum-exp and
+its logit of that token, gathered on the device: ``StepBatch.targets``), collected on
+``Request.prompt_logprobs`` for its ``done``.
 
 Structured output: a request with a grammar (``Request.constraint``) needs its whole logits row, so a step
 holding one reads the full rows back (``model.forward``) rather than the on-device argmax or top-k. Its
@@ -77,6 +79,12 @@ def with_logprobs(events: list[Event], entry: dict) -> list[Event]:
     return events
 
 
+def draws(r: Request) -> bool:
+    """Whether ``r`` takes a token from its last row of this step: its prompt is cached (the step's
+    ``n_cached``), not a prefill chunk of its prompt logprobs' before the last."""
+    return r.n_cached >= len(r.prompt_ids)
+
+
 class TokenTaker:
     """Turns a step's output into each request's token and events (module docstring)."""
 
@@ -100,13 +108,20 @@ class TokenTaker:
     def _take_rows(self, r: Request, rows: np.ndarray) -> list[Event]:
         """``r``'s rows of a step: prompt logprobs for each row that predicts a prompt token, then its
         token from the row of the prompt's last position (when this step computed it)."""
-        n_prompt, first = len(r.prompt_ids), r.n_cached - len(rows)  # the rows' first position
-        if r.prompt_logprobs is not None and first < n_prompt - 1:
-            for pos in range(first, min(r.n_cached, n_prompt - 1)):
-                tok = r.prompt_ids[pos + 1]
-                row = rows[pos - first]
-                r.prompt_logprobs.append(logprobs.entry(row, tok, r.params.prompt_logprobs, r.token_text))
-        return self._sample_one(r, rows[-1]) if r.n_cached >= n_prompt else []
+        n = r.params.prompt_logprobs
+        self.prompt_entries(r, len(rows), lambda j, tok: logprobs.entry(rows[j], tok, n, r.token_text))
+        return self._sample_one(r, rows[-1]) if draws(r) else []
+
+    @staticmethod
+    def prompt_entries(r: Request, n_rows: int, entry_of: Callable[[int, int], dict]) -> None:
+        """``r``'s prompt logprobs from its ``n_rows`` rows of a step (they end at position ``r.n_cached``
+        - 1): row ``j``, at position ``pos``, gives ``entry_of(j, prompt_ids[pos + 1])`` (the prompt's last
+        position predicts no prompt token; planning.prompt_targets names the same tokens)."""
+        n_prompt, first = len(r.prompt_ids), r.n_cached - n_rows  # the rows' first position
+        if r.prompt_logprobs is None or first >= n_prompt - 1:
+            return
+        for pos in range(first, min(r.n_cached, n_prompt - 1)):
+            r.prompt_logprobs.append(entry_of(pos - first, r.prompt_ids[pos + 1]))
 
     def _sample_one(self, r: Request, row: np.ndarray) -> list[Event]:
         if r.constraint is not None:  # structured output: the tokens its grammar forbids go to -inf
@@ -120,16 +135,47 @@ class TokenTaker:
         return with_logprobs(self.take(r, tok), logprobs.entry(row, tok, r.params.logprobs, r.token_text))
 
     def sample_candidates(
-        self, reqs: list[Request], ids: np.ndarray, vals: np.ndarray, lse: np.ndarray
+        self,
+        reqs: list[Request],
+        ids: np.ndarray,
+        vals: np.ndarray,
+        lse: np.ndarray,
+        targets: np.ndarray | None = None,
     ) -> list[Event]:
-        """The host's draw from each request's on-device candidates (S_out, M), its logprobs from them and
-        its row's log-sum-exp (S_out,) where it asked for them."""
+        """From each request's ``r.step_rows`` rows of on-device candidates (S_out, M), in order: its prompt
+        logprobs (``prompt_entries``) from them, the rows' log-sum-exps (S_out,) and their ``targets``'
+        logits (S_out,), then the host's draw from its last row's candidates, with its logprobs, when its
+        prompt is cached by this step."""
+        spans = np.cumsum([0] + [r.step_rows for r in reqs])
+        if spans[-1] != len(ids):
+            raise ValueError(f"{len(ids)} candidate rows for {spans[-1]} wanted")
+        drawing = [(r, b - 1) for r, b in zip(reqs, spans[1:], strict=True) if draws(r)]
+        last = [j for _, j in drawing]
+        drawn = dict(
+            zip(last, self.drawn_together([r for r, _ in drawing], ids[last], vals[last]), strict=True)
+        )
         events = []
-        for r, i, v, e, tok in zip(reqs, ids, vals, lse, self.drawn_together(reqs, ids, vals), strict=True):
+        for r, a, b in zip(reqs, spans[:-1], spans[1:], strict=True):
+            rows = (ids[a:b], vals[a:b], lse[a:b], None if targets is None else targets[a:b])
             events += self.guarded(
-                r, lambda r=r, i=i, v=v, e=e, tok=tok: self._take_candidate(r, i, v, e, tok)
+                r, lambda r=r, rows=rows, b=b: self._take_candidates(r, *rows, drawn.get(b - 1))
             )
         return events
+
+    def _take_candidates(
+        self, r: Request, ids: np.ndarray, vals: np.ndarray, lse: np.ndarray, targets, tok: int | None
+    ) -> list[Event]:
+        """``r``'s rows of candidates of a step: its prompt logprobs, then its token from the last row
+        (``tok``: drawn already) when this step cached its prompt."""
+        n = r.params.prompt_logprobs
+        self.prompt_entries(
+            r,
+            len(ids),
+            lambda j, t: logprobs.entry_from_target(
+                ids[j], vals[j], float(lse[j]), t, targets[j], n, r.token_text
+            ),
+        )
+        return self._take_candidate(r, ids[-1], vals[-1], lse[-1], tok) if draws(r) else []
 
     def _take_candidate(
         self, r: Request, ids: np.ndarray, vals: np.ndarray, lse: np.float32, tok: int | None

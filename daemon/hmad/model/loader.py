@@ -68,11 +68,12 @@ class Model:
         ``sample_on_device``)."""
         return self.backend.launch_sampled(self.backend.run(self.net, batch))
 
-    def forward_topk(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(ids, values) of the best ``backend.topk_max`` logits of each of ``batch.logit_rows`` and each
-        row's log-sum-exp, reduced on the device (only those come back: ``Backend.topk``); backends with
-        ``topk_max`` > 0."""
-        return self.backend.topk(self.backend.run(self.net, batch))
+    def forward_topk(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, values) of the best ``backend.topk_max`` logits of each of ``batch.logit_rows``, each
+        row's log-sum-exp and its logit of its ``batch.targets`` token (NaN: none), reduced on the device
+        (only those come back: ``Backend.topk``, ``topk_targets``); backends with ``topk_max`` > 0."""
+        x = self.backend.run(self.net, batch)
+        return (*self.backend.topk(x), self.backend.topk_targets(x))
 
 
 def resolve_model_path(spec: str | Path) -> Path:

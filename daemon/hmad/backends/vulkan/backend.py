@@ -326,14 +326,19 @@ class VulkanBackend(Backend):
         return self.collect(self.launch_greedy(x))
 
     def topk(self, x) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Run the step with topk.comp and row_lse.comp on the GPU; read back the best TOPK_CANDIDATES
-        (id, value) pairs of each logits row and its log-sum-exp (8 bytes a candidate and 4 a row, not the
-        row's V floats)."""
+        """Run the step with topk.comp, row_lse.comp and row_gather.comp on the GPU; read back the best
+        TOPK_CANDIDATES (id, value) pairs of each logits row and its log-sum-exp (8 bytes a candidate and 4
+        a row, not the row's V floats); its target's logit waits in the buffer for ``topk_targets``."""
         _check_bias(x)
         self.submit.run_alone(x, self.readback.topk_tail(x.graph, self.submit.parity))
         self.topk_steps += 1
         ids, vals = self.readback.candidates(self.readback.topk_buf, x.graph, x.n_out)
         return ids, vals, self.readback.lse(x.graph, x.n_out)
+
+    def topk_targets(self, x) -> np.ndarray:
+        """Step ``x``'s targets' logits (S_out,) float32, NaN where a row has none: what its ``topk`` tail
+        gathered (row_gather.comp, 4 bytes a row); read before the next top-k step."""
+        return self.readback.targets(x.graph, x.n_out)
 
     # -- ops: append dispatches (ops_norm, ops_matmul, ops_attention); the fused ones fall back to the
     # compositions of backends/base.py where their kernels cannot take the shapes ---------------------------

@@ -181,6 +181,12 @@ class RowLsePush(ctypes.Structure):
     _fields_ = [(n, u32) for n in ("n_rows", "n_cols", "row_stride", "chunk")]
 
 
+class RowGatherPush(ctypes.Structure):
+    """shaders/row_gather.comp"""
+
+    _fields_ = [(n, u32) for n in ("n_rows", "n_cols", "row_stride", "targets_off")]
+
+
 class CoopMatPeakPush(ctypes.Structure):
     """shaders/coopmat_peak.comp (bench_vulkan_coopmat_peak.py): built for the (NA, NB) fragment counts of
     VARIANTS (kernels ``coopmat_peak_a<NA>x<NB>``: NA NB accumulators a subgroup), ROUNDS x NA x NB products

@@ -48,6 +48,7 @@ SOURCES: dict[str, tuple[type[ctypes.Structure], int]] = {
     "argmax.comp": (p.ArgmaxPush, 256),
     "topk.comp": (p.TopkPush, 256),
     "row_lse.comp": (p.RowLsePush, 256),
+    "row_gather.comp": (p.RowGatherPush, 64),
     "feed_tokens.comp": (p.FeedPush, 64),
     "logit_bias.comp": (p.LogitBiasPush, 64),
     "sample_topk.comp": (p.SampleTopkPush, 128),  # block >= topk's candidates

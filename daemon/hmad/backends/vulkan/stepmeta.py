@@ -16,6 +16,8 @@ S = max_seqs)::
     info_global +2S               per sequence: (table start, table entries)      attention_split (info_off)
     info_local  +2S               per sequence: (ring start, ring entries R)      attention_split (info_off)
     logit_rows  +S                rows whose logits the step returns (argmax/gather)
+    targets     +S                per logit row: 1 + the token whose logit the top-k tail gathers (a
+                                  prompt token, batch.StepBatch.targets; 0: none)  row_gather.comp
     tiled       +T                1 where row t is in a tile (its attention is attention_prefill's)
     tiles       +3 max_tiles      per tile: (sequence, first row, rows <= TILE_ROWS)   attention_prefill
     feed        +T                1 + the row of the previous step's ids whose token row t takes (0: the
@@ -105,8 +107,12 @@ class StepMetaLayout:
         return self.info_local + 2 * self.max_seqs
 
     @cached_property
-    def tiled(self) -> int:
+    def targets(self) -> int:
         return self.logit_rows + self.max_seqs
+
+    @cached_property
+    def tiled(self) -> int:
+        return self.targets + self.max_seqs
 
     @cached_property
     def tiles(self) -> int:
@@ -160,6 +166,9 @@ class StepMetaLayout:
             ):
                 at = self._pack_table(m, batch.block_size, q, table, info + 2 * i, slots, at)
         m[self.logit_rows : self.logit_rows + len(batch.logit_rows)] = batch.logit_rows
+        if batch.targets is not None:
+            assert len(batch.targets) == len(batch.logit_rows), "one target (or -1) a logit row"
+            m[self.targets : self.targets + len(batch.targets)] = batch.targets + 1
         self._pack_tiles(batch, m)
         if batch.feed is not None:
             rows = np.flatnonzero(batch.feed >= 0)

@@ -6,10 +6,12 @@ the batch has ``feed`` rows) runs feed_tokens.comp, which writes into the tokens
 before it (the other parity) computed. A tail reads the logits back in one of four forms: the argmax into
 the parity's id buffer (argmax.comp; one per parity, made with the recording), the logit rows copied into a
 host-visible buffer, the top-k candidates (topk.comp) with each row's log-sum-exp (row_lse.comp: a
-token's logprob is its candidate value minus it), or each row's token drawn on the device from its top-k
-(sample_topk.comp, with the row's sampling and uniform from the metadata's ``sample`` section) into the
-parity's ids, its candidates readable too. Rows longer than a chunk take two stages, the first stage's
-candidates in a device-local buffer of the graph that its tails share (steps run one after another).
+token's logprob is its candidate value minus it) and its logit of one given token (row_gather.comp: the
+metadata's ``targets``, a prompt token whose logprob is asked for), or each row's token drawn on the device
+from its top-k (sample_topk.comp, with the row's sampling and uniform from the metadata's ``sample``
+section) into the parity's ids, its candidates readable too. Rows longer than a chunk take two stages, the
+first stage's candidates in a device-local buffer of the graph that its tails share (steps run one after
+another).
 The argmax, top-k and sample tails first add the step's logit adjustments (bias.py) to the rows, so each is
 recorded per parity (the parity's adjustments buffer); the copy tail reads the rows as computed.
 :class:`Readback` holds the host-visible buffers the last three write, and re-records a graph's tail when
@@ -25,7 +27,14 @@ from hmad.backends.vulkan.activations import Act, rows
 from hmad.backends.vulkan.context import RecordContext
 from hmad.backends.vulkan.graph import Graph
 from hmad.backends.vulkan.memory import BufferView, create_buffer
-from hmad.backends.vulkan.push import ArgmaxPush, FeedPush, RowLsePush, SampleTopkPush, TopkPush
+from hmad.backends.vulkan.push import (
+    ArgmaxPush,
+    FeedPush,
+    RowGatherPush,
+    RowLsePush,
+    SampleTopkPush,
+    TopkPush,
+)
 from hmad.backends.vulkan.recorder import CommandRecorder
 from hmad.backends.vulkan.shapes import ARGMAX_CHUNKS, topk_chunk, topk_chunks
 
@@ -102,7 +111,8 @@ class Readback:
     def __init__(self, ctx: RecordContext):
         self.ctx = ctx
         self.readback: BufferView | None = None
-        # mapped: ids (rows, k) uint32, then values (rows, k) float32, then each row's lse (rows,) (_layout)
+        # mapped: ids (rows, k) uint32, values (rows, k) float32, each row's lse (rows,), its target's logit
+        # (rows,) (_layout)
         self.topk_buf: BufferView | None = None
         self.cands: list[BufferView | None] = [None, None]  # ids, values, per parity, for the sample tails
 
@@ -132,22 +142,24 @@ class Readback:
             current.arena.close()
         return create_buffer(self.ctx.dev, need, "readback", label)
 
-    def _layout(self, n_rows: int, vocab: int) -> tuple[int, int, int]:
-        """(k, byte offset of the values, byte offset of the log-sum-exps) in a candidates buffer: ids
-        (rows, k) first, then values (rows, k), then (the top-k tail's) lse (rows,), each aligned."""
+    def _layout(self, n_rows: int, vocab: int) -> tuple[int, int, int, int]:
+        """(k, byte offsets of the values, of the log-sum-exps, of the targets' logits) in a candidates
+        buffer: ids (rows, k) first, then values (rows, k), then (the top-k tail's) lse (rows,) and target
+        logits (rows,), each aligned."""
         k = min(TOPK_CANDIDATES, vocab)
         half = self._aligned(4 * n_rows * k)
-        return k, half, half + self._aligned(4 * n_rows * k)
+        at = half + self._aligned(4 * n_rows * k)
+        return k, half, at, at + self._aligned(4 * n_rows)
 
     def _aligned(self, nbytes: int) -> int:
         return -(-nbytes // self.ctx.align) * self.ctx.align
 
     def topk_tail(self, graph: Graph, parity: int) -> CommandRecorder:
-        """The top-k tail of ``graph`` on ``parity``, each row's log-sum-exp too (re-made when the candidates
-        buffer grew)."""
+        """The top-k tail of ``graph`` on ``parity``, each row's log-sum-exp and target's logit too (re-made
+        when the candidates buffer grew)."""
         n_rows, vocab = graph.logits.shape
-        _, _, at = self._layout(n_rows, vocab)
-        self.topk_buf = self._buffer(self.topk_buf, at + 4 * n_rows, "top-k candidates")
+        *_, end = self._layout(n_rows, vocab)
+        self.topk_buf = self._buffer(self.topk_buf, end + 4 * n_rows, "top-k candidates")
         tail, into = graph.topk_tails.get(parity, (None, None))
         if into is not self.topk_buf:
             if tail is not None:
@@ -162,13 +174,13 @@ class Readback:
         self, tail: CommandRecorder, graph: Graph, into: BufferView, parity: int, lse: bool = False
     ) -> tuple[BufferView, BufferView]:
         """Append, after a barrier, ``parity``'s logit adjustments (bias.py) then topk.comp over ``graph``'s
-        logits writing the candidates buffer ``into`` (``_layout``), with ``lse`` row_lse.comp too (the
-        rows' log-sum-exps after the adjustments); returns the (ids, values) views. A row longer than
-        ``topk_chunk()`` takes two stages (the shader's header): its chunks' best into the graph's
-        ``topk_chunks``, then their best."""
+        logits writing the candidates buffer ``into`` (``_layout``), with ``lse`` row_lse.comp and
+        row_gather.comp too (the rows' log-sum-exps and targets' logits after the adjustments); returns the
+        (ids, values) views. A row longer than ``topk_chunk()`` takes two stages (the shader's header): its
+        chunks' best into the graph's ``topk_chunks``, then their best."""
         ctx = self.ctx
         n_rows, vocab = graph.logits.shape
-        k, half, at = self._layout(n_rows, vocab)
+        k, half, at, gat = self._layout(n_rows, vocab)
         ids = rows(into, 0, 1, 4 * n_rows * k)
         vals = BufferView(into.arena, into.offset + half, 4 * n_rows * k, name="top-k values")
         first, merge = ctx.kernel("topk_f32"), ctx.kernel("topk_merge_f32")
@@ -179,6 +191,9 @@ class Readback:
         if lse:
             self._record_lse(
                 tail, graph, BufferView(into.arena, into.offset + at, 4 * n_rows, name="top-k lse")
+            )
+            self._record_gather(
+                tail, graph, BufferView(into.arena, into.offset + gat, 4 * n_rows, name="top-k targets")
             )
         if chunks == 1:
             push = TopkPush(n_rows, vocab, vocab, k, vocab)
@@ -217,11 +232,20 @@ class Readback:
         push = RowLsePush(n_rows, n, n, n)
         tail.dispatch(merge, [c_max, out, c_sum], push, merge.groups_for(n_rows))
 
+    def _record_gather(self, tail: CommandRecorder, graph: Graph, out: BufferView) -> None:
+        """Append row_gather.comp: each of ``graph``'s logit rows' (adjusted already) logit of its target
+        token (the metadata's ``targets`` section) into ``out`` (rows,), NaN where it has none."""
+        n_rows, vocab = graph.logits.shape
+        assert n_rows <= graph.layout.max_seqs, "the targets section holds a word a logit row"
+        k = self.ctx.kernel("row_gather_f32")
+        push = RowGatherPush(n_rows, vocab, vocab, graph.layout.targets)
+        tail.dispatch(k, [self.ctx.meta_gpu, graph.logits.view, out], push, k.groups_for(n_rows))
+
     def sample_tail(self, graph: Graph, parity: int) -> CommandRecorder:
         """``graph``'s sample tail on ``parity`` (re-made when that parity's candidates buffer grew)."""
         ctx = self.ctx
         n_rows, vocab = graph.logits.shape
-        k, half, _ = self._layout(n_rows, vocab)
+        k, half, *_ = self._layout(n_rows, vocab)
         buf = self.cands[parity] = self._buffer(
             self.cands[parity], half + 4 * n_rows * k, f"sampled candidates {parity}"
         )
@@ -244,7 +268,7 @@ class Readback:
     def candidates(self, into: BufferView, graph: Graph, n_out: int) -> tuple[np.ndarray, np.ndarray]:
         """The first ``n_out`` rows of a candidates buffer: (ids int64, values float32), each (n_out, k)."""
         n_rows, vocab = graph.logits.shape
-        k, half, _ = self._layout(n_rows, vocab)
+        k, half, *_ = self._layout(n_rows, vocab)
         buf = into.array(np.uint8)
         ids = buf[: 4 * n_rows * k].view(np.uint32).reshape(n_rows, k)[:n_out].astype(np.int64)
         vals = buf[half : half + 4 * n_rows * k].view(np.float32).reshape(n_rows, k)[:n_out].copy()
@@ -253,8 +277,16 @@ class Readback:
     def lse(self, graph: Graph, n_out: int) -> np.ndarray:
         """The top-k tail's first ``n_out`` log-sum-exps (n_out,) float32 (a row with no finite maximum:
         -inf; one with a +inf: +inf or NaN)."""
+        return self._floats(graph, n_out, 2)
+
+    def targets(self, graph: Graph, n_out: int) -> np.ndarray:
+        """The top-k tail's first ``n_out`` targets' logits (n_out,) float32 (NaN on a row with none)."""
+        return self._floats(graph, n_out, 3)
+
+    def _floats(self, graph: Graph, n_out: int, part: int) -> np.ndarray:
+        """The first ``n_out`` of the (rows,) float32 part at ``_layout()[part]`` of the top-k buffer."""
         n_rows, vocab = graph.logits.shape
-        _, _, at = self._layout(n_rows, vocab)
+        at = self._layout(n_rows, vocab)[part]
         return self.topk_buf.array(np.uint8)[at : at + 4 * n_rows].view(np.float32)[:n_out].copy()
 
     def close(self) -> None:

@@ -222,8 +222,8 @@ def _attention() -> list[Variant]:
 
 
 def _tails() -> list[Variant]:
-    """Readback tails (argmax, top-k, log-sum-exp, sampling, token feed, logit adjustments), fused norms
-    and activation quantizers."""
+    """Readback tails (argmax, top-k, log-sum-exp, a given token's logit, sampling, token feed, logit
+    adjustments), fused norms and activation quantizers."""
     return [
         _v("argmax_f32", "argmax.comp", 2),
         _v("argmax_chunks_f32", "argmax.comp", 3, CHUNKS="1"),  # logits, ids, values
@@ -236,6 +236,7 @@ def _tails() -> list[Variant]:
         _v("row_lse_f32", "row_lse.comp", 2),  # logits, each row's log-sum-exp
         _v("row_lse_chunks_f32", "row_lse.comp", 3, CHUNKS="1"),  # logits, each chunk's max and sum
         _v("row_lse_merge_f32", "row_lse.comp", 3, MERGE="1"),  # the chunks' maxima, lse, their sums
+        _v("row_gather_f32", "row_gather.comp", 3),  # metadata (targets), logits, each row's target logit
         _v("norm_rope_f32", "norm_rope.comp", 4),
         _v("norm_rope_kv_f32", "norm_rope_kv.comp", 9),
         _v("norm_rope_kv_f16", "norm_rope_kv.comp", 9, POOL_TYPE="float16_t"),
