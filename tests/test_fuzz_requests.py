@@ -231,8 +231,9 @@ def request_plan(draw) -> tuple:
         msg |= draw(generate_fields())
     elif rnd.random() < 0.1:
         msg[draw(UNKNOWN_NAME)] = draw(JUNK)
+    msg["v"] = P.required_version(msg)  # as hmaclient stamps it (a version-3 field in a v1 message: below)
     if rnd.random() < 0.02:
-        msg["v"] = draw(st.sampled_from([0, 2, -1, "1", None, 1.0, True]))
+        msg["v"] = draw(st.sampled_from([0, 1, 2, 4, -1, "1", None, 1.0, True]))
     if rnd.random() < 0.02:
         msg["type"] = draw(st.sampled_from(["launch", "", "GENERATE", "ping"]) | JUNK)
     return channel, op, msg, rnd.randrange(6)  # the id's form (RawTraffic.fresh_id)
@@ -246,6 +247,7 @@ def anon_frame(draw) -> bytes:
     msg = {"v": 1, "type": rnd.choice(["generate", "generate", "status", "ping", "cancel"])}
     if msg["type"] == "generate":
         msg |= draw(generate_fields())
+        msg["v"] = P.required_version(msg)
     if form == "bad id":
         msg["id"] = draw(st.sampled_from(["", "x" * 129, 2.5, True, [1], {"a": 1}, -1.5]))
     frame = pack(msg)

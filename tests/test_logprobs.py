@@ -228,7 +228,7 @@ def test_a_row_without_a_distribution_fails_its_request_alone(tmp_path):
 @pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
 @pytest.mark.parametrize("bad", [-1, 21, "5", 2.0, True, [1]])
 def test_the_wire_refuses_bad_logprobs_in_one_line(name, bad):
-    msg = {"v": 2, "type": "generate", "id": 1, "prompt": "hi", name: bad}
+    msg = {"v": 3, "type": "generate", "id": 1, "prompt": "hi", name: bad}
     with pytest.raises(P.ProtocolError) as e:
         P.validate_request(msg, 1)
     assert e.value.code == P.BAD_REQUEST

@@ -105,7 +105,7 @@ def test_sampled_tokens_report_the_adjusted_rows_distribution(setup):
 def test_bad_logprobs_get_one_bad_request_and_the_next_request_is_answered(setup):
     hmad, _ = setup
     for i, bad in enumerate([-1, 21, "5"]):
-        msg = {"v": 2, "type": "generate", "id": f"bad{i}", "prompt": "hi", "logprobs": bad}
+        msg = {"v": 3, "type": "generate", "id": f"bad{i}", "prompt": "hi", "logprobs": bad}
         reply = P.parse_reply(hmad._ask(msg, 10.0))
         assert isinstance(reply, P.Error) and reply.code == P.BAD_REQUEST, reply
         assert (

@@ -149,7 +149,7 @@ BAD = [
 
 @pytest.mark.parametrize(("name", "value", "says"), BAD, ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(BAD)])
 def test_the_wire_and_the_engine_refuse_bad_values_in_one_line(name, value, says):
-    msg = {"v": 2, "type": "generate", "id": "r", "prompt": "hi", name: value}
+    msg = {"v": 3, "type": "generate", "id": "r", "prompt": "hi", name: value}
     with pytest.raises(P.ProtocolError) as e:
         P.validate_request(msg, "r")
     assert e.value.code == P.BAD_REQUEST and e.value.message.startswith(says) and "\n" not in e.value.message

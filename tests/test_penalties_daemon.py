@@ -39,7 +39,7 @@ BAD = [
 
 def test_bad_values_are_refused_in_one_line_and_the_next_request_is_answered(hmad):
     for i, (name, value, says) in enumerate(BAD):
-        msg = {"v": 2, "type": "generate", "id": f"bad{i}", "prompt": "hi", name: value}
+        msg = {"v": 3, "type": "generate", "id": f"bad{i}", "prompt": "hi", name: value}
         reply = P.parse_reply(hmad._ask(msg, 10.0))
         assert isinstance(reply, P.Error) and reply.code == P.BAD_REQUEST, reply
         assert reply.message.startswith(says) and "\n" not in reply.message, reply.message

@@ -207,7 +207,7 @@ def test_error_builder_refuses_unknown_codes():
         (raw({"v": 1, "type": "token", "id": 1, "text": 3, "token_ids": []}), P.BAD_REQUEST),
         (raw({"v": 1, "type": "accepted", "id": 1, "rid": True}), P.BAD_REQUEST),
         (raw({"v": 1, "type": "surprise", "id": 1}), P.UNKNOWN_TYPE),
-        (raw({"v": 3, "type": "pong", "time": 1.0}), P.UNSUPPORTED_VERSION),
+        (raw({"v": 4, "type": "pong", "time": 1.0}), P.UNSUPPORTED_VERSION),
     ],
 )
 def test_bad_replies(frame, kind):
@@ -306,8 +306,8 @@ def test_version():
     refused(raw({"type": "ping", "id": 4}), P.BAD_REQUEST, id=4, match="'v'")
     refused(raw({"v": "1", "type": "ping"}), P.BAD_REQUEST, match="'v'")
     refused(raw({"v": True, "type": "ping"}), P.BAD_REQUEST)
-    e = refused(raw(gen(v=3)), P.UNSUPPORTED_VERSION, id="r1")
-    assert "3" in e.message and "1, 2" in e.message
+    e = refused(raw(gen(v=4)), P.UNSUPPORTED_VERSION, id="r1")
+    assert "4" in e.message and "1, 2, 3" in e.message
     assert e.reply()["v"] == 1  # an unsupported version is answered in 1, which every client reads
     refused(raw(gen(v=0)), P.UNSUPPORTED_VERSION, id="r1")
 
@@ -360,6 +360,17 @@ def test_added_in_table_drives_the_check(monkeypatch):
     )
     assert P.status_request(1)["v"] == 2
     assert P.parse_request(P.pack(P.status_request(1))) == P.StatusRequest(1)
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["tools", "tool_choice", "parallel_tool_calls", "logprobs", "prompt_logprobs", "presence_penalty",
+     "frequency_penalty", "logit_bias"],
+)  # fmt: skip
+def test_version_3_fields_are_refused_in_version_2_and_stamped_3(field):
+    e = refused(raw(gen(v=2, **{field: None})), P.BAD_REQUEST, id="r1", match=f"'{field}'")
+    assert "needs protocol version 3, not 2" in e.message and e.reply()["v"] == 2
+    assert P.required_version({"type": "generate", field: None}) == 3
 
 
 def test_replies_of_every_supported_version_parse():
@@ -509,16 +520,17 @@ def test_sampling_fields_are_the_one_tables():
     assert P.SAMPLING_FIELDS == sampling.NAMES
     assert set(sampling.NAMES) <= {f.name for f in dataclasses.fields(P.GenerateRequest)}
     for f in sampling.FIELDS:
+        v = P.required_version({"type": "generate", f.name: None})  # the penalties and logit_bias: 3
         if f.kind == "bias":  # a map: one entry over the count limit, then the limit at the bound
             past = {str(i): f.hi for i in range(sampling.MAX_LOGIT_BIAS_ENTRIES + 1)}
         else:
             past = ["s"] * (int(f.hi) + 1) if f.kind == "strings" else f.hi + (1 if f.kind == "int" else 0.5)
         with pytest.raises(P.ProtocolError) as e:  # the check itself: 2^64 does not fit msgpack
-            P.validate_request({k: v for k, v in gen(**{f.name: past}).items() if v is not None}, "r1")
+            P.validate_request({k: x for k, x in gen(v=v, **{f.name: past}).items() if x is not None}, "r1")
         assert (e.value.code, e.value.message) == (P.BAD_REQUEST, sampling.problem(f.name, past))
         if f.kind == "bias":
             at = {str(i): f.hi for i in range(sampling.MAX_LOGIT_BIAS_ENTRIES)}
         else:
             at = ["s"] * int(f.hi) if f.kind == "strings" else f.hi
-        assert getattr(P.parse_request(raw(gen(**{f.name: at}))), f.name) == sampling.stored(f.name, at)
+        assert getattr(P.parse_request(raw(gen(v=v, **{f.name: at}))), f.name) == sampling.stored(f.name, at)
     assert "temperature" in P.__doc__ and sampling.describe(sampling.BY_NAME["top_p"]) in P.__doc__

@@ -60,7 +60,7 @@ HISTORY = [
 
 
 def _generate(**fields):
-    return P.validate_request({"v": 2, "type": "generate", "id": 1, **fields}, 1)
+    return P.validate_request({"v": 3, "type": "generate", "id": 1, **fields}, 1)
 
 
 def _drain(gen, into: list):

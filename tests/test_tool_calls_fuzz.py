@@ -98,7 +98,7 @@ MESSAGES = st.one_of(
 @st.composite
 def generate(draw) -> dict:
     """A generate with tool fields: half of them well-formed (so they reach the engine), half fuzzed."""
-    msg = {"v": 2, "type": "generate", "id": 1, "stream": draw(st.booleans()), "max_tokens": 3}
+    msg = {"v": 3, "type": "generate", "id": 1, "stream": draw(st.booleans()), "max_tokens": 3}
     if draw(st.booleans()):
         msg["messages"] = draw(GOOD_TURNS | st.just([{"role": "user", "content": "hi"}]))
         msg["tools"] = draw(GOOD_TOOLS)

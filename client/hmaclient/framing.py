@@ -14,8 +14,8 @@ import msgpack
 
 from hmaclient import sampling
 
-PROTOCOL_VERSION = 2  # the newest version this module speaks
-SUPPORTED_VERSIONS = frozenset({1, 2})
+PROTOCOL_VERSION = 3  # the newest version this module speaks
+SUPPORTED_VERSIONS = frozenset({1, 2, 3})
 
 MAX_FRAME_BYTES = 4 * 1024 * 1024  # a request frame
 MAX_REPLY_BYTES = 64 * 1024 * 1024  # a reply frame (done with stream=false carries a whole answer)
@@ -67,6 +67,14 @@ REQUEST_TYPES = frozenset({"generate", "cancel", "status", "ping", "metrics"})
 ADDED_IN: dict[tuple[str, str | None], int] = {
     ("generate", "json_schema"): 2,
     ("metrics", None): 2,
+    **{
+        ("generate", field): 3
+        for field in (
+            *("tools", "tool_choice", "parallel_tool_calls"),
+            *("logprobs", "prompt_logprobs"),
+            *("presence_penalty", "frequency_penalty", "logit_bias"),
+        )
+    },
 }
 REPLY_TYPES = frozenset({"accepted", "token", "done", "error", "cancelled", "status", "pong", "metrics"})
 METRIC_TYPES = frozenset({"counter", "gauge", "histogram"})

@@ -1,4 +1,4 @@
-"""The hmad wire protocol, version 2: every message, every field, every limit. This module is the spec.
+"""The hmad wire protocol, version 3: every message, every field, every limit. This module is the spec.
 
 Transport
 =========
@@ -7,7 +7,7 @@ A message is **one frame** holding **one msgpack map** (the ROUTER adds and stri
 frame; neither side ever sees or sends more frames). Strings are msgpack ``str`` (UTF-8); no ``bin`` and no
 ``ext`` types (timestamps included) appear anywhere. Every message has
 
-    v     int   protocol version: the rules this message follows, one of SUPPORTED_VERSIONS (1, 2)
+    v     int   protocol version: the rules this message follows, one of SUPPORTED_VERSIONS (1, 2, 3)
     type  str   the message type, below
 
 Requests are **strict**: a field not listed for its type is refused, naming the field. Replies are
@@ -15,14 +15,16 @@ Requests are **strict**: a field not listed for its type is refused, naming the 
 
 Versions
 --------
-Version 2 adds ``generate.json_schema`` (structured output). ``ADDED_IN`` lists every request type and
-field newer than version 1 with the version that brought it. The daemon serves messages of every
-supported version: a message of version v may use only what version v had (an older ``v`` using a newer
-field or type is refused with ``bad_request`` naming the field and the version it needs), and every reply
-to it carries the same ``v`` (a reply to a frame whose ``v`` could not be read or is not supported carries
-1, which every client reads). So a version-1 client keeps working unchanged. Clients stamp the lowest
-version their message needs (``required_version``; hmaclient does), so a newer client also keeps working
-with an older daemon for everything the older one knows.
+Version 2 adds ``generate.json_schema`` (structured output); version 3 tool calling (``tools``,
+``tool_choice``, ``parallel_tool_calls``), ``logprobs``, ``prompt_logprobs`` and OpenAI's additive
+adjustments (``presence_penalty``, ``frequency_penalty``, ``logit_bias``). ``ADDED_IN`` lists every
+request type and field newer than version 1 with the version that brought it. The daemon serves messages
+of every supported version: a message of version v may use only what version v had (an older ``v`` using
+a newer field or type is refused with ``bad_request`` naming the field and the version it needs), and
+every reply to it carries the same ``v`` (a reply to a frame whose ``v`` could not be read or is not
+supported carries 1, which every client reads). So a version-1 client keeps working unchanged. Clients
+stamp the lowest version their message needs (``required_version``; hmaclient does), so a newer client
+also keeps working with an older daemon for everything the older one knows.
 
 Ids
 ---
