@@ -18,6 +18,7 @@ configuration's ids are checked against numpy's (top-k: a lexsort, value descend
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -54,35 +55,29 @@ def record(rec, kernels, bufs, rows: int, vocab: int, chunks: int) -> int:
     return 2
 
 
-def record_argmax(rec, kernels, bufs, rows: int, vocab: int, chunks: int) -> int:
-    """Record one argmax of (rows, vocab) as the backend does (``_argmax_tail``); returns its dispatches."""
+def record_reduction(push_type, merge_order, rec, kernels, bufs, rows: int, vocab: int, chunks: int) -> int:
+    """Record one row reduction of (rows, vocab) as the backend does: one stage, or each chunk's partials
+    (two buffers) then their merge, which binds them in ``merge_order`` around the output. Returns its
+    dispatches."""
     single, first, merge = kernels
-    logits, out, c_ids, c_vals = bufs
+    logits, out, part_a, part_b = bufs
     chunk = topk_chunk(vocab, chunks)
     n = -(-vocab // chunk)
     if n == 1:
-        rec.dispatch(single, [logits, out], ArgmaxPush(rows, vocab, vocab, vocab), single.groups_for(rows))
+        rec.dispatch(single, [logits, out], push_type(rows, vocab, vocab, vocab), single.groups_for(rows))
         return 1
     rec.dispatch(
-        first, [logits, c_ids, c_vals], ArgmaxPush(rows, vocab, vocab, chunk), first.groups_for(rows * n)
+        first, [logits, part_a, part_b], push_type(rows, vocab, vocab, chunk), first.groups_for(rows * n)
     )
-    rec.dispatch(merge, [c_vals, out, c_ids], ArgmaxPush(rows, n, n, n), merge.groups_for(rows))
+    a, b = (part_a, part_b) if merge_order == "ab" else (part_b, part_a)
+    rec.dispatch(merge, [a, out, b], push_type(rows, n, n, n), merge.groups_for(rows))
     return 2
 
 
-def record_lse(rec, kernels, bufs, rows: int, vocab: int, chunks: int) -> int:
-    """Record one log-sum-exp of (rows, vocab) as the backend does (``Readback._record_lse``)."""
-    single, first, merge = kernels
-    logits, out, c_max, c_sum = bufs
-    chunk = topk_chunk(vocab, chunks)
-    n = -(-vocab // chunk)
-    if n == 1:
-        rec.dispatch(single, [logits, out], RowLsePush(rows, vocab, vocab, vocab), single.groups_for(rows))
-        return 1
-    push = RowLsePush(rows, vocab, vocab, chunk)
-    rec.dispatch(first, [logits, c_max, c_sum], push, first.groups_for(rows * n))
-    rec.dispatch(merge, [c_max, out, c_sum], RowLsePush(rows, n, n, n), merge.groups_for(rows))
-    return 2
+# argmax (the backend's ``argmax_tail``): partials (ids, values), merged reading values first;
+# the log-sum-exp (``Readback._record_lse``): partials (maxima, sums), merged reading maxima first
+record_argmax = functools.partial(record_reduction, ArgmaxPush, "ba")
+record_lse = functools.partial(record_reduction, RowLsePush, "ab")
 
 
 def record_gather(rec, kernels, bufs, rows: int, vocab: int, chunks: int) -> int:
