@@ -42,48 +42,72 @@ from hmad.backends.vulkan.shapes import ARGMAX_CHUNKS, topk_chunk, topk_chunks
 TOPK_CANDIDATES = 128
 
 
+def aligned(ctx: RecordContext, nbytes: int) -> int:
+    """``nbytes`` rounded up to the device's storage-buffer offset alignment."""
+    return -(-nbytes // ctx.align) * ctx.align
+
+
 def pair(ctx: RecordContext, nbytes: int, name: str) -> BufferView:
     """A device-local buffer of two parts of ``nbytes`` (:func:`parts`): a two-stage tail's first-stage
     indices and values."""
-    return create_buffer(ctx.dev, -(-nbytes // ctx.align) * ctx.align + nbytes, "device", name)
+    return create_buffer(ctx.dev, aligned(ctx, nbytes) + nbytes, "device", name)
 
 
 def parts(ctx: RecordContext, buf: BufferView, nbytes: int) -> tuple[BufferView, BufferView]:
     """The two parts of a :func:`pair` buffer (the second at the next aligned offset)."""
-    at = -(-nbytes // ctx.align) * ctx.align
+    at = aligned(ctx, nbytes)
     assert buf.nbytes >= at + nbytes, f"{buf.name}: {buf.nbytes} bytes, {at + nbytes} needed"
     return tuple(BufferView(buf.arena, buf.offset + o, nbytes, name=buf.name) for o in (0, at))
 
 
-def argmax_chunks(ctx: RecordContext, logits: Act) -> BufferView | None:
-    """The first stage's (rows, chunks) indices then values, where a row takes two (argmax.comp)."""
+def argmax_chunks(ctx: RecordContext, logits: Act, name: str = "argmax per chunk") -> BufferView | None:
+    """The first stage's (rows, chunks) two partials (argmax.comp: indices then values; row_lse.comp:
+    maxima then sums: :func:`reduce_rows`), where a row takes two stages; None where it takes one."""
     n_rows, vocab = logits.shape
     chunks = -(-vocab // topk_chunk(vocab, ARGMAX_CHUNKS))
-    return None if chunks == 1 else pair(ctx, 4 * n_rows * chunks, "argmax per chunk")
+    return None if chunks == 1 else pair(ctx, 4 * n_rows * chunks, name)
 
 
 def argmax_tail(ctx: RecordContext, logits: Act, parity: int, scratch: BufferView | None) -> CommandRecorder:
     """argmax.comp over ``logits`` plus ``parity``'s adjustments into ``ids[parity]``: one stage, or each
     chunk's best into ``scratch`` (shared by both parities' tails: steps run one after another), then
     theirs."""
-    n_rows, vocab = logits.shape
     tail = CommandRecorder(ctx.dev).begin()
     tail.barrier()  # after the forward pass's command buffer in the same submit
     bias.record(ctx, tail, logits, parity)
+    reduce_rows(ctx, tail, "argmax", ArgmaxPush, logits, ctx.ids[parity], scratch, merge_reads="second")
+    return tail.end()
+
+
+def reduce_rows(
+    ctx: RecordContext,
+    tail: CommandRecorder,
+    family: str,
+    push_type,
+    logits: Act,
+    out: BufferView,
+    scratch: BufferView | None,
+    merge_reads: str,
+) -> None:
+    """Append a row reduction of ``logits`` (rows, V) into ``out`` (rows,) at argmax's chunks: kernel
+    ``<family>_f32`` in one stage (``scratch`` None), or ``<family>_chunks_f32`` writing each (row, chunk)'s
+    two partials into ``scratch``'s :func:`parts`, then ``<family>_merge_f32``, which binds the part named
+    by ``merge_reads`` ("first" or "second") before ``out`` and the other after it (argmax.comp: values,
+    out, ids; row_lse.comp: maxima, out, sums)."""
+    n_rows, vocab = logits.shape
     if scratch is None:
-        k = ctx.kernel("argmax_f32")
-        push = ArgmaxPush(n_rows, vocab, vocab, vocab)
-        tail.dispatch(k, [logits.view, ctx.ids[parity]], push, k.groups_for(n_rows))
-        return tail.end()
+        k = ctx.kernel(f"{family}_f32")
+        tail.dispatch(k, [logits.view, out], push_type(n_rows, vocab, vocab, vocab), k.groups_for(n_rows))
+        return
     chunk = topk_chunk(vocab, ARGMAX_CHUNKS)
     n = -(-vocab // chunk)
-    c_ids, c_vals = parts(ctx, scratch, 4 * n_rows * n)
-    first, merge = ctx.kernel("argmax_chunks_f32"), ctx.kernel("argmax_merge_f32")
-    push = ArgmaxPush(n_rows, vocab, vocab, chunk)
-    tail.dispatch(first, [logits.view, c_ids, c_vals], push, first.groups_for(n_rows * n))
-    push = ArgmaxPush(n_rows, n, n, n)
-    tail.dispatch(merge, [c_vals, ctx.ids[parity], c_ids], push, merge.groups_for(n_rows))
-    return tail.end()
+    a, b = parts(ctx, scratch, 4 * n_rows * n)
+    first, merge = ctx.kernel(f"{family}_chunks_f32"), ctx.kernel(f"{family}_merge_f32")
+    tail.dispatch(
+        first, [logits.view, a, b], push_type(n_rows, vocab, vocab, chunk), first.groups_for(n_rows * n)
+    )
+    read, other = (a, b) if merge_reads == "first" else (b, a)
+    tail.dispatch(merge, [read, out, other], push_type(n_rows, n, n, n), merge.groups_for(n_rows))
 
 
 def head(ctx: RecordContext, graph: Graph, parity: int, feed: bool) -> CommandRecorder:
@@ -147,12 +171,9 @@ class Readback:
         buffer: ids (rows, k) first, then values (rows, k), then (the top-k tail's) lse (rows,) and target
         logits (rows,), each aligned."""
         k = min(TOPK_CANDIDATES, vocab)
-        half = self._aligned(4 * n_rows * k)
-        at = half + self._aligned(4 * n_rows * k)
-        return k, half, at, at + self._aligned(4 * n_rows)
-
-    def _aligned(self, nbytes: int) -> int:
-        return -(-nbytes // self.ctx.align) * self.ctx.align
+        half = aligned(self.ctx, 4 * n_rows * k)
+        at = half + aligned(self.ctx, 4 * n_rows * k)
+        return k, half, at, at + aligned(self.ctx, 4 * n_rows)
 
     def topk_tail(self, graph: Graph, parity: int) -> CommandRecorder:
         """The top-k tail of ``graph`` on ``parity``, each row's log-sum-exp and target's logit too (re-made
@@ -214,23 +235,9 @@ class Readback:
         """Append row_lse.comp over ``graph``'s logits (adjusted already) into ``out`` (rows,): one stage, or
         each chunk's (max, sum) into the graph's ``lse_chunks`` (argmax.comp's chunks: the same reduction's
         shape), then each row's merged."""
-        ctx = self.ctx
-        n_rows, vocab = graph.logits.shape
-        chunk = topk_chunk(vocab, ARGMAX_CHUNKS)
-        n = -(-vocab // chunk)
-        if n == 1:
-            k = ctx.kernel("row_lse_f32")
-            push = RowLsePush(n_rows, vocab, vocab, vocab)
-            tail.dispatch(k, [graph.logits.view, out], push, k.groups_for(n_rows))
-            return
-        if graph.lse_chunks is None:  # (rows, chunks) maxima, then sums
-            graph.lse_chunks = pair(ctx, 4 * n_rows * n, "lse per chunk")
-        c_max, c_sum = parts(ctx, graph.lse_chunks, 4 * n_rows * n)
-        first, merge = ctx.kernel("row_lse_chunks_f32"), ctx.kernel("row_lse_merge_f32")
-        push = RowLsePush(n_rows, vocab, vocab, chunk)
-        tail.dispatch(first, [graph.logits.view, c_max, c_sum], push, first.groups_for(n_rows * n))
-        push = RowLsePush(n_rows, n, n, n)
-        tail.dispatch(merge, [c_max, out, c_sum], push, merge.groups_for(n_rows))
+        if graph.lse_chunks is None:
+            graph.lse_chunks = argmax_chunks(self.ctx, graph.logits, "lse per chunk")
+        reduce_rows(self.ctx, tail, "row_lse", RowLsePush, graph.logits, out, graph.lse_chunks, "first")
 
     def _record_gather(self, tail: CommandRecorder, graph: Graph, out: BufferView) -> None:
         """Append row_gather.comp: each of ``graph``'s logit rows' (adjusted already) logit of its target
