@@ -207,7 +207,7 @@ def test_error_builder_refuses_unknown_codes():
         (raw({"v": 1, "type": "token", "id": 1, "text": 3, "token_ids": []}), P.BAD_REQUEST),
         (raw({"v": 1, "type": "accepted", "id": 1, "rid": True}), P.BAD_REQUEST),
         (raw({"v": 1, "type": "surprise", "id": 1}), P.UNKNOWN_TYPE),
-        (raw({"v": 4, "type": "pong", "time": 1.0}), P.UNSUPPORTED_VERSION),
+        (raw({"v": 5, "type": "pong", "time": 1.0}), P.UNSUPPORTED_VERSION),
     ],
 )
 def test_bad_replies(frame, kind):
@@ -306,8 +306,8 @@ def test_version():
     refused(raw({"type": "ping", "id": 4}), P.BAD_REQUEST, id=4, match="'v'")
     refused(raw({"v": "1", "type": "ping"}), P.BAD_REQUEST, match="'v'")
     refused(raw({"v": True, "type": "ping"}), P.BAD_REQUEST)
-    e = refused(raw(gen(v=4)), P.UNSUPPORTED_VERSION, id="r1")
-    assert "4" in e.message and "1, 2, 3" in e.message
+    e = refused(raw(gen(v=5)), P.UNSUPPORTED_VERSION, id="r1")
+    assert "5" in e.message and "1, 2, 3, 4" in e.message
     assert e.reply()["v"] == 1  # an unsupported version is answered in 1, which every client reads
     refused(raw(gen(v=0)), P.UNSUPPORTED_VERSION, id="r1")
 
@@ -534,3 +534,170 @@ def test_sampling_fields_are_the_one_tables():
             at = ["s"] * int(f.hi) if f.kind == "strings" else f.hi
         assert getattr(P.parse_request(raw(gen(v=v, **{f.name: at}))), f.name) == sampling.stored(f.name, at)
     assert "temperature" in P.__doc__ and sampling.describe(sampling.BY_NAME["top_p"]) in P.__doc__
+
+
+# -- images (version 4) --------------------------------------------------------------------------------------
+
+PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(64))  # the protocol reads the signature; the daemon decodes the rest
+IMAGES = {  # one signature of each format the wire takes
+    "png": PNG,
+    "jpeg": b"\xff\xd8\xff\xe0" + b"\0" * 16,
+    "gif": b"GIF89a" + b"\0" * 16,
+    "webp": b"RIFF\x10\0\0\0WEBPVP8 " + b"\0" * 8,
+    "bmp": b"BM" + b"\0" * 16,
+}
+
+
+def user(*parts) -> dict:
+    return {"role": "user", "content": list(parts)}
+
+
+def text(t: str) -> dict:
+    return {"type": "text", "text": t}
+
+
+def image(data: bytes = PNG) -> dict:
+    return {"type": "image", "image": data}
+
+
+def test_images_round_trip_as_bin_and_stamp_version_4():
+    msg = P.generate_request(1, "what is this?", images=[PNG, IMAGES["jpeg"]])
+    assert msg["v"] == 4
+    frame = P.pack(msg)
+    assert msgpack.unpackb(frame, raw=True)[b"images"][0] == PNG  # bin on the wire, not str
+    req = P.parse_request(frame)
+    assert (req.prompt, req.images, req.v) == ("what is this?", [PNG, IMAGES["jpeg"]], 4)
+    messages = [{"role": "system", "content": [text("be brief")]}, user(image(), text("and this?"), image())]
+    req = P.parse_request(P.pack(P.generate_request(2, messages=messages)))
+    assert req.messages == messages and req.images is None and req.v == 4  # part lists stay lists
+    assert P.generate_request(3, messages=[user(text("only text"))])["v"] == 4
+
+
+@pytest.mark.parametrize("kind", sorted(IMAGES))
+def test_every_image_format_the_wire_names_is_taken(kind):
+    assert P.parse_request(P.pack(P.generate_request(1, "x", images=[IMAGES[kind]]))).images == [IMAGES[kind]]
+    assert P.image_format(IMAGES[kind]) == kind
+
+
+def test_images_and_parts_are_refused_before_version_4_naming_the_field():
+    e = refused(raw(gen(v=3, images=[PNG])), P.BAD_REQUEST, id="r1", match="'images'")
+    assert "needs protocol version 4, not 3" in e.message and e.reply()["v"] == 3
+    msg = {**gen(v=3), "prompt": None, "messages": [user(text("hi"))]}
+    del msg["prompt"]
+    e = refused(raw(msg), P.BAD_REQUEST, id="r1", match="messages[].content as a list of parts")
+    assert "needs protocol version 4, not 3" in e.message
+    refused(raw({**msg, "v": 1}), P.BAD_REQUEST, id="r1", match="version 4, not 1")
+    assert P.required_version({"type": "generate", "messages": [user(image())]}) == 4
+    assert P.required_version({"type": "generate", "messages": [USER]}) == 1
+
+
+def msgs(*messages) -> bytes:
+    return raw({"v": 4, "type": "generate", "id": "r1", "messages": list(messages)})
+
+
+@pytest.mark.parametrize(
+    "frame, match",
+    [
+        (raw(gen(v=4, images=[PNG], raw=True)), "images need the chat template"),
+        (msgs(USER), None),  # the control: valid
+        (raw({k: v for k, v in gen(v=4, images=[PNG]).items() if k != "prompt"} | {"messages": [USER]}),
+         "images go with 'prompt'"),
+        (raw(gen(v=4, images=[])), "non-empty list"),
+        (raw(gen(v=4, images=PNG)), "non-empty list"),
+        (raw(gen(v=4, images=["a png as str"])), "images[0] must be bin"),
+        (raw(gen(v=4, images=[b"GIF87"])), "images[0] is not an image file"),
+        (raw(gen(v=4, images=[b"RIFF\0\0\0\0WAVEfmt "])), "not an image file"),
+        (raw(gen(v=4, images=[b""])), "not an image file"),
+        (msgs({"role": "assistant", "content": [image()]}), "only a user message may hold images"),
+        (msgs({"role": "system", "content": [image()]}), "only a user message may hold images"),
+        (msgs({"role": "model", "content": [text("a"), image()]}), "content[1]: only a user message"),
+        (msgs(user()), "1..64 parts"),
+        (msgs(user(*[text("a")] * (P.MAX_PARTS + 1))), "1..64 parts"),
+        (msgs(user({"type": "image", "image": "data:image/png;base64,AAAA"})), "image must be bin"),
+        (msgs(user({"type": "image"})), "must be {type: 'text'"),
+        (msgs(user({"type": "image_url", "image_url": {"url": "x"}})), "must be {type: 'text'"),
+        (msgs(user({"type": "text", "text": "a", "image": PNG})), "content[0].image is msgpack bin"),
+        (msgs(user({"type": "text", "text": b"bytes"})), "content[0].text is msgpack bin"),
+        (msgs(user({"type": "text", "text": 5})), "text must be a str"),
+        (msgs(user("just a str")), "must be {type: 'text'"),
+        (msgs({"role": "user", "content": PNG}), "messages[0].content is msgpack bin"),
+        (msgs({"role": "user", "content": 5}), "content must be a str or a list of parts"),
+        (msgs({"role": "tool", "content": [text("a")], "tool_call_id": "c"}), "must be a str"),
+    ],
+)  # fmt: skip
+def test_image_shapes_refused(frame, match):
+    if match is None:
+        assert P.parse_request(frame).messages == [USER]
+        return
+    assert match in refused(frame, P.BAD_REQUEST, id="r1").message
+
+
+@pytest.mark.parametrize(
+    "where, fields",
+    [
+        ("prompt", {"prompt": b"hi"}),
+        ("stop[0]", {"stop": [b"x"]}),
+        ("json_schema.properties.a.enum[1]", {"json_schema": {"properties": {"a": {"enum": ["x", b"y"]}}}}),
+        ("tools[0].parameters.description", {"tools": [{"name": "f", "parameters": {"description": b"d"}}]}),
+    ],
+)
+def test_bin_is_refused_everywhere_but_an_images_bytes(where, fields):
+    e = refused(raw(gen(v=4, **fields)), P.BAD_REQUEST, id="r1")
+    assert where in e.message and ("bin" in e.message or "str" in e.message), e.message
+    call = {"id": "c1", "name": "f", "arguments": {"x": b"raw"}}
+    turn = {"role": "assistant", "content": "", "tool_calls": [call]}
+    e = refused(msgs(USER, turn, user(image(), text("b"))), P.BAD_REQUEST, id="r1", match="bin")
+    assert "messages[1].tool_calls[0].arguments.x" in e.message
+    refused(msgs(user(text("a"), {"type": "text", "text": "b"}), {"role": "user", "content": b"x"}),
+            P.BAD_REQUEST, id="r1", match="content")  # fmt: skip
+
+
+def test_image_counts_and_text_limits():
+    n = P.MAX_IMAGES
+    assert len(P.parse_request(raw(gen(v=4, images=[PNG] * n))).images) == n
+    refused(raw(gen(v=4, images=[PNG] * (n + 1))), P.TOO_LARGE, id="r1", match=f"limit of {n}")
+    split = msgs(
+        user(*[image()] * (n // 2)), {"role": "model", "content": "ok"}, user(*[image()] * (n // 2 + 1))
+    )
+    refused(split, P.TOO_LARGE, id="r1", match="images")  # every message's images count together
+    half = text("x" * (P.MAX_PROMPT_CHARS // 2 + 1))
+    refused(
+        msgs(user(half, image()), user(half)), P.TOO_LARGE, id="r1", match="characters"
+    )  # text parts count
+    whole = P.parse_request(msgs(user(text("x" * P.MAX_PROMPT_CHARS), image())))
+    assert len(whole.messages[0]["content"]) == 2  # the image bytes are not characters
+
+
+def test_a_frame_of_images_at_the_frame_limit_is_taken_and_one_byte_more_is_not():
+    def frame(size: int) -> bytes:
+        return P.pack(P.generate_request(1, "x", images=[PNG + b"\0" * (size - len(PNG))]))
+
+    overhead = len(frame(1 << 20)) - (1 << 20)  # the envelope and a bin32 header
+    at = frame(P.MAX_FRAME_BYTES - overhead)
+    assert len(at) == P.MAX_FRAME_BYTES and len(P.parse_request(at).images[0]) == P.MAX_FRAME_BYTES - overhead
+    refused(frame(P.MAX_FRAME_BYTES - overhead + 1), P.TOO_LARGE, match="frame")
+
+
+def test_a_frame_at_the_limit_of_tiny_scalars_is_refused_early_and_small():
+    """The frame limit grew for images; the work of an unpack is bounded by its items, not its bytes: a frame
+    of MAX_FRAME_BYTES of one-byte ints stops past MAX_REQUEST_ITEMS, in the time and memory ``refused``
+    allows (a multiple of the frame, 0.5 s)."""
+    per = 1 << 20
+    body = {
+        "v": 4,
+        "type": "generate",
+        "prompt": "x",
+        **{f"k{i}": [1] * per for i in range(P.MAX_FRAME_BYTES // per)},
+    }
+    frame = raw(body)[: P.MAX_FRAME_BYTES]
+    assert len(frame) == P.MAX_FRAME_BYTES
+    refused(frame, P.TOO_LARGE, match="array items and map entries")
+    refused(raw(gen(v=4, stop=[0] * (P.MAX_REQUEST_ITEMS + 1))), P.TOO_LARGE, match="items")
+    assert P.unpack(raw({"a": [0] * (P.MAX_REQUEST_ITEMS + 1)}), P.MAX_REPLY_BYTES)  # replies: MAX_ARRAY_LEN
+
+
+def test_unsupported_is_an_error_code():
+    assert P.UNSUPPORTED == "unsupported" and P.UNSUPPORTED in P.ERROR_CODES
+    r = P.parse_reply(P.pack(P.error(1, P.UNSUPPORTED, "this model has no vision tower", v=4)))
+    assert (r.code, r.message) == (P.UNSUPPORTED, "this model has no vision tower")
+    assert "unsupported" in P.__doc__ and "version 4" in P.__doc__.lower()

@@ -14,13 +14,25 @@ import msgpack
 
 from hmaclient import sampling
 
-PROTOCOL_VERSION = 3  # the newest version this module speaks
-SUPPORTED_VERSIONS = frozenset({1, 2, 3})
+PROTOCOL_VERSION = 4  # the newest version this module speaks
+SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4})
 
-MAX_FRAME_BYTES = 4 * 1024 * 1024  # a request frame
+# a request frame: room for images (encoded files) besides a whole prompt; what the daemon may hold for
+# the requests in flight follows from it (docs/protocol.md, "Limits")
+MAX_FRAME_BYTES = 32 * 1024 * 1024
 MAX_REPLY_BYTES = 64 * 1024 * 1024  # a reply frame (done with stream=false carries a whole answer)
 MAX_PROMPT_CHARS = 1024 * 1024  # prompt, or the sum of the messages' contents, in characters
 MAX_MESSAGES = 1024
+MAX_PARTS = 64  # parts of one message's content, when it is a list
+MAX_IMAGES = 16  # images in one generate, all messages and ``images`` together (the daemon may take fewer)
+# what an image holds: an encoded file of one of these formats, told by its first bytes
+IMAGE_SIGNATURES = {
+    "png": (b"\x89PNG\r\n\x1a\n",),
+    "jpeg": (b"\xff\xd8\xff",),
+    "gif": (b"GIF87a", b"GIF89a"),
+    "webp": (b"RIFF",),  # and "WEBP" at byte 8
+    "bmp": (b"BM",),
+}
 MAX_STOP_STRINGS = sampling.MAX_STOP_STRINGS  # the sampling fields' own limits live in hmaclient.sampling
 MAX_STOP_CHARS = sampling.MAX_STOP_CHARS
 MAX_TOKENS_LIMIT = sampling.MAX_TOKENS_LIMIT
@@ -30,7 +42,10 @@ MAX_ID_CHARS = 128
 MAX_DEPTH = 32  # a json_schema nests (properties -> schema -> items -> ...)
 MAX_ARRAY_LEN = 4 * 1024 * 1024  # token_ids of a long answer; requests are bounded by their frame anyway
 MAX_MAP_LEN = 1024
-MAX_CONTAINERS = 4096  # arrays + maps in one message (a request has at most MAX_MESSAGES + 2)
+MAX_CONTAINERS = 4096  # arrays + maps in one message (MAX_MESSAGES + 2 for a request of str contents)
+# array items + map entries in one request: its unpack's work is bounded by these, not by its bytes (the
+# frame limit grew for images, which are single bin objects)
+MAX_REQUEST_ITEMS = 1024 * 1024
 
 # Error codes (stable strings).
 BAD_REQUEST = "bad_request"
@@ -42,6 +57,7 @@ PROMPT_TOO_LONG = "prompt_too_long"
 SHUTTING_DOWN = "shutting_down"
 LOADING = "loading"  # the model is still loading (retry later; ``ping`` says when it is ready)
 NOT_FOUND = "not_found"
+UNSUPPORTED = "unsupported"  # the loaded model cannot do what the request asks (images without vision)
 INTERNAL = "internal"
 ERROR_CODES = frozenset(
     {
@@ -54,6 +70,7 @@ ERROR_CODES = frozenset(
         SHUTTING_DOWN,
         LOADING,
         NOT_FOUND,
+        UNSUPPORTED,
         INTERNAL,
     }
 )
@@ -62,10 +79,14 @@ FINISH_REASONS = frozenset({"stop", "length", "tool_calls"})
 ROLES = frozenset({"system", "user", "model", "assistant", "tool"})
 REQUEST_TYPES = frozenset({"generate", "cancel", "status", "ping", "metrics"})
 
+# Not a field: a generate whose messages hold a content that is a list of parts (ADDED_IN has it).
+CONTENT_PARTS = "messages[].content as a list of parts"
 # What each version added: (request type, field) -> version, with field None for a whole request type.
 # A message whose v is older than an entry it uses is refused, naming the field and the version.
 ADDED_IN: dict[tuple[str, str | None], int] = {
     ("generate", "json_schema"): 2,
+    ("generate", "images"): 4,
+    ("generate", CONTENT_PARTS): 4,
     ("metrics", None): 2,
     **{
         ("generate", field): 3
@@ -116,8 +137,9 @@ def pack(msg: dict[str, Any]) -> bytes:
     return msgpack.packb(msg, use_bin_type=True)
 
 
-def unpack(frame: bytes, max_size: int = MAX_FRAME_BYTES) -> Any:
-    """One frame -> one msgpack object, within every limit listed in the module docstring.
+def unpack(frame: bytes, max_size: int = MAX_FRAME_BYTES, max_items: int | None = None) -> Any:
+    """One frame -> one msgpack object, within every limit listed in the module docstring; ``max_items``
+    (requests: MAX_REQUEST_ITEMS) bounds the array items and map entries of the whole object.
 
     Raises ProtocolError (``too_large`` for a limit, ``bad_request`` for anything malformed); never
     allocates more than a small multiple of ``len(frame)``.
@@ -125,7 +147,7 @@ def unpack(frame: bytes, max_size: int = MAX_FRAME_BYTES) -> Any:
     n = len(frame)
     if n > max_size:
         raise ProtocolError(TOO_LARGE, f"frame of {n} bytes is over the limit of {max_size}")
-    count = _ContainerCount()
+    count = _ContainerCount(max_items)
     try:
         obj = msgpack.unpackb(
             frame,
@@ -136,7 +158,7 @@ def unpack(frame: bytes, max_size: int = MAX_FRAME_BYTES) -> Any:
             list_hook=count,
             max_str_len=n,
             max_bin_len=n,
-            max_array_len=min(MAX_ARRAY_LEN, n),
+            max_array_len=min(MAX_ARRAY_LEN if max_items is None else max_items, n),
             max_map_len=min(MAX_MAP_LEN, n // 2),
             max_ext_len=n,
         )
@@ -170,18 +192,23 @@ def _unpack_error(e: Exception, n: int) -> ProtocolError:
 
 
 class _ContainerCount:
-    """msgpack hook called as each array or map is completed: stops the unpack past MAX_CONTAINERS.
+    """msgpack hook called as each array or map is completed: stops the unpack past MAX_CONTAINERS, or
+    past ``max_items`` array items and map entries in all.
 
-    Bounds the work a frame can cause (a 4 MiB frame could otherwise hold ~2M tiny arrays).
+    Bounds the work a frame can cause (a frame of tiny arrays, or of arrays of tiny scalars, costs its
+    unpack far more per byte than a string does).
     """
 
-    def __init__(self) -> None:
-        self.n = 0
+    def __init__(self, max_items: int | None = None) -> None:
+        self.n, self.items, self.max_items = 0, 0, max_items
 
     def __call__(self, container: Any) -> Any:
         self.n += 1
         if self.n > MAX_CONTAINERS:
             raise ProtocolError(TOO_LARGE, f"more than {MAX_CONTAINERS} arrays and maps in one message")
+        self.items += len(container)
+        if self.max_items is not None and self.items > self.max_items:
+            raise ProtocolError(TOO_LARGE, f"more than {self.max_items} array items and map entries in all")
         return container
 
 
@@ -196,7 +223,7 @@ _SCALARS = frozenset({str, int, float, bool, type(None), bytes})
 def _check_tree(obj: Any) -> None:
     """Iteratively: nesting <= MAX_DEPTH, map keys are str, only plain msgpack types (no Timestamp).
 
-    ``set(map(type, ...))`` runs in C: a 4 MiB frame of small scalars is checked in milliseconds.
+    ``set(map(type, ...))`` runs in C: a frame of MAX_REQUEST_ITEMS small scalars is checked in milliseconds.
     """
     stack = [(obj, 1)]
     while stack:
@@ -216,9 +243,9 @@ def _check_tree(obj: Any) -> None:
             stack.extend((c, depth + 1) for c in children if type(c) not in _SCALARS)
 
 
-def _message(frame: bytes, max_size: int) -> tuple[dict[str, Any], Id]:
+def _message(frame: bytes, max_size: int, max_items: int | None = None) -> tuple[dict[str, Any], Id]:
     """unpack + the envelope: a map with a supported ``v`` and a str ``type``; returns it and its valid id."""
-    msg = unpack(frame, max_size)
+    msg = unpack(frame, max_size, max_items)
     if not isinstance(msg, dict):
         raise ProtocolError(BAD_REQUEST, f"a message is a msgpack map, got {_kind(msg)}")
     mid = msg.get("id")
@@ -240,7 +267,27 @@ def required_version(msg: dict[str, Any]) -> int:
     """The lowest protocol version that has the message's type and every field it carries, nil or not
     (see ADDED_IN)."""
     mtype = msg.get("type")
-    return max([ADDED_IN.get((mtype, None), 1), *(ADDED_IN.get((mtype, k), 1) for k in msg)])
+    return max([ADDED_IN.get((mtype, None), 1), *(ADDED_IN.get((mtype, k), 1) for k in _uses(msg))])
+
+
+def _uses(msg: dict[str, Any]) -> list[str]:
+    """The fields a message carries, and CONTENT_PARTS when a generate's message content is a list."""
+    messages = msg.get("messages") if msg.get("type") == "generate" else None
+    parts = isinstance(messages, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages
+    )
+    return [*msg, CONTENT_PARTS] if parts else list(msg)
+
+
+def image_format(data: Any) -> str | None:
+    """The format of an image's encoded bytes (a key of IMAGE_SIGNATURES), told by its first bytes; None
+    when ``data`` is not bytes of one of them."""
+    if not isinstance(data, bytes):
+        return None
+    for name, heads in IMAGE_SIGNATURES.items():
+        if data.startswith(heads) and (name != "webp" or data[8:12] == b"WEBP"):
+            return name
+    return None
 
 
 def _check_version(msg: dict[str, Any], mid: Id) -> None:
@@ -251,12 +298,11 @@ def _check_version(msg: dict[str, Any], mid: Id) -> None:
         raise ProtocolError(
             BAD_REQUEST, f"request type {mtype!r} needs protocol version {need}, not {v}", mid
         )
-    for k in msg:
+    for k in _uses(msg):
         need = ADDED_IN.get((mtype, k), 1)
         if need > v:
-            raise ProtocolError(
-                BAD_REQUEST, f"field {k!r} of {mtype} needs protocol version {need}, not {v}", mid
-            )
+            what = k if k == CONTENT_PARTS else f"field {k!r} of {mtype}"
+            raise ProtocolError(BAD_REQUEST, f"{what} needs protocol version {need}, not {v}", mid)
 
 
 _ID_RULE = f"id must be a str of 1..{MAX_ID_CHARS} characters or an int in [-2^63, 2^64)"

@@ -1,13 +1,14 @@
-"""The hmad wire protocol, version 3: every message, every field, every limit. This module is the spec.
+"""The hmad wire protocol, version 4: every message, every field, every limit. This module is the spec.
 
 Transport
 =========
 ZeroMQ over a Unix socket (``ipc://PATH``). The daemon binds a ROUTER, each client connects one DEALER.
 A message is **one frame** holding **one msgpack map** (the ROUTER adds and strips the peer's identity
-frame; neither side ever sees or sends more frames). Strings are msgpack ``str`` (UTF-8); no ``bin`` and no
-``ext`` types (timestamps included) appear anywhere. Every message has
+frame; neither side ever sees or sends more frames). Strings are msgpack ``str`` (UTF-8); ``bin`` appears
+only as an image's bytes (``generate.images`` and image parts: a bin anywhere else is refused, naming where);
+no ``ext`` types (timestamps included) appear anywhere. Every message has
 
-    v     int   protocol version: the rules this message follows, one of SUPPORTED_VERSIONS (1, 2, 3)
+    v     int   protocol version: the rules this message follows, one of SUPPORTED_VERSIONS (1, 2, 3, 4)
     type  str   the message type, below
 
 Requests are **strict**: a field not listed for its type is refused, naming the field. Replies are
@@ -17,14 +18,15 @@ Versions
 --------
 Version 2 adds ``generate.json_schema`` (structured output); version 3 tool calling (``tools``,
 ``tool_choice``, ``parallel_tool_calls``), ``logprobs``, ``prompt_logprobs`` and OpenAI's additive
-adjustments (``presence_penalty``, ``frequency_penalty``, ``logit_bias``). ``ADDED_IN`` lists every
-request type and field newer than version 1 with the version that brought it. The daemon serves messages
-of every supported version: a message of version v may use only what version v had (an older ``v`` using
-a newer field or type is refused with ``bad_request`` naming the field and the version it needs), and
-every reply to it carries the same ``v`` (a reply to a frame whose ``v`` could not be read or is not
-supported carries 1, which every client reads). So a version-1 client keeps working unchanged. Clients
-stamp the lowest version their message needs (``required_version``; hmaclient does), so a newer client
-also keeps working with an older daemon for everything the older one knows.
+adjustments (``presence_penalty``, ``frequency_penalty``, ``logit_bias``); version 4 images
+(``generate.images``, and a message ``content`` that is a list of parts, named CONTENT_PARTS). ``ADDED_IN``
+lists every request type and field newer than version 1 with the version that brought it. The daemon
+serves messages of every supported version: a message of version v may use only what version v had (an
+older ``v`` using a newer field or type is refused with ``bad_request`` naming the field and the version
+it needs), and every reply to it carries the same ``v`` (a reply to a frame whose ``v`` could not be
+read or is not supported carries 1, which every client reads). So a version-1 client keeps working
+unchanged. Clients stamp the lowest version their message needs (``required_version``; hmaclient does),
+so a newer client also keeps working with an older daemon for everything the older one knows.
 
 Ids
 ---
@@ -40,12 +42,29 @@ Requests (client -> daemon)
     id                  str | int           optional (see Ids)
     prompt              str                 exactly one of prompt / messages; <= MAX_PROMPT_CHARS characters
     messages            list of maps        1..MAX_MESSAGES of {role: "system"|"user"|"model"|"assistant",
-                                            content: str}; exactly these two keys, but for tool turns:
+                                            content: str | list of parts}; exactly these two keys, but for
+                                            tool turns (whose content is a str):
                                             an assistant's ``tool_calls`` (1..64 {id, name, arguments: a
                                             JSON object or its text}; content may then be "" or nil) and
                                             {role: "tool", content, tool_call_id, name?} (a call's result);
                                             "assistant" = "model"; at most one "system", and only first
                                             (Gemma's template); total content <= MAX_PROMPT_CHARS characters
+                                            (of a list: its text parts'). Since version 4 a content may be
+                                            a list of 1..MAX_PARTS (64) parts, in order:
+                                              {type: "text", text: str}
+                                              {type: "image", image: bin}  an encoded image file (PNG,
+                                                JPEG, WebP, GIF or BMP, told by its first bytes:
+                                                IMAGE_SIGNATURES); only in a "user" message
+                                            A list stays a list (a text-only one too); the daemon turns
+                                            each image into the model's image tokens.
+    images              list of bin         since version 4. 1..MAX_IMAGES (16) encoded image files, as an
+                                            image part's; only with ``prompt`` and raw=false: they go into
+                                            the one user turn before the prompt's text (as Ollama's
+                                            generate does). With raw=true: bad_request ("images need the
+                                            chat template"). A request's images, ``images`` and every
+                                            message's together, are <= MAX_IMAGES; the daemon's config may
+                                            take fewer (too_large), and a model without a vision tower
+                                            answers ``unsupported``.
     raw                 bool                default false. With ``prompt``: false wraps the prompt in the chat
                                             template as one user turn (plus the generation prompt); true sends
                                             the text to the tokenizer as is. Must be false with ``messages``.
@@ -162,14 +181,19 @@ Error codes
     prompt_too_long       the tokenized prompt (+1) does not fit the model's context
     shutting_down         the daemon is draining for shutdown and takes no new work
     not_found             ``cancel`` of an id not in flight on this connection
+    unsupported           the loaded model cannot do what the request asks (e.g. images on a model
+                          without a vision tower); the message says what
     internal              a bug or device failure in the daemon; the message says what. Only the requests
                           it concerns get it (one failed step: that step's); the daemon serves on unless
                           its device is lost, when it answers everyone and exits 1
 
 Limits (enforced in ``unpack`` before any field is looked at)
 =============================================================
-    frame            <= MAX_FRAME_BYTES (the daemon sets ZMQ_MAXMSGSIZE to it; replies <= MAX_REPLY_BYTES)
-    arrays           <= MAX_ARRAY_LEN items; maps <= MAX_MAP_LEN entries (else too_large)
+    frame            <= MAX_FRAME_BYTES (32 MiB, room for images; the daemon sets ZMQ_MAXMSGSIZE to it;
+                     replies <= MAX_REPLY_BYTES)
+    arrays           <= MAX_ARRAY_LEN items; maps <= MAX_MAP_LEN entries (else too_large); a request's
+                     arrays and maps hold <= MAX_REQUEST_ITEMS items and entries in all (its unpack stops
+                     past them: the work of a frame is bounded by its items, not its bytes)
     declared sizes   a str/bin/array/map header declaring more than the rest of the frame can hold is
                      refused at once as bad_request (truncated), allocating nothing: limits passed to
                      msgpack are min(protocol limit, what len(frame) could hold)
@@ -197,8 +221,10 @@ from hmaclient.framing import (  # noqa: F401
     ADDED_IN,
     BAD_REQUEST,
     BUSY,
+    CONTENT_PARTS,
     ERROR_CODES,
     FINISH_REASONS,
+    IMAGE_SIGNATURES,
     INTERNAL,
     LOADING,
     MAX_ARRAY_LEN,
@@ -206,11 +232,14 @@ from hmaclient.framing import (  # noqa: F401
     MAX_DEPTH,
     MAX_FRAME_BYTES,
     MAX_ID_CHARS,
+    MAX_IMAGES,
     MAX_MAP_LEN,
     MAX_MESSAGES,
+    MAX_PARTS,
     MAX_PROMPT_CHARS,
     MAX_REPETITION_PENALTY,
     MAX_REPLY_BYTES,
+    MAX_REQUEST_ITEMS,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_TEMPERATURE,
@@ -227,9 +256,11 @@ from hmaclient.framing import (  # noqa: F401
     TERMINAL_TYPES,
     TOO_LARGE,
     UNKNOWN_TYPE,
+    UNSUPPORTED,
     UNSUPPORTED_VERSION,
     Id,
     ProtocolError,
+    image_format,
     pack,
     required_version,
     unpack,

@@ -8,6 +8,7 @@ The sampling fields' types, ranges and defaults are ``hmaclient.sampling``'s; th
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,9 +16,13 @@ from hmaclient import sampling, tools
 from hmaclient.framing import (
     _ID_RULE,
     BAD_REQUEST,
+    IMAGE_SIGNATURES,
     MAX_FRAME_BYTES,
+    MAX_IMAGES,
     MAX_MESSAGES,
+    MAX_PARTS,
     MAX_PROMPT_CHARS,
+    MAX_REQUEST_ITEMS,
     ROLES,
     TOO_LARGE,
     UNKNOWN_TYPE,
@@ -27,6 +32,7 @@ from hmaclient.framing import (
     _kind,
     _message,
     _valid_id,
+    image_format,
     required_version,
 )
 
@@ -40,7 +46,8 @@ class GenerateRequest:
 
     id: Id = None
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: list[dict[str, Any]] | None = None  # content a str, or a list of text and image parts
+    images: list[bytes] | None = None  # with prompt: encoded images, in the one user turn before its text
     raw: bool = False
     stream: bool = True
     max_tokens: int | None = None
@@ -116,6 +123,7 @@ _FIELDS = {
             *_ENVELOPE,
             "prompt",
             "messages",
+            "images",
             "raw",
             "stream",
             "json_schema",
@@ -134,7 +142,7 @@ _FIELDS = {
 def parse_request(frame: bytes, max_size: int = MAX_FRAME_BYTES) -> Request:
     """One frame from a client -> a validated request. Raises ProtocolError (with ``id`` when known, and
     ``v`` the version to answer in)."""
-    msg, mid = _message(frame, max_size)
+    msg, mid = _message(frame, max_size, MAX_REQUEST_ITEMS)
     try:
         return validate_request(msg, mid)
     except ProtocolError as e:
@@ -170,6 +178,9 @@ def _generate(msg: dict[str, Any], mid: Id) -> GenerateRequest:
     def fail(text: str, code: str = BAD_REQUEST) -> ProtocolError:
         return ProtocolError(code, text, mid)
 
+    where = _bin_outside_images(msg)
+    if where:
+        raise fail(f"{where} is msgpack bin; bin is allowed only as an image's bytes (send text as str)")
     req = GenerateRequest(id=mid, v=msg["v"])
     for name in ("raw", "stream", "parallel_tool_calls"):
         if msg.get(name) is not None:
@@ -193,6 +204,7 @@ def _generate(msg: dict[str, Any], mid: Id) -> GenerateRequest:
         req.messages, problem, code = _check_messages(messages)
         if problem:
             raise fail(problem, code)
+    _images_field(req, msg.get("images"), fail)
     for name in SAMPLING_FIELDS:
         value = msg.get(name)
         if value is not None:  # nil: the daemon's default
@@ -211,6 +223,57 @@ def _generate(msg: dict[str, Any], mid: Id) -> GenerateRequest:
         req.json_schema = msg["json_schema"]
     _tool_fields(req, msg, fail)
     return req
+
+
+def _images_field(req: GenerateRequest, images: Any, fail: Any) -> None:
+    """``images``: with a prompt and the chat template only; the request's images <= MAX_IMAGES in all."""
+    if images is not None:
+        if req.prompt is None:
+            raise fail("images go with 'prompt'; with 'messages' send image parts in a user message")
+        if req.raw:
+            raise fail("images need the chat template: send them with raw=false")
+        if not isinstance(images, list) or not images:
+            raise fail(f"images must be a non-empty list of bin, got {_kind(images)}")
+        for j, image in enumerate(images):
+            problem = _image_problem(f"images[{j}]", image)
+            if problem:
+                raise fail(problem)
+        req.images = images
+    n = len(req.images or ()) + sum(_count_images(m) for m in req.messages or ())
+    if n > MAX_IMAGES:
+        raise fail(f"{n} images is over the limit of {MAX_IMAGES}", TOO_LARGE)
+
+
+def _image_problem(where: str, image: Any) -> str | None:
+    if not isinstance(image, bytes):
+        return f"{where} must be bin (an encoded image file), got {_kind(image)}"
+    if image_format(image) is None:
+        kinds = "/".join(k.upper() for k in IMAGE_SIGNATURES)
+        return f"{where} is not an image file of a known format ({kinds}), {len(image)} bytes"
+    return None
+
+
+def _count_images(m: dict[str, Any]) -> int:
+    content = m.get("content")
+    return sum(p["type"] == "image" for p in content) if isinstance(content, list) else 0
+
+
+_PART_PATH = re.compile(r"messages\[\d+\]\.content\[\d+\]")
+
+
+def _bin_outside_images(msg: dict[str, Any]) -> str | None:
+    """Where the first bin of a generate is that is not an image's bytes (a dotted path), or None."""
+    stack: list[tuple[str, Any]] = [(k, v) for k, v in msg.items() if k != "images"]
+    while stack:
+        where, node = stack.pop()
+        if type(node) is bytes:
+            return where
+        if type(node) is dict:
+            image_part = node.get("type") == "image" and _PART_PATH.fullmatch(where) is not None
+            stack.extend((f"{where}.{k}", v) for k, v in node.items() if not (image_part and k == "image"))
+        elif type(node) is list:
+            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(node))
+    return None
 
 
 def _tool_fields(req: GenerateRequest, msg: dict[str, Any], fail: Any) -> None:
@@ -251,25 +314,49 @@ def _check_messages(messages: Any) -> tuple[list[dict[str, Any]], str | None, st
     return out, None, BAD_REQUEST
 
 
-def _plain_message(i: int, m: Any) -> tuple[dict[str, str], str | None]:
+def _plain_message(i: int, m: Any) -> tuple[dict[str, Any], str | None]:
     if not isinstance(m, dict) or set(m) != {"role", "content"}:
         return {}, f"messages[{i}] must be a map with exactly 'role' and 'content'"
     if not isinstance(m["role"], str) or m["role"] not in ROLES:
         return {}, f"messages[{i}].role must be one of {sorted(ROLES)}, got {m['role']!r:.64}"
+    if isinstance(m["content"], list):
+        parts, problem = _parts(f"messages[{i}].content", m["content"], m["role"])
+        return {"role": m["role"], "content": parts}, problem
     if not isinstance(m["content"], str):
-        return {}, f"messages[{i}].content must be a str, got {_kind(m['content'])}"
+        return {}, f"messages[{i}].content must be a str or a list of parts, got {_kind(m['content'])}"
     return {"role": m["role"], "content": m["content"]}, None
+
+
+def _parts(where: str, parts: list[Any], role: str) -> tuple[list[dict[str, Any]], str | None]:
+    """A content that is a list -> its parts in their normal form ({type: text, text} | {type: image,
+    image}), or the problem. Only a user message holds images."""
+    if not 0 < len(parts) <= MAX_PARTS:
+        return [], f"{where} must be a str or a list of 1..{MAX_PARTS} parts, got {len(parts)} parts"
+    for j, p in enumerate(parts):
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind == "text" and set(p) == {"type", "text"}:
+            if not isinstance(p["text"], str):
+                return [], f"{where}[{j}].text must be a str, got {_kind(p['text'])}"
+        elif kind == "image" and set(p) == {"type", "image"}:
+            if role != "user":
+                return [], f"{where}[{j}]: only a user message may hold images, not one of role {role!r}"
+            problem = _image_problem(f"{where}[{j}].image", p["image"])
+            if problem:
+                return [], problem
+        else:
+            return [], f"{where}[{j}] must be {{type: 'text', text: str}} or {{type: 'image', image: bin}}"
+    return [{"type": p["type"], p["type"]: p[p["type"]]} for p in parts], None
 
 
 # Request builders (the client's side). Each returns the message map, validated as the daemon will.
 
 
 def generate_request(
-    id: Id, prompt: str | None = None, messages: list[dict[str, str]] | None = None, **fields: Any
+    id: Id, prompt: str | None = None, messages: list[dict[str, Any]] | None = None, **fields: Any
 ) -> dict[str, Any]:
-    """A ``generate`` map; ``fields`` are raw, stream, json_schema, tools, tool_choice, parallel_tool_calls
-    and the sampling fields. None values are
-    left out; ``v`` is the lowest version that has every field used."""
+    """A ``generate`` map; ``fields`` are images (a list of bytes: encoded image files), raw, stream,
+    json_schema, tools, tool_choice, parallel_tool_calls and the sampling fields. None values are left
+    out; ``v`` is the lowest version that has every field used (messages with a list content need 4)."""
     msg = {"type": "generate", "id": id, "prompt": prompt, "messages": messages, **fields}
     msg = {k: sampling.to_wire(k, v) for k, v in msg.items() if v is not None}
     msg = {"v": required_version(msg), **msg}

@@ -142,6 +142,8 @@ def has_tool_fields(m: Any) -> bool:
 
 
 def text_size(m: dict[str, Any]) -> int:
-    """Characters a normal-form message adds to the prompt (content and its calls' arguments)."""
-    calls = m.get("tool_calls") or ()
-    return len(m["content"]) + sum(len(json.dumps(c["arguments"])) for c in calls)
+    """Characters a normal-form message adds to the prompt (content, a list's text parts, and its calls'
+    arguments)."""
+    content, calls = m["content"], m.get("tool_calls") or ()
+    text = len(content) if isinstance(content, str) else sum(len(p.get("text", "")) for p in content)
+    return text + sum(len(json.dumps(c["arguments"])) for c in calls)
