@@ -11,6 +11,14 @@ a reader must return are the stored ones (``stored_values``). Norm weights are r
 convention: the model multiplies by ``1 + w``). Scales are chosen so that logits have a std of a few units
 (the embeddings, which are also the tied output head, have std 0.3 and are multiplied by sqrt(64) on input).
 
+Vision (``multimodal=True``): ``vision="stub"`` (the default) adds a few stand-in vision tensors the text
+loader must ignore; ``vision="real"`` writes a real tiny SigLIP tower + Gemma 3 projector (TINY_VISION:
+width 32, 16 px images, 4 px patches so 16 patches, 2 layers, 2 heads, FFN 64, eps 1e-6, 4 soft tokens per
+image, so a 2 x 2 average pool), every tensor transformers' Gemma3ForConditionalGeneration wants, a
+``preprocessor_config.json`` and the VLM tokenizer (ids 509/510/511 = ``<image_soft_token>``,
+``<start_of_image>``, ``<end_of_image>``, special). ``make_tiny_mmproj`` writes llama.cpp's mmproj GGUF
+of such a checkpoint, as ``convert_hf_to_gguf.py --mmproj`` would.
+
 bf16: numpy has no bfloat16 dtype and safetensors' numpy API cannot write one, so bf16 files are written by
 ``write_safetensors`` here (header + raw bytes), the float32 values rounded to bf16 bits with
 round-to-nearest-even (``to_bf16_bits``). F32/F16 files go through ``safetensors.numpy.save_file`` so the
@@ -26,6 +34,10 @@ import numpy as np
 from safetensors.numpy import save_file
 
 TINY = dict(vocab=512, hidden=64, layers=6, heads=4, kv_heads=2, head_dim=16, ffn=128, window=8)
+TINY_VISION = dict(hidden=32, image_size=16, patch_size=4, layers=2, heads=2, ffn=64, eps=1e-6, mm_tokens=4)
+#: the VLM tokenizer's image tokens (Gemma3Config: image_token_index, boi_token_index, eoi_token_index)
+IMAGE_TOKEN, BOI, EOI = 509, 510, 511
+VISION_SPECIALS = {IMAGE_TOKEN: "<image_soft_token>", BOI: "<start_of_image>", EOI: "<end_of_image>"}
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]  # ids 0..5
 BOS, EOS = 2, 1
 ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
@@ -165,6 +177,83 @@ def vision_weights(rng: np.random.Generator) -> dict[str, np.ndarray]:
     }
 
 
+def real_vision_weights(seed: int, prefix: str = "model.") -> dict[str, np.ndarray]:
+    """float32 SigLIP tower + Gemma 3 projector under HF names (``prefix`` "model." new exports, "" old).
+
+    LayerNorm weights around 1 (SigLIP's LayerNorm multiplies by w), the projector's RMSNorm weight around 0
+    (Gemma's convention: 1 + w), the rest scaled so the soft tokens have a std of a few units.
+    """
+    v = TINY_VISION
+    rng = np.random.default_rng(seed)
+    D, F, p = v["hidden"], v["ffn"], v["patch_size"]
+    n_patches = (v["image_size"] // p) ** 2
+
+    def normal(shape, std, mean=0.0):
+        return (mean + rng.standard_normal(shape) * std).astype(np.float32)
+
+    t = f"{prefix}vision_tower.vision_model."
+    w = {
+        t + "embeddings.patch_embedding.weight": normal((D, 3, p, p), 0.15),
+        t + "embeddings.patch_embedding.bias": normal((D,), 0.1),
+        t + "embeddings.position_embedding.weight": normal((n_patches, D), 0.3),
+    }
+    for i in range(v["layers"]):
+        lp = f"{t}encoder.layers.{i}."
+        for norm in ("layer_norm1", "layer_norm2"):
+            w[lp + norm + ".weight"] = normal((D,), 0.1, 1.0)
+            w[lp + norm + ".bias"] = normal((D,), 0.1)
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            w[f"{lp}self_attn.{proj}.weight"] = normal((D, D), 0.2)
+            w[f"{lp}self_attn.{proj}.bias"] = normal((D,), 0.05)
+        w[lp + "mlp.fc1.weight"] = normal((F, D), 0.2)
+        w[lp + "mlp.fc1.bias"] = normal((F,), 0.05)
+        w[lp + "mlp.fc2.weight"] = normal((D, F), 0.15)
+        w[lp + "mlp.fc2.bias"] = normal((D,), 0.05)
+    w[t + "post_layernorm.weight"] = normal((D,), 0.1, 1.0)
+    w[t + "post_layernorm.bias"] = normal((D,), 0.1)
+    w[f"{prefix}multi_modal_projector.mm_soft_emb_norm.weight"] = normal((D,), 0.1)
+    w[f"{prefix}multi_modal_projector.mm_input_projection_weight"] = normal((D, TINY["hidden"]), 0.3)
+    return w
+
+
+def real_vision_config() -> dict:
+    """SiglipVisionConfig entries of the real tiny tower (no pooling head, as in Gemma 3)."""
+    v = TINY_VISION
+    return {
+        "model_type": "siglip_vision_model",
+        "hidden_size": v["hidden"],
+        "image_size": v["image_size"],
+        "patch_size": v["patch_size"],
+        "num_hidden_layers": v["layers"],
+        "num_attention_heads": v["heads"],
+        "intermediate_size": v["ffn"],
+        "layer_norm_eps": v["eps"],
+        "hidden_act": "gelu_pytorch_tanh",
+        "num_channels": 3,
+        "vision_use_head": False,
+    }
+
+
+def preprocessor_config() -> dict:
+    """The tiny VLM's preprocessor_config.json (Gemma3ImageProcessor's keys, sized for 16 px images)."""
+    v = TINY_VISION
+    return {
+        "image_processor_type": "Gemma3ImageProcessor",
+        "processor_class": "Gemma3Processor",
+        "do_convert_rgb": None,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "do_pan_and_scan": None,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "image_seq_length": v["mm_tokens"],
+        "resample": 2,
+        "rescale_factor": 1 / 255,
+        "size": {"height": v["image_size"], "width": v["image_size"]},
+    }
+
+
 def multimodal_config(tied: bool = True) -> dict:
     """Gemma3ForConditionalGeneration config: the text model under text_config, ids at the top level."""
     text = {
@@ -211,21 +300,33 @@ def make_tiny_hf_checkpoint(
     multimodal: bool = False,
     mm_layout: str = "new",
     tied: bool = True,
+    vision: str = "stub",
 ) -> Path:
     """Write the tiny checkpoint into ``directory`` (created) and return it. Deterministic in its arguments.
 
     ``sharded`` splits the weights over 3 files with ``model.safetensors.index.json``; ``multimodal`` writes a
     Gemma3ForConditionalGeneration layout (``mm_layout`` "new": model.language_model.*, "old":
-    language_model.model.*) with a few vision tensors beside the text tower; ``tied=False`` adds lm_head.
+    language_model.model.*) with a few vision tensors beside the text tower (``vision="stub"``) or a real
+    tiny vision tower + projector (``vision="real"``: model.vision_tower.* / model.multi_modal_projector.*
+    for "new", vision_tower.* / multi_modal_projector.* for "old"), a preprocessor_config.json and the VLM
+    tokenizer; ``tied=False`` adds lm_head.
     """
+    if vision not in ("stub", "real"):
+        raise ValueError(f"vision {vision!r}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     weights = random_text_weights(seed, tied)
     config = text_config(tied)
     if multimodal:
         weights = {mm_rename(n, mm_layout): a for n, a in weights.items()}
-        weights.update(vision_weights(np.random.default_rng(seed + 1000)))
         config = multimodal_config(tied)
+        if vision == "real":
+            weights.update(real_vision_weights(seed + 2000, "model." if mm_layout == "new" else ""))
+            config["vision_config"] = real_vision_config()
+            pre = json.dumps(preprocessor_config(), indent=2)
+            (directory / "preprocessor_config.json").write_text(pre)
+        else:
+            weights.update(vision_weights(np.random.default_rng(seed + 1000)))
     config["torch_dtype"] = dtype
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     plain = {n: a for n, a in weights.items() if a.dtype == np.float32}
@@ -236,7 +337,7 @@ def make_tiny_hf_checkpoint(
         save_tensors(directory / "model.safetensors", plain, dtype)
         if other:
             save_file(other, str(directory / "model-extra.safetensors"))
-    write_tokenizer(directory / "tokenizer.json")
+    write_tokenizer(directory / "tokenizer.json", vision=multimodal and vision == "real")
     return directory
 
 
@@ -299,8 +400,155 @@ def build_tokenizer():
     return tok
 
 
-def write_tokenizer(path: Path) -> None:
-    build_tokenizer().save(str(path))
+def write_tokenizer(path: Path, vision: bool = False) -> None:
+    """The tiny tokenizer.json; ``vision`` gives the VLM variant (``build_vision_tokenizer``)."""
+    (build_vision_tokenizer() if vision else build_tokenizer()).save(str(path))
+
+
+def build_vision_tokenizer():
+    """``build_tokenizer`` with ids 509/510/511 turned into the special ``<image_soft_token>``,
+    ``<start_of_image>``, ``<end_of_image>`` (as in Gemma 3's vocabulary, where they are special too).
+
+    The learned pieces those ids held are dropped with every merge that makes or uses them, so text
+    that used them tokenizes into smaller pieces; every other id keeps its piece.
+    """
+    from tokenizers import Tokenizer
+
+    spec = json.loads(build_tokenizer().to_str())
+    vocab = spec["model"]["vocab"]
+    by_id = {i: piece for piece, i in vocab.items()}
+    dropped = {by_id[i] for i in VISION_SPECIALS}
+    for i, name in VISION_SPECIALS.items():
+        del vocab[by_id[i]]
+        vocab[name] = i
+    spec["model"]["merges"] = [
+        m for m in spec["model"]["merges"] if not ({*_merge_pair(m), "".join(_merge_pair(m))} & dropped)
+    ]
+    tok = Tokenizer.from_str(json.dumps(spec))
+    tok.add_special_tokens(list(VISION_SPECIALS.values()))
+    assert tok.get_vocab_size() == TINY["vocab"], tok.get_vocab_size()
+    assert all(tok.token_to_id(name) == i for i, name in VISION_SPECIALS.items())
+    return tok
+
+
+def _merge_pair(m) -> tuple[str, str]:
+    return tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
+
+
+# --- llama.cpp's mmproj GGUF of the vision tower ------------------------------------------------------------
+
+#: llama.cpp's tensor names (gguf-py constants.py / tensor_mapping.py) for the HF vision names, written out
+#: here independently of hmad.model.vision so the reader is checked against a second spelling of the table
+MMPROJ_LAYER = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.out_proj": "attn_out",
+    "layer_norm1": "ln1",
+    "layer_norm2": "ln2",
+    "mlp.fc1": "ffn_up",
+    "mlp.fc2": "ffn_down",
+}
+MMPROJ_TOP = {
+    "embeddings.patch_embedding": "v.patch_embd",
+    "embeddings.position_embedding": "v.position_embd",
+    "post_layernorm": "v.post_ln",
+}
+#: --outtype -> (LlamaFileType value written as general.file_type, GGML type of the 2-D weights)
+MMPROJ_FTYPES = {"f32": (0, "F32"), "f16": (1, "F16"), "bf16": (32, "BF16"), "q8_0": (7, "Q8_0")}
+
+
+def mmproj_name(hf: str) -> str:
+    """HF vision name -> llama.cpp mmproj name (either HF prefix layout)."""
+    name = hf.removeprefix("model.").replace("_weight", ".weight")  # as Gemma3VisionModel.filter_tensors
+    if name.startswith("multi_modal_projector."):
+        rest = name.removeprefix("multi_modal_projector.")
+        return {"mm_input_projection.weight": "mm.input_projection.weight"}.get(
+            rest, rest.replace("mm_soft_emb_norm", "mm.soft_emb_norm")
+        )
+    rest = name.removeprefix("vision_tower.vision_model.")
+    if rest.startswith("encoder.layers."):
+        i, tail = rest.removeprefix("encoder.layers.").split(".", 1)
+        module, kind = tail.rsplit(".", 1)
+        return f"v.blk.{i}.{MMPROJ_LAYER[module]}.{kind}"
+    module, kind = rest.rsplit(".", 1)
+    return f"{MMPROJ_TOP[module]}.{kind}"
+
+
+def mmproj_qtype(hf: str, array: np.ndarray, ftype: str) -> str:
+    """The GGML type llama.cpp's converter stores an HF vision tensor as (Gemma3VisionModel's rules)."""
+    if "input_projection" in hf:
+        return "F16"  # tensor_force_quant, llama.cpp issue 13025
+    if ".embeddings." in hf or array.ndim <= 1:
+        return "F32"  # the patch and position embeddings; every 1-D tensor
+    return MMPROJ_FTYPES[ftype][1]
+
+
+def make_tiny_mmproj(
+    path: str | Path, hf_dir: str | Path, ftype: str = "f16", projector_type: str = "gemma3"
+) -> Path:
+    """Write ``hf_dir``'s vision tower + projector as an mmproj GGUF, as ``convert_hf_to_gguf.py --mmproj
+    --outtype {ftype}`` writes it: general.architecture "clip", general.type "mmproj", clip.projector_type
+    "gemma3", clip.vision.* from vision_config (projection_dim = the text width), image mean/std and the
+    pooling scale (image_seq_length from preprocessor_config.json; written only when not 4); names mapped,
+    ``mm.soft_emb_norm.weight`` stored as ``1 + w``, nothing transposed; dtypes by ``mmproj_qtype``.
+    ``projector_type`` other than "gemma3" makes a file the reader must refuse.
+    """
+    import gguf
+    from safetensors import safe_open
+
+    hf_dir, path = Path(hf_dir), Path(path)
+    config = json.loads((hf_dir / "config.json").read_text())
+    pre = json.loads((hf_dir / "preprocessor_config.json").read_text())
+    vc = config["vision_config"]
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_file_type(MMPROJ_FTYPES[ftype][0])
+    w.add_clip_has_vision_encoder(True)
+    w.add_vision_projection_dim(config["text_config"]["hidden_size"])
+    w.add_vision_image_size(vc["image_size"])
+    w.add_vision_patch_size(vc["patch_size"])
+    w.add_vision_embedding_length(vc["hidden_size"])
+    w.add_vision_feed_forward_length(vc["intermediate_size"])
+    w.add_vision_block_count(vc["num_hidden_layers"])
+    w.add_vision_head_count(vc["num_attention_heads"])
+    w.add_vision_image_mean(pre["image_mean"])
+    w.add_vision_image_std(pre["image_std"])
+    w.add_clip_projector_type(projector_type)
+    w.add_vision_attention_layernorm_eps(vc.get("layer_norm_eps", 1e-6))
+    w.add_vision_use_gelu(True)
+    per_side = int(pre.get("image_seq_length", 256) ** 0.5)
+    scale = (vc["image_size"] // vc["patch_size"]) // per_side
+    if scale > 0 and scale != 4:
+        w.add_vision_projector_scale_factor(scale)
+    for hf, array in _hf_vision_tensors(hf_dir, safe_open):
+        if "soft_emb_norm" in hf:
+            array = array + np.float32(1.0)
+        _add_tensor(w, gguf, mmproj_name(hf), array, mmproj_qtype(hf, array, ftype))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _hf_vision_tensors(hf_dir: Path, safe_open):
+    """(HF name, float32 array) of every vision tower / projector tensor, in file order."""
+    for file in sorted(hf_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="np") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if "vision_tower." in name or "multi_modal_projector." in name:
+                    yield name, f.get_tensor(name).astype(np.float32)
+
+
+def _add_tensor(w, gguf, name: str, array: np.ndarray, qtype: str) -> None:
+    if qtype == "F32":
+        w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    elif qtype == "F16":
+        w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float16))
+    else:
+        kind = gguf.GGMLQuantizationType[qtype]
+        w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(array), kind), raw_dtype=kind)
 
 
 # --- the transformers reference (needs torch + transformers) -----------------------------------------------
