@@ -164,6 +164,72 @@ def test_bad_parameters_raise_before_connecting(sock_path):
             c.generate("hi", temprature=1)
 
 
+PNG = b"\x89PNG\r\n\x1a\n" + bytes(32)  # a PNG's signature: what the wire checks (the daemon decodes it)
+
+
+def test_images_are_read_from_paths_and_sent_as_bytes(sock_path, tmp_path):
+    png = tmp_path / "a.png"
+    png.write_bytes(PNG)
+    jpeg = tmp_path / "b.jpg"
+    jpeg.write_bytes(b"\xff\xd8\xff\xe0" + bytes(8))
+    with Client(sock_path) as c:  # nothing is sent until the stream is read: its message is inspected
+        msg = c._async.stream("what is this?", images=[str(png), jpeg, bytearray(PNG)])._msg
+        assert msg["images"] == [PNG, jpeg.read_bytes(), PNG] and msg["v"] == 4
+        parts = [{"type": "image", "image": png}, {"type": "text", "text": "and?"}]
+        messages = [{"role": "user", "content": parts}]
+        msg = c._async.stream(messages=messages)._msg
+        assert msg["messages"][0]["content"] == [
+            {"type": "image", "image": PNG},
+            {"type": "text", "text": "and?"},
+        ]
+        assert messages[0]["content"][0]["image"] == png  # the caller's messages are left as they were
+        assert c._async.stream("no images")._msg["v"] == 1  # an older daemon still serves the rest
+
+
+def test_image_files_refused_before_anything_is_sent(sock_path, tmp_path):
+    (tmp_path / "notes.txt").write_text("not an image")
+    big = tmp_path / "big.png"
+    with open(big, "wb") as f:
+        f.write(PNG)
+        f.truncate(P.MAX_FRAME_BYTES + 1)  # sparse: over the wire's limit, stat'ed before it is read
+    cases = [
+        (
+            [tmp_path / "missing.png"],
+            P.BAD_REQUEST,
+            r"images\[0\]: cannot read image .*missing.png.*No such file",
+        ),
+        ([PNG, tmp_path], P.BAD_REQUEST, "images\\[1\\]: cannot read image .*: Is a directory"),
+        ([tmp_path / "notes.txt"], P.BAD_REQUEST, "notes.txt' is not an image file \\(PNG/JPEG"),
+        ([big], P.TOO_LARGE, f"big.png' is {P.MAX_FRAME_BYTES + 1} bytes, over a request's limit"),
+        ([b"GIF8"], P.BAD_REQUEST, "images\\[0\\] is not an image file"),
+        ([PNG] * (P.MAX_IMAGES + 1), P.TOO_LARGE, "images is over the limit of 16"),
+    ]
+    with Client(sock_path) as c:  # no daemon there: each is refused before connecting
+        for images, code, match in cases:
+            with pytest.raises(ProtocolError, match=match) as info:
+                c.generate("x", images=images)
+            assert info.value.code == code, info.value
+        with pytest.raises(ProtocolError, match="images need the chat template"):
+            c.generate("x", images=[PNG], raw=True)
+        parts = [{"type": "image", "image": str(tmp_path / "gone.webp")}]
+        with pytest.raises(ProtocolError, match=r"messages\[0\]\.content\[0\]\.image: cannot read image"):
+            c.stream(messages=[{"role": "user", "content": parts}])
+        with pytest.raises(ProtocolError, match="only a user message may hold images"):
+            c.generate(messages=[{"role": "assistant", "content": [{"type": "image", "image": PNG}]}])
+
+
+def test_async_client_reads_image_paths_too(sock_path, tmp_path):
+    (tmp_path / "a.png").write_bytes(PNG)
+
+    async def main():
+        async with AsyncClient(sock_path) as c:
+            assert c.stream("x", images=[tmp_path / "a.png"])._msg["images"] == [PNG]
+            with pytest.raises(ProtocolError, match="cannot read image"):
+                await c.generate("x", images=[tmp_path / "b.png"])
+
+    asyncio.run(main())
+
+
 def test_socket_path_too_long():
     with pytest.raises(ValueError, match="107"):
         AsyncClient("/tmp/" + "x" * 200)

@@ -103,6 +103,52 @@ def test_out_of_range_values_exit_2_before_connecting(sock_path, capsys):
     assert cli.main(["--socket", "/tmp/" + "x" * 200, "status"]) == 2
 
 
+PNG = b"\x89PNG\r\n\x1a\n" + bytes(32)  # a PNG's signature: what the wire checks
+
+
+def test_image_flags_parse_in_order_and_raw_is_refused(tmp_path, capsys):
+    args = cli.build_parser().parse_args(["query", "--image", "a.png", "--image", "b.jpg", "what?"])
+    assert (args.images, args.prompt) == (["a.png", "b.jpg"], "what?")
+    assert cli.build_parser().parse_args(["query", "x"]).images is None
+    with pytest.raises(SystemExit) as info:
+        cli.main(["query", "--raw", "--image", "a.png", "x"])
+    assert info.value.code == 2
+    assert "--image needs the chat template: leave out --raw" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["query", "--image"])  # a path is required
+    assert "expected one argument" in capsys.readouterr().err
+
+
+def test_image_files_are_read_by_hmactl_before_connecting(sock_path, tmp_path, capsys, monkeypatch):
+    (tmp_path / "notes.txt").write_text("text")
+    q = ["--socket", sock_path, "query", "--image"]
+    assert cli.main([*q, str(tmp_path / "gone.png"), "x"]) == 2
+    assert "images[0]: cannot read image" in capsys.readouterr().err
+    assert cli.main([*q, str(tmp_path / "notes.txt"), "x"]) == 2
+    assert "is not an image file" in capsys.readouterr().err
+    (tmp_path / "a.png").write_bytes(PNG)
+    sent = []
+
+    def stream(self, prompt, **kw):  # what hmactl asks of the client (the client's own test reads the files)
+        sent.append((prompt, kw))
+        return (piece for piece in ())
+
+    monkeypatch.setattr(cli.Client, "stream", stream)
+    assert cli.main(["--socket", sock_path, "query", "--image", str(tmp_path / "a.png"), "--image",
+                     str(tmp_path / "a.png"), "what?"]) == 0  # fmt: skip
+    assert (
+        sent[0][0] == "what?" and sent[0][1]["images"] == [str(tmp_path / "a.png")] * 2
+    )  # the client reads them
+
+
+def test_query_with_an_image_on_a_model_without_vision_exits_1(hmad, tmp_path, capsys):
+    """The tiny model has no vision tower: hmad refuses the image (``unsupported``), naming it."""
+    (tmp_path / "a.png").write_bytes(PNG)
+    assert cli.main(["--socket", hmad.socket, "query", "--image", str(tmp_path / "a.png"), "what?"]) == 1
+    err = capsys.readouterr().err
+    assert "error: " in err and ("image" in err.lower() or "vision" in err.lower()), err
+
+
 def test_query_flags_are_the_sampling_fields():
     """hmactl query and hmad generate build their flags from the one table, with its ranges and defaults."""
     from hmaclient import sampling

@@ -5,13 +5,16 @@
     hmactl [--socket PATH] [--timeout S] metrics [--json | --prometheus]
     hmactl [--socket PATH] [--timeout S] query [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
            [--min-p P] [--repetition-penalty R] [--repeat-last-n N] [--seed S] [--stop STR]... [--raw]
-           [--json-schema FILE_OR_JSON] [--logprobs N] [--prompt-logprobs N] [--json] PROMPT|-
+           [--json-schema FILE_OR_JSON] [--logprobs N] [--prompt-logprobs N] [--image PATH]... [--json]
+           PROMPT|-
 
 ``query`` streams the answer to stdout as it arrives (``-`` reads the prompt from stdin; ``--raw`` skips the
-chat template); with ``--json`` it prints one JSON object at the end instead. Its sampling flags are
-hmaclient.sampling's fields (``hmactl query --help`` shows each one's range and default); one not given
-takes the daemon's default. ``--json-schema`` makes the
-answer one JSON value satisfying that JSON Schema (a file holding it, or its JSON text; ``'{"type":
+chat template); with ``--json`` it prints one JSON object at the end instead. ``--image PATH`` (repeatable)
+sends an image file (PNG, JPEG, WebP, GIF, BMP) in the prompt's user turn, before its text, in the order
+given (not with ``--raw``: images need the chat template; a model without vision answers
+``unsupported``). Its sampling flags are hmaclient.sampling's fields (``hmactl query --help`` shows each
+one's range and default); one not given takes the daemon's default. ``--json-schema`` makes the answer
+one JSON value satisfying that JSON Schema (a file holding it, or its JSON text; ``'{"type":
 "object"}'`` is any JSON object). ``--logprobs N`` / ``--prompt-logprobs N`` (0..20) ask for each generated /
 prompt token's logprob and its N most likely alternatives: printed after the answer, one token a line
 (logprob, the token's text as a JSON string, then the alternatives), or with ``--json`` as lists of
@@ -82,6 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"show each {what} token's logprob and its N most likely alternatives "
             f"(N from 0 to {sampling.MAX_LOGPROBS})",
         )
+    q.add_argument(
+        "--image",
+        action="append",
+        dest="images",
+        metavar="PATH",
+        help="an image file (PNG, JPEG, WebP, GIF, BMP) shown before the prompt's text; repeat for more "
+        "(not with --raw)",
+    )
     q.add_argument("--json", action="store_true", help="print one JSON object at the end, no streaming")
     q.add_argument("prompt", metavar="PROMPT|-", help="the prompt, or - to read it from stdin")
     return ap
@@ -104,7 +115,10 @@ def _count_arg(name: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)  # exits 2 on a usage error
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits 2 on a usage error
+    if args.command == "query" and args.images and args.raw:
+        parser.error("--image needs the chat template: leave out --raw")
     try:
         client = Client(args.socket, timeout=args.timeout)
     except ValueError as e:  # e.g. a socket path too long for a Unix socket
@@ -174,6 +188,7 @@ def _query(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         "json_schema": args.json_schema,
         "logprobs": args.logprobs,
         "prompt_logprobs": args.prompt_logprobs,
+        "images": args.images,  # paths: the client reads them
     }
     if args.json:
         r = client.generate(prompt, **params)

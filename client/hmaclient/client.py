@@ -312,6 +312,10 @@ class AsyncClient:
     ) -> AsyncStream:
         if isinstance(params.get("stop"), str):
             params = {**params, "stop": [params["stop"]]}
+        if params.get("images") is not None:
+            params = {**params, "images": read_images(params["images"], "images")}
+        if messages is not None:
+            messages = [_read_parts(i, m) for i, m in enumerate(messages)]
         rid = next(self._ids) if id is None else id
         msg = P.generate_request(rid, prompt, messages, stream=kw.pop("stream"), **params)
         return AsyncStream(self, msg, **kw)
@@ -464,6 +468,50 @@ class Client:
         except BaseException:
             fut.cancel()  # KeyboardInterrupt and friends: the task's cleanup cancels its request
             raise
+
+
+def read_images(images: Any, where: str) -> Any:
+    """A list of images (bytes, or paths read here) -> their bytes; anything else is left to the wire's
+    check to name."""
+    if not isinstance(images, list | tuple):
+        return images
+    return [image_bytes(x, f"{where}[{j}]") for j, x in enumerate(images)]
+
+
+def image_bytes(image: Any, where: str) -> Any:
+    """An image: bytes as they are; a path (str or os.PathLike) -> the file's bytes, or a ProtocolError
+    naming ``where`` and the file when it is missing, unreadable, over the request limit or no image."""
+    if isinstance(image, bytearray | memoryview):
+        return bytes(image)
+    if not isinstance(image, str | os.PathLike):
+        return image  # bytes, or something the wire's check refuses by name
+    path = os.fspath(image)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > P.MAX_FRAME_BYTES:
+                msg = f"{where}: {path!r} is {size} bytes, over a request's limit of {P.MAX_FRAME_BYTES}"
+                raise P.ProtocolError(P.TOO_LARGE, msg)
+            data = f.read(P.MAX_FRAME_BYTES + 1)
+    except OSError as e:
+        raise P.ProtocolError(P.BAD_REQUEST, f"{where}: cannot read image {path!r}: {e.strerror}") from None
+    if P.image_format(data) is None:
+        kinds = "/".join(k.upper() for k in P.IMAGE_SIGNATURES)
+        raise P.ProtocolError(P.BAD_REQUEST, f"{where}: {path!r} is not an image file ({kinds})")
+    return data
+
+
+def _read_parts(i: int, m: Any) -> Any:
+    """A message whose content is a list of parts, with each image part's path read (a copy)."""
+    if not isinstance(m, dict) or not isinstance(m.get("content"), list):
+        return m
+    parts = [
+        {**p, "image": image_bytes(p["image"], f"messages[{i}].content[{j}].image")}
+        if isinstance(p, dict) and p.get("type") == "image" and "image" in p
+        else p
+        for j, p in enumerate(m["content"])
+    ]
+    return {**m, "content": parts}
 
 
 async def _next_or_none(astream: AsyncIterator[Piece]) -> Piece | None:
