@@ -129,6 +129,26 @@ def test_sections_mirror_the_classes_they_configure():
         assert all(defaults[k] == v for k, v in getattr(Config(), section).model_dump().items())
 
 
+def test_vision_section_is_the_image_limits(tmp_path):
+    """vision: the limits of hmad.model.images (its defaults), under the names the messages give."""
+    from hmad.model.images import ImageLimits
+
+    assert Config().image_limits() == ImageLimits()
+    assert Config().vision.model_dump() == {
+        "max_image_bytes": 20 << 20,
+        "max_image_pixels": 50_000_000,
+        "max_images_per_request": 8,
+    }
+    text = "vision:\n  max_image_bytes: 1MiB\n  max_image_pixels: 1000\n  max_images_per_request: 0\n"
+    assert load_config(_write(tmp_path, text), env=ENV).image_limits() == ImageLimits(1 << 20, 1000, 0)
+    cfg = load_config(
+        overrides={"vision.max_image_bytes": "1KiB", "vision.max_image_pixels": 1 << 30}, env=ENV
+    )
+    assert cfg.image_limits() == ImageLimits(1024, 1 << 30, 8)  # the ranges' ends are allowed
+    assert "unknown key 'vision.max_pixels'" in _error(**{"vision.max_pixels": 10})
+    assert "did you mean 'max_image_pixels'?" in _error(**{"vision.max_pixels": 10})
+
+
 def test_engine_deterministic_reaches_the_backend():
     from hmad.backends.cpu import CpuBackend
     from hmad.backends.npu.backend import NpuBackend
@@ -307,6 +327,15 @@ BAD_VALUES = [
     ("socket.path", "/" + "x" * 120, ["longer than a Unix socket path can be"]),
     ("socket.group", 1000, ["a group name (a string)", "quote it"]),
     ("socket.mode", "rw-rw----", ["permission bits from 0000 to 0777"]),
+    ("vision.max_image_bytes", "2GiB", ["a byte size from 1KiB to 1GiB", "= 2147483648 bytes"]),
+    ("vision.max_image_bytes", 100, ["a byte size from 1KiB to 1GiB", "got 100 (= 100 bytes)"]),
+    ("vision.max_image_bytes", "big", ["a byte size", "got 'big'"]),
+    ("vision.max_image_pixels", 0, ["an integer from 1 to 1073741824", "got 0"]),
+    ("vision.max_image_pixels", "50M", ["an integer from 1 to 1073741824", "got '50M'"]),
+    ("vision.max_image_pixels", 5e7, ["an integer", "got 50000000.0"]),
+    ("vision.max_images_per_request", -1, ["an integer from 0 to 1024", "got -1"]),
+    ("vision.max_images_per_request", 2000, ["an integer from 0 to 1024", "got 2000"]),
+    ("vision.max_images_per_request", True, ["an integer", "got True"]),
 ]
 
 

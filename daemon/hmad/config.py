@@ -7,7 +7,8 @@ built-in defaults.
 
 Each section is a pydantic model (strict types, frozen); a section that configures a class takes its keys
 and defaults from it (engine: SchedulerConfig, vulkan: VulkanOptions, cpu: CpuBackend, npu: NpuBackend,
-sampling: the one table of the sampling fields, hmaclient.sampling): only the ranges are written here.
+sampling: the one table of the sampling fields, hmaclient.sampling; vision: hmad.model.images.ImageLimits,
+under longer names): only the ranges are written here.
 Every value is checked; a bad one raises ``ConfigError`` naming the dotted key, what is allowed, what was
 given and where it came from (one function words pydantic's errors so: ``_explain``)::
 
@@ -58,6 +59,7 @@ from hmad.config_keys import (  # the keys' types; parse_bytes and UNIX_PATH_MAX
 from hmad.core.errors import HmadError
 from hmad.engine.sampling_schema import sampling_model
 from hmad.engine.scheduler import SchedulerConfig
+from hmad.model.images import ImageLimits
 
 if TYPE_CHECKING:
     from hmad.engine.sampling import SamplingParams
@@ -139,6 +141,17 @@ class LimitsConfig(_Section):
     max_prompt_tokens: int_in(0, 1 << 24) = 0
 
 
+_IMAGES = ImageLimits()  # the vision keys' defaults are ImageLimits'
+
+
+class VisionConfig(_Section):
+    """The limits on a request's images (hmad.model.images.ImageLimits, ``Config.image_limits``)."""
+
+    max_image_bytes: byte_size(1 << 10, 1 << 30) = _IMAGES.max_bytes
+    max_image_pixels: int_in(1, 1 << 30) = _IMAGES.max_pixels
+    max_images_per_request: int_in(0, 1024) = _IMAGES.max_images
+
+
 class ServerConfig(_Section):
     """The socket's limits on its peers (docs/protocol.md, "Limits")."""
 
@@ -217,6 +230,7 @@ _SECTIONS: dict[str, type[BaseModel]] = {
     "socket": SocketConfig,
     "engine": EngineConfig,
     "limits": LimitsConfig,
+    "vision": VisionConfig,
     "server": ServerConfig,
     "service": ServiceConfig,
     "sampling": SamplingConfig,
@@ -237,6 +251,7 @@ class Config(_Section):
     socket: SocketConfig = Field(default_factory=SocketConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    vision: VisionConfig = Field(default_factory=VisionConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     service: ServiceConfig = Field(default_factory=ServiceConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
@@ -256,6 +271,10 @@ class Config(_Section):
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(**self.engine.model_dump(exclude={"deterministic"}))  # the backend's, not its
+
+    def image_limits(self) -> ImageLimits:
+        v = self.vision
+        return ImageLimits(v.max_image_bytes, v.max_image_pixels, v.max_images_per_request)
 
     def sampling_defaults(self) -> SamplingParams:
         """A fresh SamplingParams (the scheduler edits its copy) holding the configured defaults."""
