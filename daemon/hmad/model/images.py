@@ -138,7 +138,9 @@ def to_rgb(im: Image.Image) -> Image.Image:
     if "A" in im.getbands() or im.info.get("transparency") is not None:
         rgba = im if im.mode == "RGBA" else im.convert("RGBA")
         white = Image.new("RGBA", im.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, rgba).convert("RGB")
+        composed = Image.alpha_composite(white, rgba)
+        del white, rgba  # freed before the RGB copy is made: one full-size image less at the peak
+        return composed.convert("RGB")
     return im if im.mode == "RGB" else im.convert("RGB")
 
 
