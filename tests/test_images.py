@@ -260,6 +260,15 @@ def test_not_an_image(data, says):
     assert msg.startswith("image 2: not a PNG, JPEG, WebP, GIF or BMP file (") and msg.endswith(says)
 
 
+@pytest.mark.parametrize("fmt", ["TIFF", "PPM", "ICO", "TGA", "PCX"])
+def test_formats_pillow_reads_but_we_do_not(fmt):
+    """The allow-list is Image.open's formats=: a valid file of another format Pillow knows is refused."""
+    data = _encode(_rgb(8, 8), fmt)
+    with Image.open(io.BytesIO(data)) as im:
+        assert im.format == fmt
+    assert _error(data).startswith("image 1: not a PNG, JPEG, WebP, GIF or BMP file (the first bytes are ")
+
+
 def test_truncated_files():
     png, jpeg = _encode(_rgb(40, 50), "PNG"), _encode(_rgb(40, 50), "JPEG")
     assert _error(png[:200]) == "image 1: truncated or corrupt PNG: image file is truncated"

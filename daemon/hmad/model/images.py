@@ -44,7 +44,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from PIL import Image
+from PIL import (  # noqa: F401 - imported to register them: the allowed formats' readers, and no others
+    BmpImagePlugin,
+    GifImagePlugin,
+    Image,
+    JpegImagePlugin,
+    MpoImagePlugin,
+    PngImagePlugin,
+    WebPImagePlugin,
+)
 
 from hmad.core.errors import HmadError
 
@@ -52,8 +60,6 @@ from hmad.core.errors import HmadError
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 _ALLOWED = "a PNG, JPEG, WebP, GIF or BMP file"
 RESCALE = 1 / 255  # Gemma 3's rescale_factor
-
-Image.init()  # register every plugin now: Image.open's lazy registration is not meant for two threads
 
 
 @dataclass(frozen=True)
@@ -184,9 +190,11 @@ def _pillow_call(fn, what: str):
 
 
 def _reason(e: BaseException) -> str:
-    text = str(e).strip()
-    usual = isinstance(e, OSError | SyntaxError | ValueError | EOFError)
-    return text if usual and text else f"{type(e).__name__}: {text}" if text else type(e).__name__
+    """Pillow's words for ``e`` on one line, at most 200 characters; an unusual exception is named."""
+    text = " ".join(str(e).split())[:200]
+    if text and isinstance(e, OSError | SyntaxError | ValueError | EOFError):
+        return text
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 _pillow_lock = threading.Lock()
