@@ -2,10 +2,12 @@
 
 Each example is one request: a ``generate`` with a random prompt (any Unicode, astral characters, control
 characters, special-token texts, lone surrogates, strings at MAX_PROMPT_CHARS and one over) or random
-``messages`` (valid and invalid shapes), random values *and types* for every field, unknown fields and
-random ids; or a ``cancel``, ``status`` or ``ping``; or bytes that are no msgpack at all. It goes out over a
-raw DEALER or through hmaclient. Two models: the embedded Gemma 3 270M, and a tiny GGUF whose vocabulary
-has no byte-fallback tokens (most text cannot be encoded: issue 15's crash).
+``messages`` (valid and invalid shapes, contents that are lists of text and image parts), ``images``
+(encoded images of every format the wire takes, signatures over junk, junk), random values *and types* for
+every field, unknown fields and random ids; or a ``cancel``, ``status`` or ``ping``; or bytes that are no
+msgpack at all. It goes out over a raw DEALER or through hmaclient. Two models: the embedded Gemma 3
+270M, and a tiny GGUF whose vocabulary has no byte-fallback tokens (most text cannot be encoded: issue 15's
+crash); neither has a vision tower.
 
 Checked, per model:
 - every request on the raw DEALERs gets exactly one terminal reply: a refused one exactly one ``error``,
@@ -29,6 +31,7 @@ database. Requests per model: 5,000 (the 270M's about 2 minutes on 2 cores: its 
 from __future__ import annotations
 
 import collections
+import io
 import os
 import threading
 import time
@@ -40,6 +43,7 @@ import zmq
 from daemon_harness import Daemon
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from PIL import Image
 from tiny_gguf import MIXED, make_tiny_gguf
 
 from hmaclient import Client, RequestCancelled, RequestError
@@ -59,7 +63,17 @@ CONTEXT = 32  # the daemons' context: keeps the accepted requests cheap (prompts
 WELL_BEHAVED = {"embedded": "1, 2, 3, 4, 5, 6,", "no_byte_tokens": "the cat and the dog"}
 
 SAMPLING_FIELDS = [*P.SAMPLING_FIELDS, "raw", "stream"]
-KNOWN_FIELDS = {"v", "type", "id", "prompt", "messages", *SAMPLING_FIELDS, *P.COUNT_FIELDS, "timeout"}
+KNOWN_FIELDS = {
+    "v",
+    "type",
+    "id",
+    "prompt",
+    "messages",
+    "images",
+    *SAMPLING_FIELDS,
+    *P.COUNT_FIELDS,
+    "timeout",
+}
 
 
 # -- strategies ------------------------------------------------------------------------------------------
@@ -113,6 +127,52 @@ HUGE_TEXT = st.builds(
     st.text(BMP_CHARS, min_size=1, max_size=8),
     HUGE_LENGTHS,
 )
+
+
+def _image(kind: str, size: tuple[int, int]) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, (200, 30, 90)).save(buf, kind)
+    return buf.getvalue()
+
+
+# encoded images: one of each format the wire takes, and bytes that only begin like one (the daemon decodes)
+IMAGE_BYTES = st.sampled_from(
+    [
+        _image(kind, size)
+        for kind, size in (("PNG", (8, 8)), ("JPEG", (3, 17)), ("GIF", (1, 1)), ("BMP", (4, 2)))
+    ]
+    + [
+        _image("WEBP", (5, 5)),
+        b"\x89PNG\r\n\x1a\n" + b"\0" * 8,
+        b"\xff\xd8\xff",
+        b"GIF89a",
+        b"BM",
+        b"",
+        b"RIFF",
+    ]
+) | st.binary(max_size=12)
+TEXT_PART = st.fixed_dictionaries({"type": st.just("text"), "text": SHORT_TEXT})
+IMAGE_PART = st.fixed_dictionaries({"type": st.just("image"), "image": IMAGE_BYTES})
+ODD_PART = st.one_of(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["image", "text", "image_url"]) | JUNK, "image": IMAGE_BYTES | JUNK}
+    ),
+    st.fixed_dictionaries({"type": st.just("text"), "text": st.binary(max_size=4) | JUNK}),
+    st.fixed_dictionaries({"type": st.just("image"), "image": IMAGE_BYTES, "text": SHORT_TEXT}),
+    JUNK,
+)
+PARTS = st.one_of(
+    st.lists(TEXT_PART | IMAGE_PART, min_size=1, max_size=4),
+    st.lists(TEXT_PART | IMAGE_PART | ODD_PART, max_size=4),
+    st.sampled_from(
+        [[{"type": "text", "text": "a"}] * (P.MAX_PARTS + 1), [{"type": "image", "image": b"BM"}] * 17]
+    ),
+)
+IMAGES = st.one_of(  # generate.images
+    st.lists(IMAGE_BYTES, min_size=1, max_size=3),
+    st.sampled_from([[], [b"BM"] * P.MAX_IMAGES, [b"BM"] * (P.MAX_IMAGES + 1), ["a.png"]]),
+    JUNK,
+)
 ROLES = st.sampled_from(["system", "user", "model", "assistant"])
 MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "model", "assistant"]), "content": SHORT_TEXT}
@@ -124,8 +184,12 @@ ODD_MESSAGE = st.one_of(
     ),
     JUNK,
 )
+PART_MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "user", "model", "system"]), "content": PARTS}
+)
 MESSAGES = st.one_of(
     st.lists(MESSAGE, min_size=1, max_size=4),
+    st.lists(MESSAGE | PART_MESSAGE, min_size=1, max_size=3),
     st.tuples(
         st.fixed_dictionaries({"role": st.just("system"), "content": SHORT_TEXT}),
         st.lists(MESSAGE, max_size=3),
@@ -204,6 +268,8 @@ def generate_fields(draw) -> dict:
         msg["messages"] = draw(MESSAGES)
     if rnd.random() < 0.04:
         msg[rnd.choice(["prompt", "messages"])] = draw(JUNK)
+    if rnd.random() < 0.08:
+        msg["images"] = draw(IMAGES)
     for name in SAMPLING_FIELDS:
         _maybe_field(msg, name, draw, rnd.random(), (0.34, 0.37, 0.39))
     for name in P.COUNT_FIELDS:  # logprobs: rarer (their steps read whole logits rows back)
@@ -233,7 +299,7 @@ def request_plan(draw) -> tuple:
         msg[draw(UNKNOWN_NAME)] = draw(JUNK)
     msg["v"] = P.required_version(msg)  # as hmaclient stamps it (a version-3 field in a v1 message: below)
     if rnd.random() < 0.02:
-        msg["v"] = draw(st.sampled_from([0, 1, 2, 4, -1, "1", None, 1.0, True]))
+        msg["v"] = draw(st.sampled_from([0, 1, 2, 3, 5, -1, "1", None, 1.0, True]))
     if rnd.random() < 0.02:
         msg["type"] = draw(st.sampled_from(["launch", "", "GENERATE", "ping"]) | JUNK)
     return channel, op, msg, rnd.randrange(6)  # the id's form (RawTraffic.fresh_id)

@@ -3,6 +3,8 @@
     system (a str or text blocks)          -> the system message (blocks joined by newlines)
     messages (user/assistant; content a str or blocks):
         text blocks                        -> content (joined by newlines)
+        user image blocks (source {type: base64, media_type, data})
+                                           -> the content as hmad's parts, text and images in order
         assistant tool_use blocks          -> the assistant turn's tool_calls {id, name, arguments: input}
         user tool_result blocks            -> tool turns {tool_call_id, content} (before the user's text)
         thinking, redacted_thinking        ignored (the model does not think)
@@ -14,9 +16,10 @@
     tool_choice auto | any | tool | none   -> auto | required | {name} | none;
         disable_parallel_tool_use          -> parallel_tool_calls false
 
-Refused with a 400: image and document blocks, server tools (web search, code execution, ...), thinking
-enabled, a last assistant message (prefill: hmad's answer starts a turn of its own). Ignored: metadata,
-service_tier, cache_control, citations, anthropic-version and anthropic-beta headers.
+Refused with a 400: images by URL (source type url: the gateway fetches nothing; send base64) or file,
+images in assistant turns or tool results, document blocks, server tools (web search, code execution,
+...), thinking enabled, a last assistant message (prefill: hmad's answer starts a turn of its own).
+Ignored: metadata, service_tier, cache_control, citations, anthropic-version and anthropic-beta headers.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pydantic import Field
 
 from hmaclient import sampling
 from hmad.engine.sampling_schema import field_type
+from hmad_openai import images
 from hmad_openai.bodies import Body, hmad_messages, sampling_type
 from hmad_openai.errors import bad_request
 
@@ -93,11 +97,15 @@ def _turns(i: int, m: Message) -> list[Any]:
     """One Anthropic message -> hmad turns: (role, text) tuples, or tool maps."""
     if isinstance(m.content, str):
         return [(m.role, m.content)]
-    texts, calls, results = [], [], []
+    items: list[tuple[str, Any]] = []  # ("text", str) | ("image", bytes), in order
+    calls, results = [], []
     for j, block in enumerate(m.content):
         kind, where = block.get("type"), f"messages[{i}].content[{j}]"
         if kind == "text" and isinstance(block.get("text"), str):
-            texts.append(block["text"])
+            items.append(("text", block["text"]))
+        elif kind == "image":
+            images.only_user(m.role, where)
+            items.append(("image", _image(block.get("source"), where)))
         elif kind == "tool_use" and m.role == "assistant":
             calls.append({"id": block.get("id"), "name": block.get("name"), "arguments": block.get("input")})
         elif kind == "tool_result" and m.role == "user":
@@ -105,14 +113,26 @@ def _turns(i: int, m: Message) -> list[Any]:
             results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": content})
         elif kind in _SKIPPED:
             continue
-        elif kind in ("image", "document"):
-            raise bad_request(f"{where}: {kind} blocks are not supported (the model reads text only)", where)
+        elif kind == "document":
+            raise bad_request(f"{where}: document blocks are not supported (send their text)", where)
         else:
             raise bad_request(f"{where}: a {m.role} message cannot hold a block of type {kind!r}", where)
-    text = "\n".join(texts)
     if calls:
-        return [{"role": "assistant", "content": text, "tool_calls": calls}]
-    return [*results, (m.role, text)] if texts or not results else results
+        return [{"role": "assistant", "content": images.parts(items), "tool_calls": calls}]
+    return [*results, (m.role, images.parts(items))] if items or not results else results
+
+
+def _image(source: Any, where: str) -> bytes:
+    """An image block's source: base64 only (a URL is not fetched, a file id not kept)."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        return images.from_base64(source.get("data"), f"{where}.source.data", source.get("media_type"))
+    if kind == "url":
+        raise bad_request(
+            f"{where}.source: {images.REMOTE.replace('a data: URI', 'source type base64')}", where
+        )
+    msg = f"{where}: image blocks need a source {{type: base64, media_type, data}}, got source type {kind!r}"
+    raise bad_request(msg, where)
 
 
 def _text(content: str | list[Any], where: str) -> str:

@@ -69,9 +69,10 @@ def checked(body_name: str, hmad_name: str, value: Any) -> Any:
     return value
 
 
-def hmad_messages(turns: list[tuple[str, str] | dict[str, Any]]) -> list[dict[str, Any]]:
-    """Turns -> hmad's messages: a (role, text) turn becomes {role, content}, a map (a turn with tool fields)
-    stays as it is; the leading system turns are joined into one (hmad takes one system message, first)."""
+def hmad_messages(turns: list[tuple[str, Any] | dict[str, Any]]) -> list[dict[str, Any]]:
+    """Turns -> hmad's messages: a (role, content) turn becomes {role, content} (content a str, or a user's
+    list of text and image parts: ``images.parts``), a map (a turn with tool fields) stays as it is; the
+    leading system turns (text) are joined into one (hmad takes one system message, first)."""
     out: list[dict[str, Any]] = []
     for turn in turns:
         if isinstance(turn, dict):

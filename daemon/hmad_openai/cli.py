@@ -36,7 +36,7 @@ log = logging.getLogger("hmad_openai")
 API_KEY_ENV = "HMAD_OPENAI_API_KEY"
 GRACEFUL_SHUTDOWN_S = 10.0  # on SIGTERM, streams still running after this are cancelled (and so in hmad)
 HEADER_TIMEOUT_S = 10.0  # a request line and headers arrive at once from any real client
-BODY_TIMEOUT_S = 30.0  # the largest body (MAX_BODY_BYTES) at a slow link's pace
+BODY_TIMEOUT_S = 60.0  # the largest body (MAX_BODY_BYTES: images in base64) at a slow link's pace
 
 
 def build_parser() -> argparse.ArgumentParser:

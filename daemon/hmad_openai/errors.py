@@ -4,6 +4,8 @@
 refused before it was sent) onto them:
 
     bad_request, too_large, prompt_too_long, ProtocolError   400 invalid_request_error
+    unsupported (the model cannot do what was asked, e.g.    400 invalid_request_error
+    images on a model without a vision tower)
     busy                                                     429 rate_limit_error (clients retry)
     shutting_down, loading, hmad unreachable                 503 service_unavailable
     lost the connection while the request ran               502 server_error
@@ -27,6 +29,7 @@ _BY_CODE: dict[str, tuple[int, str]] = {
     P.BAD_REQUEST: (400, INVALID),
     P.TOO_LARGE: (400, INVALID),
     P.PROMPT_TOO_LONG: (400, INVALID),
+    P.UNSUPPORTED: (400, INVALID),  # e.g. images sent to a model without a vision tower
     P.BUSY: (429, "rate_limit_error"),
     P.SHUTTING_DOWN: (503, "service_unavailable"),
     P.LOADING: (503, "service_unavailable"),  # a daemon that answers while its model loads

@@ -19,13 +19,14 @@ from prometheus_client import Counter
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive
 
+from hmaclient import protocol as P
 from hmaclient.client import AsyncClient
 from hmad_openai.errors import OpenAIError
 from hmad_openai.guards import require_json
 
-MAX_BODY_BYTES = (
-    8 * 1024 * 1024
-)  # hmad takes prompts up to 1 Mi characters (<= 4 MiB of UTF-8) in 4 MiB frames
+# hmad takes requests in frames of hmaclient.protocol.MAX_FRAME_BYTES (images included); base64 makes an
+# image a third bigger in a JSON body
+MAX_BODY_BYTES = P.MAX_FRAME_BYTES * 3 // 2
 
 
 @dataclass

@@ -79,7 +79,7 @@ async def chat(request: Request) -> Response:
 async def generate(request: Request) -> Response:
     body = parse(GenerateBody, await read_body(request))
     inputs = body.inputs()
-    if not body.prompt and not body.system:
+    if not body.prompt and not body.system and not body.images:
         return await _loaded(request, body)
     return await _generation(request, body, inputs, chat=False)
 

@@ -1,7 +1,10 @@
 """Ollama request bodies and their translation into hmad's ``generate``.
 
     messages (system/user/assistant, content a str)  -> messages (leading system turns joined)
+    a user message's images (base64 strings)          -> its content as hmad's parts: the images, then the
+                                                      text
     prompt (+ system; raw)                            -> prompt, or [system, user] messages; raw -> raw
+    images (base64 strings; not with raw)             -> images (the user turn's, before the prompt's text)
     format "json" | a JSON Schema                     -> json_schema {"type": "object"} | the schema
     stream (absent or null: true, as Ollama)          -> NDJSON pieces, else one object
     options:
@@ -23,8 +26,9 @@
                                                       bytes, top_logprobs}; top_logprobs without logprobs
                                                       is ignored, as Ollama ignores it
 
-Refused with a 400: images, think (the model does not think), suffix, template, context (send the
-conversation as /api/chat messages), system with raw. Ignored: keep_alive (hmad keeps its one model
+Refused with a 400: images in other than user messages or with raw (they need the chat template), think
+(the model does not think), suffix, template, context (send the conversation as /api/chat messages),
+system with raw. Ignored: keep_alive (hmad keeps its one model
 loaded), the model's name (hmad serves one model; see ``ollama_api``).
 """
 
@@ -35,6 +39,7 @@ from typing import Any
 from pydantic import Field
 
 from hmaclient import sampling
+from hmad_openai import images as _images
 from hmad_openai.bodies import Body, checked, hmad_messages
 from hmad_openai.errors import bad_request
 
@@ -140,8 +145,9 @@ class ChatBody(_Common):
         open_calls: list[dict[str, Any]] = []  # calls not yet answered, oldest first
         for i, m in enumerate(self.messages):
             if m.images:
-                raise bad_request(f'"{self.model}" does not support images', f"messages[{i}].images")
-            if m.role == "tool":
+                _images.only_user(m.role, f"messages[{i}].images")
+                turns.append(("user", _user_parts(m.images, m.content or "", f"messages[{i}].images")))
+            elif m.role == "tool":
                 turns.append(_tool_result(i, m, open_calls))
             elif m.role == "assistant" and m.tool_calls:
                 calls = [_call(i, j, c) for j, c in enumerate(m.tool_calls)]
@@ -153,6 +159,12 @@ class ChatBody(_Common):
                 msg = f"messages[{i}].role {m.role!r} is not supported (system, user, assistant, tool)"
                 raise bad_request(msg, f"messages[{i}].role")
         return hmad_messages(turns)
+
+
+def _user_parts(images: list[Any], text: str, where: str) -> list[dict[str, Any]]:
+    """A user turn's content with images: the images (base64), then the text (if any)."""
+    items = [("image", _images.from_base64(x, f"{where}[{j}]")) for j, x in enumerate(images)]
+    return _images.parts([*items, ("text", text)] if text else items)
 
 
 def _tool(i: int, t: dict[str, Any]) -> dict[str, Any]:
@@ -193,16 +205,22 @@ class GenerateBody(_Common):
 
     def inputs(self) -> dict[str, Any]:
         """hmaclient's prompt or messages for this body."""
-        for name in ("suffix", "template", "context", "images"):
+        for name in ("suffix", "template", "context"):
             if getattr(self, name):
                 why = "send the conversation as /api/chat messages" if name == "context" else "leave it out"
                 raise bad_request(f"{name} is not supported by hmad; {why}", name)
         if self.raw:
             if self.system:
                 raise bad_request("system has no place in a raw prompt: write it into the prompt", "system")
+            if self.images:
+                raise bad_request("images need the chat template: leave out raw", "images")
             return {"prompt": self.prompt or "", "raw": True}
         if self.system:
-            return {"messages": hmad_messages([("system", self.system), ("user", self.prompt or "")])}
+            user = _user_parts(self.images, self.prompt or "", "images") if self.images else self.prompt or ""
+            return {"messages": hmad_messages([("system", self.system), ("user", user)])}
+        if self.images:
+            images = [_images.from_base64(x, f"images[{j}]") for j, x in enumerate(self.images)]
+            return {"prompt": self.prompt or "", "images": images}
         return {"prompt": self.prompt or ""}
 
 

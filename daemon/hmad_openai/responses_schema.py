@@ -5,6 +5,8 @@
     input: items
         messages {role system|developer|user|assistant, content a str or input_text/output_text parts}
                                           -> messages (leading system/developer joined)
+        a user message's input_image parts {image_url: a data:image/...;base64 URI, detail?}
+                                          -> its content as hmad's parts, text and images in order
         function_call {call_id, name, arguments}
                                           -> an assistant turn's tool_calls (consecutive calls: one turn)
         function_call_output {call_id, output}
@@ -20,8 +22,9 @@
                                           event's), {token, logprob, bytes, top_logprobs} a token
 
 Refused with a 400: previous_response_id and conversation (the gateway keeps no state: send the whole
-conversation as input), background, stored prompts (prompt), image and file inputs, other tool types
-(web_search, file_search, ...).
+conversation as input), background, stored prompts (prompt), input_image by file_id (the gateway keeps
+no files) or by a remote URL (it fetches nothing: send a data: URI), images in other than user messages,
+file inputs, other tool types (web_search, file_search, ...).
 Ignored: store, metadata, user, reasoning, truncation, service_tier, safety_identifier, prompt_cache_key,
 include (other values), stream_options.
 """
@@ -32,6 +35,7 @@ from typing import Any
 
 from pydantic import Field
 
+from hmad_openai import images
 from hmad_openai.bodies import Body, hmad_messages, sampling_type
 from hmad_openai.errors import bad_request
 
@@ -139,36 +143,44 @@ def _turn(i: int, item: dict[str, Any]) -> Any:
             raise bad_request(
                 f"input[{i}].role must be system, developer, user or assistant", f"input[{i}].role"
             )
-        return (role, _content(i, item.get("content")))
+        return (role, _content(i, item.get("content"), role))
     if kind == "function_call":
         call = {"id": item.get("call_id"), "name": item.get("name"), "arguments": item.get("arguments")}
         return {"role": "assistant", "content": "", "tool_calls": [call]}
     if kind == "function_call_output":
         output = item.get("output")
-        text = output if isinstance(output, str) else _content(i, output)
+        text = output if isinstance(output, str) else _content(i, output, "tool")
         return {"role": "tool", "tool_call_id": item.get("call_id"), "content": text}
     if kind == "reasoning":
         return None
     raise bad_request(f"input[{i}]: items of type {kind!r} are not supported", f"input[{i}].type")
 
 
-def _content(i: int, content: Any) -> str:
+def _content(i: int, content: Any, role: str) -> str | list[dict[str, Any]]:
+    """An item's content: a str (text parts joined by newlines), or hmad's parts when it holds images."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request(f"input[{i}].content must be a string or a list of parts", f"input[{i}].content")
-    texts = []
+    items: list[tuple[str, Any]] = []
     for j, part in enumerate(content):
-        if (
-            not isinstance(part, dict)
-            or part.get("type") not in _TEXT_PARTS
-            or not isinstance(part.get("text"), str)
-        ):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            msg = f"input[{i}].content[{j}]: only text parts are supported, got {kind!r}"
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
+            items.append(("text", part["text"]))
+        elif kind == "input_image":
+            items.append(("image", _image(part, role, f"input[{i}].content[{j}]", f"input[{i}].content")))
+        else:
+            msg = f"input[{i}].content[{j}]: only text and input_image parts are supported, got {kind!r}"
             raise bad_request(msg, f"input[{i}].content")
-        texts.append(part["text"])
-    return "\n".join(texts)
+    return images.parts(items)
+
+
+def _image(part: dict[str, Any], role: str, where: str, param: str) -> bytes:
+    images.only_user(role, where, param)
+    if part.get("file_id") is not None:
+        msg = f"{where}: file_id is not supported (the gateway keeps no files): send image_url as a data: URI"
+        raise bad_request(msg, param)
+    return images.from_url(part.get("image_url"), f"{where}.image_url", param)
 
 
 def _tool(i: int, t: dict[str, Any]) -> dict[str, Any]:

@@ -4,6 +4,9 @@ What maps where:
 
     messages (system/developer/user/assistant; content a str or a list of text parts)
                                         -> messages (leading system/developer messages joined into one)
+    a user message's image_url parts ({type: image_url, image_url: {url: a data:image/...;base64 URI,
+    detail?}})                          -> its content as hmad's parts, text and images in order
+                                           (``images``; detail is ignored: hmad sizes every image alike)
     prompt (a str, or a list of one str) -> prompt with raw=true (completions send the text as it is)
     max_tokens | max_completion_tokens  -> max_tokens (absent: the daemon's default, sampling.max_tokens)
     temperature, top_p, seed            -> the same (absent: the daemon's defaults)
@@ -24,7 +27,9 @@ What maps where:
 
 Refused with a 400 that says why (rather than silently ignored, since they change the answer): n out of
 range, top_logprobs out of range or without logprobs, the legacy functions / function_call (send tools /
-tool_choice), echo with stream, best_of > 1, suffix, token id prompts, non-text content parts. Fields
+tool_choice), echo with stream, best_of > 1, suffix, token id prompts, content parts other than text and
+image_url (input_audio, file), images in other than user messages, remote image URLs (http(s)://: the
+gateway fetches nothing; send a data: URI), a data: URI that is not base64 of an image. Fields
 this module does not name (user, metadata, store, ...) are ignored.
 The sampling fields' types and ranges are hmad's own (hmaclient.sampling, as pydantic types from
 hmad.engine.sampling_schema): one out of range is a 400 naming it in the wire's words ("top_p must be a
@@ -39,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from hmaclient import sampling
 from hmad.engine.sampling_schema import field_type
+from hmad_openai import images
 from hmad_openai.errors import OpenAIError, bad_request
 
 # OpenAI's names that are hmad's sampling fields (stop, a str or a list, is translated by hand)
@@ -145,9 +151,9 @@ class Message(_Body):
             msg = f"messages[{i}].role {self.role!r} is not supported ({roles})"
             raise bad_request(msg, f"messages[{i}].role")
         if role == "assistant" and self.tool_calls:
-            text = "" if self.content is None else _content_text(self.content, i)
+            text = "" if self.content is None else _content(self.content, i, role)
             return {"role": role, "content": text, "tool_calls": self.tool_calls}
-        out: dict[str, Any] = {"role": role, "content": _content_text(self.content, i)}
+        out: dict[str, Any] = {"role": role, "content": _content(self.content, i, role)}
         if role == "tool":
             if not self.tool_call_id:
                 msg = f"messages[{i}].tool_call_id is required in a tool message (the call it answers)"
@@ -270,19 +276,27 @@ def _count(name: str, v: int | None) -> int | None:
     return v
 
 
-def _content_text(content: str | list[dict[str, Any]] | None, i: int) -> str:
+def _content(content: str | list[dict[str, Any]] | None, i: int, role: str) -> str | list[dict[str, Any]]:
+    """A message's content: a str (text parts joined by newlines), or hmad's parts when it holds images."""
     if content is None:
         raise bad_request(f"messages[{i}].content is required", f"messages[{i}].content")
     if isinstance(content, str):
         return content
-    texts = []
+    items: list[tuple[str, Any]] = []
     for j, part in enumerate(content):
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+        where = f"messages[{i}].content[{j}]"
+        if part.get("type") == "text" and isinstance(part.get("text"), str):
+            items.append(("text", part["text"]))
+        elif part.get("type") == "image_url":
+            images.only_user(role, where, f"messages[{i}].content")
+            image_url = part.get("image_url")
+            url = image_url.get("url") if isinstance(image_url, dict) else image_url
+            items.append(("image", images.from_url(url, f"{where}.image_url.url", f"messages[{i}].content")))
+        else:
             kind = part.get("type")
-            msg = f"messages[{i}].content[{j}]: only text parts are supported, got type {kind!r}"
+            msg = f"{where}: only text and image_url parts are supported, got type {kind!r}"
             raise bad_request(msg, f"messages[{i}].content")
-        texts.append(part["text"])
-    return "\n".join(texts)
+    return images.parts(items)
 
 
 def parse(model: type[_Body], body: bytes) -> Any:
