@@ -29,6 +29,7 @@ from PIL import Image
 from hmad.core.errors import HmadError
 from hmad.model.images import (
     FORMATS,
+    MAX_JPEG_SCANS,
     ImageError,
     ImageLimits,
     PreparedImage,
@@ -224,6 +225,28 @@ def test_pillow_bomb_check_follows_our_limit(monkeypatch):
         msg = _error(_encode(_rgb(50, 50), "PNG"), ImageLimits(max_pixels=2000))
         assert msg == "image 1: 50x50 pixels is over the limit of 2,000 (vision.max_image_pixels)"
     assert not [w for w in seen if issubclass(w.category, Image.DecompressionBombWarning)]
+
+
+def _with_scans(n: int, garbage: bytes = b"") -> bytes:
+    """A progressive 64x64 JPEG (10 scans) with its smallest scan repeated to make ``n`` scans in all, the
+    repeats each after ``garbage`` (bytes libjpeg skips with a warning). libjpeg decodes every repeat."""
+    data = _encode(_rgb(64, 64), "JPEG", progressive=True)
+    starts = [i for i in range(len(data) - 1) if data[i : i + 2] == b"\xff\xda"] + [len(data) - 2]
+    assert len(starts) == 11
+    small = min((data[a:b] for a, b in zip(starts, starts[1:], strict=False)), key=len)
+    return data[:-2] + (garbage + small) * (n - 10) + data[-2:]
+
+
+def test_jpeg_scan_limit():
+    """Each scan is a pass over the picture (a few KB of repeated scans can take minutes to decode)."""
+    assert _prepare(_with_scans(MAX_JPEG_SCANS)).format == "JPEG"
+    for data in (_with_scans(MAX_JPEG_SCANS + 1), _with_scans(MAX_JPEG_SCANS + 1, garbage=b"\x00\x17")):
+        msg = _error(data)
+        assert msg == (
+            f"image 1: a JPEG of more than {MAX_JPEG_SCANS} scans (passes over the picture): "
+            "its decoding time would have no bound"
+        )
+    assert _error(_with_scans(5000)).startswith("image 1: a JPEG of more than")
 
 
 def test_check_count():

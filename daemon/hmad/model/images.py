@@ -60,6 +60,10 @@ from hmad.core.errors import HmadError
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 _ALLOWED = "a PNG, JPEG, WebP, GIF or BMP file"
 RESCALE = 1 / 255  # Gemma 3's rescale_factor
+#: scans (passes over the whole picture) a JPEG may have: each costs a pass and libjpeg takes a repeated one
+#: as a mere warning, so scans decide the decoding time; encoders write 1 to a few tens (libjpeg's
+#: progressive default: 10), libjpeg-turbo's own fuzzing stops at 500
+MAX_JPEG_SCANS = 100
 
 
 @dataclass(frozen=True)
@@ -171,7 +175,39 @@ def _opened(data: bytes, limits: ImageLimits, where: str) -> Image.Image:
     if width * height > limits.max_pixels:
         im.close()
         raise _over_pixels(where, width * height, limits, (width, height))
+    if im.format in ("JPEG", "MPO") and _jpeg_scans(data, MAX_JPEG_SCANS + 1) > MAX_JPEG_SCANS:
+        im.close()
+        raise ImageError(
+            f"{where}: a JPEG of more than {MAX_JPEG_SCANS} scans (passes over the picture): "
+            "its decoding time would have no bound"
+        )
     return im
+
+
+#: the next marker as libjpeg finds it: an FF not followed by a stuffed 00, an RSTn or another FF (fill)
+_MARKER = re.compile(rb"\xff(?=[^\x00\xd0-\xd7\xff])")
+
+
+def _jpeg_scans(data: bytes, stop: int) -> int:
+    """The scans (SOS segments) libjpeg would decode in a JPEG's first picture, counted up to ``stop``.
+
+    Walked as libjpeg walks it: a segment's length skips its body (an embedded thumbnail is inside an APP
+    segment), anything else up to the next marker is skipped (entropy-coded data, and garbage, which
+    libjpeg only warns about), and EOI ends it (an MPO's later pictures follow it)."""
+    n, pos = 0, 2  # after SOI
+    while n < stop:
+        found = _MARKER.search(data, pos)
+        if found is None or found.start() + 4 > len(data):
+            break
+        pos, kind = found.start(), data[found.start() + 1]
+        if kind == 0xD9:  # EOI
+            break
+        if kind in (0x01, 0xD8):  # TEM, SOI: no length
+            pos += 2
+            continue
+        pos += 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
+        n += kind == 0xDA
+    return n
 
 
 def _load(im: Image.Image, fmt: str, where: str) -> None:
