@@ -340,6 +340,15 @@ class VulkanBackend(Backend):
         gathered (row_gather.comp, 4 bytes a row); read before the next top-k step."""
         return self.readback.targets(x.graph, x.n_out)
 
+    def vision_ops(self):
+        """The vision encoder's ops on this device (vision.py's VulkanVisionOps), made once, so the weights
+        it uploads stay on the device across encodes."""
+        from hmad.backends.vulkan.vision import VulkanVisionOps
+
+        if self.__dict__.get("_vision_ops") is None:
+            self._vision_ops = VulkanVisionOps(self.ctx)
+        return self._vision_ops
+
     # -- ops: append dispatches (ops_norm, ops_matmul, ops_attention); the fused ones fall back to the
     # compositions of backends/base.py where their kernels cannot take the shapes ---------------------------
     def embed(self, table: VkWeight, tokens, scale: float) -> Act:

@@ -18,6 +18,7 @@ from hmad.backends.vulkan.kernels_mmq import MMQ_BLOCK
 from hmad.backends.vulkan.kernels_q8 import Q8_MATVEC_BLOCK
 from hmad.backends.vulkan.shapes import RESIDUAL_BLOCK
 from hmad.backends.vulkan.variants import VARIANTS, Variant
+from hmad.backends.vulkan.vision_push import VISION_SOURCES
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ SOURCES: dict[str, tuple[type[ctypes.Structure], int]] = {
     "split_reduce.comp": (p.SplitReducePush, 256),
     "row_scale.comp": (p.RowScalePush, 256),
     "geglu_row_scale.comp": (p.SplitReducePush, 256),
+    **VISION_SOURCES,  # the vision encoder's (vision_push.py)
 }
 
 

@@ -34,6 +34,10 @@ ATTENTION_DECODE_GROUPS = (4, 8)  # ... and query heads per KV head it holds reg
 ATTENTION_DECODE_KL_GROUPS = (2, 4)  # attention_decode_kl.comp (8 lanes per key, Dh <= 128): query heads
 ATTENTION_PREFILL_DPL = (8, 16, 32)  # attention_prefill.comp: head dims per lane (Dh <= 8 DPL)
 ATTENTION_PREFILL_CM_DH = (64, 128, 256)  # attention_prefill_cm.comp: the head dims it is built for
+#: vision_attention.comp: head sizes with a variant of their own (Gemma 3's SigLIP: 72), and the most the
+#: run-time-sized variant takes (a multiple of 4)
+VISION_ATTENTION_DH = (16, 32, 64, 72, 128)
+VISION_ATTENTION_MAX_DH = 256
 #: block types of embed_dq.comp (embed.comp reads f32, f16 and q8_0 tables itself)
 EMBED_DQ_TYPES = ("bf16", "q4_0", "q5_0", "q4_k", "q6_k")
 #: weight types with a decoder in dequant.glsl (mul_mat.comp, mul_mat_reg.comp)
@@ -314,5 +318,38 @@ def _matmat() -> list[Variant]:
     ]
 
 
+def _vision() -> list[Variant]:
+    """The vision encoder's kernels (backends/vulkan/vision*.py): its GEMM per weight type and layout, row
+    norms, elementwise ops, im2col, average pool, and the dense attention per head size (VISION_ATTENTION_DH,
+    and one that reads the head size at run time)."""
+    out = [
+        Variant(f"vision_{op}_{t}", "vision_linear.comp", {**d, **ds}, 4)
+        for op, d in (("linear", {}), ("matmul", {"W_KN": "1"}))
+        for t, ds in (("f32", {}), ("f16", {"W_F16": "1"}))
+    ]
+    out += [
+        _v("vision_layer_norm", "vision_norm.comp", 4),
+        _v("vision_rms_norm", "vision_norm.comp", 3, RMS="1"),
+        _v("vision_add", "vision_eltwise.comp", 3, ADD="1"),
+        _v("vision_gelu", "vision_eltwise.comp", 2, GELU="1"),
+        _v("vision_im2col", "vision_im2col.comp", 2),
+        _v("vision_pool", "vision_pool.comp", 2),
+    ]
+    out += [
+        _v(f"vision_attention_dh{dh}", "vision_attention.comp", 4, DH=f"{dh}u", EXACT="1")
+        for dh in VISION_ATTENTION_DH
+    ]
+    return out + [
+        _v("vision_attention_any", "vision_attention.comp", 4, DH=f"{VISION_ATTENTION_MAX_DH}u", KC="8u")
+    ]
+
+
 #: Every variant, in build order.
-VARIANTS: tuple[Variant, ...] = (*_elementwise(), *_attention(), *_tails(), *_matvec(), *_matmat())
+VARIANTS: tuple[Variant, ...] = (
+    *_elementwise(),
+    *_attention(),
+    *_tails(),
+    *_matvec(),
+    *_matmat(),
+    *_vision(),
+)

@@ -1,0 +1,350 @@
+"""VulkanVisionOps: Gemma 3's vision encoder (model/siglip.py's VisionTower) on the GPU.
+
+``VisionTower(cfg, weights, backend.vision_ops()).encode(pixels)`` runs unchanged: each op here appends
+dispatches to one command buffer instead of computing, and hands on a :class:`VTensor` (a device range, a
+shape, an element format) in place of an array. Activations live in this object's own scratch pool (a range
+returns to it when its last handle dies, as the text model's ``Act``); the recorder places barriers where
+one dispatch reads what another wrote. Nothing runs until a result is wanted on the host: ``to_host(t)`` (or
+``np.asarray(t)``) copies ``t`` into a mapped readback buffer at the end of the command buffer, submits it
+once, waits, and returns ``(…)`` float32. So one encode call is one submit; the next op starts a new
+command buffer (and frees the scratch again).
+
+Weights: :meth:`VulkanVisionOps.upload` puts a tower's canonical tensors on the device once, packed in a few
+arenas, and returns handles to build the VisionTower with; a numpy array handed straight to an op is
+uploaded on first use and kept (by identity) instead. Matrices are stored float32 or float16
+(vision_policy.weight_format); vectors and the position embedding float32.
+
+Kernels (shaders/vision_*.comp, chosen by vision_policy.py): im2col + the tiled GEMM for the patch
+embedding; the GEMM with its bias in the epilogue for every linear layer, and with W read (K, N) for the
+projector; LayerNorm / RMSNorm one workgroup a row; GELU and the (broadcasting) add grid-stride; dense
+attention per (image, head) flash style (online softmax, K and V chunks in shared memory); the k x k average
+pool. All plain paths (no subgroup or cooperative-matrix operation), which lavapipe runs.
+
+The seam for keeping the soft tokens on the GPU: the projector's output is a VTensor in this object's
+scratch until ``to_host``; a later step can bind its view instead of reading it back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Any
+
+import numpy as np
+
+from hmad.backends.vision_ops import VisionOps
+from hmad.backends.vulkan import vision_policy as vp
+from hmad.backends.vulkan.activations import ScratchPool, _Buf
+from hmad.backends.vulkan.context import RecordContext
+from hmad.backends.vulkan.memory import Arena, BufferView, choose_memory_type, create_buffer
+from hmad.backends.vulkan.recorder import CommandRecorder
+from hmad.backends.vulkan.vision_push import (
+    ATTENTION_BLOCK,
+    VisionAttentionPush,
+    VisionEltwisePush,
+    VisionIm2colPush,
+    VisionLinearPush,
+    VisionNormPush,
+    VisionPoolPush,
+)
+
+F32 = np.float32
+#: the GEMM's output tile (vision_linear.comp: BN = BT = 64)
+GEMM_TILE = 64
+#: weights are packed into arenas of about this size (drivers cap the number of allocations)
+ARENA_BYTES = 256 << 20
+#: the host waits this long for one encode's fence (a CPU driver runs a real tower for minutes)
+ENCODE_TIMEOUT_S = 3600.0
+_NP = {"f32": np.float32, "f16": np.float16}
+
+
+class VTensor:
+    """A vision-op tensor on the device: ``view`` (its bytes), ``shape``, ``fmt`` ("f32" / "f16").
+
+    ``keep`` holds what must live as long as the handle (an activation's scratch range). ``epoch``: the
+    encode (command buffer) an activation belongs to; a handle from an encode already read back is stale.
+    """
+
+    __slots__ = ("view", "keep", "shape", "fmt", "ops", "epoch")
+
+    def __init__(self, view: BufferView, shape, fmt: str, ops: VulkanVisionOps, keep: Any = None, epoch=None):
+        self.view, self.shape, self.fmt, self.ops = view, tuple(shape), fmt, ops
+        self.keep, self.epoch = keep, epoch
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def reshape(self, *shape) -> VTensor:
+        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], tuple | list) else shape
+        assert math.prod(shape) == self.size, f"reshape {self.shape} -> {shape}"
+        return VTensor(self.view, shape, self.fmt, self.ops, self.keep, self.epoch)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        a = self.ops.to_host(self)
+        return a if dtype is None else a.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"VTensor({self.shape}, {self.fmt})"
+
+
+class VulkanVisionOps(VisionOps):
+    """The vision ops recorded into one command buffer per encode (module docstring)."""
+
+    def __init__(self, ctx: RecordContext, weight_format: str = "auto"):
+        vp.weight_format(weight_format, "", 2, "float32")  # a bad option fails here
+        self.ctx, self.dev, self.weight_format = ctx, ctx.dev, weight_format
+        self.scratch = ScratchPool(ctx.dev)
+        self.arenas: list[Arena] = []  # the uploaded weights'
+        self.cache: dict[tuple[int, str], tuple[np.ndarray, VTensor]] = {}  # id(array), fmt -> upload
+        self.staging: list[BufferView] = []  # host inputs (pixels), reused by size across encodes
+        self.readback: BufferView | None = None
+        self.rec: CommandRecorder | None = None
+        self.epoch = 0
+        self.encodes = 0  # command buffers submitted (tests read it)
+        self._in_use: list[BufferView] = []
+
+    # -- weights ---------------------------------------------------------------------------------------
+    def upload(self, weights: dict[str, np.ndarray]) -> dict[str, VTensor]:
+        """Every tensor on the device once (packed in arenas of about ARENA_BYTES), each stored as
+        vision_policy.weight_format says; returns name -> handle, to build a VisionTower with."""
+        items = []
+        for name, a in weights.items():
+            fmt = vp.weight_format(self.weight_format, name, np.ndim(a), np.asarray(a).dtype.name)
+            items.append((name, np.ascontiguousarray(a, dtype=_NP[fmt]), fmt))
+        align = self.ctx.align
+        out: dict[str, VTensor] = {}
+        while items:
+            batch, total = [], 0
+            while items and (not batch or total + items[0][1].nbytes <= ARENA_BYTES):
+                batch.append(items.pop(0))
+                total += -(-batch[-1][1].nbytes // align) * align
+            for (name, a, fmt), view in zip(batch, self._pack([a for _, a, _ in batch]), strict=True):
+                out[name] = VTensor(view, a.shape, fmt, self)
+        return out
+
+    def _pack(self, arrays: list[np.ndarray]) -> list[BufferView]:
+        """The arrays uploaded into one new device-local arena, at aligned offsets."""
+        align, offs, at = self.ctx.align, [], 0
+        for a in arrays:
+            offs.append(at)
+            at += -(-max(a.nbytes, 4) // align) * align
+        t = choose_memory_type(self.dev.memory_types, "device", self.dev.heaps)
+        arena = Arena(self.dev, at, t.index)
+        self.arenas.append(arena)
+        views = [
+            BufferView(arena, o, a.nbytes, name="vision weight") for o, a in zip(offs, arrays, strict=True)
+        ]
+        up = self._uploader()
+        for v, a in zip(views, arrays, strict=True):
+            up.upload(v, a)
+        up.flush()
+        return views
+
+    def _uploader(self):
+        from hmad.backends.vulkan.memory import Uploader
+
+        if getattr(self, "_up", None) is None:
+            self._up = Uploader(self.dev, chunk_bytes=16 << 20, slots=2)
+        return self._up
+
+    def _weight(self, w: Any, matrix: bool) -> VTensor:
+        """A weight as a device handle: given as one, or a numpy array uploaded on first use (kept by its
+        identity: the array itself is held, so its id is not reused)."""
+        if isinstance(w, VTensor):
+            return w
+        a = np.asarray(w)
+        fmt = vp.weight_format(self.weight_format, "", a.ndim if matrix else 1, a.dtype.name)
+        hit = self.cache.get((id(w), fmt))
+        if hit is None:
+            (view,) = self._pack([np.ascontiguousarray(a, dtype=_NP[fmt])])
+            hit = self.cache[(id(w), fmt)] = (w, VTensor(view, a.shape, fmt, self))
+        return hit[1]
+
+    # -- recording -------------------------------------------------------------------------------------
+    def _recorder(self) -> CommandRecorder:
+        if self.rec is None:
+            self.scratch.begin()
+            self._in_use = []
+            self.rec = CommandRecorder(self.dev).begin()
+        return self.rec
+
+    def _new(self, shape: tuple[int, ...]) -> VTensor:
+        self._recorder()
+        buf: _Buf = self.scratch.take(4 * math.prod(shape))
+        return VTensor(buf.view, shape, "f32", self, keep=buf, epoch=self.epoch)
+
+    def _act(self, x: Any) -> VTensor:
+        """An activation handle of this encode; a host array is copied in by the command buffer itself
+        (through a mapped staging buffer), so it lands after the dispatches recorded before it."""
+        if isinstance(x, VTensor):
+            if x.epoch is not None and x.epoch != self.epoch:
+                raise ValueError("a vision activation of an encode already read back (to_host) is stale")
+            return x
+        a = np.ascontiguousarray(x, dtype=F32)
+        self._recorder()
+        stage = self._staging(a.nbytes)
+        stage.array(np.uint8)[: a.nbytes] = a.reshape(-1).view(np.uint8)
+        t = self._new(a.shape)
+        self.rec.copy(stage, t.view, a.nbytes, label="vision input")
+        return t
+
+    def _staging(self, nbytes: int) -> BufferView:
+        free = [s for s in self.staging if s.nbytes >= nbytes and s not in self._in_use]
+        if free:
+            s = min(free, key=lambda s: s.nbytes)
+        else:
+            s = create_buffer(self.dev, nbytes, "upload", "vision input")
+            self.staging.append(s)
+        self._in_use.append(s)
+        return s
+
+    def _dispatch(self, name: str, tensors: list[VTensor], push: ctypes.Structure, groups) -> None:
+        rec = self._recorder()
+        k = self.ctx.kernel(name)
+        groups = groups if isinstance(groups, tuple) else k.groups_for(groups)
+        rec.dispatch(k, [t.view for t in tensors], push, groups)
+
+    def _grid(self, n: int) -> int:
+        return self.ctx.grid(n, 256, cap=65535)
+
+    def to_host(self, x: Any) -> np.ndarray:
+        """``x`` on the host (float32, its shape): the command buffer recorded so far, submitted and waited
+        for, with ``x`` read back at its end. Every activation of that encode is stale afterwards."""
+        if not isinstance(x, VTensor):
+            return np.asarray(x, dtype=F32)
+        rec = self._recorder()
+        x = self._act(x)
+        nbytes = 4 * x.size
+        if self.readback is None or self.readback.nbytes < nbytes:
+            if self.readback is not None:
+                self.readback.arena.close()
+            self.readback = create_buffer(self.dev, nbytes, "readback", "vision output")
+        rec.copy(x.view, self.readback, nbytes, label="vision output")
+        rec.end()
+        try:
+            rec.submit(timeout_s=ENCODE_TIMEOUT_S)
+            out = self.readback.array(F32)[: x.size].reshape(x.shape).copy()
+        finally:
+            rec.close()
+            self.rec, self._in_use = None, []
+            self.epoch += 1
+        self.encodes += 1
+        return out
+
+    # -- the ops (VisionOps' contracts; shapes as there) -----------------------------------------------
+    def patch_embed(self, pixels, w, b, patch: int) -> VTensor:
+        n, c, s, _ = pixels.shape
+        g, k = s // patch, c * patch * patch
+        px = self._act(pixels)  # (n, C, S, S)
+        cols = self._new((n * g * g, k))  # (n*P, C*p*p)
+        total = n * g * g * k
+        self._dispatch("vision_im2col", [px, cols], VisionIm2colPush(total, s, patch, c), self._grid(total))
+        wt = self._weight(w, matrix=True)  # (D, C, p, p): row-major, the (D, C*p*p) matrix
+        y = self._gemm(cols, wt.reshape(wt.shape[0], k), self._weight(b, matrix=False), transposed=False)
+        return y.reshape(n, g * g, wt.shape[0])
+
+    def linear(self, x, w, b) -> VTensor:
+        wt = self._weight(w, matrix=True)
+        return self._gemm(self._act(x), wt, None if b is None else self._weight(b, matrix=False), False)
+
+    def matmul(self, x, w) -> VTensor:
+        return self._gemm(self._act(x), self._weight(w, matrix=True), None, transposed=True)
+
+    def _gemm(self, x: VTensor, w: VTensor, b: VTensor | None, transposed: bool) -> VTensor:
+        """x (..., K) against w ((N, K), or (K, N) when ``transposed``), + b (N,) -> (..., N)."""
+        k = x.shape[-1]
+        wk, n = (w.shape[0], w.shape[1]) if transposed else (w.shape[1], w.shape[0])
+        if wk != k:
+            raise ValueError(f"vision GEMM: x {x.shape} against w {w.shape}")
+        rows = x.size // k
+        y = self._new((*x.shape[:-1], n))
+        push = VisionLinearPush(k, n, rows, int(b is not None))
+        groups = (-(-n // GEMM_TILE), -(-rows // GEMM_TILE), 1)
+        self._dispatch(vp.gemm_kernel(w.fmt, transposed), [w, x, b or x, y], push, groups)
+        return y
+
+    def layer_norm(self, x, w, b, eps: float) -> VTensor:
+        return self._norm("vision_layer_norm", x, w, b, eps)
+
+    def rms_norm(self, x, w, eps: float) -> VTensor:
+        return self._norm("vision_rms_norm", x, w, None, eps)
+
+    def _norm(self, name: str, x, w, b, eps: float) -> VTensor:
+        x = self._act(x)
+        d = x.shape[-1]
+        wt = self._weight(w, matrix=False)
+        bs = [] if b is None else [self._weight(b, matrix=False)]
+        y = self._new(x.shape)
+        self._dispatch(name, [x, wt, *bs, y], VisionNormPush(d, x.size // d, eps), x.size // d)
+        return y
+
+    def gelu_tanh(self, x) -> VTensor:
+        x = self._act(x)
+        y = self._new(x.shape)
+        self._dispatch("vision_gelu", [x, y], VisionEltwisePush(x.size, x.size), self._grid(x.size))
+        return y
+
+    def add(self, a, b) -> VTensor:
+        """a + b, b broadcast over a's leading axes (b's shape a's trailing one: the position embedding)."""
+        a = self._act(a)
+        bt = b if isinstance(b, VTensor) else self._weight(b, matrix=False)
+        if bt.fmt != "f32" or tuple(a.shape[a.ndim - bt.ndim :]) != bt.shape:
+            raise ValueError(f"vision add: {a.shape} + {bt.shape} ({bt.fmt})")
+        y = self._new(a.shape)
+        self._dispatch("vision_add", [a, bt, y], VisionEltwisePush(a.size, bt.size), self._grid(a.size))
+        return y
+
+    def attention(self, q, k, v, n_heads: int, scale: float) -> VTensor:
+        q, k, v = self._act(q), self._act(k), self._act(v)
+        n, p, width = q.shape
+        dh = width // n_heads
+        name = vp.attention_kernel(dh)
+        if name is None or width % 4:
+            raise ValueError(vp.unsupported(width, n_heads) or f"vision attention width {width}")
+        o = self._new(q.shape)
+        groups = (-(-p // ATTENTION_BLOCK), n_heads, n)
+        self._dispatch(name, [q, k, v, o], VisionAttentionPush(p, width, dh, scale), groups)
+        return o
+
+    def avg_pool(self, x, side: int, k: int) -> VTensor:
+        x = self._act(x)
+        n, _, d = x.shape
+        t = side // k
+        y = self._new((n, t * t, d))
+        self._dispatch("vision_pool", [x, y], VisionPoolPush(y.size, side, k, d), self._grid(y.size))
+        return y
+
+    # -- life cycle ------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Every buffer this object made (the device waits for its work first)."""
+        self.dev.wait_idle()
+        if self.rec is not None:
+            self.rec.close()
+            self.rec = None
+        for v in (*self.staging, self.readback):
+            if v is not None:
+                v.arena.close()
+        for a in self.arenas:
+            a.close()
+        self.scratch.close()
+        if getattr(self, "_up", None) is not None:
+            self._up.close()
+            self._up = None
+        self.arenas, self.staging, self.readback, self.cache = [], [], None, {}
+
+
+def encode(tower, pixels: np.ndarray) -> np.ndarray:
+    """``tower.encode`` on its ops, over as many images a pass as vision_policy.images_per_pass lets bind
+    whole (one submit a pass), read back: (n, mm_tokens, E) float32."""
+    c, ops = tower.cfg, tower.ops
+    if not isinstance(ops, VulkanVisionOps):
+        return np.asarray(tower.encode(pixels), dtype=F32)
+    per = vp.activation_bytes(c.n_patches, c.hidden, c.ffn, 3 * c.patch_size**2)
+    step = vp.images_per_pass(len(pixels), per, ops.ctx.caps)
+    parts = [ops.to_host(tower.encode(pixels[i : i + step])) for i in range(0, len(pixels), step)]
+    return np.concatenate(parts)
