@@ -246,16 +246,20 @@ def check_tower(cfg, weights, ops, n_images: int, seed: int):
 
 
 @pytest.mark.gpu
-def test_tiny_hf_tower_matches_numpy(ops, tmp_path):
+def test_tiny_hf_tower_matches_numpy(ops, tmp_path, monkeypatch):
+    """The real tiny VLM checkpoint's tower, its weights packed into several small arenas."""
     from hf_tiny import make_tiny_hf_checkpoint
 
+    from hmad.backends.vulkan import vision
     from hmad.model.vision import read_hf_vision
 
     make_tiny_hf_checkpoint(tmp_path, multimodal=True, vision="real")
     cfg, weights = read_hf_vision(tmp_path)
-    before = ops.encodes
+    monkeypatch.setattr(vision, "ARENA_BYTES", 16 << 10)
+    before, arenas = ops.encodes, len(ops.arenas)
     check_tower(cfg, weights, ops, 3, seed=7)
     assert ops.encodes == before + 2  # one command buffer an encode
+    assert len(ops.arenas) > arenas + 2
 
 
 @pytest.mark.gpu
@@ -287,6 +291,21 @@ def test_medium_tower_matches_numpy_in_passes(backend, ops):
     finally:
         backend.ctx.caps = caps
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+
+
+@pytest.mark.gpu
+def test_timestamps_label_every_command(ops):
+    if not ops.dev.caps["timestamps"]:
+        pytest.skip("the device has no timestamps")
+    x = np.ones((1, 4, 8), np.float32)
+    ops.timestamps = True
+    try:
+        np.asarray(ops.add(ops.gelu_tanh(x), x))
+    finally:
+        ops.timestamps = False
+    labels = [lab for lab, _ in ops.last_gpu["commands"]]
+    assert labels[:3] == ["vision input", "vision_gelu", "vision_add"] and labels[-1] == "vision output"
+    assert ops.last_gpu["total_ns"] >= 0
 
 
 @pytest.mark.gpu

@@ -106,6 +106,8 @@ class VulkanVisionOps(VisionOps):
         self.rec: CommandRecorder | None = None
         self.epoch = 0
         self.encodes = 0  # command buffers submitted (tests read it)
+        self.timestamps = False  # set: each encode records a GPU timestamp after every command
+        self.last_gpu: dict[str, Any] = {}  # then: the last encode's {"total_ns", "commands": [(label, ns)]}
         self._in_use: list[BufferView] = []
 
     # -- weights ---------------------------------------------------------------------------------------
@@ -170,7 +172,7 @@ class VulkanVisionOps(VisionOps):
         if self.rec is None:
             self.scratch.begin()
             self._in_use = []
-            self.rec = CommandRecorder(self.dev).begin()
+            self.rec = CommandRecorder(self.dev, timestamps=self.timestamps).begin()
         return self.rec
 
     def _new(self, shape: tuple[int, ...]) -> VTensor:
@@ -229,6 +231,7 @@ class VulkanVisionOps(VisionOps):
         try:
             rec.submit(timeout_s=ENCODE_TIMEOUT_S)
             out = self.readback.array(F32)[: x.size].reshape(x.shape).copy()
+            self.last_gpu = rec.gpu_times()
         finally:
             rec.close()
             self.rec, self._in_use = None, []
