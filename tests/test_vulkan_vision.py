@@ -5,7 +5,8 @@ buffer the op's outputs can land in is filled with NaN at the head of the same c
 must not grow, so no output comes from an unpoisoned buffer). Then the whole tower: the tiny VLM checkpoint
 of tests/hf_tiny.py, and a medium random tower (2 images of 256 patches, width 64, FFN 172: partial GEMM
 tiles along rows, columns and K, several attention workgroups per head), against model/siglip.py's
-VisionTower on the numpy ops. The kernel-choice functions (vision_policy.py) are tested without a device.
+VisionTower on the numpy ops, through ``vision.encode`` (recorded once per image count, replayed with new
+pixels) and through the tower's own ``encode`` (one command buffer a call). The kernel-choice functions (vision_policy.py) are tested without a device.
 
 Tolerances (float32 everywhere on the device, sums in another order than numpy's):
 - GEMM (linear, matmul, patch embedding): |err| <= 2e-6 * (|x| @ |w| + |b|), about K^0.5 float32 roundings
@@ -236,9 +237,15 @@ def check_tower(cfg, weights, ops, n_images: int, seed: int):
     px = rng.uniform(-1, 1, (n_images, 3, cfg.image_size, cfg.image_size)).astype(np.float32)
     want = VisionTower(cfg, weights, REF).encode(px)
     tower = VisionTower(cfg, ops.upload(weights), ops)
+    recordings = ops.recordings
     got = encode(tower, px)
     assert got.shape == want.shape == (n_images, cfg.mm_tokens_per_image, cfg.text_hidden)
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+    # replayed with other pixels: recorded once
+    px2 = rng.uniform(-1, 1, px.shape).astype(np.float32)
+    want2 = VisionTower(cfg, weights, REF).encode(px2)
+    np.testing.assert_allclose(encode(tower, px2), want2, rtol=2e-4, atol=2e-4 * np.abs(want2).max())
+    assert ops.recordings == recordings + 1
     # the same through the arrays themselves (uploaded on first use), and np.asarray on the result
     got2 = np.asarray(VisionTower(cfg, weights, ops).encode(px))
     np.testing.assert_allclose(got2, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
@@ -258,7 +265,7 @@ def test_tiny_hf_tower_matches_numpy(ops, tmp_path, monkeypatch):
     monkeypatch.setattr(vision, "ARENA_BYTES", 16 << 10)
     before, arenas = ops.encodes, len(ops.arenas)
     check_tower(cfg, weights, ops, 3, seed=7)
-    assert ops.encodes == before + 2  # one command buffer an encode
+    assert ops.encodes == before + 3  # one submit an encode (2 replays, 1 per call)
     assert len(ops.arenas) > arenas + 2
 
 
@@ -285,9 +292,9 @@ def test_medium_tower_matches_numpy_in_passes(backend, ops):
     per = vp.activation_bytes(cfg.n_patches, cfg.hidden, cfg.ffn, 48)
     backend.ctx.caps = dataclasses.replace(caps, max_range=per)
     try:
-        before = ops.encodes
+        before, recordings = ops.encodes, ops.recordings
         got = encode(tower, px)
-        assert ops.encodes == before + 2
+        assert ops.encodes == before + 2 and ops.recordings == recordings + 1  # 1 image a pass
     finally:
         backend.ctx.caps = caps
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())

@@ -9,6 +9,11 @@ one dispatch reads what another wrote. Nothing runs until a result is wanted on 
 once, waits, and returns ``(…)`` float32. So one encode call is one submit; the next op starts a new
 command buffer (and frees the scratch again).
 
+Recorded once, replayed: :func:`encode` (``VulkanVisionOps.run``) records a tower's encode once per pixels
+shape (image count) and replays it: the pixels written into the staging buffer its first command copies
+from, one submit, the soft tokens read from the mapped buffer its last command writes. Recordings share the
+scratch and staging buffers (encodes never overlap: each is waited for), each has its own output buffer.
+
 Weights: :meth:`VulkanVisionOps.upload` puts a tower's canonical tensors on the device once, packed in a few
 arenas, and returns handles to build the VisionTower with; a numpy array handed straight to an op is
 uploaded on first use and kept (by identity) instead. Matrices are stored float32 or float16
@@ -28,6 +33,8 @@ from __future__ import annotations
 
 import ctypes
 import math
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -92,6 +99,17 @@ class VTensor:
         return f"VTensor({self.shape}, {self.fmt})"
 
 
+@dataclass
+class VisionGraph:
+    """One encode recorded (a tower, a pixels shape): its command buffer, the staging buffer its first command
+    copies the pixels from, and the mapped buffer its last command writes the result (``shape``) into."""
+
+    rec: CommandRecorder
+    stage: BufferView
+    out: BufferView
+    shape: tuple[int, ...]
+
+
 class VulkanVisionOps(VisionOps):
     """The vision ops recorded into one command buffer per encode (module docstring)."""
 
@@ -108,7 +126,9 @@ class VulkanVisionOps(VisionOps):
         self.encodes = 0  # command buffers submitted (tests read it)
         self.timestamps = False  # set: each encode records a GPU timestamp after every command
         self.last_gpu: dict[str, Any] = {}  # then: the last encode's {"total_ns", "commands": [(label, ns)]}
-        self._in_use: list[BufferView] = []
+        self._in_use: list[BufferView] = []  # the staging buffers of the encode being recorded
+        self.graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tower -> {shape: VisionGraph}
+        self.recordings = 0  # encodes recorded for replay (tests read it)
 
     # -- weights ---------------------------------------------------------------------------------------
     def upload(self, weights: dict[str, np.ndarray]) -> dict[str, VTensor]:
@@ -239,6 +259,40 @@ class VulkanVisionOps(VisionOps):
         self.encodes += 1
         return out
 
+    def run(self, tower, pixels: np.ndarray) -> np.ndarray:
+        """``tower.encode(pixels)`` on the host, from the tower's recording for this pixels shape (made on
+        first use: its ops run once, recording), replayed: the pixels into its staging buffer, one submit."""
+        px = np.ascontiguousarray(pixels, dtype=F32)
+        graphs = self.graphs.setdefault(tower, {})
+        g = graphs.get(px.shape)
+        if g is None:
+            g = graphs[px.shape] = self._record(tower, px)
+        g.stage.array(np.uint8)[: px.nbytes] = px.reshape(-1).view(np.uint8)
+        g.rec.submit(timeout_s=ENCODE_TIMEOUT_S)
+        self.last_gpu = g.rec.gpu_times()
+        self.encodes += 1
+        return g.out.array(F32)[: math.prod(g.shape)].reshape(g.shape).copy()
+
+    def _record(self, tower, px: np.ndarray) -> VisionGraph:
+        if self.rec is not None:
+            raise RuntimeError("vision ops: an encode is being recorded (read its result first)")
+        rec = self._recorder()
+        try:
+            y = self._act(tower.encode(px))
+            assert len(self._in_use) == 1, "a recorded encode takes one host input: the pixels"
+            out = create_buffer(self.dev, 4 * y.size, "readback", "vision output (recorded)")
+            rec.copy(y.view, out, 4 * y.size, label="vision output")
+            rec.end()
+            graph = VisionGraph(rec, self._in_use[0], out, y.shape)
+        except BaseException:
+            rec.close()
+            raise
+        finally:
+            self.rec, self._in_use = None, []
+            self.epoch += 1
+        self.recordings += 1
+        return graph
+
     # -- the ops (VisionOps' contracts; shapes as there) -----------------------------------------------
     def patch_embed(self, pixels, w, b, patch: int) -> VTensor:
         n, c, s, _ = pixels.shape
@@ -329,6 +383,11 @@ class VulkanVisionOps(VisionOps):
         if self.rec is not None:
             self.rec.close()
             self.rec = None
+        for graphs in self.graphs.values():
+            for g in graphs.values():
+                g.rec.close()
+                g.out.arena.close()
+        self.graphs = weakref.WeakKeyDictionary()
         for v in (*self.staging, self.readback):
             if v is not None:
                 v.arena.close()
@@ -343,11 +402,11 @@ class VulkanVisionOps(VisionOps):
 
 def encode(tower, pixels: np.ndarray) -> np.ndarray:
     """``tower.encode`` on its ops, over as many images a pass as vision_policy.images_per_pass lets bind
-    whole (one submit a pass), read back: (n, mm_tokens, E) float32."""
+    whole, each pass a replay of its recording (VulkanVisionOps.run): (n, mm_tokens, E) float32."""
     c, ops = tower.cfg, tower.ops
     if not isinstance(ops, VulkanVisionOps):
         return np.asarray(tower.encode(pixels), dtype=F32)
     per = vp.activation_bytes(c.n_patches, c.hidden, c.ffn, 3 * c.patch_size**2)
     step = vp.images_per_pass(len(pixels), per, ops.ctx.caps)
-    parts = [ops.to_host(tower.encode(pixels[i : i + step])) for i in range(0, len(pixels), step)]
+    parts = [ops.run(tower, pixels[i : i + step]) for i in range(0, len(pixels), step)]
     return np.concatenate(parts)
