@@ -6,7 +6,8 @@ must not grow, so no output comes from an unpoisoned buffer). Then the whole tow
 of tests/hf_tiny.py, and a medium random tower (2 images of 256 patches, width 64, FFN 172: partial GEMM
 tiles along rows, columns and K, several attention workgroups per head), against model/siglip.py's
 VisionTower on the numpy ops, through ``vision.encode`` (recorded once per image count, replayed with new
-pixels) and through the tower's own ``encode`` (one command buffer a call). The kernel-choice functions (vision_policy.py) are tested without a device.
+pixels) and through the tower's own ``encode`` (one command buffer a call). The kernel-choice functions
+(vision_policy.py) are tested without a device.
 
 Tolerances (float32 everywhere on the device, sums in another order than numpy's):
 - GEMM (linear, matmul, patch embedding): |err| <= 2e-6 * (|x| @ |w| + |b|), about K^0.5 float32 roundings
