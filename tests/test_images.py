@@ -30,6 +30,7 @@ from hmad.core.errors import HmadError
 from hmad.model.images import (
     FORMATS,
     MAX_JPEG_SCANS,
+    MAX_PARTS,
     ImageError,
     ImageLimits,
     PreparedImage,
@@ -247,6 +248,55 @@ def test_jpeg_scan_limit():
             "its decoding time would have no bound"
         )
     assert _error(_with_scans(5000)).startswith("image 1: a JPEG of more than")
+
+
+def _png_chunks(n: int) -> bytes:
+    """A valid 8x8 PNG with private chunks before its data: ``n`` chunks in all."""
+    png = _encode(_rgb(8, 8), "PNG")
+    assert png.count(b"IDAT") == 1 and b"IHDR" in png[:16]
+    private = struct.pack(">I", 0) + b"prVt" + struct.pack(">I", zlib.crc32(b"prVt"))
+    return png[:33] + private * (n - 3) + png[33:]  # after IHDR; IHDR, IDAT, IEND
+
+
+def _gif_blocks(comment_blocks: int, stray: int = 0) -> bytes:
+    """A valid 8x8 GIF with a comment of ``comment_blocks`` 1-byte sub-blocks and ``stray`` stray bytes
+    before its picture: comment_blocks + 1 + stray blocks."""
+    gif = _encode(_rgb(8, 8), "GIF")
+    at = 13 + (3 << ((gif[10] & 7) + 1) if gif[10] & 0x80 else 0)  # after the screen and its palette
+    assert gif[at : at + 1] == b","  # the picture
+    return gif[:at] + b"!\xfe" + b"\x01a" * comment_blocks + b"\x00" + b"\x11" * stray + gif[at:]
+
+
+def _jpeg_segments(comments: int, stray: int = 0) -> bytes:
+    """A valid 8x8 JPEG with ``comments`` empty COM segments and ``stray`` stray bytes after its APP0."""
+    jpeg = _encode(_rgb(8, 8), "JPEG")
+    at = 4 + int.from_bytes(jpeg[4:6], "big")
+    return jpeg[:at] + b"\xff\xfe\x00\x02" * comments + b"\x11" * stray + jpeg[at:]
+
+
+def test_parts_limit():
+    """Files Pillow would take seconds to minutes to open (it reads each part in Python) are refused."""
+    too_many = f"more than {MAX_PARTS:,}"
+    assert _prepare(_png_chunks(MAX_PARTS)).format == "PNG"
+    assert (
+        _error(_png_chunks(MAX_PARTS + 1))
+        == f"image 1: a PNG file of {too_many} chunks: reading it would take too long"
+    )
+    jpeg = _encode(_rgb(8, 8), "JPEG")
+    base = sum(1 for i in range(2, len(jpeg) - 1) if jpeg[i] == 0xFF and jpeg[i + 1] not in (0, 0xD9))
+    assert base == 9  # APP0, 2 DQT, SOF0, 4 DHT, SOS
+    assert _prepare(_jpeg_segments(MAX_PARTS - base)).format == "JPEG"
+    for data in (_jpeg_segments(MAX_PARTS - base + 1), _jpeg_segments(0, stray=MAX_PARTS)):
+        assert (
+            _error(data)
+            == f"image 1: a JPEG file of {too_many} segments (or stray bytes): reading it would take too long"
+        )
+    assert _prepare(_gif_blocks(MAX_PARTS - 1)).format == "GIF"
+    for data in (_gif_blocks(MAX_PARTS), _gif_blocks(0, stray=MAX_PARTS)):
+        assert (
+            _error(data)
+            == f"image 1: a GIF file of {too_many} blocks (or stray bytes): reading it would take too long"
+        )
 
 
 def test_check_count():

@@ -22,9 +22,11 @@ uses only for URLs, paths and base64 strings, would rotate it and drop alpha ins
 ICC colour profiles. Of an animation (GIF, APNG, WebP, MPO) only the first frame is used.
 
 Hostile bytes end in :class:`ImageError` (a ValueError: the daemon answers ``bad_request`` with its message),
-never another exception, and nothing is decoded before the limits allow it: the byte count first, then the
-size the header declares (after ``Image.open``, which parses only headers, before ``Image.load``). Pillow's
-own defences stay on: an explicit ``formats=`` allow-list, truncated files refused
+never another exception, and nothing is decoded before the limits allow it: the byte count first, then
+what decides the time to read the file (a JPEG's scans, and the segments, chunks or blocks Pillow steps
+through in Python: MAX_JPEG_SCANS, MAX_PARTS), then the size the header declares (after ``Image.open``,
+which parses only headers, before ``Image.load``). Pillow's own defences stay on: an explicit ``formats=``
+allow-list (and only those formats' plugins imported), truncated files refused
 (``ImageFile.LOAD_TRUNCATED_IMAGES`` left false), and its decompression-bomb check
 (``Image.MAX_IMAGE_PIXELS``, also applied to GIF frame extents): raised to our limit when lower, never
 lowered, its warning made an error so that a bomb is an ImageError, never a warning on stderr.
@@ -64,6 +66,10 @@ RESCALE = 1 / 255  # Gemma 3's rescale_factor
 #: as a mere warning, so scans decide the decoding time; encoders write 1 to a few tens (libjpeg's
 #: progressive default: 10), libjpeg-turbo's own fuzzing stops at 500
 MAX_JPEG_SCANS = 100
+#: segments (JPEG), chunks (PNG) or blocks (GIF, before its first picture) a file may have, stray bytes
+#: counted as one each: Pillow reads them one by one in Python, so their number decides the time to open a
+#: file; encoders write tens (a PNG's data in chunks of 8 KiB or more: 2,560 in 20 MiB)
+MAX_PARTS = 10_000
 
 
 @dataclass(frozen=True)
@@ -160,6 +166,7 @@ def to_rgb(im: Image.Image) -> Image.Image:
 def _opened(data: bytes, limits: ImageLimits, where: str) -> Image.Image:
     """The image of ``data`` with its header read and its declared size checked; nothing decoded yet."""
     _guard_pillow(limits.max_pixels)
+    _check_parts(data, where)
     try:
         im = Image.open(io.BytesIO(data), formats=FORMATS)
     except Image.UnidentifiedImageError:
@@ -175,39 +182,7 @@ def _opened(data: bytes, limits: ImageLimits, where: str) -> Image.Image:
     if width * height > limits.max_pixels:
         im.close()
         raise _over_pixels(where, width * height, limits, (width, height))
-    if im.format in ("JPEG", "MPO") and _jpeg_scans(data, MAX_JPEG_SCANS + 1) > MAX_JPEG_SCANS:
-        im.close()
-        raise ImageError(
-            f"{where}: a JPEG of more than {MAX_JPEG_SCANS} scans (passes over the picture): "
-            "its decoding time would have no bound"
-        )
     return im
-
-
-#: the next marker as libjpeg finds it: an FF not followed by a stuffed 00, an RSTn or another FF (fill)
-_MARKER = re.compile(rb"\xff(?=[^\x00\xd0-\xd7\xff])")
-
-
-def _jpeg_scans(data: bytes, stop: int) -> int:
-    """The scans (SOS segments) libjpeg would decode in a JPEG's first picture, counted up to ``stop``.
-
-    Walked as libjpeg walks it: a segment's length skips its body (an embedded thumbnail is inside an APP
-    segment), anything else up to the next marker is skipped (entropy-coded data, and garbage, which
-    libjpeg only warns about), and EOI ends it (an MPO's later pictures follow it)."""
-    n, pos = 0, 2  # after SOI
-    while n < stop:
-        found = _MARKER.search(data, pos)
-        if found is None or found.start() + 4 > len(data):
-            break
-        pos, kind = found.start(), data[found.start() + 1]
-        if kind == 0xD9:  # EOI
-            break
-        if kind in (0x01, 0xD8):  # TEM, SOI: no length
-            pos += 2
-            continue
-        pos += 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
-        n += kind == 0xDA
-    return n
 
 
 def _load(im: Image.Image, fmt: str, where: str) -> None:
@@ -268,6 +243,90 @@ def _over_pixels(
     return ImageError(
         f"{where}: {what} pixels is over the limit of {limits.max_pixels:,} (vision.max_image_pixels)"
     )
+
+
+# --- the parts Pillow reads one by one --------------------------------------------------------------------
+
+
+def _check_parts(data: bytes, where: str) -> None:
+    """Refuse, before Pillow reads it, a file whose reading time has no bound: a JPEG of more than
+    MAX_JPEG_SCANS scans, a JPEG, PNG or GIF of more than MAX_PARTS parts (MAX_PARTS: which)."""
+    fmt = _sniff(data)
+    if fmt == "JPEG":
+        parts, scans = _jpeg_parts(data, MAX_PARTS + 1)
+        if scans > MAX_JPEG_SCANS:
+            raise ImageError(
+                f"{where}: a JPEG of more than {MAX_JPEG_SCANS} scans (passes over the picture): "
+                "its decoding time would have no bound"
+            )
+    elif fmt == "PNG":
+        parts = _png_chunks(data, MAX_PARTS + 1)
+    elif fmt == "GIF":
+        parts = _gif_blocks(data, MAX_PARTS + 1)
+    else:
+        return
+    if parts > MAX_PARTS:
+        what = {"JPEG": "segments (or stray bytes)", "PNG": "chunks", "GIF": "blocks (or stray bytes)"}[fmt]
+        raise ImageError(
+            f"{where}: a {fmt} file of more than {MAX_PARTS:,} {what}: reading it would take too long"
+        )
+
+
+#: the next marker as libjpeg finds it: an FF not followed by a stuffed 00, an RSTn or another FF (fill)
+_MARKER = re.compile(rb"\xff(?=[^\x00\xd0-\xd7\xff])")
+
+
+def _jpeg_parts(data: bytes, stop: int) -> tuple[int, int]:
+    """(segments and stray bytes, scans) of a JPEG's first picture, counted until either is past its limit.
+
+    Walked as libjpeg walks it: a segment's length skips its body (an embedded thumbnail is inside an APP
+    segment), anything else up to the next marker is skipped (a scan's entropy-coded data, and stray bytes,
+    which libjpeg only warns about and Pillow steps over one by one), and EOI ends it (an MPO's later
+    pictures follow it)."""
+    parts = scans = 0
+    pos, in_scan = 2, False  # after SOI
+    while parts < stop and scans <= MAX_JPEG_SCANS:
+        found = _MARKER.search(data, pos)
+        if found is None or found.start() + 4 > len(data):
+            break
+        parts += 1 + (0 if in_scan else found.start() - pos)
+        pos, kind = found.start(), data[found.start() + 1]
+        if kind == 0xD9:  # EOI
+            break
+        if kind in (0x01, 0xD8):  # TEM, SOI: no length
+            pos, in_scan = pos + 2, False
+            continue
+        pos += 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
+        in_scan = kind == 0xDA
+        scans += in_scan
+    return parts, scans
+
+
+def _png_chunks(data: bytes, stop: int) -> int:
+    """The chunks of a PNG, counted up to ``stop`` (or to IEND, or to where the file ends)."""
+    n, pos = 0, 8  # after the signature
+    while n < stop and pos + 8 <= len(data):
+        n += 1
+        if data[pos + 4 : pos + 8] == b"IEND":
+            break
+        pos += 12 + int.from_bytes(data[pos : pos + 4], "big")  # length, type, body, CRC
+    return n
+
+
+def _gif_blocks(data: bytes, stop: int) -> int:
+    """The blocks before a GIF's first picture (extensions and their sub-blocks, stray bytes one each),
+    counted up to ``stop``: what Pillow's open steps through."""
+    flags = data[10] if len(data) > 10 else 0
+    pos = 13 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0)  # after the screen and its palette
+    n = 0
+    while n < stop and pos < len(data) and data[pos] not in b",;":  # a picture, the end
+        n, pos = n + 1, pos + 1
+        if data[pos - 1] == 0x21:  # "!": an extension: its label, then sub-blocks up to an empty one
+            pos += 1
+            while n < stop and pos < len(data) and data[pos]:
+                n, pos = n + 1, pos + 1 + data[pos]
+            pos += 1
+    return n
 
 
 # --- what a file is, for the messages ---------------------------------------------------------------------
