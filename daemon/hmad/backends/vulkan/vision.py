@@ -43,7 +43,7 @@ from hmad.backends.vision_ops import VisionOps
 from hmad.backends.vulkan import vision_policy as vp
 from hmad.backends.vulkan.activations import ScratchPool, _Buf
 from hmad.backends.vulkan.context import RecordContext
-from hmad.backends.vulkan.memory import Arena, BufferView, choose_memory_type, create_buffer
+from hmad.backends.vulkan.memory import Arena, BufferView, Uploader, choose_memory_type, create_buffer
 from hmad.backends.vulkan.recorder import CommandRecorder
 from hmad.backends.vulkan.vision_push import (
     ATTENTION_BLOCK,
@@ -124,11 +124,14 @@ class VulkanVisionOps(VisionOps):
         self.rec: CommandRecorder | None = None
         self.epoch = 0
         self.encodes = 0  # command buffers submitted (tests read it)
-        self.timestamps = False  # set: each encode records a GPU timestamp after every command
+        # set: each encode recorded from then on writes a GPU timestamp after every command (a recording
+        # keeps what it was made with: set it before a tower's first encode of a shape)
+        self.timestamps = False
         self.last_gpu: dict[str, Any] = {}  # then: the last encode's {"total_ns", "commands": [(label, ns)]}
         self._in_use: list[BufferView] = []  # the staging buffers of the encode being recorded
         self.graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tower -> {shape: VisionGraph}
         self.recordings = 0  # encodes recorded for replay (tests read it)
+        self._up = None  # the Uploader of the weights, made on first use
 
     # -- weights ---------------------------------------------------------------------------------------
     def upload(self, weights: dict[str, np.ndarray]) -> dict[str, VTensor]:
@@ -167,10 +170,8 @@ class VulkanVisionOps(VisionOps):
         up.flush()
         return views
 
-    def _uploader(self):
-        from hmad.backends.vulkan.memory import Uploader
-
-        if getattr(self, "_up", None) is None:
+    def _uploader(self) -> Uploader:
+        if self._up is None:
             self._up = Uploader(self.dev, chunk_bytes=16 << 20, slots=2)
         return self._up
 
@@ -394,7 +395,7 @@ class VulkanVisionOps(VisionOps):
         for a in self.arenas:
             a.close()
         self.scratch.close()
-        if getattr(self, "_up", None) is not None:
+        if self._up is not None:
             self._up.close()
             self._up = None
         self.arenas, self.staging, self.readback, self.cache = [], [], None, {}
