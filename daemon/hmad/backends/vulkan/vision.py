@@ -9,10 +9,11 @@ one dispatch reads what another wrote. Nothing runs until a result is wanted on 
 once, waits, and returns ``(…)`` float32. So one encode call is one submit; the next op starts a new
 command buffer (and frees the scratch again).
 
-Recorded once, replayed: :func:`encode` (``VulkanVisionOps.run``) records a tower's encode once per pixels
-shape (image count) and replays it: the pixels written into the staging buffer its first command copies
-from, one submit, the soft tokens read from the mapped buffer its last command writes. Recordings share the
-scratch and staging buffers (encodes never overlap: each is waited for), each has its own output buffer.
+Recorded once, replayed: ``VulkanVisionOps.run(tower, pixels)`` (or :func:`encode`) records a tower's
+encode once per pixels shape (image count) and replays it: the pixels written into the staging buffer its
+first command copies from, one submit, the soft tokens read from the mapped buffer its last command writes.
+Recordings share the scratch and staging buffers (encodes never overlap: each is waited for); each has its
+own output buffer.
 
 Weights: :meth:`VulkanVisionOps.upload` puts a tower's canonical tensors on the device once, packed in a few
 arenas, and returns handles to build the VisionTower with; a numpy array handed straight to an op is
@@ -261,8 +262,17 @@ class VulkanVisionOps(VisionOps):
         return out
 
     def run(self, tower, pixels: np.ndarray) -> np.ndarray:
+        """``tower.encode(pixels)`` on the host, (n, mm_tokens, E) float32: as many images a pass as
+        vision_policy.images_per_pass lets bind whole, each pass a replay of its recording (``replay``)."""
+        c = tower.cfg
+        per = vp.activation_bytes(c.n_patches, c.hidden, c.ffn, 3 * c.patch_size**2)
+        step = vp.images_per_pass(len(pixels), per, self.ctx.caps)
+        parts = [self.replay(tower, pixels[i : i + step]) for i in range(0, len(pixels), step)]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def replay(self, tower, pixels: np.ndarray) -> np.ndarray:
         """``tower.encode(pixels)`` on the host, from the tower's recording for this pixels shape (made on
-        first use: its ops run once, recording), replayed: the pixels into its staging buffer, one submit."""
+        first use: its ops run once, recording): the pixels into its staging buffer, one submit."""
         px = np.ascontiguousarray(pixels, dtype=F32)
         graphs = self.graphs.setdefault(tower, {})
         g = graphs.get(px.shape)
@@ -402,12 +412,8 @@ class VulkanVisionOps(VisionOps):
 
 
 def encode(tower, pixels: np.ndarray) -> np.ndarray:
-    """``tower.encode`` on its ops, over as many images a pass as vision_policy.images_per_pass lets bind
-    whole, each pass a replay of its recording (VulkanVisionOps.run): (n, mm_tokens, E) float32."""
-    c, ops = tower.cfg, tower.ops
-    if not isinstance(ops, VulkanVisionOps):
-        return np.asarray(tower.encode(pixels), dtype=F32)
-    per = vp.activation_bytes(c.n_patches, c.hidden, c.ffn, 3 * c.patch_size**2)
-    step = vp.images_per_pass(len(pixels), per, ops.ctx.caps)
-    parts = [ops.run(tower, pixels[i : i + step]) for i in range(0, len(pixels), step)]
-    return np.concatenate(parts)
+    """(n, mm_tokens, E) float32 soft tokens of ``pixels`` on any ops: VulkanVisionOps.run (chunked, recorded
+    once per shape, replayed), else the tower's own encode."""
+    if isinstance(tower.ops, VulkanVisionOps):
+        return tower.ops.run(tower, pixels)
+    return np.asarray(tower.encode(pixels), dtype=F32)
