@@ -53,7 +53,7 @@ def test_defaults():
     assert cfg.model == "default" and cfg.backend == "auto" and cfg.log_level == "info"
     assert cfg.socket == config_mod.SocketConfig(path=default_socket_path(ENV), mode=0o660, group=None)
     assert (cfg.engine.max_seqs, cfg.engine.kv_tokens, cfg.engine.max_queue) == (16, 32768, 256)
-    assert cfg.limits.max_frame_bytes == 4 * 1024 * 1024
+    assert cfg.limits.max_frame_bytes == 32 * 1024 * 1024
     assert cfg.service.heartbeat_timeout_s == 5.0 and cfg.service.watchdog is True
     s = cfg.sampling
     assert (s.temperature, s.top_k, s.top_p, s.min_p, s.max_tokens) == (1.0, 64, 0.95, 0.0, 512)
@@ -138,6 +138,7 @@ def test_vision_section_is_the_image_limits(tmp_path):
         "max_image_bytes": 20 << 20,
         "max_image_pixels": 50_000_000,
         "max_images_per_request": 8,
+        "image_cache_bytes": 256 << 20,  # hmad.engine.images.CACHE_BYTES
     }
     text = "vision:\n  max_image_bytes: 1MiB\n  max_image_pixels: 1000\n  max_images_per_request: 0\n"
     assert load_config(_write(tmp_path, text), env=ENV).image_limits() == ImageLimits(1 << 20, 1000, 0)
@@ -379,7 +380,7 @@ def test_config_error_is_an_hmad_error_and_carries_the_key():
 
 def test_unknown_top_level_key(tmp_path):
     msg = _error(tmp_path, "modle: x.gguf\n")
-    assert msg.startswith("unknown key 'modle' (allowed: model, chat_template, backend, log_level, socket,")
+    assert msg.startswith("unknown key 'modle' (allowed: model, mmproj, chat_template, backend, log_level,")
     assert "did you mean 'model'?" in msg and msg.endswith(f"(in {tmp_path / 'hmad.yaml'})")
 
 
@@ -392,7 +393,8 @@ def test_unknown_nested_key(tmp_path):
 def test_unknown_keys_in_overrides():
     msg = _error(**{"engine.max_seq": 4})
     assert "unknown key 'engine.max_seq'" in msg and "(in the command-line overrides)" in msg
-    assert "unknown key 'nosuch.key' (allowed: model, chat_template, backend," in _error(**{"nosuch.key": 1})
+    allowed = "unknown key 'nosuch.key' (allowed: model, mmproj, chat_template, backend,"
+    assert allowed in _error(**{"nosuch.key": 1})
     assert "unknown key 'model.path'" in _error(**{"model.path": "x"})  # model is not a section
     assert "unknown key 'engine.a.b'" in _error(**{"engine.a.b": 1})
 
@@ -430,7 +432,8 @@ def test_syntax_error_shows_file_and_line(tmp_path):
 def test_document_must_be_a_mapping(tmp_path, text, kind):
     msg = _error(tmp_path, text)
     file = tmp_path / "hmad.yaml"
-    assert msg.startswith(f"{file}: the document must be a mapping of keys (model, chat_template, backend,")
+    keys = "(model, mmproj, chat_template, backend,"
+    assert msg.startswith(f"{file}: the document must be a mapping of keys {keys}")
     assert f"got {kind}" in msg
 
 

@@ -2,13 +2,16 @@
 
     hmad [--config FILE] [--model M] [--backend B] [--socket PATH] [--set KEY=VALUE]... [--foreground]
     hmad generate [--model default] [--backend cpu] [--max-tokens N] [--temperature T] ...
-                  [--json-schema FILE_OR_JSON] [--json] PROMPT
+                  [--json-schema FILE_OR_JSON] [--image PATH]... [--mmproj FILE] [--json] PROMPT
     hmad install-default-model
 
 With no subcommand hmad runs the service in the foreground (systemd runs it so too). ``generate`` runs
 offline (no daemon): it loads the model, streams the continuation to stdout and, with ``--json``, prints
 one JSON object on the last line. ``--json-schema`` constrains the continuation to JSON satisfying the
-schema (a file, or the schema's JSON text itself). Its sampling flags are hmactl query's
+schema (a file, or the schema's JSON text itself). ``--image`` (repeatable) asks about images: the prompt
+then goes through the chat template as one user turn, the images before its text, as ``hmactl query
+--image`` sends it (a model with a vision tower: an HF checkpoint with one, or ``--mmproj``, llama.cpp's
+projector GGUF beside a GGUF model). Its sampling flags are hmactl query's
 (hmaclient.sampling); one not given takes its default, the daemon's built-in one (``--help`` lists them).
 """
 
@@ -19,6 +22,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from hmaclient import sampling
 from hmaclient.args import json_schema_arg
@@ -64,6 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE_OR_JSON",
         help="constrain the output to JSON satisfying this JSON Schema (a file, or the JSON text)",
     )
+    g.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an image to ask about (repeatable; the prompt then goes through the chat template)",
+    )
+    g.add_argument(
+        "--mmproj", metavar="FILE", help="llama.cpp's projector GGUF: the GGUF model's vision tower"
+    )
     g.add_argument("prompt", help="prompt text, or - to read stdin")
     sampling.add_flags(g)  # hmaclient.sampling's fields, as hmactl query has them
     sub.add_parser("install-default-model", help="assemble and verify the embedded default model")
@@ -86,14 +100,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"hmad: {e}", file=sys.stderr)
             return 2
-    model = load_model(args.model, backend=args.backend)
+    try:
+        images = [Path(p).read_bytes() for p in args.image]
+    except OSError as e:
+        print(f"hmad: cannot read image: {e}", file=sys.stderr)
+        return 2
+    model = load_model(args.model, backend=args.backend, mmproj=args.mmproj)
+    prompts: list = [prompt]
+    spans = None
+    if images:
+        try:
+            prepared = _prepared_with_images(model, prompt, images, params)
+        except ValueError as e:  # a bad image, a model without a vision tower, a prompt too long
+            print(f"hmad: {e}", file=sys.stderr)
+            return 1
+        prompts, spans, params = [prepared.ids], [prepared.images], prepared.params
 
     def stream(ev):
         if ev.kind == "token" and ev.text:
             sys.stdout.write(ev.text)
             sys.stdout.flush()
 
-    res = generate(model, [prompt], params, on_event=stream, json_schemas=args.json_schema)[0]
+    res = generate(model, prompts, params, on_event=stream, json_schemas=args.json_schema, images=spans)[0]
     sys.stdout.write("\n")
     if args.json:
         out = {
@@ -108,6 +136,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         }
         print(json.dumps(out, ensure_ascii=False))
     return 0
+
+
+def _prepared_with_images(model, prompt: str, images: list[bytes], params):
+    """The prompt as the daemon prepares a request with images (hmad.preparation): one user turn of the chat
+    template, the images first."""
+    from hmaclient import protocol as P
+    from hmad.preparation import prepare
+
+    msg = {"type": "generate", "prompt": prompt, "images": images}
+    req = P.GenerateRequest(id=None, v=P.required_version(msg), prompt=prompt, images=images)
+    return prepare(req, params, model, model.config.context_length)
 
 
 def run_service(argv: list[str]) -> int:

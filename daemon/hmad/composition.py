@@ -5,6 +5,7 @@ model = load_model("default", "vulkan")       # or a GGUF path, an HF directory;
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -15,6 +16,9 @@ from hmad.backends.base import Backend
 from hmad.core.errors import ModelFormatError
 from hmad.model.loader import Model, check_tensors, read_model_files, resolve_model_path
 from hmad.model.registry import get_architecture
+from hmad.model.siglip import VisionTower
+from hmad.model.vision import read_hf_vision, read_mmproj, vision_config_from_hf
+from hmad.model.vision_prompt import image_ids
 
 log = logging.getLogger("hmad.model")
 
@@ -65,11 +69,42 @@ def make_backend(name: str, **opts) -> Backend:
 Progress = Callable[..., None]
 
 
+def load_vision(path: Path, mmproj: str | Path | None, model: Model) -> VisionTower | None:
+    """The vision tower of ``path`` (an HF checkpoint with one) or ``mmproj``, on ``model``'s backend; None
+    for a text-only model. ModelFormatError when it does not fit the text model or its tokenizer."""
+    if mmproj is not None:
+        cfg, tensors = read_mmproj(Path(mmproj))
+        origin = Path(mmproj)
+    elif path.is_dir() and vision_config_from_hf(_json(path / "config.json")) is not None:
+        cfg, tensors = read_hf_vision(path)
+        origin = path
+    else:
+        return None
+    if cfg.text_hidden != model.config.d_model:
+        raise ModelFormatError(
+            origin,
+            f"its projector gives {cfg.text_hidden}-wide soft tokens; the model's are {model.config.d_model}",
+        )
+    try:
+        image_ids(model.tokenizer)
+    except ValueError as e:
+        raise ModelFormatError(origin, f"a vision tower needs image tokens: {e}") from None
+    return VisionTower(cfg, tensors, model.backend.vision_ops())
+
+
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelFormatError(path, f"unreadable config: {e}") from None
+
+
 def load_model(
     spec: str | Path,
     backend: str | Backend = "cpu",
     progress: Progress | None = None,
     background: bool = False,
+    mmproj: str | Path | None = None,
     **backend_opts,
 ) -> Model:
     """Load a model and make its weights resident on ``backend``.
@@ -78,6 +113,8 @@ def load_model(
     ``ModelFormatError`` naming the file and the problem. ``model.info["load_phases_s"]`` says where the
     time went (read, device, upload: what ``hmactl status`` shows). ``background``: return while a GPU
     backend still uploads (the daemon records its steps meanwhile); ``backend.wait_resident()`` waits.
+    The vision tower (image input) comes from an HF checkpoint that has one, or from ``mmproj``, llama.cpp's
+    projector GGUF; a model without either is text only (``model.vision`` None).
     """
     t0 = time.perf_counter()
     phases: dict[str, float] = {}
@@ -99,6 +136,7 @@ def load_model(
     net = get_architecture(files.config.arch).model_cls(files.config, weights, ops)
     phases["allocate_s" if background else "upload_s"] = time.perf_counter() - t0 - sum(phases.values())
     model = Model(str(path), files.config, files.tokenizer, ops, net, time.perf_counter() - t0)
+    model.vision = load_vision(path, mmproj, model)
     model.info["load_phases_s"] = {k: round(v, 3) for k, v in phases.items()}
     if not background:
         note(f"model resident in {model.load_seconds:.1f} s")

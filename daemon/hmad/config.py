@@ -57,6 +57,7 @@ from hmad.config_keys import (  # the keys' types; parse_bytes and UNIX_PATH_MAX
     typed,
 )
 from hmad.core.errors import HmadError
+from hmad.engine.images import CACHE_BYTES
 from hmad.engine.sampling_schema import sampling_model
 from hmad.engine.scheduler import SchedulerConfig
 from hmad.model.images import ImageLimits
@@ -137,7 +138,7 @@ EngineConfig = _mirror(
 
 
 class LimitsConfig(_Section):
-    max_frame_bytes: byte_size(1 << 10, 1 << 30) = 4 << 20
+    max_frame_bytes: byte_size(1 << 10, 1 << 30) = P.MAX_FRAME_BYTES  # (images travel in the frame)
     max_prompt_tokens: int_in(0, 1 << 24) = 0
 
 
@@ -150,6 +151,7 @@ class VisionConfig(_Section):
     max_image_bytes: byte_size(1 << 10, 1 << 30) = _IMAGES.max_bytes
     max_image_pixels: int_in(1, 1 << 30) = _IMAGES.max_pixels
     max_images_per_request: int_in(0, 1024) = _IMAGES.max_images
+    image_cache_bytes: byte_size(0, 1 << 40) = CACHE_BYTES  # encoded images kept by digest (engine/images.py)
 
 
 class ServerConfig(_Section):
@@ -245,6 +247,7 @@ class Config(_Section):
     equal when their keys are (``source`` aside)."""
 
     model: text("'default', a .gguf file or an HF checkpoint directory") = "default"
+    mmproj: or_null(text("the path of llama.cpp's projector GGUF"), "none") = None
     chat_template: text("'auto', 'builtin' or the path of a Jinja chat template") = "auto"
     backend: one_of("auto", "cpu", "vulkan", "npu") = "auto"
     log_level: one_of("debug", "info", "warning", "error") = "info"

@@ -49,6 +49,7 @@ from hmad.engine.request import Request
 from hmad.engine.sampling import SamplingParams
 from hmad.engine.worker import EngineThread
 from hmad.intake import Intake
+from hmad.model.images import ImageLimits
 from hmad.peers import Peers
 from hmad.preparation import prepare, refusal
 from hmad.replies import Replies
@@ -85,8 +86,10 @@ class Server:
         max_per_connection: int = 1 << 20,
         max_per_uid: int = 1 << 20,
         max_reply_bytes: int = 256 << 20,
+        image_limits: ImageLimits | None = None,
     ):
         self.engine, self.model, self.defaults = engine, model, defaults
+        self.image_limits = image_limits or ImageLimits()
         self.loading_status = loading_status or (lambda: {})  # what status shows while engine is None
         self.max_frame_bytes = max_frame_bytes
         self.status_extra = status_extra or (lambda: {})
@@ -263,9 +266,8 @@ class Server:
             return self._refuse(peer, req, P.BUSY, busy)
         rid = self.routes.add(Route(peer, req.id, req.stream, req.v, uid, preparing=True))
         # accepted (or refused) once prepared
-        self.intake.submit(
-            rid, lambda: prepare(req, self.defaults, self.model, self.engine.scheduler.context)
-        )
+        context, limits = self.engine.scheduler.context, self.image_limits
+        self.intake.submit(rid, lambda: prepare(req, self.defaults, self.model, context, limits))
 
     def _prepared(self) -> None:
         """Requests the intake thread has prepared: accepted and queued in the engine, or refused."""
@@ -294,7 +296,7 @@ class Server:
         if why is not None:
             self.metrics.request_refused(why[0])
             return self.replies.end(rid, P.error(route.client_id, *why, v=route.v))
-        ids, params, grammar = prepared
+        ids = prepared.ids
         conn = self.peers.by_peer.get(route.peer)
         log.info(
             "request %d (id %r, %d prompt tokens) from uid %s pid %s",
@@ -305,7 +307,10 @@ class Server:
             None if conn is None else conn.pid,
         )
         self.replies.send(route.peer, P.accepted(route.client_id, rid, v=route.v))
-        request = Request(rid, ids, params, tag=(route.peer, route.client_id), grammar=grammar)
+        request = Request(
+            rid, ids, prepared.params, tag=(route.peer, route.client_id), grammar=prepared.grammar
+        )
+        request.images = prepared.images
         request.owner, request.tenant = route.peer, route.uid
         self.engine.submit(request)
 

@@ -122,6 +122,7 @@ class Service:
             max_in_flight=cfg.engine.max_seqs + cfg.engine.max_queue,
             heartbeat_ivl_s=cfg.service.heartbeat_ivl_s,
             heartbeat_timeout_s=cfg.service.heartbeat_timeout_s,
+            image_limits=cfg.image_limits(),
             max_frame_bytes=cfg.limits.max_frame_bytes,
             loading_status=self.load_status,
             max_connections=self._max_connections(),
@@ -212,6 +213,7 @@ class Service:
             model = load_model(
                 cfg.model,
                 backend=backend,
+                mmproj=cfg.mmproj,
                 progress=self._progress,
                 background=True,
                 **cfg.backend_options(backend),
@@ -221,6 +223,7 @@ class Service:
                 install_fault(model.backend, self.fault)
             t0 = time.perf_counter()
             scheduler = Scheduler(model, cfg.scheduler_config())  # while the weights upload
+            scheduler.images.cache.max_bytes = cfg.vision.image_cache_bytes
             scheduler.prepare()
             phases = model.info["load_phases_s"]
             phases["kv_and_prepare_s"] = round(time.perf_counter() - t0, 3)

@@ -55,10 +55,28 @@ def status(server) -> dict:
         "tokens_per_s": snap.get("tokens_per_s", 0.0),
         "tokens_generated": snap.get("tokens_generated", 0),
         "kv": snap.get("kv", {}),
+        **vision_status(model, snap),
         "uptime_s": round(time.time() - server.started, 1),
         "draining": server.draining,
         **connection_status(server),
         **server.status_extra(),
+    }
+
+
+def vision_status(model, snap: dict) -> dict:
+    """``vision`` (a model with a vision tower): its shape, where it runs, and the images it encoded (the
+    engine's count, the last encode's time and the feature cache's use)."""
+    if getattr(model, "vision", None) is None:
+        return {}
+    cfg = model.vision.cfg
+    return {
+        "vision": {
+            "image_size": cfg.image_size,
+            "tokens_per_image": cfg.mm_tokens_per_image,
+            "layers": cfg.n_layers,
+            "encoder": type(model.vision.ops).__name__,
+            "images": snap.get("images", {}),
+        }
     }
 
 

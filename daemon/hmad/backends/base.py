@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from hmad.backends.vision_ops import VisionOps
 from hmad.core.batch import StepBatch
 from hmad.core.kv_layout import KVLayout
 from hmad.core.tensors import WeightTensor
@@ -157,7 +158,9 @@ class Backend(ABC):
         self, q: Act, k: Act, v: Act, layer: int, batch: StepBatch, window: int | None, scale: float
     ) -> Act:
         """Write k, v (T, Hkv, Dh) into ``layer``'s paged cache, then causal attention of q (T, H, Dh)
-        over each sequence's cached positions (the last ``window`` only, if given) -> (T, H * Dh)."""
+        over each sequence's cached positions (the last ``window`` only, if given) -> (T, H * Dh). A row
+        with ``batch.visible`` sees up to that position instead of its own (an image's soft tokens see the
+        whole image); the window still counts back from the row's own position."""
 
     @abstractmethod
     def geglu(self, gate: Act, up: Act) -> Act:
@@ -170,6 +173,14 @@ class Backend(ABC):
     @abstractmethod
     def rows(self, x: Act, idx: Act) -> Act:
         """(T, D) -> (len(idx), D): gather rows."""
+
+    def vision_ops(self) -> VisionOps:
+        """The op interface the vision tower runs on (model/siglip.py); the numpy reference by default."""
+        return VisionOps()
+
+    def put_rows(self, x: Act, idx: np.ndarray, values: np.ndarray) -> Act:
+        """(T, D) with rows ``idx`` (R,) replaced by ``values`` (R, D) float32 (an image's soft tokens)."""
+        raise NotImplementedError(f"the {self.name} backend cannot take input embeddings (image input)")
 
     # -- fused ops: the forward pass calls these; the defaults compose the primitives above, and a backend
     # overrides one where doing it in one pass pays (the Vulkan backend: fewer dispatches and barriers) ---

@@ -173,14 +173,15 @@ class CpuBackend(Backend):
             lo = 0 if window is None else max(0, s.pos0 - window + 1)
             kpos = np.arange(lo, s.end_pos)
             ks = _slots(table, kpos, batch.block_size)
-            out[rows] = self.attend(q[rows], kc[ks], vc[ks], s.pos0, kpos, window, scale)
+            seen = None if batch.visible is None else batch.visible[rows]
+            out[rows] = self.attend(q[rows], kc[ks], vc[ks], s.pos0, kpos, window, scale, seen)
         return out
 
-    def attend(self, q, keys, vals, pos0: int, kpos, window: int | None, scale: float):
+    def attend(self, q, keys, vals, pos0: int, kpos, window: int | None, scale: float, visible=None):
         """One sequence's attention over its cached keys (see _attend); the npu backend offloads prefill."""
         if self.deterministic:
-            return invariant.attend_rows(q, keys, vals, pos0, kpos, window, scale, self.ggml)
-        return _attend(q, keys, vals, pos0, kpos, window, scale, self.ggml)
+            return invariant.attend_rows(q, keys, vals, pos0, kpos, window, scale, self.ggml, visible)
+        return _attend(q, keys, vals, pos0, kpos, window, scale, self.ggml, visible)
 
     def geglu(self, gate, up):
         if self.ggml:
@@ -194,6 +195,11 @@ class CpuBackend(Backend):
 
     def rows(self, x, idx):
         return x[np.asarray(idx)]
+
+    def put_rows(self, x, idx, values):
+        out = np.array(x, np.float32, copy=True)
+        out[np.asarray(idx)] = values
+        return out
 
     def reshape(self, x, shape):
         return x.reshape(shape)
@@ -224,10 +230,13 @@ def _slots(table: np.ndarray, pos: np.ndarray, block_size: int) -> np.ndarray:
     return table[(pos // block_size) % len(table)] * block_size + pos % block_size
 
 
-def _attend(q, keys, vals, pos0: int, kpos, window: int | None, scale: float, ggml_order: bool = False):
+def _attend(
+    q, keys, vals, pos0: int, kpos, window: int | None, scale: float, ggml_order: bool = False, visible=None
+):
     """Causal (optionally windowed) GQA attention of one sequence.
 
     q (n, H, Dh) at positions pos0..pos0+n-1; keys/vals (L, Hkv, Dh) at positions kpos -> (n, H*Dh).
+    ``visible`` (n,) or None: the last position each row sees (Backend.attention), else its own.
     ``ggml_order``: llama.cpp's gemma3 graph scales Q (ggml_scale after RoPE) and runs soft_max_ext with
     scale 1, rather than scaling the scores; the softmax is ggml's (ggml_numerics.softmax_rows).
     """
@@ -241,7 +250,7 @@ def _attend(q, keys, vals, pos0: int, kpos, window: int | None, scale: float, gg
     if not ggml_order:
         scores *= np.float32(scale)
     qpos = np.arange(pos0, pos0 + n)[:, None]
-    masked = kpos[None, :] > qpos
+    masked = kpos[None, :] > (qpos if visible is None else np.asarray(visible)[:, None])
     if window is not None:
         masked |= qpos - kpos[None, :] >= window
     scores = np.where(masked, -np.inf, scores)

@@ -45,9 +45,12 @@ def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return out
 
 
-def attend_rows(q, keys, vals, pos0: int, kpos, window: int | None, scale: float, ggml_order: bool):
+def attend_rows(
+    q, keys, vals, pos0: int, kpos, window: int | None, scale: float, ggml_order: bool, visible=None
+):
     """One sequence's causal (optionally windowed) GQA attention, row by row (see _attend in cpu.py for the
-    math): q (n, H, Dh) at positions pos0.., keys/vals (L, Hkv, Dh) at positions ``kpos`` -> (n, H*Dh)."""
+    math): q (n, H, Dh) at positions pos0.., keys/vals (L, Hkv, Dh) at positions ``kpos`` -> (n, H*Dh);
+    ``visible`` (n,) or None: the last position each row sees, else its own."""
     n, h, dh = q.shape
     hkv = keys.shape[1]
     if ggml_order:
@@ -60,7 +63,8 @@ def attend_rows(q, keys, vals, pos0: int, kpos, window: int | None, scale: float
     for i in range(n):
         p = pos0 + i
         lo = 0 if window is None else p - window + 1
-        sel = slice(np.searchsorted(kpos, lo), np.searchsorted(kpos, p, side="right"))  # keys lo..p
+        last = p if visible is None else int(visible[i])
+        sel = slice(np.searchsorted(kpos, lo), np.searchsorted(kpos, last, side="right"))  # keys lo..last
         qi = np.ascontiguousarray(q[i].reshape(hkv, h // hkv, dh))  # (Hkv, G, Dh)
         s = qi @ ks[:, sel].transpose(0, 2, 1)  # (Hkv, G, L_p)
         if ggml_order:

@@ -40,6 +40,12 @@ class SeqSlice:
     # (n,) int32 or None: with ``all_rows``, per row the token whose logit the step also gathers (the prompt
     # token after that position; -1: none, e.g. the prompt's last row) (``StepBatch.targets``)
     targets: np.ndarray | None = None
+    # (n,) int32 or None: per row, the last position its query sees (None: its own, causal). An image's soft
+    # tokens see the whole image (Gemma 3's bidirectional image attention: engine/images.py)
+    visible: np.ndarray | None = None
+    # (rows (k,) int32 within the part, values (k, D) float32) or None: input embeddings that replace those
+    # rows' token embeddings (an image's soft tokens; ``StepBatch.embeds``)
+    embeds: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def end_pos(self) -> int:
@@ -69,6 +75,12 @@ class StepBatch:
     # (S_out,) int32 or None: per logit row, the token whose logit (after ``bias``) a backend's ``topk``
     # gathers too (Backend.topk_targets: a prompt token's logprob), -1 for a row with none; None: no row has
     targets: np.ndarray | None = None
+    # (T,) int32 or None: per row, the last position its query sees (None: every row's own; SeqSlice.visible)
+    visible: np.ndarray | None = None
+    # (R,) int32 and (R, D) float32, or None: rows of the flat batch whose input embedding is the given
+    # vector, not the (scaled) token embedding (an image's soft tokens: model/gemma3.py)
+    embed_rows: np.ndarray | None = None
+    embeds: np.ndarray | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -117,6 +129,8 @@ class StepBatch:
             sampling=sampling,
             bias=np.concatenate(bias) if bias else np.zeros(0, BIAS_DTYPE),
             targets=np.concatenate(targets) if given else None,
+            visible=_visible(seqs),
+            **_embeds(seqs),
         )
 
 
@@ -137,6 +151,25 @@ def _targets(s: SeqSlice) -> np.ndarray:
         return np.full(n, -1, np.int32)
     assert s.all_rows and len(s.targets) == n, "targets: one a row of an all_rows slice"
     return np.asarray(s.targets, np.int32)
+
+
+def _visible(seqs: list[SeqSlice]) -> np.ndarray | None:
+    """The flat (T,) visible positions, or None when every row sees only up to its own."""
+    if all(s.visible is None for s in seqs):
+        return None
+    own = [np.arange(s.pos0, s.end_pos, dtype=np.int32) for s in seqs]
+    return np.concatenate([o if s.visible is None else s.visible for s, o in zip(seqs, own, strict=True)])
+
+
+def _embeds(seqs: list[SeqSlice]) -> dict[str, np.ndarray | None]:
+    """``embed_rows`` and ``embeds`` of the flat batch from its slices' own."""
+    given = [(s.start + rows, vals) for s in seqs if s.embeds is not None for rows, vals in [s.embeds]]
+    if not given:
+        return {"embed_rows": None, "embeds": None}
+    return {
+        "embed_rows": np.concatenate([r for r, _ in given]).astype(np.int32),
+        "embeds": np.concatenate([v for _, v in given]).astype(np.float32, copy=False),
+    }
 
 
 def _bias_entries(row: int, ids: np.ndarray, deltas: np.ndarray) -> np.ndarray:

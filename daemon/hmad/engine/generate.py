@@ -15,6 +15,7 @@ import numpy as np
 
 from hmad.core.batch import SeqSlice, StepBatch
 from hmad.core.kv_layout import KVLayout
+from hmad.engine.images import ImageSpan
 from hmad.engine.kvcache import KVCacheManager
 from hmad.engine.request import Event, Request
 from hmad.engine.sampling import SamplingParams
@@ -40,12 +41,14 @@ def generate(
     cfg: SchedulerConfig | None = None,
     on_event: Callable[[Event], None] | None = None,
     json_schemas: list[dict[str, Any] | None] | dict[str, Any] | None = None,
+    images: list[list[ImageSpan]] | None = None,
 ) -> list[Result]:
     """Generate for every prompt (text, or token ids) concurrently; returns results in prompt order.
 
     Without ``cfg`` the KV cache is sized to what these prompts can use (prompt + max_tokens each).
     ``json_schemas``: one JSON Schema for every prompt, or one (or None) per prompt, that the answers must
     satisfy (ValueError names a schema that cannot be compiled); their stats say ``schema_complete``.
+    ``images``: per prompt (token ids with the soft tokens in place: hmad.preparation), its images' spans.
     """
     plist = params if isinstance(params, list) else [params] * len(prompts)
     slist = json_schemas if isinstance(json_schemas, list) else [json_schemas] * len(prompts)
@@ -59,7 +62,9 @@ def generate(
     results = {}
     for i, (ids, p, g) in enumerate(zip(encoded, plist, grammars, strict=True)):
         p.validate()
-        sched.submit(Request(i, ids, dataclasses.replace(p), grammar=g))
+        req = Request(i, ids, dataclasses.replace(p), grammar=g)
+        req.images = list(images[i]) if images else []
+        sched.submit(req)
         results[i] = Result(ids)
     while sched.has_work():
         for ev in sched.step():

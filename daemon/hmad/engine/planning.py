@@ -2,7 +2,8 @@
 
 ``StepPlanner.plan`` gives one decode token to every decoding sequence first, then prefill chunks (at most
 ``max_chunk`` tokens each) to the others in order of admission, while the step's ``step_tokens`` budget
-lasts; each part takes the KV blocks its positions need (``KVCacheManager.prepare``). A pipelined plan
+lasts; each part takes the KV blocks its positions need (``KVCacheManager.prepare``). A chunk never ends
+inside an image's soft tokens, which see each other (engine/images.py). A pipelined plan
 (engine/scheduler.py, "Pipelining") also decodes the sequences the step in flight gives a token, their
 input fed on the device, except those that token ends by length.
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from hmad.core.batch import SAMPLE_DTYPE, SeqSlice
+from hmad.engine import images
 from hmad.engine.kvcache import KVCacheManager
 from hmad.engine.request import Request, State
 
@@ -120,6 +122,10 @@ class StepPlanner:
                 continue
             chunk = min(self.max_chunk, budget, PROMPT_ROWS_MAX if prompt_rows(r) else budget)
             toks = [0] if r.id in fed else r.next_input(chunk)
+            if r.images and r.state is State.PREFILL:  # never ending inside an image (engine/images.py)
+                toks = toks[: images.chunk_end(r.images, r.n_cached, len(toks))]
+                if not toks:
+                    continue  # its image does not fit this step's budget: the next step's
             # a fed row of a sampling request may be computed again a position back (_redo_fed_row)
             keep = int(r.id in fed and not greedy_ok(r))
             tables = self.kv.prepare(r.id, r.n_cached, len(toks), keep_back=keep)
@@ -129,6 +135,9 @@ class StepPlanner:
             )
             if done_prompt and r.params.adjusts:
                 s.bias = r.sampler.adjustments(r.output_ids)
+            if r.images and r.state is State.PREFILL:
+                s.visible = images.visible(r.images, r.n_cached, len(toks))
+                s.embeds = images.embeds(r.images, r.n_cached, len(toks))
             s.all_rows = r.id not in fed and prompt_rows(r)
             if s.all_rows:
                 s.targets = prompt_targets(r, r.n_cached, len(toks))
@@ -138,6 +147,19 @@ class StepPlanner:
         for r, _, toks, _ in parts:
             r.n_cached += len(toks)
         return parts
+
+    def image_problem(self, r: Request) -> str | None:
+        """Why ``r``'s images can never be prefilled here (a chunk holds a whole image), or None."""
+        big = max((s.n for s in r.images), default=0)
+        room = min(self.max_chunk, self.step_tokens)
+        if r.params.prompt_logprobs is not None:
+            room = min(room, PROMPT_ROWS_MAX)
+        if big <= room:
+            return None
+        why = "engine.max_chunk / engine.step_tokens"
+        if room == PROMPT_ROWS_MAX:
+            why = "prompt_logprobs' chunks"
+        return f"an image's {big} soft tokens go into one step, and this daemon's hold {room} ({why})"
 
     def _goes_on(self, r: Request) -> bool:
         """Whether the token the step in flight gives ``r`` leaves room for another (max_tokens, context)."""

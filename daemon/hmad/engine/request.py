@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from hmad.engine import images
+from hmad.engine.images import ImageSpan
 from hmad.engine.sampling import Sampler, SamplingParams
 from hmad.engine.stopping import StopMatcher
 from hmad.engine.structured import JsonConstraint, Vocabulary
@@ -61,6 +63,7 @@ class Request:
     turn, and every request with ``owner`` None counts as one owner.
     ``tenant``: whose prefix cache it may use (the server passes the peer's uid); a request reuses,
     and learns of, only KV blocks computed for its own tenant. None (unknown or local) is a tenant of its own.
+    ``images``: its images' soft-token spans in the prompt, in order (engine/images.py).
     """
 
     id: int
@@ -85,6 +88,7 @@ class Request:
     tokenizer: Tokenizer | None = None  # (``start``) for the text of its logprobs' tokens
     step_rows: int = 1  # its logit rows in the step being taken (all of a prefill chunk's: prompt logprobs)
     prompt_logprobs: list[dict | None] | None = None  # one per prompt token, the first None (``start``)
+    images: list[ImageSpan] = field(default_factory=list)
 
     def start(self, tokenizer: Tokenizer) -> None:
         """Make the per-request state. Raises ValueError if the grammar cannot run on this tokenizer."""
@@ -123,6 +127,16 @@ class Request:
         if self.state is State.PREFILL:
             return self.prompt_ids[self.n_cached : self.n_cached + max_chunk]
         return [self.output_ids[-1]]
+
+    def cache_ids(self, a: int, b: int) -> list[int]:
+        """The ids positions [a, b) are keyed by in the prefix cache: ``token_ids``, but an image's soft
+        tokens stand for their image (engine/images.py, ``key_ids``)."""
+        if not self.images:
+            return self.token_ids(a, b)
+        keyed = self.__dict__.get("_keyed") or images.key_ids(self.prompt_ids, self.images)
+        self.__dict__["_keyed"] = keyed
+        n = len(keyed)
+        return keyed[a:b] if b <= n else (keyed[a:] if a < n else []) + self.output_ids[max(0, a - n) : b - n]
 
     def token_ids(self, a: int, b: int) -> list[int]:
         """Token ids of positions [a, b) of the sequence (prompt, then generated)."""

@@ -60,6 +60,7 @@ import numpy as np
 from hmad.core.batch import StepBatch
 from hmad.core.errors import BackendUnusable, HmadError
 from hmad.engine.admission import FairQueue
+from hmad.engine.images import ImageEncoder
 from hmad.engine.kvcache import KVCacheManager, KVLayout
 from hmad.engine.planning import Part, StepPlanner, device_sampling, greedy_ok
 from hmad.engine.request import Event, Request, State
@@ -130,6 +131,7 @@ class Scheduler:
         self.kv = KVCacheManager(self.layout, prefix_cache=self.cfg.prefix_cache)
         self.planner = StepPlanner(model, self.kv, self.cfg.step_tokens, self.cfg.max_chunk, self.context)
         self.tokens = TokenTaker(set(model.tokenizer.eot_ids), self.context)
+        self.images = ImageEncoder(lambda px: model.encode_images(px))
         self.waiting = FairQueue()
         self.running: list[Request] = []
         self._cancelled: set[int] = set()
@@ -170,6 +172,11 @@ class Scheduler:
             req.start(self.model.tokenizer)
         except ValueError as e:
             raise RequestInvalid(str(e)) from None
+        if req.images:
+            problem = self.planner.image_problem(req)
+            if problem:
+                raise RequestInvalid(problem)
+            self.images.encode(req.images)  # (engine/images.py: by digest, cached)
         events = self._make_room(req) if full else []
         self.waiting.append(req)
         return events
@@ -234,7 +241,7 @@ class Scheduler:
         (engine/admission.py)."""
         while self.waiting and len(self.running) < self.cfg.max_seqs:
             req = self.waiting.peek()
-            reused = self.kv.admit(req.id, req.n_positions, req.prompt_ids, req.tenant)
+            reused = self.kv.admit(req.id, req.n_positions, req.cache_ids(0, len(req.prompt_ids)), req.tenant)
             if reused is None:
                 break  # it keeps its turn: later requests wait behind it rather than starve it
             self.waiting.pop()
@@ -271,7 +278,7 @@ class Scheduler:
         """Register in the prefix cache the blocks each part's step filled (its slice's positions are
         written)."""
         for r, s, _, _ in parts:
-            self.kv.commit(r.id, s.end_pos, r.token_ids)
+            self.kv.commit(r.id, s.end_pos, r.cache_ids)
 
     def _release_finished(self) -> None:
         for r in self.running:
@@ -399,4 +406,10 @@ class Scheduler:
             "draws_corrected": self.draws_corrected,
             "json_mask_ms": round(1e3 * sum(mask_s) / max(1, len(mask_s)), 4),
             "kv": self.kv.usage(),
+            # images run through the vision tower, and the encoded images kept by digest (engine/images.py)
+            "images": {
+                "encoded": self.images.encoded,
+                "encode_ms": self.images.last_ms,
+                **self.images.cache.usage(),
+            },
         }

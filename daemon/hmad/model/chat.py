@@ -8,7 +8,9 @@ as transformers does); with None, the built-in Gemma turns below:
 
 Gemma has no system role: a system message (or ``developer``, taken as ``system``) is prepended to the first
 user turn, as Gemma's own template does. ``assistant`` is accepted as an alias of ``model``. The tokenizer
-adds <bos>. Tools are not rendered by the built-in format (they need a template that renders them).
+adds <bos>. Tools are not rendered by the built-in format (they need a template that renders them). A content
+may be a list of text and image parts; an image part is written ``<start_of_image>``, as Gemma 3's template
+writes it.
 
 The prompt is a :class:`TemplateText`: only the template's own ``<start_of_turn>`` and ``<end_of_turn>``
 are control tokens; message content (and the system message) is tokenized as plain text, so control-token
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
 ROLES = {"user": "user", "model": "model", "assistant": "model"}
 SYSTEM = ("system", "developer")
 START, END = "<start_of_turn>", "<end_of_turn>"
+IMAGE_MARKER = "<start_of_image>"  # an image part's place (model/vision_prompt.py expands it)
 
 
 def render_chat(
@@ -55,15 +58,29 @@ def render_chat(
         role = ROLES.get(m["role"])
         if role is None:
             raise ValueError(f"unknown role {m['role']!r} (allowed: {', '.join([*SYSTEM, *ROLES])})")
-        content = m["content"]
+        content = _pieces(m["content"])
         if i == 0 and system:
             if role != "user":
                 raise ValueError("a system message must be followed by a user message")
-            content = f"{system[0]}\n\n{content}"
-        out += [(START, True), (f"{role}\n{content}", False), (END, True), ("\n", False)]
+            content = [(f"{text_of(system[0])}\n\n", False), *content]
+        out += [(START, True), (f"{role}\n", False), *content, (END, True), ("\n", False)]
     if add_generation_prompt:
         out += [(START, True), ("model\n", False)]
     return TemplateText(out)
+
+
+def _pieces(content: str | list[dict[str, Any]]) -> list[tuple[str, bool]]:
+    """A message's content as pieces: text parts as text, image parts as ``<start_of_image>`` markers."""
+    if isinstance(content, str):
+        return [(content, False)]
+    return [(IMAGE_MARKER, True) if p["type"] == "image" else (p["text"], False) for p in content]
+
+
+def text_of(content: str | list[dict[str, Any]]) -> str:
+    """A content's text (its text parts joined; image parts have none)."""
+    if isinstance(content, str):
+        return content
+    return "".join(p["text"] for p in content if p["type"] == "text")
 
 
 def render_prompt(prompt: str, template: ChatTemplate | None = None) -> TemplateText:

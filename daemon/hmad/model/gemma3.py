@@ -6,7 +6,8 @@ projection -> post-norm -> residual; then pre-norm -> gelu_tanh(gate) * up -> do
 Written with the fused ops of backends/base.py (residual_norm: post-norm + residual + the next pre-norm;
 normed_attention: q/k norm + RoPE + attention; ffn: gate/up, GeGLU, down; matmuls), whose defaults are the
 plain sequence above.
-Embeddings are scaled by sqrt(D); the output projection is tied to the embedding unless the file has one.
+Embeddings are scaled by sqrt(D) (an image's soft tokens, given as ``batch.embeds``, are not); the output
+projection is tied to the embedding unless the file has one.
 Norm weights follow GGUF's convention (they already include Gemma's ``1 +``).
 """
 
@@ -78,6 +79,8 @@ class Gemma3:
         ops, cfg, eps = self.ops, self.cfg, self.cfg.rms_eps
         ops.begin_step(batch)
         x = ops.embed(self.embed_table, batch.tokens, cfg.embed_scale)  # (T, D)
+        if batch.embeds is not None:  # an image's soft tokens, as they are (not scaled)
+            x = ops.put_rows(x, batch.embed_rows, batch.embeds)
         h = ops.rms_norm(x, self.layers[0].attn_norm, eps)
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None

@@ -49,6 +49,13 @@ class Model:
     net: Any  # the architecture object (e.g. Gemma3) with forward(batch) -> logits
     load_seconds: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
+    vision: Any = None  # the vision tower (model/siglip.py), None for a text-only model
+
+    def encode_images(self, pixels: np.ndarray) -> np.ndarray:
+        """(n, 3, S, S) preprocessed images -> their soft tokens' embeddings (n, N, D) float32."""
+        if self.vision is None:
+            raise ValueError(f"this model ({self.path}) has no vision tower")
+        return np.asarray(self.vision.encode(pixels), np.float32)
 
     def forward(self, batch: StepBatch) -> np.ndarray:
         """Logits (S_out, V) float32 for ``batch.logit_rows``."""

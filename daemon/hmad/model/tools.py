@@ -90,10 +90,21 @@ def _joined(messages: list[dict[str, str]]) -> list[dict[str, str]]:
     out: list[dict[str, str]] = []
     for m in messages:
         if out and _same(out[-1]["role"], m["role"]) and m["role"] not in ("system", "developer"):
-            out[-1] = {"role": out[-1]["role"], "content": f"{out[-1]['content']}\n\n{m['content']}"}
+            out[-1] = {"role": out[-1]["role"], "content": _join(out[-1]["content"], m["content"])}
         else:
             out.append(m)
     return out
+
+
+def _join(a: str | list[dict], b: str | list[dict]) -> str | list[dict]:
+    """Two turns' contents, a blank line between; lists of parts (images) stay lists."""
+    if isinstance(a, str) and isinstance(b, str):
+        return f"{a}\n\n{b}"
+    return [*_parts(a), {"type": "text", "text": "\n\n"}, *_parts(b)]
+
+
+def _parts(content: str | list[dict]) -> list[dict]:
+    return content if isinstance(content, list) else [{"type": "text", "text": content}]
 
 
 def _same(a: str, b: str) -> bool:

@@ -176,10 +176,10 @@ class NpuBackend(CpuBackend):
             lambda: CpuBackend.matmul(self, x, w),
         )
 
-    def attend(self, q, keys, vals, pos0: int, kpos, window: int | None, scale: float):
+    def attend(self, q, keys, vals, pos0: int, kpos, window: int | None, scale: float, visible=None):
         route = self.offload.router.routes["attention_prefill"]
-        if q.shape[0] < 2 or not route.on_npu:
-            return super().attend(q, keys, vals, pos0, kpos, window, scale)
+        if q.shape[0] < 2 or not route.on_npu or visible is not None:  # (image rows: the host's mask)
+            return super().attend(q, keys, vals, pos0, kpos, window, scale, visible)
         gemm, softmax = (self.offload.contexts[k] for k in KERNELS_FOR_OP["attention_prefill"])
         return self.offload.router.call(
             "attention_prefill",
