@@ -231,7 +231,6 @@ def random_tower(cfg, seed: int) -> dict[str, np.ndarray]:
 
 
 def check_tower(cfg, weights, ops, n_images: int, seed: int):
-    from hmad.backends.vulkan.vision import encode
     from hmad.model.siglip import VisionTower
 
     rng = np.random.default_rng(seed)
@@ -239,13 +238,13 @@ def check_tower(cfg, weights, ops, n_images: int, seed: int):
     want = VisionTower(cfg, weights, REF).encode(px)
     tower = VisionTower(cfg, ops.upload(weights), ops)
     recordings = ops.recordings
-    got = encode(tower, px)
+    got = ops.run(tower, px)
     assert got.shape == want.shape == (n_images, cfg.mm_tokens_per_image, cfg.text_hidden)
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
     # replayed with other pixels: recorded once
     px2 = rng.uniform(-1, 1, px.shape).astype(np.float32)
     want2 = VisionTower(cfg, weights, REF).encode(px2)
-    np.testing.assert_allclose(encode(tower, px2), want2, rtol=2e-4, atol=2e-4 * np.abs(want2).max())
+    np.testing.assert_allclose(ops.run(tower, px2), want2, rtol=2e-4, atol=2e-4 * np.abs(want2).max())
     assert ops.recordings == recordings + 1
     # the same through the arrays themselves (uploaded on first use), and np.asarray on the result
     got2 = np.asarray(VisionTower(cfg, weights, ops).encode(px))
@@ -274,7 +273,6 @@ def test_tiny_hf_tower_matches_numpy(ops, tmp_path, monkeypatch):
 def test_medium_tower_matches_numpy_in_passes(backend, ops):
     """2 images of 16 x 16 patches, width 64 in 2 heads of 32, FFN 172, a 4 x 4 pool, text width 96; then
     with a bind range that holds one image's activations, so ``encode`` runs one pass an image."""
-    from hmad.backends.vulkan.vision import encode
     from hmad.model.vision import VisionConfig
 
     cfg = VisionConfig(
@@ -294,7 +292,7 @@ def test_medium_tower_matches_numpy_in_passes(backend, ops):
     backend.ctx.caps = dataclasses.replace(caps, max_range=per)
     try:
         before, recordings = ops.encodes, ops.recordings
-        got = encode(tower, px)
+        got = ops.run(tower, px)
         assert ops.encodes == before + 2 and ops.recordings == recordings + 1  # 1 image a pass
     finally:
         backend.ctx.caps = caps

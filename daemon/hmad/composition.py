@@ -89,7 +89,9 @@ def load_vision(path: Path, mmproj: str | Path | None, model: Model) -> VisionTo
         image_ids(model.tokenizer)
     except ValueError as e:
         raise ModelFormatError(origin, f"a vision tower needs image tokens: {e}") from None
-    return VisionTower(cfg, tensors, model.backend.vision_ops())
+    tower = VisionTower(cfg, tensors, model.backend.vision_ops())
+    tower.ops.prepare(tower)
+    return tower
 
 
 def _json(path: Path) -> dict:

@@ -19,6 +19,15 @@ F32 = np.float32
 class VisionOps:
     """Reference (numpy, float32) implementations of the vision encoder's ops. Subclass to accelerate."""
 
+    def run(self, tower, pixels: np.ndarray) -> np.ndarray:
+        """``tower.encode(pixels)`` as a host array (n, mm_tokens, E) float32: what the engine calls. A device
+        backend records the encode and replays it."""
+        return np.asarray(tower.encode(pixels), dtype=F32)
+
+    def prepare(self, tower) -> None:
+        """Make the tower resident before the KV cache takes the device's memory (a device backend uploads
+        its weights and records an encode); nothing here."""
+
     def patch_embed(self, pixels: np.ndarray, w: np.ndarray, b: np.ndarray, patch: int) -> np.ndarray:
         """The stride-``patch`` convolution: pixels (n, C, S, S), w (D, C, p, p), b (D,) -> (n, P, D).
 

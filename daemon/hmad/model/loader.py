@@ -55,7 +55,7 @@ class Model:
         """(n, 3, S, S) preprocessed images -> their soft tokens' embeddings (n, N, D) float32."""
         if self.vision is None:
             raise ValueError(f"this model ({self.path}) has no vision tower")
-        return np.asarray(self.vision.encode(pixels), np.float32)
+        return self.vision.ops.run(self.vision, pixels)
 
     def forward(self, batch: StepBatch) -> np.ndarray:
         """Logits (S_out, V) float32 for ``batch.logit_rows``."""

@@ -233,6 +233,8 @@ class VulkanBackend(Backend):
         with contextlib.suppress(Exception):  # an upload that failed: its error was the caller's to see
             self.wait_resident()
         self.dev.wait_idle()
+        if self.__dict__.get("_vision_ops") is not None:
+            self._vision_ops.close()
         self.recorded.drop()
         self.ctx.close_kernels()
         self.place.close()

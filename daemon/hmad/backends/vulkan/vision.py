@@ -270,6 +270,11 @@ class VulkanVisionOps(VisionOps):
         parts = [self.replay(tower, pixels[i : i + step]) for i in range(0, len(pixels), step)]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
+    def prepare(self, tower) -> None:
+        """The weights uploaded and a one-image encode recorded (at load, before the KV cache)."""
+        s = tower.cfg.image_size
+        self.run(tower, np.zeros((1, 3, s, s), F32))
+
     def replay(self, tower, pixels: np.ndarray) -> np.ndarray:
         """``tower.encode(pixels)`` on the host, from the tower's recording for this pixels shape (made on
         first use: its ops run once, recording): the pixels into its staging buffer, one submit."""
@@ -409,11 +414,3 @@ class VulkanVisionOps(VisionOps):
             self._up.close()
             self._up = None
         self.arenas, self.staging, self.readback, self.cache = [], [], None, {}
-
-
-def encode(tower, pixels: np.ndarray) -> np.ndarray:
-    """(n, mm_tokens, E) float32 soft tokens of ``pixels`` on any ops: VulkanVisionOps.run (chunked, recorded
-    once per shape, replayed), else the tower's own encode."""
-    if isinstance(tower.ops, VulkanVisionOps):
-        return tower.ops.run(tower, pixels)
-    return np.asarray(tower.encode(pixels), dtype=F32)
