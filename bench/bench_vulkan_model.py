@@ -75,17 +75,19 @@ TYPES = {
 
 def synthetic_vocab(n: int) -> tuple[list[str], list[float], list[int]]:
     """A SentencePiece-style vocabulary of ``n`` tokens that encodes any text: the 4 specials, the 256 byte
-    tokens ``<0xXX>`` (type 6), then ``▁``-words and letters (scored so longer pieces win), then fillers."""
+    tokens ``<0xXX>`` (type 6), then ``▁``-words and letters (scored so longer pieces win), then fillers, the
+    last ones Gemma 3's turn and image control tokens (type 3: chat and image prompts work)."""
     specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
     byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
     letters = [chr(c) for c in range(0x21, 0x7F)]
     words = ["\u2581" + w for w in ("the", "of", "and", "to", "in", "is", "was", "there", "time")]
     pieces = ["\u2581", *letters, *("\u2581" + c for c in letters), *words]
-    fillers = [f"t{i}" for i in range(n - len(specials) - len(byte_tokens) - len(pieces))]
-    tokens = specials + byte_tokens + pieces + fillers
+    controls = ["<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>"]
+    fillers = [f"t{i}" for i in range(n - len(specials) - len(byte_tokens) - len(pieces) - len(controls))]
+    tokens = specials + byte_tokens + pieces + fillers + controls
     scores = [0.0] * (len(specials) + len(byte_tokens)) + [float(len(p)) for p in pieces]
-    scores += [-1e4] * len(fillers)
-    types_ = [3, 3, 3, 2] + [6] * len(byte_tokens) + [1] * (len(pieces) + len(fillers))
+    scores += [-1e4] * len(fillers) + [0.0] * len(controls)
+    types_ = [3, 3, 3, 2] + [6] * len(byte_tokens) + [1] * (len(pieces) + len(fillers)) + [3] * len(controls)
     return tokens, scores, types_
 
 
