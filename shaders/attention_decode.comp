@@ -4,8 +4,8 @@
 // replaces where the device has subgroup arithmetic (attention_reduce.comp is pass 2 for both).
 //
 // One workgroup per (token, KV head, split); split c covers per = max(ceil(len / n_splits), min_keys) keys of
-// [lo, pos]. Inside, each subgroup takes every n-th key of the split on its own: lane l holds dims
-// d = l + i * S (S the subgroup size, i < DPL) of the G query heads and of the key/value rows, the dot
+// [lo, hi] (attention_split.comp). Inside, each subgroup takes every n-th key of the split on its own: lane l
+// holds dims d = l + i * S (S the subgroup size, i < DPL) of the G query heads and of the key/value rows, the dot
 // products are subgroupAdd reductions, and the online softmax (running max m, sum l, acc) lives in registers:
 // no workgroup barrier inside the key loop. At the end the subgroups' states merge through shared memory
 // (rescaled to the common max, added in subgroup order).
@@ -52,6 +52,7 @@ layout(push_constant) uniform Push {
     float scale;
     uint skip_off;    // 0, or the meta section of per-row flags: rows flagged 1 are attention_prefill's
     uint min_keys;    // keys a split takes at least (a split past the row's length / min_keys is empty)
+    uint vis_off;     // 0, or the meta section of per-row last visible keys (paged_kv.glsl: last_key)
 } p;
 
 #include "paged_kv.glsl"

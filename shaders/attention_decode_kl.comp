@@ -11,7 +11,7 @@
 // shuffles (rescaled to the common max), then the subgroups through shared memory, in subgroup order.
 //
 // One workgroup per (token, KV head, split), split c covering per = max(ceil(len / n_splits), min_keys) keys of
-// [lo, pos] (as attention_decode). Key j of the split goes to subgroup ((j - c0) / (S / 8)) % n_sg, cluster
+// [lo, hi] (as attention_decode). Key j of the split goes to subgroup ((j - c0) / (S / 8)) % n_sg, cluster
 // (j - c0) % (S / 8); the loop is uniform per subgroup (clusters past the split's end score -inf).
 // Variants: POOL_TYPE (float, float16_t) x MAX_GROUP (2, 4: registers for G query heads); LANES 4 for a
 // test (the cluster merge on lavapipe's 8-wide subgroups). Host asserts:
@@ -55,6 +55,7 @@ layout(push_constant) uniform Push {
     float scale;
     uint skip_off;    // 0, or the meta section of per-row flags: rows flagged 1 are attention_prefill's
     uint min_keys;    // keys a split takes at least (a split past the row's length / min_keys is empty)
+    uint vis_off;     // 0, or the meta section of per-row last visible keys (paged_kv.glsl: last_key)
 } p;
 
 #include "paged_kv.glsl"

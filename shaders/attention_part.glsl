@@ -15,17 +15,17 @@ uint part_base(uint t, uint h, uint c) {
 }
 
 // Keys [c0, c1) of split c for token t (per = max(ceil(len / n_splits), min_per) keys a split, from the window's
-// first key), and the sequence's block table meta[tab ..], tab_len entries. c0 >= c1: an empty split or a
-// padding row.
+// first key to the last key the row sees: its position, or its visible entry, paged_kv.glsl's last_key), and
+// the sequence's block table meta[tab ..], tab_len entries. c0 >= c1: an empty split or a padding row.
 void split_keys(uint t, uint c, uint min_per, out uint c0, out uint c1, out uint tab, out uint tab_len) {
     c0 = 1u, c1 = 0u, tab = 0u, tab_len = 1u;
     const uint seq = meta[p.seq_off + t];
     if (seq == NONE) return;
     const uint pos = meta[p.pos_off + t];
-    const uint lo = window_lo(pos, p.window);
-    const uint per = max((pos + 1u - lo + p.n_splits - 1u) / p.n_splits, min_per);
+    const uint lo = window_lo(pos, p.window), hi = last_key(p.vis_off, t, pos) + 1u;
+    const uint per = max((hi - lo + p.n_splits - 1u) / p.n_splits, min_per);
     c0 = lo + c * per;
-    c1 = min(c0 + per, pos + 1u);
+    c1 = min(c0 + per, hi);
     tab = meta[p.info_off + 2u * seq];
     tab_len = meta[p.info_off + 2u * seq + 1u];
 }

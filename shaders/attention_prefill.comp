@@ -3,21 +3,22 @@
 // puts in tiles (stepmeta.py: a sequence with at least tile_min_rows rows in the step, cut into tiles of up to
 // TILE_ROWS = 32 consecutive rows), written as the same per-(token, head, split) partials (m, l, acc[Dh]) as
 // attention_split.comp / attention_decode.comp, which skip those rows; attention_reduce.comp is pass 2 for all.
-//   o[t, h] = softmax_j(scale * q[t, h] . k[j]) v[j],  j in [lo_t, pos_t] of t's sequence,
-//   lo_t = 0 (global layer, window 0) or max(0, pos_t - window + 1) (sliding window).
+//   o[t, h] = softmax_j(scale * q[t, h] . k[j]) v[j],  j in [lo_t, hi_t] of t's sequence,
+//   lo_t = 0 (global layer, window 0) or max(0, pos_t - window + 1) (sliding window), hi_t = pos_t or the
+//   row's visible entry (an image's soft tokens see their whole image: paged_kv.glsl's last_key).
 // Why: the per-row kernels load every key once per row; here the QV = 32 query vectors of a workgroup
 // (rows x the G = H / Hkv query heads of one KV head) share each chunk of KC keys loaded into shared memory.
 //
 // Workgroups: (tile, sub-tile, KV head, split). Sub-tile u < G of a tile takes its rows [u * BR, (u + 1) * BR),
 // BR = QV / G (host asserts G divides QV), so its QV query vectors are BR rows x G heads.
-// Its key range [lo of its first row, pos of its last row] is cut into n_splits runs of
+// Its key range [lo of its first row, the largest hi of its rows] is cut into n_splits runs of
 // per = max(ceil(len / n_splits), KC) keys (trailing splits may be empty).
 // Invocations: 8 lanes per query vector (lin = subgroup id * subgroup size + lane: the 8 are one aligned
 // cluster of a subgroup, host asserts the subgroup size is a multiple of 8); lane l holds the vec4s
 // v = l + 8 m (m < DPL / 4) of its q (scaled) and output accumulator; the 4 query vectors of a 32-wide
 // subgroup read the same shared-memory addresses. A score is the 8 lanes' partial dots summed by
 // subgroupShuffleXor. The online softmax (running max m, sum l) is per query vector, updated once per chunk;
-// keys outside [lo_t, pos_t] of the row (causal mask, sliding window, the other sub-tiles' ranges) score
+// keys outside [lo_t, hi_t] of the row (causal mask, sliding window, the other sub-tiles' ranges) score
 // -inf. (Two query vectors per invocation, each vec4 read from shared memory serving both, measured slower
 // (docs/tuning.md): more registers, fewer workgroups.)
 // Each (tile row, head, split) gets m = -inf, l = 0 (and zeros for acc) when none of its keys fell in the
@@ -61,9 +62,18 @@ layout(push_constant) uniform Push {
     uint info_off;
     uint tiles_off;
     float scale;
+    uint vis_off;     // 0, or the meta section of per-row last visible keys (paged_kv.glsl: last_key)
 } p;
 
 #include "paged_kv.glsl"
+
+// 1 + the last key any of rows [r0, r1) sees: a sub-tile's keys end there (its last row's position, or later
+// where a row's visible entry says so: an image's soft tokens see their whole image).
+uint sub_tile_end(uint r0, uint r1) {
+    uint hi = 0u;
+    for (uint r = r0; r < r1; ++r) hi = max(hi, last_key(p.vis_off, r, meta[p.pos_off + r]));
+    return hi + 1u;
+}
 
 #define NEG_INF uintBitsToFloat(0xFF800000u)
 
@@ -89,14 +99,14 @@ void main() {
     const uint lin = gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID;
     const uint qv = lin / LANES, lane = lin % LANES;
     const uint k_lo = window_lo(meta[p.pos_off + row0 + r_lo], p.window);
-    const uint k_hi = meta[p.pos_off + row0 + r_hi - 1] + 1;
+    const uint k_hi = sub_tile_end(row0 + r_lo, row0 + r_hi);
     const uint per = max((k_hi - k_lo + p.n_splits - 1) / p.n_splits, KC);
     const uint c0 = k_lo + c * per, c1 = min(c0 + per, k_hi);
 
     const uint r = row0 + r_lo + qv / G, h = kvh * G + qv % G;
     const bool live = r < row0 + r_hi;
     const uint pos = meta[p.pos_off + (live ? r : row0 + r_lo)];
-    const uint lo = window_lo(pos, p.window);
+    const uint lo = window_lo(pos, p.window), hi = last_key(p.vis_off, live ? r : row0 + r_lo, pos);
     float m_run = NEG_INF, l_run = 0.0;
     vec4 qr[MV], acc[MV];
     [[unroll]] for (uint m = 0; m < MV; ++m) {
@@ -134,7 +144,7 @@ void main() {
             dt += subgroupShuffleXor(dt, 2u);
             dt += subgroupShuffleXor(dt, 1u);
             const uint j = base + jj;
-            s[jj] = live && j < c1 && j >= lo && j <= pos ? dt : NEG_INF;
+            s[jj] = live && j < c1 && j >= lo && j <= hi ? dt : NEG_INF;
             mc = max(mc, s[jj]);
         }
         if (mc != NEG_INF) {  // the row has keys in this chunk

@@ -64,9 +64,18 @@ layout(push_constant) uniform Push {
     uint info_off;
     uint tiles_off;
     float scale;
+    uint vis_off;     // 0, or the meta section of per-row last visible keys (paged_kv.glsl: last_key)
 } p;
 
 #include "paged_kv.glsl"
+
+// 1 + the last key any of rows [r0, r1) sees: a sub-tile's keys end there (its last row's position, or later
+// where a row's visible entry says so: an image's soft tokens see their whole image).
+uint sub_tile_end(uint r0, uint r1) {
+    uint hi = 0u;
+    for (uint r = r0; r < r1; ++r) hi = max(hi, last_key(p.vis_off, r, meta[p.pos_off + r]));
+    return hi + 1u;
+}
 
 #define NEG_INF uintBitsToFloat(0xFF800000u)
 #define CM_A coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA>
@@ -139,7 +148,7 @@ void main() {
     const uint tid = gl_LocalInvocationID.x, sg = gl_SubgroupID, lane = gl_SubgroupInvocationID;
     const uint rb = sg % 2u, kb = sg / 2u;  // this subgroup's query block; its key block of S
     const uint k_lo = window_lo(meta[p.pos_off + row0 + r_lo], p.window);
-    const uint k_hi = meta[p.pos_off + row0 + r_hi - 1] + 1;
+    const uint k_hi = sub_tile_end(row0 + r_lo, row0 + r_hi);
     const uint per = max((k_hi - k_lo + p.n_splits - 1) / p.n_splits, KC);
     const uint c0 = k_lo + c * per, c1 = min(c0 + per, k_hi);
     const uint tab = meta[p.info_off + 2 * seq], tab_len = meta[p.info_off + 2 * seq + 1];
@@ -148,7 +157,7 @@ void main() {
     const uint si = tid / 4u, sq = tid % 4u, s_r = qv_row(row0, r_lo, si, G);
     const bool live = s_r < row0 + r_hi;
     const uint pos = meta[p.pos_off + (live ? s_r : row0 + r_lo)];
-    const uint lo = window_lo(pos, p.window);
+    const uint lo = window_lo(pos, p.window), hi = last_key(p.vis_off, live ? s_r : row0 + r_lo, pos);
     float m_ref = NEG_INF, l_run = 0.0;
 
     stage_q(row0, r_lo, r_hi, kvh, G, tid);
@@ -178,7 +187,7 @@ void main() {
         float mc = NEG_INF;
         [[unroll]] for (uint e = 0; e < 8u; ++e) {
             const uint jj = 8u * sq + e, j = base + jj;
-            const bool in_range = live && j < c1 && j >= lo && j <= pos;
+            const bool in_range = live && j < c1 && j >= lo && j <= hi;
             sv[e] = in_range ? s_s[si * KC + jj] : NEG_INF;
             mc = max(mc, sv[e]);
         }

@@ -1,8 +1,9 @@
 #version 450
 // Causal attention of q (T, H, Dh) over the paged KV cache of one layer, GQA (H / Hkv query heads per KV head),
 // split-K (flash-decoding), pass 1 of 2 (attention_reduce.comp is pass 2):
-//   o[t, h] = softmax_j(scale * q[t, h] . k[j]) v[j]  over the key positions j in [lo, pos] of token t's
-//   sequence, lo = 0 (global layer, window = 0) or max(0, pos - window + 1) (sliding-window layer).
+//   o[t, h] = softmax_j(scale * q[t, h] . k[j]) v[j]  over the key positions j in [lo, hi] of token t's
+//   sequence, lo = 0 (global layer, window = 0) or max(0, pos - window + 1) (sliding-window layer), hi = pos,
+//   or a later position where the step's visible section says so (an image's soft tokens: last_key).
 // The batch comes from the step metadata (hmad/backends/vulkan/stepmeta.py): token t has position
 // meta[pos_off + t] and sequence s = meta[seq_off + t] (0xFFFFFFFF: padding row, output zeros); sequence s has
 // its block table at meta[info_off + 2s] (absolute index into meta) with meta[info_off + 2s + 1] entries, and
@@ -53,6 +54,7 @@ layout(push_constant) uniform Push {
     float scale;
     uint skip_off;    // 0, or the meta section of per-row flags: rows flagged 1 are attention_prefill's
     uint min_keys;    // attention_decode's; here a split takes at least KT keys (one tile)
+    uint vis_off;     // 0, or the meta section of per-row last visible keys (paged_kv.glsl: last_key)
 } p;
 
 #include "paged_kv.glsl"

@@ -4,6 +4,10 @@
 // bytes: 32 weights in 34 bytes, d f16 then qs int8[32], w = d * q; a row is dim / 32 blocks).
 // A table bigger than maxStorageBufferRange is bound in ranges of whole rows, one dispatch per range: rows
 // [row_begin, row_begin + n_rows) are in this binding, and tokens outside them are left to the other dispatches.
+// INPUT_EMBEDS (the _in variants: the forward pass's embedding): a row whose embed_src word (step metadata,
+// src_off) is set takes instead, as it is (no scale), the float32 vector at row meta[row0_off] + src - 1 of
+// the input embeddings (binding 3: an image's soft tokens, stepmeta.py), written by the table's first range's
+// dispatch (row_begin 0); rows with embed_src 0 never read it.
 #include "common.glsl"
 
 layout(binding = 0) readonly buffer Ids { uint ids[]; };
@@ -15,6 +19,9 @@ layout(binding = 1) readonly buffer Table { float16_t tab[]; };
 layout(binding = 1) readonly buffer Table { float tab[]; };
 #endif
 layout(binding = 2) writeonly buffer Y { float y[]; };
+#if defined(INPUT_EMBEDS)
+layout(binding = 3) readonly buffer Embeds { float embeds[]; };
+#endif
 
 layout(push_constant) uniform Push {
     uint n_tokens;   // rows of y
@@ -24,11 +31,18 @@ layout(push_constant) uniform Push {
     uint n_rows;     // table rows in this binding
     uint y_stride;   // elements between rows of y
     float scale;
+    uint src_off;    // INPUT_EMBEDS: the step metadata's embed_src section
+    uint row0_off;   // ... and its header word embeds_row0
 } p;
+
+#include "input_embeds.glsl"
 
 void main() {
     const uint t = group_index();
     if (t >= p.n_tokens) return;
+#if defined(INPUT_EMBEDS)
+    if (input_row(t, ids[p.src_off + t], ids[p.row0_off])) return;
+#endif
     const uint id = ids[p.ids_off + t];
     if (id < p.row_begin || id - p.row_begin >= p.n_rows) return;
     const uint r = id - p.row_begin;

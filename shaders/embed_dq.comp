@@ -6,11 +6,16 @@
 // A table bigger than maxStorageBufferRange is bound in ranges of whole rows, one dispatch per range: rows
 // [row_begin, row_begin + n_rows) are in this binding, and tokens outside them are left to the other dispatches.
 // Requires dim % 8 == 0 (every GGUF block type holds a multiple of 32 weights).
+// INPUT_EMBEDS (the _in variants): rows with an embed_src word take the input embeddings (binding 3), as in
+// embed.comp.
 #include "common.glsl"
 #include "dequant.glsl"
 
 layout(binding = 1) readonly buffer Ids { uint ids[]; };
 layout(binding = 2) writeonly buffer Y { float y[]; };
+#if defined(INPUT_EMBEDS)
+layout(binding = 3) readonly buffer Embeds { float embeds[]; };
+#endif
 
 layout(push_constant) uniform Push {
     uint n_tokens;   // rows of y
@@ -21,11 +26,18 @@ layout(push_constant) uniform Push {
     uint y_stride;   // elements between rows of y
     uint row_bytes;  // bytes of one table row in the file
     float scale;
+    uint src_off;    // INPUT_EMBEDS: the step metadata's embed_src section
+    uint row0_off;   // ... and its header word embeds_row0
 } p;
+
+#include "input_embeds.glsl"
 
 void main() {
     const uint t = group_index();
     if (t >= p.n_tokens) return;
+#if defined(INPUT_EMBEDS)
+    if (input_row(t, ids[p.src_off + t], ids[p.row0_off])) return;
+#endif
     const uint id = ids[p.ids_off + t];
     if (id < p.row_begin || id - p.row_begin >= p.n_rows) return;
     const uint rb = (id - p.row_begin) * (p.row_bytes / WSIZE);

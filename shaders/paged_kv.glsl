@@ -11,3 +11,10 @@ uint kv_slot(uint tab, uint tab_len, uint j, uint B) {
 uint window_lo(uint pos, uint window) {
     return (window != 0 && pos + 1 > window) ? pos + 1 - window : 0;
 }
+
+// Last key position row t (at pos) sees: pos (causal), or, where the visible section vis_off (0: none) has an
+// entry for the row, that entry - 1 (an image's soft tokens see their whole image: stepmeta.py).
+uint last_key(uint vis_off, uint t, uint pos) {
+    const uint v = vis_off != 0u ? meta[vis_off + t] : 0u;
+    return v != 0u ? v - 1u : pos;
+}

@@ -356,6 +356,13 @@ class VulkanBackend(Backend):
     def embed(self, table: VkWeight, tokens, scale: float) -> Act:
         return ops_norm.embed(self.ctx, table, tokens, scale)
 
+    def put_rows(self, x: Act, idx, values) -> Act:
+        """x as it is, no dispatch: x is ``embed``'s output, whose recorded gather already takes each row's
+        input embedding at replay (the metadata's embed_src rows, from the embeds buffer the step's launch
+        fills: ops_norm.embed, steps.py). The forward pass runs here only to be recorded, on a shape-only
+        batch without embeds, so it does not call this; were it called, x would already hold the rows."""
+        return x
+
     def rms_norm(self, x: Act, w: VkWeight, eps: float) -> Act:
         return ops_norm.rms_norm(self.ctx, x, w, eps)
 

@@ -66,6 +66,11 @@ class RecordContext:
         self.ids: list[BufferView] = []
         # per parity: the mapped buffer of the step's logit adjustments (bias.py), read by the tails
         self.biases: list[BufferView] = []
+        # the steps' input embeddings (an image's soft tokens): one mapped buffer of two halves, one a
+        # parity, made when the first recording's embed binds it (:meth:`input_embeds`); rows a half holds
+        self.embeds: BufferView | None = None
+        self.embeds_rows = self.embeds_dim = 0
+        self.meta_tokens = 0  # the token bucket the metadata buffers were grown for
         # while a bucket is recorded: its recorder, metadata layout and token bucket
         self.rec: CommandRecorder | None = None
         self.layout: StepMetaLayout | None = None
@@ -129,6 +134,8 @@ class RecordContext:
         for b in (*self.metas, self.meta_gpu):
             if b is not None:
                 b.arena.close()
+        self.close_embeds()  # sized by the token bucket: made again by the next recording's embed
+        self.meta_tokens = t_b
         # Two mapped buffers (one per parity) and the device-local copy the kernels read: on a dGPU every
         # kernel's read of mapped memory would pay the bus latency, on the dependent chain of slot -> KV row;
         # and a step's head copies its parity's few KiB there after the step before it is done reading
@@ -147,11 +154,30 @@ class RecordContext:
                 b.array(np.uint32)[: a.nbytes // 4] = a.array(np.uint32)
                 a.arena.close()
 
+    def input_embeds(self, dim: int) -> BufferView:
+        """The mapped buffer of the steps' input embeddings, rows of ``dim`` float32, made on first use: two
+        halves (one per parity: a step launched while the other is in flight writes the other half) of
+        ``embeds_rows`` rows each, the metadata's token bucket or what one binding range holds. Recordings
+        bind it, so it lives until the metadata grows (:meth:`grow_meta`, which drops them first)."""
+        if self.embeds is None:
+            self.embeds_rows = max(1, min(self.meta_tokens, self.max_range // (2 * 4 * dim)))
+            nbytes = 2 * 4 * dim * self.embeds_rows
+            self.embeds = create_buffer(self.dev, nbytes, "mapped", "input embeddings")
+            self.embeds_dim = dim
+        assert self.embeds_dim == dim, "one model a backend: input embeddings of one width"
+        return self.embeds
+
+    def close_embeds(self) -> None:
+        if self.embeds is not None:
+            self.embeds.arena.close()
+        self.embeds, self.embeds_rows = None, 0
+
     def close_meta(self) -> None:
         for b in (*self.metas, self.meta_gpu, *self.ids, *self.biases):
             if b is not None:
                 b.arena.close()
         self.metas, self.meta_gpu, self.ids, self.biases = [], None, [], []
+        self.close_embeds()
 
     def close_kernels(self) -> None:
         """The kernels, their descriptor sets and the scratch pool."""

@@ -67,14 +67,16 @@ class StepOutput:
     """What ``run`` returns: the step's logits handle, the real row count and the graph to submit; ``used``
     metadata words packed, ``feed``: whether rows take their token from the step before (launch_greedy);
     ``bias_words`` of logit adjustments packed (bias.py), ``bias_ok``: whether they all fit the buffer (else a
-    tail that adds them must not run)."""
+    tail that adds them must not run); ``embeds``: the step's input embeddings (R, D) float32 or None, written
+    into the embeds buffer at launch (steps.py)."""
 
-    __slots__ = ("graph", "n_out", "shape", "used", "feed", "bias_words", "bias_ok")
+    __slots__ = ("graph", "n_out", "shape", "used", "feed", "bias_words", "bias_ok", "embeds")
 
     def __init__(self, graph: Graph, n_out: int, vocab: int, used: int = 0, feed: bool = False):
         self.graph, self.n_out, self.shape = graph, n_out, (n_out, vocab)
         self.used, self.feed = used, feed
         self.bias_words, self.bias_ok = 4, True
+        self.embeds = None
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ over the paged cache, the prefill tiles, and the reduce pass.
 Functions of a :class:`~.context.RecordContext`. The kernels are policy.py's choice (attention_kernel,
 prefill_kernel); the split count follows the options' workgroup targets (``attention_target``,
 ``attention_prefill_target``), or DETERMINISTIC_SPLITS in deterministic mode, where a row's split boundaries
-then depend on its position only. The reduce pass also writes its output as the int8 planes the output
-projection's mat-vec reads, where that takes it.
+then depend on its position (and visible entry) only. The reduce pass also writes its output as the int8
+planes the output projection's mat-vec reads, where that takes it.
 """
 
 from __future__ import annotations
@@ -76,7 +76,9 @@ def normed_attention(
 
 def attend(ctx: RecordContext, q: Act, hkv: int, layer: int, window: int | None, scale: float) -> Act:
     """Split-K attention of q (T, H, Dh) over ``layer``'s cache (this step's k, v written): pass 1 (with
-    the prefill tiles in big buckets), then pass 2 (:func:`reduce_splits`). -> (T, H * Dh)."""
+    the prefill tiles in big buckets), then pass 2 (:func:`reduce_splits`). -> (T, H * Dh). Every pass-1
+    kernel reads the metadata's ``visible`` section: a row sees up to its entry there (an image's soft
+    tokens, their whole image), else its own position; the window counts back from its own position."""
     lay, meta, opt = ctx.kv_layout, ctx.layout, ctx.options
     t, h, dh = q.shape
     g = h // hkv
@@ -91,12 +93,13 @@ def attend(ctx: RecordContext, q: Act, hkv: int, layer: int, window: int | None,
     push = AttentionSplitPush(
         *(t, h, hkv, dh, h * dh, splits, lay.block_size, window or 0),
         *(meta.positions, meta.seq, info_off, scale, meta.tiled if tiles else 0, opt.attention_min_keys),
+        meta.visible,
     )
     ctx.dispatch(policy.attention_kernel(opt, ctx.caps, pool_t, dh, g), binds, push, t * hkv * splits)
     if tiles:  # the tiles' rows (the kernel above skipped them), into the same partials
         push = AttentionPrefillPush(
             *(meta.max_tiles, h, hkv, dh, h * dh, splits, lay.block_size, window or 0),
-            *(meta.positions, info_off, meta.tiles, scale),
+            *(meta.positions, info_off, meta.tiles, scale, meta.visible),
         )
         ctx.dispatch(tiles, binds, push, attention_prefill_groups(meta.max_tiles, g, hkv, splits))
     return reduce_splits(ctx, part, t, h, dh, splits)

@@ -32,6 +32,7 @@ from hmad.backends.vulkan.push import (
 )
 from hmad.backends.vulkan.shapes import RESIDUAL_MAX_COLS, residual_block
 from hmad.backends.vulkan.splitk import record_split_sums
+from hmad.backends.vulkan.stepmeta import EMBEDS_ROW0
 
 # the embedding gather reads every type a weight is uploaded in (embed.comp: float and Q8_0 tables;
 # embed_dq.comp: the other block types through dequant.glsl), so no table is ever converted for it
@@ -39,18 +40,23 @@ EMBED_TYPES = {q: name for name, q in MATMUL_TYPES.items()}
 
 
 def embed(ctx: RecordContext, table: VkWeight, tokens, scale: float) -> Act:
+    """The token embeddings (T, D) times ``scale``, except the rows the step gives as input embeddings (an
+    image's soft tokens: the metadata's embed_src rows take their vector from the embeds buffer, unscaled),
+    through the ``_in`` variants of the gather; so put_rows records nothing (VulkanBackend.put_rows)."""
     t_b, dim = len(tokens), table.shape[1]
-    view, name = table.view, f"embed_{EMBED_TYPES[table.qtype]}"
+    view, name = table.view, f"embed_{EMBED_TYPES[table.qtype]}_in"
     rb = view.row_bytes or view.nbytes // table.shape[0]
     y = ctx.new((t_b, dim))
+    inputs, lay = ctx.input_embeds(dim), ctx.layout
+    src = (lay.embed_src, EMBEDS_ROW0)
     for off, nbytes in view.ranges(ctx.max_range, ctx.align):
         r0, binding = (off - view.offset) // rb, (view, off - view.offset, nbytes)
         if KERNELS[name].push is EmbedDqPush:  # the file's blocks through dequant.glsl: table at 0
-            push = EmbedDqPush(t_b, dim, ctx.layout.tokens, r0, nbytes // rb, dim, rb, scale)
-            ctx.dispatch(name, [binding, ctx.meta_gpu, y.view], push, t_b)
+            push = EmbedDqPush(t_b, dim, lay.tokens, r0, nbytes // rb, dim, rb, scale, *src)
+            ctx.dispatch(name, [binding, ctx.meta_gpu, y.view, inputs], push, t_b)
         else:
-            push = EmbedPush(t_b, dim, ctx.layout.tokens, r0, nbytes // rb, dim, scale)
-            ctx.dispatch(name, [ctx.meta_gpu, binding, y.view], push, t_b)
+            push = EmbedPush(t_b, dim, lay.tokens, r0, nbytes // rb, dim, scale, *src)
+            ctx.dispatch(name, [ctx.meta_gpu, binding, y.view, inputs], push, t_b)
     return y
 
 

@@ -41,6 +41,7 @@ class EmbedPush(ctypes.Structure):
     _fields_ = [
         *[(n, u32) for n in ("n_tokens", "dim", "ids_off", "row_begin", "n_rows", "y_stride")],
         ("scale", f32),
+        *[(n, u32) for n in ("src_off", "row0_off")],  # the _in variants' (input embeddings)
     ]
 
 
@@ -50,6 +51,7 @@ class EmbedDqPush(ctypes.Structure):
     _fields_ = [
         *[(n, u32) for n in ("n_tokens", "dim", "ids_off", "row_begin", "n_rows", "y_stride", "row_bytes")],
         ("scale", f32),
+        *[(n, u32) for n in ("src_off", "row0_off")],  # the _in variants' (input embeddings)
     ]
 
 
@@ -84,6 +86,7 @@ class AttentionSplitPush(ctypes.Structure):
         ("scale", f32),
         ("skip_off", u32),
         ("min_keys", u32),
+        ("vis_off", u32),  # 0, or the visible section (an image's rows see past their own position)
     ]
 
 
@@ -94,6 +97,7 @@ class AttentionPrefillPush(ctypes.Structure):
         *[(n, u32) for n in ("max_tiles", "n_heads", "n_kv_heads", "head_dim", "q_stride", "n_splits")],
         *[(n, u32) for n in ("block_size", "window", "pos_off", "info_off", "tiles_off")],
         ("scale", f32),
+        ("vis_off", u32),  # 0, or the visible section (an image's rows see past their own position)
     ]
 
 

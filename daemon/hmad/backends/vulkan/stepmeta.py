@@ -7,7 +7,9 @@ every section's word offset is a constant recorded into the push constants of th
 shaders bind the whole buffer and index ``meta[section_off + i]``. Layout, in uint32 words (T = max_tokens,
 S = max_seqs)::
 
-    header      [0, 8)            n_tokens, n_seqs, block_size B, n_logit_rows, 4 words reserved (0)
+    header      [0, 8)            n_tokens, n_seqs, block_size B, n_logit_rows, embeds_row0 (the input
+                                  embeddings buffer's row of the step's vector 0: set at launch, for the
+                                  launch's parity), 3 words reserved (0)
     tokens      [8, 8+T)          token id of row t                               embed.comp (ids_off)
     positions   +T                position of row t in its sequence               rope.comp, attention_split
     seq         +T                sequence index s of row t (0..n_seqs-1)         attention_split (seq_off)
@@ -18,6 +20,11 @@ S = max_seqs)::
     logit_rows  +S                rows whose logits the step returns (argmax/gather)
     targets     +S                per logit row: 1 + the token whose logit the top-k tail gathers (a
                                   prompt token, batch.StepBatch.targets; 0: none)  row_gather.comp
+    visible     +T                1 + the last key position row t's query sees (StepBatch.visible: an
+                                  image's soft tokens see their whole image); 0: its own   attention
+    embed_src   +T                1 + the index of row t's vector in the step's input embeddings
+                                  (StepBatch.embeds, read from the embeds buffer at embeds_row0 + index);
+                                  0: the token's embedding                        embed*_in (src_off)
     tiled       +T                1 where row t is in a tile (its attention is attention_prefill's)
     tiles       +3 max_tiles      per tile: (sequence, first row, rows <= TILE_ROWS)   attention_prefill
     feed        +T                1 + the row of the previous step's ids whose token row t takes (0: the
@@ -37,6 +44,12 @@ S = max_seqs)::
   up to :data:`TILE_ROWS` consecutive rows; attention_prefill.comp takes those rows (one workgroup shares
   each K/V chunk among a tile's rows) and the per-row kernels skip them (``tiled`` = 1). Unused tile entries
   are zeros (0 rows). ``tile_min_rows`` 0: no tiles, ``max_tiles`` 0.
+- Visible rows (Gemma 3's bidirectional image attention): a row sees keys ``[lo, last]``, ``last`` its
+  ``visible`` entry (else its position), ``lo`` from its own position (the sliding window never moves). The
+  engine ends no chunk inside an image, so every key a row sees is written by the step's cache write.
+- Input embeddings: the step's vectors are in the backend's mapped embeds buffer (two halves, one per
+  parity: RecordContext.input_embeds), written at launch with header word ``embeds_row0``; a row with
+  ``embed_src`` 0 never reads it.
 - Every section before ``tables`` is rewritten each step (zeros where unused); the tables section only as far
   as the step's sequences use it (no kernel reads past a sequence's entries).
 """
@@ -52,6 +65,8 @@ from hmad.core.batch import SAMPLE_DTYPE, StepBatch
 
 NONE = 0xFFFFFFFF
 HEADER_WORDS = 8
+#: the header word holding the embeds buffer's row of the step's input embedding 0 (written at launch)
+EMBEDS_ROW0 = 4
 SAMPLE_WORDS = SAMPLE_DTYPE.itemsize // 4
 #: rows of one prefill-attention tile (attention_prefill.comp: TILE_ROWS)
 TILE_ROWS = 32
@@ -111,8 +126,16 @@ class StepMetaLayout:
         return self.logit_rows + self.max_seqs
 
     @cached_property
-    def tiled(self) -> int:
+    def visible(self) -> int:
         return self.targets + self.max_seqs
+
+    @cached_property
+    def embed_src(self) -> int:
+        return self.visible + self.max_tokens
+
+    @cached_property
+    def tiled(self) -> int:
+        return self.embed_src + self.max_tokens
 
     @cached_property
     def tiles(self) -> int:
@@ -169,6 +192,7 @@ class StepMetaLayout:
         if batch.targets is not None:
             assert len(batch.targets) == len(batch.logit_rows), "one target (or -1) a logit row"
             m[self.targets : self.targets + len(batch.targets)] = batch.targets + 1
+        self._pack_images(batch, m)
         self._pack_tiles(batch, m)
         if batch.feed is not None:
             rows = np.flatnonzero(batch.feed >= 0)
@@ -198,6 +222,15 @@ class StepMetaLayout:
         else:
             m[r0 : r0 + q.n] = kv_slots(table, np.arange(q.pos0, q.end_pos), block_size)
         return at + n
+
+    def _pack_images(self, batch: StepBatch, m: np.ndarray) -> None:
+        """The ``visible`` and ``embed_src`` words of an image's soft tokens' rows (zeros elsewhere)."""
+        if batch.visible is not None:
+            m[self.visible : self.visible + batch.n_tokens] = np.asarray(batch.visible, np.int64) + 1
+        if batch.embeds is not None:
+            rows = np.asarray(batch.embed_rows)
+            assert len(rows) == len(batch.embeds) and (rows < batch.n_tokens).all(), "one vector a row"
+            m[self.embed_src + rows] = np.arange(1, len(rows) + 1)
 
     def _pack_tiles(self, batch: StepBatch, m: np.ndarray) -> None:
         """The ``tiled`` flags and the ``tiles`` entries of the sequences long enough for tiles."""

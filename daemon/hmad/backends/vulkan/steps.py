@@ -2,9 +2,9 @@
 one fence wait.
 
 Pipelining (engine/scheduler.py, "Pipelining"): the scheduler may submit step n + 1 before it has read step
-n's token ids. So the host side of a step comes in two parities: two mapped metadata buffers, two id buffers
-(RecordContext), two fences, and per recording two heads and two argmax tails (tails.py). At most two steps
-are in flight; ``wait`` takes them in any order, each once.
+n's token ids. So the host side of a step comes in two parities: two mapped metadata buffers, two id buffers,
+two halves of the input embeddings buffer (RecordContext), two fences, and per recording two heads and two
+argmax tails (tails.py). At most two steps are in flight; ``wait`` takes them in any order, each once.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from hmad.backends.vulkan.context import RecordContext
 from hmad.backends.vulkan.graph import Graph, Launched, StepOutput
 from hmad.backends.vulkan.placement import Placement
 from hmad.backends.vulkan.recorder import CommandRecorder
+from hmad.backends.vulkan.stepmeta import EMBEDS_ROW0
 from hmad.backends.vulkan.tails import head
 from hmad.backends.vulkan.vkerrors import check
 from hmad.backends.vulkan.vkffi import ffi, lib, new
@@ -47,7 +48,30 @@ class Submitter:
         feed = batch.feed is not None and bool((batch.feed >= 0).any())
         x = StepOutput(graph, len(batch.logit_rows), graph.logits.shape[1], lay.used_words(batch), feed)
         x.bias_words, x.bias_ok = bias.pack(batch, self._bias_host)
+        x.embeds = self._embeds(batch)
         return x
+
+    def _embeds(self, batch: StepBatch) -> np.ndarray | None:
+        """``batch``'s input embeddings (R, D) float32, checked against a half of the embeds buffer."""
+        if batch.embeds is None:
+            return None
+        ctx, (r, d) = self.ctx, batch.embeds.shape
+        if ctx.embeds is None or d != ctx.embeds_dim:
+            raise ValueError(f"input embeddings of width {d}: the recorded model's embedding takes none such")
+        if r > ctx.embeds_rows:
+            raise ValueError(f"a step's {r} input embeddings exceed the {ctx.embeds_rows} its buffer holds")
+        return batch.embeds
+
+    def _write_embeds(self, x: StepOutput, p: int) -> None:
+        """Step ``x``'s input embeddings into parity ``p``'s half of the embeds buffer, and that half's first
+        row into its metadata's header (stepmeta.EMBEDS_ROW0), before the metadata goes to its buffer."""
+        if x.embeds is None:
+            self._meta_host[EMBEDS_ROW0] = 0
+            return
+        r, d = x.embeds.shape
+        row0 = p * self.ctx.embeds_rows
+        self.ctx.embeds.array(np.float32)[row0 * d : (row0 + r) * d] = x.embeds.reshape(-1)
+        self._meta_host[EMBEDS_ROW0] = row0
 
     def launch(self, x: StepOutput, tail: CommandRecorder, sampled: bool = False) -> Launched:
         """Submit step ``x`` (head, forward pass, ``tail``) on the next parity; no wait."""
@@ -55,6 +79,7 @@ class Submitter:
         p, dev = self.parity, self.ctx.dev
         if self.in_flight[p] is not None:
             raise RuntimeError("two steps in flight already: collect the older one first")
+        self._write_embeds(x, p)
         # into the mapped buffer in one sequential write, not a store per section (it may be uncached,
         # write-combined memory across the bus)
         self.ctx.metas[p].array(np.uint32)[: x.used] = self._meta_host[: x.used]

@@ -188,6 +188,14 @@ def _elementwise() -> list[Variant]:
         _v("embed_f16", "embed.comp", 3, TABLE_F16="1"),
         _v("embed_q8_0", "embed.comp", 3, TABLE_Q8_0="1"),
         *[Variant(f"embed_{t}", "embed_dq.comp", {f"TYPE_{t.upper()}": "1"}, 3) for t in EMBED_DQ_TYPES],
+        # the forward pass's embedding: rows given as input embeddings (an image's soft tokens) too
+        _v("embed_f32_in", "embed.comp", 4, INPUT_EMBEDS="1"),
+        _v("embed_f16_in", "embed.comp", 4, TABLE_F16="1", INPUT_EMBEDS="1"),
+        _v("embed_q8_0_in", "embed.comp", 4, TABLE_Q8_0="1", INPUT_EMBEDS="1"),
+        *[
+            Variant(f"embed_{t}_in", "embed_dq.comp", {f"TYPE_{t.upper()}": "1", "INPUT_EMBEDS": "1"}, 4)
+            for t in EMBED_DQ_TYPES
+        ],
         _v("rope_f32", "rope.comp", 3),
         _v("geglu_f32", "geglu.comp", 3),
         _v("kv_write_f32", "kv_write.comp", 5),
