@@ -195,6 +195,8 @@ class VulkanBackend(Backend):
     def describe(self) -> dict[str, Any]:
         mem = self.place.memory()
         mem["device-local: scratch activations"] = self.ctx.scratch.nbytes
+        if self.ctx.embeds is not None:  # the steps' input embeddings (an image's soft tokens), both parities
+            mem["host-visible: input embeddings"] = self.ctx.embeds.nbytes
         return {
             "backend": self.name,
             "device": self.device,
