@@ -57,12 +57,15 @@ def daemon(vlm_dir, tmp_path_factory):
     assert d.stop() == 0, d.log_text()
 
 
-def offline(vlm_dir, image: bytes, max_tokens: int) -> tuple[list[int], list[int]]:
+def offline(vlm_dir, image: bytes, max_tokens: int, backend: str = "cpu") -> tuple[list[int], list[int]]:
     """(prompt ids, greedy tokens) of the same request, prepared and generated in this process."""
-    model = load_model(vlm_dir, "cpu")
-    req = P.validate_request(P.generate_request(None, **ask(image, max_tokens=max_tokens, temperature=0)))
-    prepared = prepare(req, SamplingParams(), model, model.config.context_length)
-    res = generate(model, [prepared.ids], prepared.params, images=[prepared.images])[0]
+    model = load_model(vlm_dir, backend)
+    try:
+        req = P.validate_request(P.generate_request(None, **ask(image, max_tokens=max_tokens, temperature=0)))
+        prepared = prepare(req, SamplingParams(), model, model.config.context_length)
+        res = generate(model, [prepared.ids], prepared.params, images=[prepared.images])[0]
+    finally:
+        model.backend.close()
     return prepared.ids, res.token_ids
 
 
@@ -141,3 +144,28 @@ def test_an_image_for_a_text_only_model_is_unsupported(tmp_path):
             assert c.generate("hello", raw=True, max_tokens=2).generated_tokens >= 1
     finally:
         assert d.stop() == 0, d.log_text()
+
+
+@pytest.mark.gpu
+def test_on_vulkan_images_are_encoded_and_answered_on_the_device(vlm_dir, tmp_path):
+    """The tiny VLM on the Vulkan backend (lavapipe in CI): the encoder is the device's, and two requests
+    with different images at once get the tokens each gets offline on the same backend."""
+    from hmad.backends.vulkan import device as vkdev
+
+    try:
+        with vkdev.Device():
+            pass
+    except Exception as e:  # no loader, no driver, unsuitable device
+        pytest.skip(f"no usable Vulkan device ({e}); apt-get install mesa-vulkan-drivers provides lavapipe")
+    images = [png(20), png(21)]
+    want = [offline(vlm_dir, im, 6, backend="vulkan")[1] for im in images]
+    d = Daemon(vlm_dir, tmp_path, backend="vulkan").wait_ready()
+    try:
+        with Client(d.socket) as c:
+            streams = [c.stream(**ask(im, max_tokens=6, temperature=0)) for im in images]
+            got = [[t for piece in st for t in piece.token_ids] for st in streams]
+            vision = c.status()["vision"]
+    finally:
+        assert d.stop() == 0, d.log_text()
+    assert got == want
+    assert vision["encoder"] == "VulkanVisionOps" and vision["images"]["encoded"] == 2
