@@ -257,9 +257,14 @@ def generate_fields(draw) -> dict:
     """A generate's fields but v/type/id: a prompt or messages, then each field absent, sane or junk."""
     rnd = draw(st.randoms(use_true_random=True))  # proportions; hypothesis draws the values
     msg: dict = {}
-    which = rnd.choices(["prompt", "huge", "surrogate", "messages", "both", "none"], [60, 4, 3, 27, 3, 3])[0]
-    if which in ("prompt", "both"):
+    kinds = ["prompt", "huge", "surrogate", "messages", "both", "none", "images", "parts"]
+    which = rnd.choices(kinds, [60, 4, 3, 27, 3, 3, 5, 5])[0]
+    if which in ("prompt", "both", "images"):
         msg["prompt"] = draw(SHORT_TEXT)
+    if which == "images":
+        msg["images"] = draw(st.lists(IMAGE_BYTES, min_size=1, max_size=3))
+    elif which == "parts":
+        msg["messages"] = draw(st.lists(PART_MESSAGE | MESSAGE, min_size=1, max_size=3))
     elif which == "huge":
         msg["prompt"] = draw(HUGE_TEXT)
     elif which == "surrogate":
@@ -268,7 +273,7 @@ def generate_fields(draw) -> dict:
         msg["messages"] = draw(MESSAGES)
     if rnd.random() < 0.04:
         msg[rnd.choice(["prompt", "messages"])] = draw(JUNK)
-    if rnd.random() < 0.08:
+    if rnd.random() < 0.03:  # images beside anything (valid ones: "images" above)
         msg["images"] = draw(IMAGES)
     for name in SAMPLING_FIELDS:
         _maybe_field(msg, name, draw, rnd.random(), (0.34, 0.37, 0.39))

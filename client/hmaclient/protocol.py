@@ -176,7 +176,7 @@ Error codes
     unsupported_version   ``v`` is an int not in SUPPORTED_VERSIONS
     unknown_type          ``type`` names no request
     too_large             frame over MAX_FRAME_BYTES, or an array / map / nesting depth / container count /
-                          prompt / message count over its limit
+                          request item count / prompt / message count / image count over its limit
     busy                  the daemon's queue is full; try again later
     prompt_too_long       the tokenized prompt (+1) does not fit the model's context
     shutting_down         the daemon is draining for shutdown and takes no new work
