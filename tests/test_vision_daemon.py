@@ -92,7 +92,9 @@ def test_a_resent_image_is_neither_encoded_nor_prefilled_again(daemon):
         again = c.generate(**ask(image, max_tokens=2, temperature=0))
         after = _images_status(c.status())
         swapped = c.generate(**ask(other, max_tokens=2, temperature=0))
+        metrics = {f["name"]: f["samples"][0]["value"] for f in c.metrics() if f["name"].startswith("image")}
     assert after["encoded"] == before["encoded"] and after["hits"] == before["hits"] + 1
+    assert metrics["images_encoded"] == after["encoded"] + 1 and metrics["image_cache_hits"] == after["hits"]
     assert first.extra.get("cached_tokens", 0) == 0
     block = 16
     assert again.extra["cached_tokens"] == (first.prompt_tokens - 1) // block * block > 0

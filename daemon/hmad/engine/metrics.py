@@ -153,6 +153,7 @@ class Metrics:
             ),
             _family("kv_blocks", "gauge", "KV cache blocks by pool and state", _kv_samples(snapshot)),
             *_prefix_cache(snapshot),
+            *_images(snapshot),
             _family(
                 "memory_bytes",
                 "gauge",
@@ -196,6 +197,22 @@ def _prefix_cache(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _family(name: str, kind: str, help: str, samples: list[dict[str, Any]]) -> dict[str, Any]:
     return {"name": name, "type": kind, "help": help, "samples": samples}
+
+
+def _images(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
+    """Images through the vision tower and the feature cache (engine/images.py), once the engine reports
+    them (``images``)."""
+    stats = snapshot.get("images")
+    if not stats:
+        return []
+    return [
+        _counter("images_encoded", "Images run through the vision tower", stats.get("encoded", 0)),
+        _counter(
+            "image_cache_hits", "Images whose soft tokens came from the feature cache", stats.get("hits", 0)
+        ),
+        _gauge("image_cache", "Encoded images kept in the feature cache", stats.get("images", 0)),
+        _gauge("image_cache_bytes", "Bytes of soft tokens kept in the feature cache", stats.get("bytes", 0)),
+    ]
 
 
 def _counter(name: str, help: str, value: float) -> dict[str, Any]:
