@@ -43,48 +43,10 @@ from bench_peer import free_port, server_flags, wait_ready  # noqa: E402
 from bench_peer import start as start_peer  # noqa: E402
 from gpu_clocks import ClockLog  # noqa: E402
 
-GEMMA3_TOWER = dict(image_size=896, patch_size=14, hidden=1152, n_layers=27, n_heads=16, ffn=4304)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from synthetic_mmproj import GEMMA3_TOWER, write_mmproj  # noqa: E402
+
 QUESTION = " ".join(["describe"] * 64)  # about 64 tokens on any vocabulary
-
-
-def write_mmproj(path: Path, text_width: int, seed: int = 0) -> Path:
-    """A Gemma 3 projector GGUF of the real tower shape, random weights of sane scale (float16 matrices,
-    float32 embeddings and 1-D tensors, as llama.cpp's converter stores them)."""
-    import gguf
-
-    from hmad.model.vision import VisionConfig, expected_shapes
-
-    t = GEMMA3_TOWER
-    cfg = VisionConfig(**t, eps=1e-6, mm_tokens_per_image=256, text_hidden=text_width)
-    rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), "clip")
-    w.add_type(gguf.GGUFType.MMPROJ)
-    w.add_clip_has_vision_encoder(True)
-    w.add_vision_projection_dim(text_width)
-    w.add_vision_image_size(t["image_size"])
-    w.add_vision_patch_size(t["patch_size"])
-    w.add_vision_embedding_length(t["hidden"])
-    w.add_vision_feed_forward_length(t["ffn"])
-    w.add_vision_block_count(t["n_layers"])
-    w.add_vision_head_count(t["n_heads"])
-    w.add_vision_image_mean([0.5, 0.5, 0.5])
-    w.add_vision_image_std([0.5, 0.5, 0.5])
-    w.add_clip_projector_type("gemma3")
-    w.add_vision_attention_layernorm_eps(1e-6)
-    w.add_vision_use_gelu(True)
-    for name, shape in expected_shapes(cfg).items():
-        if len(shape) == 1:
-            one = name.endswith(("ln1.weight", "ln2.weight", "post_ln.weight", "soft_emb_norm.weight"))
-            w.add_tensor(name, np.full(shape, 1.0 if one else 0.0, np.float32))
-        else:
-            a = rng.standard_normal(shape, np.float32) / np.float32(np.sqrt(np.prod(shape[1:])))
-            embedding = name.startswith(("v.patch_embd", "v.position_embd"))
-            w.add_tensor(name, a if embedding else a.astype(np.float16))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 def png(seed: int, size: int = 896) -> bytes:
