@@ -240,7 +240,11 @@ CHAT = {"model": "any", "messages": [{"role": "user", "content": "hi"}], "stream
             {"tools": [{"type": "function", "function": {"name": "no spaces"}}]},
             "tools[0].name must be",
         ),
-        ("chat", {"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}, "support images"),
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]},
+            "decoded image is 2 bytes",
+        ),
         ("chat", {"messages": [{"role": "tool", "content": "x"}]}, "no tool call before it"),
         ("chat", {"messages": [{"role": "function", "content": "x"}]}, "role 'function' is not supported"),
         ("chat", {"format": "xml"}, "invalid format"),

@@ -159,7 +159,7 @@ IMAGE = {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}
         ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens must be an integer from 1"),
         ({"temperature": -1}, "temperature", "temperature must be"),
         ({"input": None}, "input", "input"),
-        ({"input": [{"role": "user", "content": [IMAGE]}]}, "input[0].content", "only text parts"),
+        ({"input": [{"role": "user", "content": [IMAGE]}]}, "input[0].content", "decoded image is 3 bytes"),
         ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "role must be"),
         ({"input": [{"type": "web_search_call"}]}, "input[0].type", "not supported"),
         ({"tools": [{"type": "web_search"}]}, "tools", "not supported"),
