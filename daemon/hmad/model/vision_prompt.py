@@ -46,21 +46,24 @@ def image_ids(tok: Tokenizer) -> tuple[int, int, int]:
     vocabulary lacks. The placeholder is ``<image_soft_token>`` where the vocabulary has it, else pad (0):
     its embedding is never read."""
     boi, eoi = tok.token_id(BOI), tok.token_id(EOI)
-    if boi is None or eoi is None or BOI not in tok.control_texts():
-        raise ValueError(f"this model's vocabulary has no {BOI} / {EOI} control tokens")
+    if boi is None or eoi is None:
+        raise ValueError(f"this model's vocabulary has no {BOI} / {EOI} tokens")
     soft = tok.token_id(SOFT)
     return boi, eoi, 0 if soft is None else soft
 
 
 def expand_markers(text: TemplateText) -> TemplateText:
-    """Each ``<start_of_image>`` marker as ``\\n\\n<start_of_image><end_of_image>\\n\\n`` (the soft tokens go
-    between the two once tokenized)."""
+    """Each ``<start_of_image>`` as ``\\n\\n<start_of_image><end_of_image>\\n\\n`` (the soft tokens go between
+    the two once tokenized), as the processor replaces every occurrence in the text. A template's marker
+    stays a marker; in plain text (a vocabulary where ``<start_of_image>`` is a user-defined token, which
+    the tokenizer matches anywhere, as llama.cpp does: Gemma 3's GGUFs) it stays plain text."""
     pieces: list[tuple[str, bool]] = []
     for piece, marker in text.segments():
-        if marker and piece == BOI:
-            pieces += [("\n\n", False), (BOI, True), (EOI, True), ("\n\n", False)]
-        else:
-            pieces.append((piece, marker))
+        for k, part in enumerate(piece.split(BOI)):
+            if k:
+                pieces += [("\n\n", False), (BOI, marker), (EOI, marker), ("\n\n", False)]
+            if part:
+                pieces.append((part, marker))
     return TemplateText(pieces)
 
 
