@@ -139,6 +139,7 @@ def test_vision_section_is_the_image_limits(tmp_path):
         "max_image_pixels": 50_000_000,
         "max_images_per_request": 8,
         "image_cache_bytes": 256 << 20,  # hmad.engine.images.CACHE_BYTES
+        "max_waiting_image_bytes": 1 << 30,  # hmad.engine.images.WAITING_BYTES
     }
     text = "vision:\n  max_image_bytes: 1MiB\n  max_image_pixels: 1000\n  max_images_per_request: 0\n"
     assert load_config(_write(tmp_path, text), env=ENV).image_limits() == ImageLimits(1 << 20, 1000, 0)

@@ -90,3 +90,36 @@ def test_a_text_only_checkpoint_has_no_vision_tower(tmp_path):
     assert model.vision is None
     with pytest.raises(ValueError, match="no vision tower"):
         model.encode_images(np.zeros((1, 3, 16, 16), np.float32))
+
+
+def test_waiting_images_are_bounded_and_encoded_when_admitted(vlm):
+    """Images are encoded when their request is admitted (so only running requests hold features); the
+    pixels of waiting ones are bounded (engine/images.py, ``vision.max_waiting_image_bytes``)."""
+    from hmad.engine.request import Request
+    from hmad.engine.sampling import SamplingParams
+    from hmad.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
+
+    sched = Scheduler(vlm, SchedulerConfig(max_seqs=1, kv_tokens=256))
+    prompt = REF["prompt_a"].tolist()
+
+    def request(i: int) -> Request:
+        r = Request(i, prompt, SamplingParams(max_tokens=2, temperature=0))
+        r.images = spans_of(prompt, np.zeros((1, 4, 64), np.float32))
+        r.images[0].features, r.images[0].pixels = None, REF["pixels_0"][0] + i  # (3, 16, 16)
+        r.images[0].digest = f"{i:064x}"
+        return r
+
+    sched.images.waiting_bytes = REF["pixels_0"][0].nbytes  # one image's pixels
+    first = request(1)
+    sched.submit(first)
+    with pytest.raises(QueueFull, match="max_waiting_image_bytes"):
+        sched.submit(request(2))
+    assert first.images[0].features is None  # waiting: not encoded
+    sched.step()  # admitted, encoded, prefilled
+    assert first.images[0].pixels is None and first.images[0].features.shape == (4, 64)
+    np.testing.assert_allclose(
+        first.images[0].features, vlm.encode_images(REF["pixels_0"][:1] + 1)[0], rtol=1e-6
+    )
+    sched.submit(request(3))  # the pixels waiting are gone with the first's encoding
+    while sched.has_work():
+        sched.step()

@@ -57,7 +57,7 @@ from hmad.config_keys import (  # the keys' types; parse_bytes and UNIX_PATH_MAX
     typed,
 )
 from hmad.core.errors import HmadError
-from hmad.engine.images import CACHE_BYTES
+from hmad.engine.images import CACHE_BYTES, WAITING_BYTES
 from hmad.engine.sampling_schema import sampling_model
 from hmad.engine.scheduler import SchedulerConfig
 from hmad.model.images import ImageLimits
@@ -152,6 +152,7 @@ class VisionConfig(_Section):
     max_image_pixels: int_in(1, 1 << 30) = _IMAGES.max_pixels
     max_images_per_request: int_in(0, 1024) = _IMAGES.max_images
     image_cache_bytes: byte_size(0, 1 << 40) = CACHE_BYTES  # encoded images kept by digest (engine/images.py)
+    max_waiting_image_bytes: byte_size(0, 1 << 40) = WAITING_BYTES  # pixels of queued requests' images
 
 
 class ServerConfig(_Section):

@@ -224,6 +224,7 @@ class Service:
             t0 = time.perf_counter()
             scheduler = Scheduler(model, cfg.scheduler_config())  # while the weights upload
             scheduler.images.cache.max_bytes = cfg.vision.image_cache_bytes
+            scheduler.images.waiting_bytes = cfg.vision.max_waiting_image_bytes
             scheduler.prepare()
             phases = model.info["load_phases_s"]
             phases["kv_and_prepare_s"] = round(time.perf_counter() - t0, 3)

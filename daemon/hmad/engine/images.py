@@ -26,6 +26,8 @@ import numpy as np
 
 #: encoded images kept (a 27B's image is 256 x 5376 float32: 5.5 MB, so about 46 images)
 CACHE_BYTES = 256 << 20
+#: pixels of the images of requests still waiting, not yet encoded (896 x 896: 9.2 MiB an image, so 111)
+WAITING_BYTES = 1 << 30
 
 
 @dataclass
@@ -124,12 +126,26 @@ class FeatureCache:
 
 class ImageEncoder:
     """Gives every span its features: from the cache, else from ``encode`` ((n, 3, S, S) -> (n, N, D)),
-    each distinct image once, in one call."""
+    each distinct image once, in one call. The engine encodes a request's images when it is admitted, so
+    only running requests hold features; the pixels of those still waiting are bounded by
+    ``waiting_bytes`` (a request past it is answered ``busy``)."""
 
-    def __init__(self, encode, cache_bytes: int = CACHE_BYTES):
+    def __init__(self, encode, cache_bytes: int = CACHE_BYTES, waiting_bytes: int = WAITING_BYTES):
         self.encode_fn, self.cache = encode, FeatureCache(cache_bytes)
+        self.waiting_bytes = waiting_bytes
         self.encoded = 0  # images run through the encoder since start
         self.last_ms = 0.0  # the last encoder call's time
+
+    def fits_waiting(self, spans: list[ImageSpan], waiting) -> bool:
+        """Whether ``spans``' pixels fit beside those of the requests in ``waiting``."""
+        held = sum(s.pixels.nbytes for r in waiting for s in r.images if s.pixels is not None)
+        return held + sum(s.pixels.nbytes for s in spans if s.pixels is not None) <= self.waiting_bytes
+
+    def waiting_message(self) -> str:
+        return (
+            f"the images of waiting requests fill the {self.waiting_bytes >> 20} MiB kept for them "
+            "(vision.max_waiting_image_bytes); try again when some have started"
+        )
 
     def encode(self, spans: list[ImageSpan]) -> None:
         todo: dict[str, list[ImageSpan]] = {}

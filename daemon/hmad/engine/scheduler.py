@@ -176,7 +176,8 @@ class Scheduler:
             problem = self.planner.image_problem(req)
             if problem:
                 raise RequestInvalid(problem)
-            self.images.encode(req.images)  # (engine/images.py: by digest, cached)
+            if not self.images.fits_waiting(req.images, self.waiting):
+                raise QueueFull(self.images.waiting_message())
         events = self._make_room(req) if full else []
         self.waiting.append(req)
         return events
@@ -204,6 +205,7 @@ class Scheduler:
     def step(self) -> list[Event]:
         events = self._retire_cancelled()
         self._admit()
+        events += self._encode_admitted()
         if self.flight is not None:
             return events + self._step_pipelined()
         parts = self.planner.plan(self.running, {})
@@ -248,6 +250,20 @@ class Scheduler:
             req.n_cached = req.n_reused = reused
             req.state = State.PREFILL
             self.running.append(req)
+
+    def _encode_admitted(self) -> list[Event]:
+        """The images of requests just admitted go through the vision tower (engine/images.py: each file
+        once, cached by digest), before any chunk of theirs is planned; a failure ends that request alone."""
+        events = []
+        for r in self.running:
+            if r.state is State.PREFILL and any(s.features is None for s in r.images):
+                try:
+                    self.images.encode(r.images)
+                except Exception as e:  # noqa: BLE001 - this request's images, not the engine's end
+                    log.exception("request %d: its images could not be encoded", r.id)
+                    events += fail(r, f"encoding its images failed: {type(e).__name__}: {e}")
+        self._release_finished()
+        return events
 
     def _forward_and_sample(self, parts: list[Part]) -> list[Event]:
         batch = StepBatch.build([(s, toks, want) for _, s, toks, want in parts], self.layout.block_size)
