@@ -17,14 +17,25 @@ own output buffer.
 
 Weights: :meth:`VulkanVisionOps.upload` puts a tower's canonical tensors on the device once, packed in a few
 arenas, and returns handles to build the VisionTower with; a numpy array handed straight to an op is
-uploaded on first use and kept (by identity) instead. Matrices are stored float32 or float16
-(vision_policy.weight_format); vectors and the position embedding float32.
+uploaded on first use and kept (by identity) instead. Matrices are stored float16 (or float32:
+vision_policy.weight_format) as the (N, K) rows the text model's matmul kernels read: the projector's (in,
+out) weight transposed, the patch embedding's (D, C, p, p) as (D, C * p * p) padded with zero columns to
+vision_policy.padded_k, and (uploaded by name) the FFN's width padded likewise (fc1's rows and bias, fc2's
+columns: vision_policy.PAD_ROWS_SUFFIXES), so every GEMM of an uploaded tower has K in whole steps of the
+text kernels (a handle keeps its given ``shape``; ``nk`` is the stored one); vectors and the position
+embedding float32.
 
-Kernels (shaders/vision_*.comp, chosen by vision_policy.py): im2col + the tiled GEMM for the patch
-embedding; the GEMM with its bias in the epilogue for every linear layer, and with W read (K, N) for the
-projector; LayerNorm / RMSNorm one workgroup a row; GELU and the (broadcasting) add grid-stride; dense
+Kernels (chosen by vision_policy.py): im2col (rows padded to the GEMM's K) + the GEMM for the patch
+embedding; every GEMM (patch embedding, q/k/v/out, fc1, fc2, projector) on the text model's kernels where
+vision_policy.gemm_kernel says (the cooperative-matrix GEMM after row_scale's float16 copy of x, or the
+tiled mat-mat; then the bias as vision_add), else shaders/vision_linear.comp with its bias in the
+epilogue; LayerNorm / RMSNorm one workgroup a row; GELU and the (broadcasting) add grid-stride; dense
 attention per (image, head) flash style (online softmax, K and V chunks in shared memory); the k x k average
-pool. All plain paths (no subgroup or cooperative-matrix operation), which lavapipe runs.
+pool (shaders/vision_*.comp, plain paths, which lavapipe runs).
+
+GPU time: with ``timestamps`` set, an encode (recorded or replayed) writes a timestamp after every command
+and ``last_gpu`` holds ``{"total_ns", "commands": [(label, ns)]}``, the label a kernel's name (or "vision
+input" / "vision output" for the copies); a replay with ``timestamps`` set uses a recording made with them.
 
 The seam for keeping the soft tokens on the GPU: the projector's output is a VTensor in this object's
 scratch until ``to_host``; a later step can bind its view instead of reading it back.
@@ -44,7 +55,10 @@ from hmad.backends.vision_ops import VisionOps
 from hmad.backends.vulkan import vision_policy as vp
 from hmad.backends.vulkan.activations import ScratchPool, _Buf
 from hmad.backends.vulkan.context import RecordContext
+from hmad.backends.vulkan.kernels_coopmat import record_coopmat, record_row_scale
+from hmad.backends.vulkan.kernels_matmul import record_matmul
 from hmad.backends.vulkan.memory import Arena, BufferView, Uploader, choose_memory_type, create_buffer
+from hmad.backends.vulkan.ops_matmul import coopmat_slots
 from hmad.backends.vulkan.recorder import CommandRecorder
 from hmad.backends.vulkan.vision_push import (
     ATTENTION_BLOCK,
@@ -71,13 +85,14 @@ class VTensor:
 
     ``keep`` holds what must live as long as the handle (an activation's scratch range). ``epoch``: the
     encode (command buffer) an activation belongs to; a handle from an encode already read back is stale.
+    ``nk``: a weight's stored shape (a matrix's (N, K): module docstring), None for activations.
     """
 
-    __slots__ = ("view", "keep", "shape", "fmt", "ops", "epoch")
+    __slots__ = ("view", "keep", "shape", "fmt", "ops", "epoch", "nk")
 
     def __init__(self, view: BufferView, shape, fmt: str, ops: VulkanVisionOps, keep: Any = None, epoch=None):
         self.view, self.shape, self.fmt, self.ops = view, tuple(shape), fmt, ops
-        self.keep, self.epoch = keep, epoch
+        self.keep, self.epoch, self.nk = keep, epoch, None
 
     @property
     def size(self) -> int:
@@ -125,8 +140,8 @@ class VulkanVisionOps(VisionOps):
         self.rec: CommandRecorder | None = None
         self.epoch = 0
         self.encodes = 0  # command buffers submitted (tests read it)
-        # set: each encode recorded from then on writes a GPU timestamp after every command (a recording
-        # keeps what it was made with: set it before a tower's first encode of a shape)
+        # set: each encode from then on writes a GPU timestamp after every command (a replay takes a
+        # recording made with them, recorded on first use)
         self.timestamps = False
         self.last_gpu: dict[str, Any] = {}  # then: the last encode's {"total_ns", "commands": [(label, ns)]}
         self._in_use: list[BufferView] = []  # the staging buffers of the encode being recorded
@@ -140,17 +155,21 @@ class VulkanVisionOps(VisionOps):
         vision_policy.weight_format says; returns name -> handle, to build a VisionTower with."""
         items = []
         for name, a in weights.items():
-            fmt = vp.weight_format(self.weight_format, name, np.ndim(a), np.asarray(a).dtype.name)
-            items.append((name, np.ascontiguousarray(a, dtype=_NP[fmt]), fmt))
+            a = np.asarray(a)
+            fmt = vp.weight_format(self.weight_format, name, a.ndim, a.dtype.name)
+            stored = stored_tensor(name, a)
+            items.append((name, a.shape, np.ascontiguousarray(stored, dtype=_NP[fmt]), fmt))
         align = self.ctx.align
         out: dict[str, VTensor] = {}
         while items:
             batch, total = [], 0
-            while items and (not batch or total + items[0][1].nbytes <= ARENA_BYTES):
+            while items and (not batch or total + items[0][2].nbytes <= ARENA_BYTES):
                 batch.append(items.pop(0))
-                total += -(-batch[-1][1].nbytes // align) * align
-            for (name, a, fmt), view in zip(batch, self._pack([a for _, a, _ in batch]), strict=True):
-                out[name] = VTensor(view, a.shape, fmt, self)
+                total += -(-batch[-1][2].nbytes // align) * align
+            views = self._pack([i[2] for i in batch])
+            for (name, shape, a, fmt), view in zip(batch, views, strict=True):
+                out[name] = VTensor(view, shape, fmt, self)
+                out[name].nk = a.shape
         return out
 
     def _pack(self, arrays: list[np.ndarray]) -> list[BufferView]:
@@ -176,17 +195,21 @@ class VulkanVisionOps(VisionOps):
             self._up = Uploader(self.dev, chunk_bytes=16 << 20, slots=2)
         return self._up
 
-    def _weight(self, w: Any, matrix: bool) -> VTensor:
+    def _weight(self, w: Any, matrix: bool, transposed: bool = False) -> VTensor:
         """A weight as a device handle: given as one, or a numpy array uploaded on first use (kept by its
-        identity: the array itself is held, so its id is not reused)."""
+        identity: the array itself is held, so its id is not reused); a matrix stored as ``upload`` does
+        (``transposed``: given (in, out))."""
         if isinstance(w, VTensor):
             return w
         a = np.asarray(w)
         fmt = vp.weight_format(self.weight_format, "", a.ndim if matrix else 1, a.dtype.name)
         hit = self.cache.get((id(w), fmt))
         if hit is None:
-            (view,) = self._pack([np.ascontiguousarray(a, dtype=_NP[fmt])])
-            hit = self.cache[(id(w), fmt)] = (w, VTensor(view, a.shape, fmt, self))
+            stored = stored_matrix(a, transposed) if matrix else a
+            (view,) = self._pack([np.ascontiguousarray(stored, dtype=_NP[fmt])])
+            t = VTensor(view, a.shape, fmt, self)
+            t.nk = stored.shape
+            hit = self.cache[(id(w), fmt)] = (w, t)
         return hit[1]
 
     # -- recording -------------------------------------------------------------------------------------
@@ -265,7 +288,7 @@ class VulkanVisionOps(VisionOps):
         """``tower.encode(pixels)`` on the host, (n, mm_tokens, E) float32: as many images a pass as
         vision_policy.images_per_pass lets bind whole, each pass a replay of its recording (``replay``)."""
         c = tower.cfg
-        per = vp.activation_bytes(c.n_patches, c.hidden, c.ffn, 3 * c.patch_size**2)
+        per = vp.activation_bytes(c.n_patches, c.hidden, vp.padded_k(c.ffn), vp.padded_k(3 * c.patch_size**2))
         step = vp.images_per_pass(len(pixels), per, self.ctx.caps)
         parts = [self.replay(tower, pixels[i : i + step]) for i in range(0, len(pixels), step)]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
@@ -280,14 +303,19 @@ class VulkanVisionOps(VisionOps):
         first use: its ops run once, recording): the pixels into its staging buffer, one submit."""
         px = np.ascontiguousarray(pixels, dtype=F32)
         graphs = self.graphs.setdefault(tower, {})
-        g = graphs.get(px.shape)
+        key = (px.shape, self.rec_timestamps())
+        g = graphs.get(key)
         if g is None:
-            g = graphs[px.shape] = self._record(tower, px)
+            g = graphs[key] = self._record(tower, px)
         g.stage.array(np.uint8)[: px.nbytes] = px.reshape(-1).view(np.uint8)
         g.rec.submit(timeout_s=ENCODE_TIMEOUT_S)
         self.last_gpu = g.rec.gpu_times()
         self.encodes += 1
         return g.out.array(F32)[: math.prod(g.shape)].reshape(g.shape).copy()
+
+    def rec_timestamps(self) -> bool:
+        """Whether an encode recorded now writes timestamps (``timestamps`` set and the device has them)."""
+        return bool(self.timestamps and self.dev.caps["timestamps"])
 
     def _record(self, tower, px: np.ndarray) -> VisionGraph:
         if self.rec is not None:
@@ -312,34 +340,67 @@ class VulkanVisionOps(VisionOps):
     # -- the ops (VisionOps' contracts; shapes as there) -----------------------------------------------
     def patch_embed(self, pixels, w, b, patch: int) -> VTensor:
         n, c, s, _ = pixels.shape
-        g, k = s // patch, c * patch * patch
+        g, kp = s // patch, vp.padded_k(c * patch * patch)
         px = self._act(pixels)  # (n, C, S, S)
-        cols = self._new((n * g * g, k))  # (n*P, C*p*p)
-        total = n * g * g * k
-        self._dispatch("vision_im2col", [px, cols], VisionIm2colPush(total, s, patch, c), self._grid(total))
-        wt = self._weight(w, matrix=True)  # (D, C, p, p): row-major, the (D, C*p*p) matrix
-        y = self._gemm(cols, wt.reshape(wt.shape[0], k), self._weight(b, matrix=False), transposed=False)
-        return y.reshape(n, g * g, wt.shape[0])
+        cols = self._new((n * g * g, kp))  # (n*P, C*p*p then zeros)
+        total = n * g * g * kp
+        push = VisionIm2colPush(total, s, patch, c, kp)
+        self._dispatch("vision_im2col", [px, cols], push, self._grid(total))
+        wt = self._weight(w, matrix=True)  # stored (D, Kp)
+        y = self._gemm(cols, wt, self._weight(b, matrix=False))
+        return y.reshape(n, g * g, wt.nk[0])
 
     def linear(self, x, w, b) -> VTensor:
         wt = self._weight(w, matrix=True)
-        return self._gemm(self._act(x), wt, None if b is None else self._weight(b, matrix=False), False)
+        return self._gemm(self._act(x), wt, None if b is None else self._weight(b, matrix=False))
 
     def matmul(self, x, w) -> VTensor:
-        return self._gemm(self._act(x), self._weight(w, matrix=True), None, transposed=True)
+        return self._gemm(self._act(x), self._weight(w, matrix=True, transposed=True), None)
 
-    def _gemm(self, x: VTensor, w: VTensor, b: VTensor | None, transposed: bool) -> VTensor:
-        """x (..., K) against w ((N, K), or (K, N) when ``transposed``), + b (N,) -> (..., N)."""
+    def _gemm(self, x: VTensor, w: VTensor, b: VTensor | None) -> VTensor:
+        """x (..., K) against w's stored (N, K) matrix, + b (N,) -> (..., N), on vision_policy.gemm_kernel's
+        kernel: the text model's (then the bias added by vision_add) or vision_linear.comp (bias fused)."""
         k = x.shape[-1]
-        wk, n = (w.shape[0], w.shape[1]) if transposed else (w.shape[1], w.shape[0])
+        n, wk = w.nk
         if wk != k:
-            raise ValueError(f"vision GEMM: x {x.shape} against w {w.shape}")
+            raise ValueError(f"vision GEMM: x {x.shape} against w {w.shape} (stored {w.nk})")
         rows = x.size // k
+        if b is not None and b.nk not in (None, (n,)):
+            raise ValueError(f"vision GEMM: bias {b.shape} (stored {b.nk}) against {n} outputs")
+        b = None if b is None else VTensor(b.view, (n,), b.fmt, self)  # as stored (padded)
         y = self._new((*x.shape[:-1], n))
-        push = VisionLinearPush(k, n, rows, int(b is not None))
-        groups = (-(-n // GEMM_TILE), -(-rows // GEMM_TILE), 1)
-        self._dispatch(vp.gemm_kernel(w.fmt, transposed), [w, x, b or x, y], push, groups)
-        return y
+        name = vp.gemm_kernel(self.ctx.options, self.ctx.caps, w.fmt, rows, k)
+        if name.startswith("mul_mm_coopmat_"):
+            self._coopmat(name, x, w, y, rows, k, n)
+        elif name.startswith("mul_mat_"):
+            record_matmul(self._recorder(), self.ctx.kernel(name), w.view, x.view, y.view, k, n, rows)
+        else:
+            push = VisionLinearPush(k, n, rows, int(b is not None))
+            groups = (-(-n // GEMM_TILE), -(-rows // GEMM_TILE), 1)
+            self._dispatch(name, [w, x, b or x, y], push, groups)
+            return y
+        return y if b is None else self.add(y, b)
+
+    def _coopmat(self, name: str, x: VTensor, w: VTensor, y: VTensor, t: int, k: int, n: int) -> None:
+        """y = x · Wᵀ on the text model's cooperative-matrix GEMM ``name``: x's row scales and float16 copy
+        (row_scale.comp) first, K split as kernels_coopmat says (partial sums in this encode's scratch)."""
+        rec, ctx = self._recorder(), self.ctx
+        # row scales, xh (and the partial sums): alive until recorded
+        held = [self.scratch.take(4 * t), self.scratch.take(2 * t * k)]
+        scale, xh = (b.view for b in held)
+        record_row_scale(rec, ctx.kernel("row_scale", ctx.row_block), x.view, scale, xh, k, t)
+
+        def part(nbytes: int) -> BufferView:
+            held.append(self.scratch.take(nbytes))
+            return held[-1].view
+
+        kern = ctx.kernel(name)
+        slots = coopmat_slots(ctx, kern) if ctx.options.coopmat_waves else 0
+        target = ctx.options.coopmat_prefill_target
+        views = (w.view, xh, y.view, scale)
+        record_coopmat(
+            rec, kern, ctx.kernel("split_reduce"), *views, k, n, t, part, target=target, slots=slots
+        )
 
     def layer_norm(self, x, w, b, eps: float) -> VTensor:
         return self._norm("vision_layer_norm", x, w, b, eps)
@@ -414,3 +475,31 @@ class VulkanVisionOps(VisionOps):
             self._up.close()
             self._up = None
         self.arenas, self.staging, self.readback, self.cache = [], [], None, {}
+
+
+def stored_matrix(a: np.ndarray, transposed: bool) -> np.ndarray:
+    """A matrix weight as the GEMMs read it, (N, K) rows: a (D, C, p, p) convolution as (D, C * p * p)
+    padded with zero columns to vision_policy.padded_k; a (K, N) weight given ``transposed`` as its
+    transpose; an (N, K) one as is."""
+    if a.ndim == 4:
+        return pad_axis(a.reshape(a.shape[0], -1), 1)
+    return a.T if transposed else a
+
+
+def stored_tensor(name: str, a: np.ndarray) -> np.ndarray:
+    """The tower's tensor ``name`` as uploaded: a matrix as :func:`stored_matrix` (transposed where named
+    in vision_policy.TRANSPOSED_NAMES), padded where PAD_ROWS_SUFFIXES / PAD_COLS_SUFFIXES say; vectors and
+    the position embedding as given."""
+    if name.endswith(vp.PAD_ROWS_SUFFIXES):
+        return pad_axis(a, 0)
+    if a.ndim < 2 or name in vp.ADDEND_NAMES:
+        return a
+    m = stored_matrix(a, name in vp.TRANSPOSED_NAMES)
+    return pad_axis(m, 1) if name.endswith(vp.PAD_COLS_SUFFIXES) else m
+
+
+def pad_axis(a: np.ndarray, axis: int) -> np.ndarray:
+    """``a`` with zeros appended along ``axis`` up to vision_policy.padded_k of its length."""
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, vp.padded_k(a.shape[axis]) - a.shape[axis])
+    return np.pad(a, widths)

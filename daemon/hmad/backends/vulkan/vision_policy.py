@@ -2,21 +2,36 @@
 device's capabilities (:class:`~hmad.backends.vulkan.policy.DeviceCaps`) and the shapes, testable without
 a GPU (tests/test_vulkan_vision.py), as policy.py is for the text model.
 
-Every kernel here has one plain path (no subgroup operation, no cooperative matrix), which lavapipe runs and
-which is the only path so far; a cooperative-matrix GEMM and attention would be picked here, by
-``caps.coopmat``, once they exist.
+The GEMMs run the text model's matmul kernels where they fit (:func:`gemm_kernel`): the cooperative-matrix
+GEMM on devices offering it, its plain tiled mat-mat otherwise; vision_linear.comp is the fallback. The other
+kernels have one plain path (no subgroup operation, no cooperative matrix), which lavapipe runs.
 """
 
 from __future__ import annotations
 
 import math
 
+from hmad.backends.vulkan import policy
+from hmad.backends.vulkan.kernels_coopmat import coopmat_kernel_name
+from hmad.backends.vulkan.options import VulkanOptions
 from hmad.backends.vulkan.policy import DeviceCaps
 from hmad.backends.vulkan.variants import VISION_ATTENTION_DH, VISION_ATTENTION_MAX_DH
+from hmad.core.tensors import QType
 
-#: how the matrices are stored on the device: "auto" (as the array given: float16 stays float16, anything
-#: else becomes float32), "f32" or "f16" (half the memory; the product still sums in float32)
+#: how the matrices are stored on the device: "auto" (float16: the cooperative-matrix GEMM's operand, half
+#: the memory; the products still sum in float32), "f32" or "f16"
 WEIGHT_FORMATS = ("auto", "f32", "f16")
+#: the matrices given (in, out), stored transposed, (out, in), as the text kernels read W (N, K)
+TRANSPOSED_NAMES = ("mm.input_projection.weight",)
+#: the text kernels take K in whole steps of this many values (mul_mm_coopmat.comp's BK; mul_mat.comp needs
+#: K % 32, mul_mat_reg.comp and row_scale.comp K % 8)
+TEXT_K_GROUP = 64
+#: where a GEMM's K is padded with zeros to whole TEXT_K_GROUP steps when the tower is uploaded (by name):
+#: the patch embedding's K (C * p * p: im2col writes the zeros), and the FFN width (Gemma 3's 4304): fc1's
+#: weight gains zero rows and its bias zeros (so fc1's padding columns are 0, and GELU(0) = 0), fc2's
+#: weight zero columns
+PAD_ROWS_SUFFIXES = ("ffn_up.weight", "ffn_up.bias")
+PAD_COLS_SUFFIXES = ("ffn_down.weight",)
 #: tensors that are not GEMM operands stay float32 whatever the option: vectors (norms, biases) and the
 #: position embedding, which vision_add reads as float32
 ADDEND_NAMES = ("v.position_embd.weight",)
@@ -28,13 +43,36 @@ def weight_format(option: str, name: str, ndim: int, dtype_name: str) -> str:
         raise ValueError(f"vision weight format {option!r}: one of {WEIGHT_FORMATS}")
     if ndim < 2 or name in ADDEND_NAMES:
         return "f32"
-    if option == "auto":
-        return "f16" if dtype_name == "float16" else "f32"
-    return option
+    return "f16" if option == "auto" else option
 
 
-def gemm_kernel(fmt: str, transposed: bool) -> str:
-    """The GEMM variant: ``transposed`` for a weight stored (in, out) (the projector), else (out, in)."""
+def padded_k(k: int) -> int:
+    """A GEMM's K padded with zeros to whole TEXT_K_GROUP steps (PAD_ROWS_SUFFIXES), so that it runs the
+    text kernels."""
+    return -(-k // TEXT_K_GROUP) * TEXT_K_GROUP
+
+
+def gemm_kernel(o: VulkanOptions, c: DeviceCaps, fmt: str, t: int, k: int) -> str:
+    """The kernel of y (t, N) = x (t, k) float32 · Wᵀ, W stored (N, k) in ``fmt`` (``o``: the resolved
+    text options, whose ``coopmat`` and ``matmul_registers`` apply here too):
+
+    - float16 W on a device with the float16 cooperative matrix (policy.coopmat_on): the text model's
+      cooperative-matrix GEMM (``mul_mm_coopmat_f16_<BT>x<BN>``, x as row_scale.comp's float16 copy);
+    - else the text model's tiled float32 mat-mat (``mul_mat_<fmt>``, or ``mul_mat_reg_<fmt>`` where
+      policy.matmul_registers says: CPU drivers);
+    - K not a multiple of TEXT_K_GROUP: vision_linear.comp (``vision_linear_<fmt>``), which takes any K.
+      Uploaded towers never have one (Gemma 3's width 1152 is whole steps; the patch embedding's 588 and
+      the FFN's 4304 are padded: PAD_ROWS_SUFFIXES); weights handed to the ops as arrays keep their K.
+    """
+    if k % TEXT_K_GROUP:
+        return fallback_kernel(fmt)
+    if fmt == "f16" and policy.coopmat_on(o, c):
+        return coopmat_kernel_name(t, QType.F16)
+    return policy.matmul_kernel(fmt, o.matmul_registers == "on")
+
+
+def fallback_kernel(fmt: str, transposed: bool = False) -> str:
+    """vision_linear.comp's variant: ``transposed`` for a weight stored (in, out), else (out, in)."""
     return f"vision_{'matmul' if transposed else 'linear'}_{fmt}"
 
 

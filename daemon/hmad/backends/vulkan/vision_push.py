@@ -36,7 +36,7 @@ class VisionEltwisePush(ctypes.Structure):
 class VisionIm2colPush(ctypes.Structure):
     """shaders/vision_im2col.comp"""
 
-    _fields_ = [(n, u32) for n in ("n", "S", "psize", "C")]
+    _fields_ = [(n, u32) for n in ("n", "S", "psize", "C", "Kp")]
 
 
 class VisionPoolPush(ctypes.Structure):
