@@ -85,14 +85,16 @@ class VTensor:
 
     ``keep`` holds what must live as long as the handle (an activation's scratch range). ``epoch``: the
     encode (command buffer) an activation belongs to; a handle from an encode already read back is stale.
-    ``nk``: a weight's stored shape (a matrix's (N, K): module docstring), None for activations.
+    ``nk``: a weight's stored shape (a matrix's (N, K): module docstring), None for activations. ``xh``: an
+    activation's row scales and float16 copy (row_scale.comp), made by its first cooperative-matrix GEMM
+    and kept for the next ones (q, k and v read one input).
     """
 
-    __slots__ = ("view", "keep", "shape", "fmt", "ops", "epoch", "nk")
+    __slots__ = ("view", "keep", "shape", "fmt", "ops", "epoch", "nk", "xh")
 
     def __init__(self, view: BufferView, shape, fmt: str, ops: VulkanVisionOps, keep: Any = None, epoch=None):
         self.view, self.shape, self.fmt, self.ops = view, tuple(shape), fmt, ops
-        self.keep, self.epoch, self.nk = keep, epoch, None
+        self.keep, self.epoch, self.nk, self.xh = keep, epoch, None, None
 
     @property
     def size(self) -> int:
@@ -383,12 +385,15 @@ class VulkanVisionOps(VisionOps):
 
     def _coopmat(self, name: str, x: VTensor, w: VTensor, y: VTensor, t: int, k: int, n: int) -> None:
         """y = x · Wᵀ on the text model's cooperative-matrix GEMM ``name``: x's row scales and float16 copy
-        (row_scale.comp) first, K split as kernels_coopmat says (partial sums in this encode's scratch)."""
+        (row_scale.comp) made on first use (``x.xh``), K split as kernels_coopmat says (partial sums in this
+        encode's scratch)."""
         rec, ctx = self._recorder(), self.ctx
-        # row scales, xh (and the partial sums): alive until recorded
-        held = [self.scratch.take(4 * t), self.scratch.take(2 * t * k)]
-        scale, xh = (b.view for b in held)
-        record_row_scale(rec, ctx.kernel("row_scale", ctx.row_block), x.view, scale, xh, k, t)
+        if x.xh is None:  # row scales, xh: kept with x (its scratch ranges live as long as the handle)
+            x.xh = (self.scratch.take(4 * t), self.scratch.take(2 * t * k))
+            scale, xh = (b.view for b in x.xh)
+            record_row_scale(rec, ctx.kernel("row_scale", ctx.row_block), x.view, scale, xh, k, t)
+        scale, xh = (b.view for b in x.xh)
+        held: list = []  # the partial sums: alive until recorded
 
         def part(nbytes: int) -> BufferView:
             held.append(self.scratch.take(nbytes))
