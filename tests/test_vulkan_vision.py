@@ -240,7 +240,42 @@ def test_linear_matches_reference(ops, ops32, layout, fmt, k):
     got = poisoned(o, lambda: o.linear(x, w, None))
     assert (np.abs(got - REF.linear(x, wr, None)) <= gemm_bound(x, wr, None, x16).reshape(got.shape)).all()
     _, labels = ran(o, lambda: o.linear(x, w, b))
-    assert route in labels and labels.count("vision_add") == (k != 45)  # the bias: fused, or added after
+    assert route in labels  # the bias: vision_linear's epilogue, or pending (added by the reader: to_host)
+
+
+@pytest.mark.gpu
+def test_a_gemm_bias_is_added_by_its_reader(ops):
+    """A text-kernel GEMM's bias is left pending: GELU adds it in its pass (vision_bias_gelu), an add in
+    its (vision_add3: a residual, the position embedding), anything else first (vision_add); against the
+    numpy ops on the device's own linear output (the sums in another order: 1e-6 relative)."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 9, 64)).astype(np.float32)
+    w = rng.standard_normal((32, 64)).astype(np.float32)
+    b = rng.standard_normal(32).astype(np.float32)
+    res = rng.standard_normal((2, 9, 32)).astype(np.float32)
+    pos = rng.standard_normal((9, 32)).astype(np.float32)
+    lin = np.asarray(ops.linear(x, w, b))  # deterministic: the same kernel and order each time
+    cases = {
+        "vision_bias_gelu": (lambda: ops.gelu_tanh(ops.linear(x, w, b)), REF.gelu_tanh(lin)),
+        "vision_add3": (lambda: ops.add(res, ops.linear(x, w, b)), res + lin),
+    }
+    for kernel, (op, want) in cases.items():
+        got, labels = ran(ops, op)
+        assert kernel in labels and "vision_add" not in labels, labels
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+        np.testing.assert_allclose(poisoned(ops, op), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    got, labels = ran(ops, lambda: ops.add(ops.linear(x, w, b), pos))
+    assert "vision_add3" in labels and "vision_add" not in labels
+    np.testing.assert_allclose(got, lin + pos, rtol=1e-6, atol=1e-6 * np.abs(lin).max())
+    got, labels = ran(ops, lambda: ops.add(ops.linear(x, w, b), ops.linear(x, w, b)))  # one bias added first
+    assert labels.count("vision_add") == 1 and "vision_add3" in labels
+    np.testing.assert_allclose(got, 2 * lin, rtol=1e-6, atol=1e-6 * np.abs(lin).max())
+    got, labels = ran(ops, lambda: ops.linear(ops.linear(x, w, b), w.T.copy(), None))  # added before a GEMM
+    assert labels.count("vision_add") == 1
+    x16 = gemm_route(ops, "f16", 18, 32).startswith("mul_mm_coopmat_")
+    assert (np.abs(got - REF.linear(lin, r16(w.T), None)) <= gemm_bound(lin, r16(w.T), None, x16)).all()
+    got = np.asarray(ops.linear(x, w, b).reshape(2, 9 * 32))  # a reshape of the last axis adds it first
+    np.testing.assert_allclose(got, lin.reshape(2, 288), rtol=0, atol=0)
 
 
 @pytest.mark.gpu

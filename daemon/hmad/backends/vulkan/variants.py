@@ -339,7 +339,9 @@ def _vision() -> list[Variant]:
         _v("vision_layer_norm", "vision_norm.comp", 4),
         _v("vision_rms_norm", "vision_norm.comp", 3, RMS="1"),
         _v("vision_add", "vision_eltwise.comp", 3, ADD="1"),
+        _v("vision_add3", "vision_eltwise.comp", 4, ADD3="1"),
         _v("vision_gelu", "vision_eltwise.comp", 2, GELU="1"),
+        _v("vision_bias_gelu", "vision_eltwise.comp", 3, GELU="1", BIAS="1"),
         _v("vision_im2col", "vision_im2col.comp", 2),
         _v("vision_pool", "vision_pool.comp", 2),
     ]

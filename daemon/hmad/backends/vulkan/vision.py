@@ -87,14 +87,16 @@ class VTensor:
     encode (command buffer) an activation belongs to; a handle from an encode already read back is stale.
     ``nk``: a weight's stored shape (a matrix's (N, K): module docstring), None for activations. ``xh``: an
     activation's row scales and float16 copy (row_scale.comp), made by its first cooperative-matrix GEMM
-    and kept for the next ones (q, k and v read one input).
+    and kept for the next ones (q, k and v read one input). ``bias``: a GEMM output's bias not yet added
+    (a (N,) handle): its value is ``view`` + bias over the last axis; the op that reads it adds it
+    (vision_bias_gelu, vision_add3) or has it added first (:meth:`VulkanVisionOps._act`).
     """
 
-    __slots__ = ("view", "keep", "shape", "fmt", "ops", "epoch", "nk", "xh")
+    __slots__ = ("view", "keep", "shape", "fmt", "ops", "epoch", "nk", "xh", "bias")
 
     def __init__(self, view: BufferView, shape, fmt: str, ops: VulkanVisionOps, keep: Any = None, epoch=None):
         self.view, self.shape, self.fmt, self.ops = view, tuple(shape), fmt, ops
-        self.keep, self.epoch, self.nk, self.xh = keep, epoch, None, None
+        self.keep, self.epoch, self.nk, self.xh, self.bias = keep, epoch, None, None, None
 
     @property
     def size(self) -> int:
@@ -107,7 +109,12 @@ class VTensor:
     def reshape(self, *shape) -> VTensor:
         shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], tuple | list) else shape
         assert math.prod(shape) == self.size, f"reshape {self.shape} -> {shape}"
-        return VTensor(self.view, shape, self.fmt, self.ops, self.keep, self.epoch)
+        src = self
+        if self.bias is not None and (not shape or shape[-1] != self.shape[-1]):
+            src = self.ops._act(self)  # the bias added: it broadcasts over the last axis only
+        out = VTensor(src.view, shape, src.fmt, src.ops, src.keep, src.epoch)
+        out.bias = src.bias
+        return out
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         a = self.ops.to_host(self)
@@ -227,12 +234,18 @@ class VulkanVisionOps(VisionOps):
         buf: _Buf = self.scratch.take(4 * math.prod(shape))
         return VTensor(buf.view, shape, "f32", self, keep=buf, epoch=self.epoch)
 
-    def _act(self, x: Any) -> VTensor:
+    def _act(self, x: Any, lazy: bool = False) -> VTensor:
         """An activation handle of this encode; a host array is copied in by the command buffer itself
-        (through a mapped staging buffer), so it lands after the dispatches recorded before it."""
+        (through a mapped staging buffer), so it lands after the dispatches recorded before it. A pending
+        bias (VTensor.bias) is added here (vision_add, the handle then holding the sum) unless ``lazy``."""
         if isinstance(x, VTensor):
             if x.epoch is not None and x.epoch != self.epoch:
                 raise ValueError("a vision activation of an encode already read back (to_host) is stale")
+            if x.bias is not None and not lazy:
+                y = self._new(x.shape)
+                push = VisionEltwisePush(x.size, x.bias.size)
+                self._dispatch("vision_add", [x, x.bias, y], push, self._grid(x.size))
+                x.view, x.keep, x.bias, x.xh = y.view, y.keep, None, None
             return x
         a = np.ascontiguousarray(x, dtype=F32)
         self._recorder()
@@ -381,12 +394,13 @@ class VulkanVisionOps(VisionOps):
             groups = (-(-n // GEMM_TILE), -(-rows // GEMM_TILE), 1)
             self._dispatch(name, [w, x, b or x, y], push, groups)
             return y
-        return y if b is None else self.add(y, b)
+        y.bias = b  # added by the op that reads y
+        return y
 
     def _coopmat(self, name: str, x: VTensor, w: VTensor, y: VTensor, t: int, k: int, n: int) -> None:
         """y = x · Wᵀ on the text model's cooperative-matrix GEMM ``name``: x's row scales and float16 copy
-        (row_scale.comp) made on first use (``x.xh``), K split as kernels_coopmat says (partial sums in this
-        encode's scratch)."""
+        (row_scale.comp) made on first use (``x.xh``; x has no pending bias), K split as kernels_coopmat
+        says (partial sums in this encode's scratch)."""
         rec, ctx = self._recorder(), self.ctx
         if x.xh is None:  # row scales, xh: kept with x (its scratch ranges live as long as the handle)
             x.xh = (self.scratch.take(4 * t), self.scratch.take(2 * t * k))
@@ -423,19 +437,32 @@ class VulkanVisionOps(VisionOps):
         return y
 
     def gelu_tanh(self, x) -> VTensor:
-        x = self._act(x)
+        """GELU, of x plus its pending bias in one pass (vision_bias_gelu) where it has one."""
+        x = self._act(x, lazy=True)
         y = self._new(x.shape)
-        self._dispatch("vision_gelu", [x, y], VisionEltwisePush(x.size, x.size), self._grid(x.size))
+        if x.bias is None:
+            self._dispatch("vision_gelu", [x, y], VisionEltwisePush(x.size, x.size), self._grid(x.size))
+        else:
+            push = VisionEltwisePush(x.size, x.bias.size)
+            self._dispatch("vision_bias_gelu", [x, x.bias, y], push, self._grid(x.size))
         return y
 
     def add(self, a, b) -> VTensor:
-        """a + b, b broadcast over a's leading axes (b's shape a's trailing one: the position embedding)."""
-        a = self._act(a)
-        bt = b if isinstance(b, VTensor) else self._weight(b, matrix=False)
+        """a + b, b broadcast over a's leading axes (b's shape a's trailing one: the position embedding);
+        a pending bias of either (not both) added in the same pass (vision_add3)."""
+        a = self._act(a, lazy=True)
+        bt = self._act(b, lazy=True) if isinstance(b, VTensor) else self._weight(b, matrix=False)
         if bt.fmt != "f32" or tuple(a.shape[a.ndim - bt.ndim :]) != bt.shape:
             raise ValueError(f"vision add: {a.shape} + {bt.shape} ({bt.fmt})")
+        if a.bias is not None and bt.bias is not None:
+            bt = self._act(bt)
+        bias = a.bias if a.bias is not None else bt.bias
         y = self._new(a.shape)
-        self._dispatch("vision_add", [a, bt, y], VisionEltwisePush(a.size, bt.size), self._grid(a.size))
+        if bias is None:
+            self._dispatch("vision_add", [a, bt, y], VisionEltwisePush(a.size, bt.size), self._grid(a.size))
+        else:
+            push = VisionEltwisePush(a.size, bt.size, bias.size)
+            self._dispatch("vision_add3", [a, bt, bias, y], push, self._grid(a.size))
         return y
 
     def attention(self, q, k, v, n_heads: int, scale: float) -> VTensor:

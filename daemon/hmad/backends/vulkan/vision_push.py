@@ -30,7 +30,7 @@ class VisionNormPush(ctypes.Structure):
 class VisionEltwisePush(ctypes.Structure):
     """shaders/vision_eltwise.comp"""
 
-    _fields_ = [("n", u32), ("nb", u32)]
+    _fields_ = [("n", u32), ("nb", u32), ("nc", u32)]
 
 
 class VisionIm2colPush(ctypes.Structure):
