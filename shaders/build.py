@@ -41,6 +41,7 @@ GLSLANG_SOURCES = {
     "mul_mmq_coopmat.comp",
     "coopmat_peak.comp",
     "attention_prefill_cm.comp",
+    "vision_attention_cm.comp",
 }  # KHR cooperative matrix: SPIR-V 1.6, Vk 1.3
 
 VARIANTS_PY = HERE.parent / "daemon" / "hmad" / "backends" / "vulkan" / "variants.py"

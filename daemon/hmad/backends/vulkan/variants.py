@@ -38,6 +38,8 @@ ATTENTION_PREFILL_CM_DH = (64, 128, 256)  # attention_prefill_cm.comp: the head 
 #: run-time-sized variant takes (a multiple of 4)
 VISION_ATTENTION_DH = (16, 32, 64, 72, 128)
 VISION_ATTENTION_MAX_DH = 256
+#: vision_attention_cm.comp: the padded head sizes it is built for (multiples of 32; Gemma 3's 72 takes 96)
+VISION_ATTENTION_CM_DH = (32, 64, 96, 128)
 #: block types of embed_dq.comp (embed.comp reads f32, f16 and q8_0 tables itself)
 EMBED_DQ_TYPES = ("bf16", "q4_0", "q5_0", "q4_k", "q6_k")
 #: weight types with a decoder in dequant.glsl (mul_mat.comp, mul_mat_reg.comp)
@@ -329,7 +331,8 @@ def _matmat() -> list[Variant]:
 def _vision() -> list[Variant]:
     """The vision encoder's kernels (backends/vulkan/vision*.py): its GEMM per weight type and layout, row
     norms, elementwise ops, im2col, average pool, and the dense attention per head size (VISION_ATTENTION_DH,
-    and one that reads the head size at run time)."""
+    and one that reads the head size at run time; on cooperative matrices per padded head size,
+    VISION_ATTENTION_CM_DH)."""
     out = [
         Variant(f"vision_{op}_{t}", "vision_linear.comp", {**d, **ds}, 4)
         for op, d in (("linear", {}), ("matmul", {"W_KN": "1"}))
@@ -348,6 +351,10 @@ def _vision() -> list[Variant]:
     out += [
         _v(f"vision_attention_dh{dh}", "vision_attention.comp", 4, DH=f"{dh}u", EXACT="1")
         for dh in VISION_ATTENTION_DH
+    ]
+    out += [
+        _v(f"vision_attention_cm_d{dh}", "vision_attention_cm.comp", 4, DH=f"{dh}u")
+        for dh in VISION_ATTENTION_CM_DH
     ]
     return out + [
         _v("vision_attention_any", "vision_attention.comp", 4, DH=f"{VISION_ATTENTION_MAX_DH}u", KC="8u")

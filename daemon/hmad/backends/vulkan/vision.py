@@ -28,10 +28,11 @@ embedding float32.
 Kernels (chosen by vision_policy.py): im2col (rows padded to the GEMM's K) + the GEMM for the patch
 embedding; every GEMM (patch embedding, q/k/v/out, fc1, fc2, projector) on the text model's kernels where
 vision_policy.gemm_kernel says (the cooperative-matrix GEMM after row_scale's float16 copy of x, or the
-tiled mat-mat; then the bias as vision_add), else shaders/vision_linear.comp with its bias in the
-epilogue; LayerNorm / RMSNorm one workgroup a row; GELU and the (broadcasting) add grid-stride; dense
-attention per (image, head) flash style (online softmax, K and V chunks in shared memory); the k x k average
-pool (shaders/vision_*.comp, plain paths, which lavapipe runs).
+tiled mat-mat; the bias then added by the op reading the output), else shaders/vision_linear.comp with its
+bias in the epilogue; LayerNorm / RMSNorm one workgroup a row; GELU and the (broadcasting) add grid-stride;
+dense attention per (image, head) flash style (online softmax, K and V chunks in shared memory), on
+cooperative matrices where vision_policy.attention_kernel says (vision_attention_cm.comp, 32 query rows a
+workgroup); the k x k average pool (shaders/vision_*.comp).
 
 GPU time: with ``timestamps`` set, an encode (recorded or replayed) writes a timestamp after every command
 and ``last_gpu`` holds ``{"total_ns", "commands": [(label, ns)]}``, the label a kernel's name (or "vision
@@ -62,6 +63,7 @@ from hmad.backends.vulkan.ops_matmul import coopmat_slots
 from hmad.backends.vulkan.recorder import CommandRecorder
 from hmad.backends.vulkan.vision_push import (
     ATTENTION_BLOCK,
+    ATTENTION_CM_ROWS,
     VisionAttentionPush,
     VisionEltwisePush,
     VisionIm2colPush,
@@ -469,11 +471,12 @@ class VulkanVisionOps(VisionOps):
         q, k, v = self._act(q), self._act(k), self._act(v)
         n, p, width = q.shape
         dh = width // n_heads
-        name = vp.attention_kernel(dh)
+        name = vp.attention_kernel(dh, vp.attention_cm(self.ctx.options, self.ctx.caps))
         if name is None or width % 4:
             raise ValueError(vp.unsupported(width, n_heads) or f"vision attention width {width}")
         o = self._new(q.shape)
-        groups = (-(-p // ATTENTION_BLOCK), n_heads, n)
+        rows = ATTENTION_CM_ROWS if name.startswith("vision_attention_cm") else ATTENTION_BLOCK
+        groups = (-(-p // rows), n_heads, n)
         self._dispatch(name, [q, k, v, o], VisionAttentionPush(p, width, dh, scale), groups)
         return o
 

@@ -3,8 +3,10 @@ device's capabilities (:class:`~hmad.backends.vulkan.policy.DeviceCaps`) and the
 a GPU (tests/test_vulkan_vision.py), as policy.py is for the text model.
 
 The GEMMs run the text model's matmul kernels where they fit (:func:`gemm_kernel`): the cooperative-matrix
-GEMM on devices offering it, its plain tiled mat-mat otherwise; vision_linear.comp is the fallback. The other
-kernels have one plain path (no subgroup operation, no cooperative matrix), which lavapipe runs.
+GEMM on devices offering it, its plain tiled mat-mat otherwise; vision_linear.comp is the fallback. The
+attention runs on cooperative matrices where the GEMM does (:func:`attention_kernel`), else on the plain
+kernel. The other kernels have one plain path (no subgroup operation, no cooperative matrix), which lavapipe
+runs.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from hmad.backends.vulkan import policy
 from hmad.backends.vulkan.kernels_coopmat import coopmat_kernel_name
 from hmad.backends.vulkan.options import VulkanOptions
 from hmad.backends.vulkan.policy import DeviceCaps
-from hmad.backends.vulkan.variants import VISION_ATTENTION_DH, VISION_ATTENTION_MAX_DH
+from hmad.backends.vulkan.variants import VISION_ATTENTION_CM_DH, VISION_ATTENTION_DH, VISION_ATTENTION_MAX_DH
 from hmad.core.tensors import QType
 
 #: how the matrices are stored on the device: "auto" (float16: the cooperative-matrix GEMM's operand, half
@@ -76,9 +78,22 @@ def fallback_kernel(fmt: str, transposed: bool = False) -> str:
     return f"vision_{'matmul' if transposed else 'linear'}_{fmt}"
 
 
-def attention_kernel(head_dim: int) -> str | None:
-    """The attention variant for ``head_dim``: one built for it, else the run-time-sized one (a multiple of
-    4 up to VISION_ATTENTION_MAX_DH), else None (unsupported)."""
+def attention_cm(o: VulkanOptions, c: DeviceCaps) -> bool:
+    """Whether the attention may run on cooperative matrices (vision_attention_cm.comp): the text model's
+    ``attention_cm`` option and float16 cooperative matrices (policy.coopmat_on: 32-wide subgroups), with
+    subgroup shuffles (its softmax's rows)."""
+    return bool(o.attention_cm) and policy.coopmat_on(o, c) and c.subgroup_shuffle
+
+
+def attention_kernel(head_dim: int, cm: bool = False) -> str | None:
+    """The attention variant for ``head_dim``: with ``cm`` (:func:`attention_cm`) and a head of whole
+    8-value groups up to the largest VISION_ATTENTION_CM_DH, the cooperative-matrix one built for the
+    smallest of those that holds it (the head padded with zeros: Gemma 3's 72 runs ``_d96``); else the
+    plain one built for it, else the run-time-sized one (a multiple of 4 up to VISION_ATTENTION_MAX_DH),
+    else None (unsupported)."""
+    padded = next((d for d in VISION_ATTENTION_CM_DH if head_dim <= d), None)
+    if cm and head_dim % 8 == 0 and padded:
+        return f"vision_attention_cm_d{padded}"
     if head_dim in VISION_ATTENTION_DH:
         return f"vision_attention_dh{head_dim}"
     if head_dim % 4 == 0 and 0 < head_dim <= VISION_ATTENTION_MAX_DH:

@@ -13,6 +13,9 @@ LINEAR_BLOCK = 256
 NORM_BLOCK = 256
 #: query rows per attention workgroup (one an invocation)
 ATTENTION_BLOCK = 64
+#: vision_attention_cm.comp: 4 subgroups of 32 a workgroup (BLOCK_SIZE), ATTENTION_CM_ROWS query rows
+ATTENTION_CM_BLOCK = 128
+ATTENTION_CM_ROWS = 32
 
 
 class VisionLinearPush(ctypes.Structure):
@@ -58,4 +61,5 @@ VISION_SOURCES: dict[str, tuple[type[ctypes.Structure], int]] = {
     "vision_im2col.comp": (VisionIm2colPush, 256),
     "vision_pool.comp": (VisionPoolPush, 256),
     "vision_attention.comp": (VisionAttentionPush, ATTENTION_BLOCK),
+    "vision_attention_cm.comp": (VisionAttentionPush, ATTENTION_CM_BLOCK),
 }
