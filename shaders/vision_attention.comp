@@ -7,6 +7,7 @@
 // stages K and V in shared memory; each invocation takes the chunk's keys one by one, rescaling its sums
 // only where a key raises the running max (the loop over keys is not unrolled: small code, which a CPU
 // driver compiles in a moment).
+// With ``bias`` set, q, k and v are read plus their biases qb, kb, vb (W,) (the GEMMs' biases, added here).
 // DH: the head size the registers are sized for (a multiple of 4); with EXACT the push's dh equals it,
 // else dh <= DH (a multiple of 4) is read at run time. Dispatch (ceil(P / BLOCK_SIZE), heads, n).
 #include "common.glsl"
@@ -28,12 +29,16 @@ layout(binding = 0) readonly buffer Q { vec4 q4[]; };
 layout(binding = 1) readonly buffer K { vec4 k4[]; };
 layout(binding = 2) readonly buffer V { vec4 v4[]; };
 layout(binding = 3) writeonly buffer O { vec4 o4[]; };
+layout(binding = 4) readonly buffer QB { vec4 qb4[]; };
+layout(binding = 5) readonly buffer KB { vec4 kb4[]; };
+layout(binding = 6) readonly buffer VB { vec4 vb4[]; };
 
 layout(push_constant) uniform Push {
     uint P;  // patches per image
     uint W;  // row width: heads * dh (a multiple of 4)
     uint dh;
     float scale;
+    uint bias;  // 1: add qb, kb, vb
 } p;
 
 shared vec4 ks[KC][D4];
@@ -49,7 +54,7 @@ void main() {
     vec4 q[D4], o[D4];
     const uint qrow = (img_row + min(row, p.P - 1u)) * w4 + col4;
     DLOOP for (uint d = 0; d < ND4; ++d) {
-        q[d] = q4[qrow + d] * qs;
+        q[d] = (q4[qrow + d] + (p.bias != 0u ? qb4[col4 + d] : vec4(0.0))) * qs;
         o[d] = vec4(0.0);
     }
     float m = NEG_INF, l = 0.0;
@@ -58,8 +63,9 @@ void main() {
             const uint j = e / ND4, d = e % ND4;
             const uint key = min(c0 + j, p.P - 1u);
             const uint at = (img_row + key) * w4 + col4 + d;
-            ks[j][d] = k4[at];
-            vs[j][d] = v4[at];
+            const bool b = p.bias != 0u;
+            ks[j][d] = k4[at] + (b ? kb4[col4 + d] : vec4(0.0));
+            vs[j][d] = v4[at] + (b ? vb4[col4 + d] : vec4(0.0));
         }
         barrier();
         const uint nk = min(KC, p.P - c0);

@@ -10,6 +10,7 @@
 // K and V; the padding's columns of O are not written. The reference max moves lazily as in
 // attention_prefill_cm.comp (only when a chunk's max passes it by more than TAU; then O's rows are scaled
 // through shared memory), and the output is O / l, l the sum of the float16 P values that P V multiplied.
+// With ``bias`` set, q, k and v are read plus their biases qb, kb, vb (W,) (the GEMMs' biases, added here).
 // Requires 32-wide subgroups (NSG = 4 of BLOCK_SIZE = 128), dh % 8 == 0, dh <= DH.
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
@@ -34,12 +35,16 @@ layout(binding = 0) readonly buffer Q { float q[]; };
 layout(binding = 1) readonly buffer K { float k[]; };
 layout(binding = 2) readonly buffer V { float v[]; };
 layout(binding = 3) writeonly buffer O { float o_out[]; };
+layout(binding = 4) readonly buffer QB { float qb[]; };
+layout(binding = 5) readonly buffer KB { float kb_[]; };
+layout(binding = 6) readonly buffer VB { float vb[]; };
 
 layout(push_constant) uniform Push {
     uint P;  // patches per image
     uint W;  // row width: heads * dh
     uint dh;
     float scale;
+    uint bias;  // 1: add qb, kb, vb
 } p;
 
 #define NEG_INF uintBitsToFloat(0xFF800000u)
@@ -54,6 +59,17 @@ shared uvec4 s_p[QV * SP8];  // P (query row, key)
 shared float s_corr[QV];     // this chunk's factor of each row of O; at the end each row's l
 shared uint s_rescale;       // some row's reference max moved this chunk
 
+// Eight values of a row of x (float32) from element o, plus the bias's from element c when ``bias``
+#define LOAD8(x, xb, o, c, lo, hi)                                                                   \
+    {                                                                                                \
+        lo = vec4(x[o], x[o + 1u], x[o + 2u], x[o + 3u]);                                            \
+        hi = vec4(x[o + 4u], x[o + 5u], x[o + 6u], x[o + 7u]);                                       \
+        if (p.bias != 0u) {                                                                          \
+            lo += vec4(xb[c], xb[c + 1u], xb[c + 2u], xb[c + 3u]);                                   \
+            hi += vec4(xb[c + 4u], xb[c + 5u], xb[c + 6u], xb[c + 7u]);                              \
+        }                                                                                            \
+    }
+
 // Eight floats as the uvec4 of their float16 values, in order
 uvec4 pack8_f16(vec4 a, vec4 b) {
     return uvec4(packFloat2x16(f16vec2(a.xy)), packFloat2x16(f16vec2(a.zw)), packFloat2x16(f16vec2(b.xy)),
@@ -66,9 +82,10 @@ void stage_q(uint base_row, uint r0, uint col0, uint tid) {
         const uint i = idx / (DH / 8u), w = idx % (DH / 8u), r = r0 + i;
         vec4 x0 = vec4(0.0), x1 = vec4(0.0);
         if (r < p.P && 8u * w < p.dh) {
-            const uint o = (base_row + r) * p.W + col0 + 8u * w;
-            x0 = vec4(q[o], q[o + 1u], q[o + 2u], q[o + 3u]) * p.scale;
-            x1 = vec4(q[o + 4u], q[o + 5u], q[o + 6u], q[o + 7u]) * p.scale;
+            const uint o = (base_row + r) * p.W + col0 + 8u * w, c = col0 + 8u * w;
+            LOAD8(q, qb, o, c, x0, x1);
+            x0 *= p.scale;
+            x1 *= p.scale;
         }
         s_k[i * SK8 + w] = pack8_f16(x0, x1);
     }
@@ -80,9 +97,12 @@ void load_chunk(uint base_row, uint base, uint col0, uint tid) {
         const uint jj = idx / (DH / 8u), w = idx % (DH / 8u), j = base + jj;
         uvec4 kd = uvec4(0u), vd = uvec4(0u);
         if (j < p.P && 8u * w < p.dh) {
-            const uint o = (base_row + j) * p.W + col0 + 8u * w;
-            kd = pack8_f16(vec4(k[o], k[o + 1u], k[o + 2u], k[o + 3u]), vec4(k[o + 4u], k[o + 5u], k[o + 6u], k[o + 7u]));
-            vd = pack8_f16(vec4(v[o], v[o + 1u], v[o + 2u], v[o + 3u]), vec4(v[o + 4u], v[o + 5u], v[o + 6u], v[o + 7u]));
+            const uint o = (base_row + j) * p.W + col0 + 8u * w, c = col0 + 8u * w;
+            vec4 lo, hi;
+            LOAD8(k, kb_, o, c, lo, hi);
+            kd = pack8_f16(lo, hi);
+            LOAD8(v, vb, o, c, lo, hi);
+            vd = pack8_f16(lo, hi);
         }
         s_k[jj * SK8 + w] = kd;
         s_v[jj * SK8 + w] = vd;

@@ -54,7 +54,8 @@ NAN_BITS = 0x7FC00000
 
 # -- kernel choice (no device) -------------------------------------------------------------------------------
 def test_weight_formats():
-    assert vp.weight_format("auto", "v.blk.0.attn_q.weight", 2, "float32") == "f16"  # the GEMMs' operand
+    assert vp.weight_format("auto", "v.blk.0.attn_q.weight", 2, "float32") == "f32"
+    assert vp.weight_format("auto", "v.blk.0.attn_q.weight", 2, "float32", coopmat=True) == "f16"
     assert vp.weight_format("auto", "v.blk.0.attn_q.weight", 2, "float16") == "f16"
     assert vp.weight_format("f16", "v.blk.0.ffn_up.weight", 2, "float32") == "f16"
     assert vp.weight_format("f32", "mm.input_projection.weight", 2, "float16") == "f32"
@@ -185,6 +186,15 @@ def ops32(backend):
     o.close()
 
 
+@pytest.fixture(scope="module")
+def ops16(backend):
+    from hmad.backends.vulkan.vision import VulkanVisionOps
+
+    o = VulkanVisionOps(backend.ctx, weight_format="f16")
+    yield o
+    o.close()
+
+
 @pytest.fixture(params=["auto", "tiles"])
 def layout(request, backend):
     """The device's own choices ("auto"), or with the text options' register tiles off ("tiles": mul_mat
@@ -242,9 +252,9 @@ def test_vision_ops_come_from_the_backend(backend, ops):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["f32", "f16"])
 @pytest.mark.parametrize("k", [45, 128])  # vision_linear.comp; the text kernels (whole steps of 64)
-def test_linear_matches_reference(ops, ops32, layout, fmt, k):
+def test_linear_matches_reference(ops16, ops32, layout, fmt, k):
     rng = np.random.default_rng(1)
-    o = ops if fmt == "f16" else ops32
+    o = ops16 if fmt == "f16" else ops32
     x = rng.standard_normal((2, 37, k)).astype(np.float32)  # 74 rows: partial tiles everywhere
     w = rng.standard_normal((70, k)).astype(np.float32)
     b = rng.standard_normal(70).astype(np.float32)
@@ -263,9 +273,10 @@ def test_linear_matches_reference(ops, ops32, layout, fmt, k):
 
 
 @pytest.mark.gpu
-def test_a_gemm_bias_is_added_by_its_reader(ops):
+def test_a_gemm_bias_is_added_by_its_reader(ops16):
     """A text-kernel GEMM's bias is left pending: GELU adds it in its pass (vision_bias_gelu), an add in
-    its (vision_add3: a residual, the position embedding), anything else first (vision_add); against the
+    its (vision_add3: a residual, the position embedding), the attention as it reads q, k and v, anything
+    else first (vision_add); against the
     numpy ops on the device's own linear output (the sums in another order: 1e-6 relative)."""
     rng = np.random.default_rng(4)
     x = rng.standard_normal((2, 9, 64)).astype(np.float32)
@@ -273,35 +284,57 @@ def test_a_gemm_bias_is_added_by_its_reader(ops):
     b = rng.standard_normal(32).astype(np.float32)
     res = rng.standard_normal((2, 9, 32)).astype(np.float32)
     pos = rng.standard_normal((9, 32)).astype(np.float32)
-    lin = np.asarray(ops.linear(x, w, b))  # deterministic: the same kernel and order each time
+    lin = np.asarray(ops16.linear(x, w, b))  # deterministic: the same kernel and order each time
     cases = {
-        "vision_bias_gelu": (lambda: ops.gelu_tanh(ops.linear(x, w, b)), REF.gelu_tanh(lin)),
-        "vision_add3": (lambda: ops.add(res, ops.linear(x, w, b)), res + lin),
+        "vision_bias_gelu": (lambda: ops16.gelu_tanh(ops16.linear(x, w, b)), REF.gelu_tanh(lin)),
+        "vision_add3": (lambda: ops16.add(res, ops16.linear(x, w, b)), res + lin),
     }
     for kernel, (op, want) in cases.items():
-        got, labels = ran(ops, op)
+        got, labels = ran(ops16, op)
         assert kernel in labels and "vision_add" not in labels, labels
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
-        np.testing.assert_allclose(poisoned(ops, op), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
-    got, labels = ran(ops, lambda: ops.add(ops.linear(x, w, b), pos))
+        np.testing.assert_allclose(poisoned(ops16, op), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    got, labels = ran(ops16, lambda: ops16.add(ops16.linear(x, w, b), pos))
     assert "vision_add3" in labels and "vision_add" not in labels
     np.testing.assert_allclose(got, lin + pos, rtol=1e-6, atol=1e-6 * np.abs(lin).max())
-    got, labels = ran(ops, lambda: ops.add(ops.linear(x, w, b), ops.linear(x, w, b)))  # one bias added first
+    got, labels = ran(
+        ops16, lambda: ops16.add(ops16.linear(x, w, b), ops16.linear(x, w, b))
+    )  # one bias added first
     assert labels.count("vision_add") == 1 and "vision_add3" in labels
     np.testing.assert_allclose(got, 2 * lin, rtol=1e-6, atol=1e-6 * np.abs(lin).max())
-    got, labels = ran(ops, lambda: ops.linear(ops.linear(x, w, b), w.T.copy(), None))  # added before a GEMM
+    got, labels = ran(
+        ops16, lambda: ops16.linear(ops16.linear(x, w, b), w.T.copy(), None)
+    )  # added before a GEMM
     assert labels.count("vision_add") == 1
-    x16 = gemm_route(ops, "f16", 18, 32).startswith("mul_mm_coopmat_")
+    x16 = gemm_route(ops16, "f16", 18, 32).startswith("mul_mm_coopmat_")
     assert (np.abs(got - REF.linear(lin, r16(w.T), None)) <= gemm_bound(lin, r16(w.T), None, x16)).all()
-    got = np.asarray(ops.linear(x, w, b).reshape(2, 9 * 32))  # a reshape of the last axis adds it first
+    # the attention adds q's, k's and v's biases as it reads them (2 heads of 16)
+    ws = [rng.standard_normal((32, 64)).astype(np.float32) / 8 for _ in range(3)]
+    bs = [rng.standard_normal(32).astype(np.float32) for _ in range(3)]
+    lins = [np.asarray(ops16.linear(x, wi, bi)) for wi, bi in zip(ws, bs, strict=True)]
+
+    def attn():
+        return ops16.attention(*(ops16.linear(x, wi, bi) for wi, bi in zip(ws, bs, strict=True)), 2, 0.25)
+
+    got, labels = ran(ops16, attn)
+    assert "vision_add" not in labels
+    if vp.attention_kernel(16, vp.attention_cm(ops16.ctx.options, ops16.ctx.caps)).startswith(
+        "vision_attention_cm"
+    ):
+        want = REF.attention(r16(lins[0] * np.float32(0.25)), r16(lins[1]), r16(lins[2]), 2, 1.0)
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(lins[2]).max())
+    else:
+        want = REF.attention(*lins, 2, 0.25)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(lins[2]).max())
+    got = np.asarray(ops16.linear(x, w, b).reshape(2, 9 * 32))  # a reshape of the last axis adds it first
     np.testing.assert_allclose(got, lin.reshape(2, 288), rtol=0, atol=0)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["f32", "f16"])
-def test_projector_matmul_matches_reference(ops, ops32, layout, fmt):
+def test_projector_matmul_matches_reference(ops16, ops32, layout, fmt):
     rng = np.random.default_rng(2)
-    o = ops if fmt == "f16" else ops32
+    o = ops16 if fmt == "f16" else ops32
     x = rng.standard_normal((3, 9, 64)).astype(np.float32)
     w = rng.standard_normal((64, 66)).astype(np.float32)  # (D, E): read as (K, N), stored transposed
     wr = w.astype(np.float16).astype(np.float32) if fmt == "f16" else w
@@ -315,22 +348,22 @@ def test_projector_matmul_matches_reference(ops, ops32, layout, fmt):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("patch", [4, 5])  # K 48, 75: padded to 64, 128
-def test_patch_embed_matches_reference(ops, layout, patch):
+def test_patch_embed_matches_reference(ops16, layout, patch):
     rng = np.random.default_rng(3)
     g = 20 // patch
     px = rng.standard_normal((2, 3, 20, 20)).astype(np.float32)
     w = rng.standard_normal((24, 3, patch, patch)).astype(np.float32)
     b = rng.standard_normal(24).astype(np.float32)
     wr = w.astype(np.float16).astype(np.float32)
-    route = gemm_route(ops, "f16", 2 * g * g, vp.padded_k(3 * patch * patch))
-    got = poisoned(ops, lambda: ops.patch_embed(px, w, b, patch))
+    route = gemm_route(ops16, "f16", 2 * g * g, vp.padded_k(3 * patch * patch))
+    got = poisoned(ops16, lambda: ops16.patch_embed(px, w, b, patch))
     want = REF.patch_embed(px, wr, b, patch)
     k = 3 * patch * patch
     cols = px.reshape(2, 3, g, patch, g, patch).transpose(0, 2, 4, 1, 3, 5).reshape(2, g * g, k)
     assert got.shape == want.shape == (2, g * g, 24)
     bound = gemm_bound(cols, wr.reshape(24, k), b, route.startswith("mul_mm_"))
     assert (np.abs(got - want) <= bound).all()
-    assert route in ran(ops, lambda: ops.patch_embed(px, w, b, patch))[1]
+    assert route in ran(ops16, lambda: ops16.patch_embed(px, w, b, patch))[1]
 
 
 @pytest.mark.gpu
@@ -406,12 +439,17 @@ def r16(a: np.ndarray) -> np.ndarray:
 
 
 class F16Reference(VisionOps):
-    """The numpy ops on the float16-rounded matrices (as ``ops`` stores them, weight format auto), with x
+    """The numpy ops on the matrices as ``ops`` stores them (float16-rounded where its format says), with x
     rounded to float16 where ``ops`` runs that GEMM on cooperative matrices (row_scale.comp's copy), and
     q * scale, k, v where it runs the attention on them."""
 
     def __init__(self, ops):
         self.ops = ops
+        coopmat = policy.coopmat_on(ops.ctx.options, ops.ctx.caps)
+        self.w16 = vp.weight_format(ops.weight_format, "", 2, "float32", coopmat) == "f16"
+
+    def _w(self, w: np.ndarray) -> np.ndarray:
+        return r16(w) if self.w16 else w
 
     def attention(self, q, k, v, n_heads: int, scale: float):
         dh = q.shape[-1] // n_heads
@@ -426,13 +464,13 @@ class F16Reference(VisionOps):
     def patch_embed(self, pixels, w, b, patch: int):
         n, c, s, _ = pixels.shape
         px = self._x(pixels, n * (s // patch) ** 2, vp.padded_k(c * patch * patch))  # im2col only moves them
-        return super().patch_embed(px, r16(w), b, patch)
+        return super().patch_embed(px, self._w(w), b, patch)
 
     def linear(self, x, w, b):
-        return super().linear(self._x(x, x.size // x.shape[-1], x.shape[-1]), r16(w), b)
+        return super().linear(self._x(x, x.size // x.shape[-1], x.shape[-1]), self._w(w), b)
 
     def matmul(self, x, w):
-        return super().matmul(self._x(x, x.size // x.shape[-1], x.shape[-1]), r16(w))
+        return super().matmul(self._x(x, x.size // x.shape[-1], x.shape[-1]), self._w(w))
 
 
 def tower_tol(ops) -> float:
@@ -484,13 +522,10 @@ def test_tiny_hf_tower_matches_numpy(ops, tmp_path, monkeypatch):
     assert len(ops.arenas) > arenas + 2
 
 
-@pytest.mark.gpu
-def test_medium_tower_matches_numpy_in_passes(backend, ops):
-    """2 images of 16 x 16 patches, width 64 in 2 heads of 32, FFN 172, a 4 x 4 pool, text width 96; then
-    with a bind range that holds one image's activations, so ``encode`` runs one pass an image."""
+def medium_config():
     from hmad.model.vision import VisionConfig
 
-    cfg = VisionConfig(
+    return VisionConfig(
         image_size=64,
         patch_size=4,
         hidden=64,
@@ -501,13 +536,31 @@ def test_medium_tower_matches_numpy_in_passes(backend, ops):
         mm_tokens_per_image=16,
         text_hidden=96,
     )
+
+
+@pytest.mark.gpu
+def test_medium_tower_float16_weights(ops16):
+    """The medium tower with its matrices stored float16 (as the weight format auto stores them where the
+    GEMMs run on cooperative matrices), against numpy on the same rounded matrices."""
+    cfg = medium_config()
+    check_tower(cfg, random_tower(cfg, 13), ops16, 2, seed=14)
+
+
+@pytest.mark.gpu
+def test_medium_tower_matches_numpy_in_passes(backend, ops):
+    """2 images of 16 x 16 patches, width 64 in 2 heads of 32, FFN 172, a 4 x 4 pool, text width 96; then
+    with a bind range that holds one image's activations, so ``encode`` runs one pass an image."""
+    cfg = medium_config()
     tower, px, want = check_tower(cfg, random_tower(cfg, 11), ops, 2, seed=12)
     tol = tower_tol(ops)
     # every GEMM of the uploaded tower on the text kernels: fc1 and q/k/v/out (K 64), the patch embedding
     # (K 48 padded to 64), fc2 (K 172 padded to 192); check_tower's arrays (not padded) ran fc2 on
     # vision_linear.comp
-    routes = {gemm_route(ops, "f16", 2 * 256, k) for k in (64, 192)}
-    assert gemm_route(ops, "f16", 2 * 256, 172) == "vision_linear_f16" and not routes & {"vision_linear_f16"}
+    fmt = "f16" if F16Reference(ops).w16 else "f32"
+    routes = {gemm_route(ops, fmt, 2 * 256, k) for k in (64, 192)}
+    assert gemm_route(ops, fmt, 2 * 256, 172) == f"vision_linear_{fmt}" and not any(
+        "vision" in r for r in routes
+    )
     if ops.dev.caps["timestamps"]:  # a replay with timestamps: its own recording, every command labelled
         recordings = ops.recordings
         ops.timestamps = True

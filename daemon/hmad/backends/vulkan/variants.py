@@ -349,15 +349,15 @@ def _vision() -> list[Variant]:
         _v("vision_pool", "vision_pool.comp", 2),
     ]
     out += [
-        _v(f"vision_attention_dh{dh}", "vision_attention.comp", 4, DH=f"{dh}u", EXACT="1")
+        _v(f"vision_attention_dh{dh}", "vision_attention.comp", 7, DH=f"{dh}u", EXACT="1")
         for dh in VISION_ATTENTION_DH
     ]
     out += [
-        _v(f"vision_attention_cm_d{dh}", "vision_attention_cm.comp", 4, DH=f"{dh}u")
+        _v(f"vision_attention_cm_d{dh}", "vision_attention_cm.comp", 7, DH=f"{dh}u")
         for dh in VISION_ATTENTION_CM_DH
     ]
     return out + [
-        _v("vision_attention_any", "vision_attention.comp", 4, DH=f"{VISION_ATTENTION_MAX_DH}u", KC="8u")
+        _v("vision_attention_any", "vision_attention.comp", 7, DH=f"{VISION_ATTENTION_MAX_DH}u", KC="8u")
     ]
 
 

@@ -17,13 +17,13 @@ own output buffer.
 
 Weights: :meth:`VulkanVisionOps.upload` puts a tower's canonical tensors on the device once, packed in a few
 arenas, and returns handles to build the VisionTower with; a numpy array handed straight to an op is
-uploaded on first use and kept (by identity) instead. Matrices are stored float16 (or float32:
-vision_policy.weight_format) as the (N, K) rows the text model's matmul kernels read: the projector's (in,
-out) weight transposed, the patch embedding's (D, C, p, p) as (D, C * p * p) padded with zero columns to
-vision_policy.padded_k, and (uploaded by name) the FFN's width padded likewise (fc1's rows and bias, fc2's
-columns: vision_policy.PAD_ROWS_SUFFIXES), so every GEMM of an uploaded tower has K in whole steps of the
-text kernels (a handle keeps its given ``shape``; ``nk`` is the stored one); vectors and the position
-embedding float32.
+uploaded on first use and kept (by identity) instead. Matrices are stored float16 or float32
+(vision_policy.weight_format: float16 where the GEMMs run on cooperative matrices) as the (N, K) rows the
+text model's matmul kernels read: the projector's (in, out) weight transposed, the patch embedding's
+(D, C, p, p) as (D, C * p * p) padded with zero columns to vision_policy.padded_k, and (uploaded by name)
+the FFN's width padded likewise (fc1's rows and bias, fc2's columns: vision_policy.PAD_ROWS_SUFFIXES), so
+every GEMM of an uploaded tower has K in whole steps of the text kernels (a handle keeps its given
+``shape``; ``nk`` is the stored one); vectors and the position embedding float32.
 
 Kernels (chosen by vision_policy.py): im2col (rows padded to the GEMM's K) + the GEMM for the patch
 embedding; every GEMM (patch embedding, q/k/v/out, fc1, fc2, projector) on the text model's kernels where
@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 
 from hmad.backends.vision_ops import VisionOps
+from hmad.backends.vulkan import policy
 from hmad.backends.vulkan import vision_policy as vp
 from hmad.backends.vulkan.activations import ScratchPool, _Buf
 from hmad.backends.vulkan.context import RecordContext
@@ -167,7 +168,7 @@ class VulkanVisionOps(VisionOps):
         items = []
         for name, a in weights.items():
             a = np.asarray(a)
-            fmt = vp.weight_format(self.weight_format, name, a.ndim, a.dtype.name)
+            fmt = vp.weight_format(self.weight_format, name, a.ndim, a.dtype.name, self._coopmat_on())
             stored = stored_tensor(name, a)
             items.append((name, a.shape, np.ascontiguousarray(stored, dtype=_NP[fmt]), fmt))
         align = self.ctx.align
@@ -201,6 +202,10 @@ class VulkanVisionOps(VisionOps):
         up.flush()
         return views
 
+    def _coopmat_on(self) -> bool:
+        """Whether the GEMMs run on cooperative matrices on this device (the weights' "auto" format)."""
+        return policy.coopmat_on(self.ctx.options, self.ctx.caps)
+
     def _uploader(self) -> Uploader:
         if self._up is None:
             self._up = Uploader(self.dev, chunk_bytes=16 << 20, slots=2)
@@ -213,7 +218,9 @@ class VulkanVisionOps(VisionOps):
         if isinstance(w, VTensor):
             return w
         a = np.asarray(w)
-        fmt = vp.weight_format(self.weight_format, "", a.ndim if matrix else 1, a.dtype.name)
+        fmt = vp.weight_format(
+            self.weight_format, "", a.ndim if matrix else 1, a.dtype.name, self._coopmat_on()
+        )
         hit = self.cache.get((id(w), fmt))
         if hit is None:
             stored = stored_matrix(a, transposed) if matrix else a
@@ -468,7 +475,11 @@ class VulkanVisionOps(VisionOps):
         return y
 
     def attention(self, q, k, v, n_heads: int, scale: float) -> VTensor:
-        q, k, v = self._act(q), self._act(k), self._act(v)
+        """The attention of q, k, v (n, P, W); where all three have a pending bias (the q, k, v GEMMs') the
+        kernel adds them as it reads (its ``bias``), else each is added first."""
+        q, k, v = (self._act(t, lazy=True) for t in (q, k, v))
+        fused = all(t.bias is not None for t in (q, k, v))
+        biases = [t.bias for t in (q, k, v)] if fused else [self._act(t) for t in (q, k, v)]
         n, p, width = q.shape
         dh = width // n_heads
         name = vp.attention_kernel(dh, vp.attention_cm(self.ctx.options, self.ctx.caps))
@@ -477,7 +488,8 @@ class VulkanVisionOps(VisionOps):
         o = self._new(q.shape)
         rows = ATTENTION_CM_ROWS if name.startswith("vision_attention_cm") else ATTENTION_BLOCK
         groups = (-(-p // rows), n_heads, n)
-        self._dispatch(name, [q, k, v, o], VisionAttentionPush(p, width, dh, scale), groups)
+        push = VisionAttentionPush(p, width, dh, scale, int(fused))
+        self._dispatch(name, [q, k, v, o, *biases], push, groups)  # unfused: q, k, v again (unread)
         return o
 
     def avg_pool(self, x, side: int, k: int) -> VTensor:

@@ -20,8 +20,9 @@ from hmad.backends.vulkan.policy import DeviceCaps
 from hmad.backends.vulkan.variants import VISION_ATTENTION_CM_DH, VISION_ATTENTION_DH, VISION_ATTENTION_MAX_DH
 from hmad.core.tensors import QType
 
-#: how the matrices are stored on the device: "auto" (float16: the cooperative-matrix GEMM's operand, half
-#: the memory; the products still sum in float32), "f32" or "f16"
+#: how the matrices are stored on the device: "auto" (float16 where the GEMMs run on cooperative matrices,
+#: whose operand it is, or where the array given is float16; else float32, exact), "f32" or "f16" (half the
+#: memory; the products still sum in float32)
 WEIGHT_FORMATS = ("auto", "f32", "f16")
 #: the matrices given (in, out), stored transposed, (out, in), as the text kernels read W (N, K)
 TRANSPOSED_NAMES = ("mm.input_projection.weight",)
@@ -39,13 +40,16 @@ PAD_COLS_SUFFIXES = ("ffn_down.weight",)
 ADDEND_NAMES = ("v.position_embd.weight",)
 
 
-def weight_format(option: str, name: str, ndim: int, dtype_name: str) -> str:
-    """ "f32" or "f16": how the tensor ``name`` (its ndim and numpy dtype's name) is stored on the device."""
+def weight_format(option: str, name: str, ndim: int, dtype_name: str, coopmat: bool = False) -> str:
+    """ "f32" or "f16": how the tensor ``name`` (its ndim and numpy dtype's name) is stored on the device;
+    ``coopmat``: the GEMMs run on cooperative matrices (policy.coopmat_on), where "auto" means float16."""
     if option not in WEIGHT_FORMATS:
         raise ValueError(f"vision weight format {option!r}: one of {WEIGHT_FORMATS}")
     if ndim < 2 or name in ADDEND_NAMES:
         return "f32"
-    return "f16" if option == "auto" else option
+    if option == "auto":
+        return "f16" if coopmat or dtype_name == "float16" else "f32"
+    return option
 
 
 def padded_k(k: int) -> int:

@@ -51,7 +51,7 @@ class VisionPoolPush(ctypes.Structure):
 class VisionAttentionPush(ctypes.Structure):
     """shaders/vision_attention.comp"""
 
-    _fields_ = [("P", u32), ("W", u32), ("dh", u32), ("scale", f32)]
+    _fields_ = [("P", u32), ("W", u32), ("dh", u32), ("scale", f32), ("bias", u32)]
 
 
 VISION_SOURCES: dict[str, tuple[type[ctypes.Structure], int]] = {
