@@ -607,3 +607,64 @@ def test_a_stale_activation_is_refused(ops):
     np.asarray(ops.gelu_tanh(y))
     with pytest.raises(ValueError, match="stale"):
         ops.gelu_tanh(y)
+
+
+@pytest.mark.gpu
+def test_cooperative_matrix_routing_records_every_kernel_as_built(backend, monkeypatch):
+    """Where the device has cooperative matrices (not lavapipe, whose driver cannot build those kernels):
+    a tower's encode recorded with the capabilities of such a device and a recorder that checks each
+    dispatch against the build list (binding count, push-constant struct) instead of recording it. Every
+    GEMM of the uploaded tower runs mul_mm_coopmat after one row_scale per input (q, k, v share one), the
+    attention vision_attention_cm with the q, k, v biases fused, the other biases in vision_bias_gelu /
+    vision_add3, and the weights are float16 (weight format auto)."""
+    from types import SimpleNamespace
+
+    from hmad.backends.vulkan.kernels_coopmat import coopmat_variant
+    from hmad.backends.vulkan.registry import SOURCES
+    from hmad.backends.vulkan.variants import VARIANTS
+    from hmad.backends.vulkan.vision import VulkanVisionOps
+    from hmad.model.siglip import VisionTower
+
+    built = {v.name: v for v in VARIANTS}
+    ctx = backend.ctx
+    monkeypatch.setattr(ctx, "caps", dataclasses.replace(NVIDIA, subgroup_shuffle=True))
+    monkeypatch.setattr(ctx, "options", dataclasses.replace(ctx.options, coopmat_waves=False))
+    device = SimpleNamespace(limits={**ctx.dev.limits, "maxComputeSharedMemorySize": 48 << 10})
+
+    def kernel(name, block=None):
+        v = built[name]
+        size = coopmat_variant(name)[1].block if name.startswith("mul_mm") else block or SOURCES[v.source][1]
+        return SimpleNamespace(name=name, block_size=size, device=device, groups_for=lambda n: (n, 1, 1))
+
+    calls = []
+
+    class Checker:
+        def dispatch(self, k, buffers, push, groups, label=""):
+            v = built[k.name]
+            assert len(buffers) == v.n_buffers and type(push) is SOURCES[v.source][0], k.name
+            calls.append((k.name, getattr(push, "bias", None)))
+
+        def copy(self, *args, **kwargs):
+            calls.append(("copy", None))
+
+    monkeypatch.setattr(ctx, "kernel", kernel)
+    o = VulkanVisionOps(ctx)
+    try:
+        o.rec = Checker()
+        o._recorder = lambda: o.rec
+        cfg = dataclasses.replace(medium_config(), hidden=128, n_layers=1)  # 2 heads of 64
+        weights = o.upload(random_tower(cfg, 5))
+        assert weights["v.blk.0.attn_q.weight"].fmt == "f16" and weights["v.patch_embd.weight"].nk == (
+            128,
+            64,
+        )
+        VisionTower(cfg, weights, o).encode(np.zeros((2, 3, 64, 64), np.float32))
+    finally:
+        o.rec = None
+        o.close()
+    names = [n for n, _ in calls]
+    assert not any(n.startswith(("vision_linear", "vision_matmul", "mul_mat_")) for n in names), names
+    gemms = [n for n in names if n.startswith("mul_mm_coopmat_f16_")]
+    assert len(gemms) == 8 and names.count("row_scale") == 6  # patch, q k v, out, fc1, fc2, projector
+    assert ("vision_attention_cm_d64", 1) in calls and "vision_add" not in names
+    assert names.count("vision_bias_gelu") == 1 and names.count("vision_add3") == 3
