@@ -128,7 +128,7 @@ PARTS = (
     ),
     ("attention", ("vision_attention",)),
     ("norms", ("vision_layer_norm", "vision_rms_norm")),
-    ("eltwise", ("vision_add", "vision_gelu", "vision_im2col", "vision_pool")),
+    ("eltwise", ("vision_add", "vision_gelu", "vision_bias_gelu", "vision_im2col", "vision_pool")),
     ("copies", ("vision input", "vision output")),
 )
 
