@@ -76,6 +76,7 @@ def bench_encoder(mmproj: Path) -> dict:
     be = VulkanBackend()
     ops = be.vision_ops()
     tower = VisionTower(cfg, weights, ops)
+    ops.prepare(tower)  # uploaded as the daemon loads it
     out, flops = {}, encoder_flops(GEMMA3_TOWER)
     for n in (1, 8):
         px = np.random.default_rng(n).uniform(-1, 1, (n, 3, 896, 896)).astype(np.float32)

@@ -318,7 +318,10 @@ class VulkanVisionOps(VisionOps):
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def prepare(self, tower) -> None:
-        """The weights uploaded and a one-image encode recorded (at load, before the KV cache)."""
+        """The weights uploaded (``upload``: stored and padded for the text kernels; the host arrays are
+        dropped) and a one-image encode recorded, at load, before the KV cache takes the memory."""
+        if any(isinstance(w, np.ndarray) for w in tower.w.values()):
+            tower.w = self.upload(tower.w)
         s = tower.cfg.image_size
         self.run(tower, np.zeros((1, 3, s, s), F32))
 
