@@ -501,22 +501,19 @@ def make_tiny_mmproj(
     config = json.loads((hf_dir / "config.json").read_text())
     pre = json.loads((hf_dir / "preprocessor_config.json").read_text())
     vc = config["vision_config"]
-    w = gguf.GGUFWriter(str(path), "clip")
-    w.add_type(gguf.GGUFType.MMPROJ)
+    tower = dict(
+        image_size=vc["image_size"],
+        patch_size=vc["patch_size"],
+        hidden=vc["hidden_size"],
+        ffn=vc["intermediate_size"],
+        n_layers=vc["num_hidden_layers"],
+        n_heads=vc["num_attention_heads"],
+    )
+    w = clip_writer(
+        path, config["text_config"]["hidden_size"], tower, pre["image_mean"], pre["image_std"],
+        vc.get("layer_norm_eps", 1e-6), projector_type,
+    )  # fmt: skip
     w.add_file_type(MMPROJ_FTYPES[ftype][0])
-    w.add_clip_has_vision_encoder(True)
-    w.add_vision_projection_dim(config["text_config"]["hidden_size"])
-    w.add_vision_image_size(vc["image_size"])
-    w.add_vision_patch_size(vc["patch_size"])
-    w.add_vision_embedding_length(vc["hidden_size"])
-    w.add_vision_feed_forward_length(vc["intermediate_size"])
-    w.add_vision_block_count(vc["num_hidden_layers"])
-    w.add_vision_head_count(vc["num_attention_heads"])
-    w.add_vision_image_mean(pre["image_mean"])
-    w.add_vision_image_std(pre["image_std"])
-    w.add_clip_projector_type(projector_type)
-    w.add_vision_attention_layernorm_eps(vc.get("layer_norm_eps", 1e-6))
-    w.add_vision_use_gelu(True)
     per_side = int(pre.get("image_seq_length", 256) ** 0.5)
     scale = (vc["image_size"] // vc["patch_size"]) // per_side
     if scale > 0 and scale != 4:
@@ -530,6 +527,37 @@ def make_tiny_mmproj(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def clip_writer(
+    path: str | Path,
+    text_width: int,
+    tower: dict,
+    mean,
+    std,
+    eps: float = 1e-6,
+    projector_type: str = "gemma3",
+):
+    """A GGUFWriter of an mmproj file with its ``clip.*`` keys written as llama.cpp's converter writes them
+    (``tower``: image_size, patch_size, hidden, ffn, n_layers, n_heads); the caller adds the tensors."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_clip_has_vision_encoder(True)
+    w.add_vision_projection_dim(text_width)
+    w.add_vision_image_size(tower["image_size"])
+    w.add_vision_patch_size(tower["patch_size"])
+    w.add_vision_embedding_length(tower["hidden"])
+    w.add_vision_feed_forward_length(tower["ffn"])
+    w.add_vision_block_count(tower["n_layers"])
+    w.add_vision_head_count(tower["n_heads"])
+    w.add_vision_image_mean(list(mean))
+    w.add_vision_image_std(list(std))
+    w.add_clip_projector_type(projector_type)
+    w.add_vision_attention_layernorm_eps(eps)
+    w.add_vision_use_gelu(True)
+    return w
 
 
 def _hf_vision_tensors(hf_dir: Path, safe_open):

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import gguf
 import numpy as np
+from hf_tiny import clip_writer
 
 from hmad.model.vision import VisionConfig, expected_shapes
 
@@ -25,21 +25,7 @@ def write_mmproj(path: Path, text_width: int, seed: int = 0, tower: dict | None 
     side = t["image_size"] // t["patch_size"] // 4
     cfg = VisionConfig(**t, eps=1e-6, mm_tokens_per_image=side * side, text_hidden=text_width)
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), "clip")
-    w.add_type(gguf.GGUFType.MMPROJ)
-    w.add_clip_has_vision_encoder(True)
-    w.add_vision_projection_dim(text_width)
-    w.add_vision_image_size(t["image_size"])
-    w.add_vision_patch_size(t["patch_size"])
-    w.add_vision_embedding_length(t["hidden"])
-    w.add_vision_feed_forward_length(t["ffn"])
-    w.add_vision_block_count(t["n_layers"])
-    w.add_vision_head_count(t["n_heads"])
-    w.add_vision_image_mean([0.5, 0.5, 0.5])
-    w.add_vision_image_std([0.5, 0.5, 0.5])
-    w.add_clip_projector_type("gemma3")
-    w.add_vision_attention_layernorm_eps(1e-6)
-    w.add_vision_use_gelu(True)
+    w = clip_writer(path, text_width, t, [0.5] * 3, [0.5] * 3)
     for name, shape in expected_shapes(cfg).items():
         if len(shape) == 1:  # norms' weights around 1 (the projector's RMS norm as 1 + w), biases small
             one = name.endswith(("ln1.weight", "ln2.weight", "post_ln.weight", "soft_emb_norm.weight"))
