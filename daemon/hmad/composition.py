@@ -5,7 +5,6 @@ model = load_model("default", "vulkan")       # or a GGUF path, an HF directory;
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -17,7 +16,7 @@ from hmad.core.errors import ModelFormatError
 from hmad.model.loader import Model, check_tensors, read_model_files, resolve_model_path
 from hmad.model.registry import get_architecture
 from hmad.model.siglip import VisionTower
-from hmad.model.vision import read_hf_vision, read_mmproj, vision_config_from_hf
+from hmad.model.vision import read_hf_vision, read_json, read_mmproj, vision_config_from_hf
 from hmad.model.vision_prompt import image_ids
 
 log = logging.getLogger("hmad.model")
@@ -75,7 +74,7 @@ def load_vision(path: Path, mmproj: str | Path | None, model: Model) -> VisionTo
     if mmproj is not None:
         cfg, tensors = read_mmproj(Path(mmproj))
         origin = Path(mmproj)
-    elif path.is_dir() and vision_config_from_hf(_json(path / "config.json")) is not None:
+    elif path.is_dir() and vision_config_from_hf(read_json(path / "config.json", required=True)) is not None:
         cfg, tensors = read_hf_vision(path)
         origin = path
     else:
@@ -92,13 +91,6 @@ def load_vision(path: Path, mmproj: str | Path | None, model: Model) -> VisionTo
     tower = VisionTower(cfg, tensors, model.backend.vision_ops())
     tower.ops.prepare(tower)
     return tower
-
-
-def _json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ModelFormatError(path, f"unreadable config: {e}") from None
 
 
 def load_model(

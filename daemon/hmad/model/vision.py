@@ -369,7 +369,7 @@ def read_hf_vision(directory: str | Path) -> tuple[VisionConfig, dict[str, np.nd
     directory = Path(directory)
     path = directory / "config.json"
     cfg = vision_config_from_hf(
-        _json(path, required=True), _json(directory / "preprocessor_config.json"), path
+        read_json(path, required=True), read_json(directory / "preprocessor_config.json"), path
     )
     if cfg is None:
         raise ModelFormatError(path, "no vision_config: a text-only checkpoint has no vision tower")
@@ -382,7 +382,9 @@ def read_hf_vision(directory: str | Path) -> tuple[VisionConfig, dict[str, np.nd
     return cfg, tensors
 
 
-def _json(path: Path, required: bool = False) -> dict[str, Any] | None:
+def read_json(path: Path, required: bool = False) -> dict[str, Any] | None:
+    """A checkpoint's JSON object (config.json, preprocessor_config.json); None when absent and not
+    ``required``; ModelFormatError naming the file otherwise."""
     if not path.is_file():
         if required:
             raise ModelFormatError(path, "missing (not an HF checkpoint directory?)")
