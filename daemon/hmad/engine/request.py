@@ -89,6 +89,7 @@ class Request:
     step_rows: int = 1  # its logit rows in the step being taken (all of a prefill chunk's: prompt logprobs)
     prompt_logprobs: list[dict | None] | None = None  # one per prompt token, the first None (``start``)
     images: list[ImageSpan] = field(default_factory=list)
+    keyed_prompt: list[int] | None = field(default=None, repr=False)  # (``cache_ids``, made once)
 
     def start(self, tokenizer: Tokenizer) -> None:
         """Make the per-request state. Raises ValueError if the grammar cannot run on this tokenizer."""
@@ -133,9 +134,9 @@ class Request:
         tokens stand for their image (engine/images.py, ``key_ids``)."""
         if not self.images:
             return self.token_ids(a, b)
-        keyed = self.__dict__.get("_keyed") or images.key_ids(self.prompt_ids, self.images)
-        self.__dict__["_keyed"] = keyed
-        n = len(keyed)
+        if self.keyed_prompt is None:
+            self.keyed_prompt = images.key_ids(self.prompt_ids, self.images)
+        keyed, n = self.keyed_prompt, len(self.keyed_prompt)
         return keyed[a:b] if b <= n else (keyed[a:] if a < n else []) + self.output_ids[max(0, a - n) : b - n]
 
     def token_ids(self, a: int, b: int) -> list[int]:
