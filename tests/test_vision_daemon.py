@@ -152,13 +152,9 @@ def test_an_image_for_a_text_only_model_is_unsupported(tmp_path):
 def test_on_vulkan_images_are_encoded_and_answered_on_the_device(vlm_dir, tmp_path):
     """The tiny VLM on the Vulkan backend (lavapipe in CI): the encoder is the device's, and two requests
     with different images at once get the tokens each gets offline on the same backend."""
-    from hmad.backends.vulkan import device as vkdev
+    from vk_harness import require_vulkan
 
-    try:
-        with vkdev.Device():
-            pass
-    except Exception as e:  # no loader, no driver, unsuitable device
-        pytest.skip(f"no usable Vulkan device ({e}); apt-get install mesa-vulkan-drivers provides lavapipe")
+    require_vulkan()
     images = [png(20), png(21)]
     want = [offline(vlm_dir, im, 6, backend="vulkan")[1] for im in images]
     d = Daemon(vlm_dir, tmp_path, backend="vulkan").wait_ready()

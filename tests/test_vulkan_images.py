@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 from test_vulkan_backend import close, rtol_for
 from tiny_gguf import MIXED, make_tiny_gguf
+from vk_harness import require_vulkan, run
 
 from hmad.backends.cpu import CpuBackend, CpuWeight
 from hmad.backends.vulkan.stepmeta import EMBEDS_ROW0, StepMetaLayout
@@ -45,17 +46,6 @@ def visible(spans: list[tuple[int, int]], pos0: int, n: int) -> np.ndarray:
     for s0, k in spans:
         out[(pos >= s0) & (pos < s0 + k)] = s0 + k - 1
     return out
-
-
-def run(dev, *dispatches):
-    from hmad.backends.vulkan.recorder import CommandRecorder
-
-    rec = CommandRecorder(dev).begin()
-    for k, bufs, push, groups in dispatches:
-        rec.dispatch(k, bufs, push, groups)
-    rec.end()
-    rec.submit()
-    rec.close()
 
 
 # -- step metadata (no device) -------------------------------------------------------------------------------
@@ -264,13 +254,7 @@ def test_embed_takes_the_given_rows_from_the_embeds_buffer(dev, kernels, gpu, ta
 # -- the whole forward pass ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def vulkan_device():
-    from hmad.backends.vulkan import device as vkdev
-
-    try:
-        with vkdev.Device():
-            pass
-    except Exception as e:  # no loader, no driver, unsuitable device
-        pytest.skip(f"no usable Vulkan device ({e}); apt-get install mesa-vulkan-drivers provides lavapipe")
+    require_vulkan()
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from test_vulkan_fused import q8_reference
-from vk_harness import assert_x3_planes
+from vk_harness import assert_x3_planes, run
 
 from hmad.backends.cpu import CpuBackend, CpuWeight
 from hmad.backends.vulkan.stepmeta import NONE, StepMetaLayout, kv_slots
@@ -34,18 +34,6 @@ from hmad.core.tensors import QType, WeightTensor
 from hmad.engine.sampling import Sampler, SamplingParams
 
 REF = CpuBackend(numerics="f32")
-
-
-def run(dev, *dispatches):
-    """Record (kernel, buffers, push, groups) dispatches into one command buffer, submit once, wait."""
-    from hmad.backends.vulkan.recorder import CommandRecorder
-
-    rec = CommandRecorder(dev).begin()
-    for k, bufs, push, groups in dispatches:
-        rec.dispatch(k, bufs, push, groups)
-    rec.end()
-    rec.submit()
-    rec.close()
 
 
 # -- step metadata (no device) -------------------------------------------------------------------------------

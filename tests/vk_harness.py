@@ -20,6 +20,24 @@ def open_device():
         pytest.skip(f"no usable Vulkan device ({e}); apt-get install mesa-vulkan-drivers provides lavapipe")
 
 
+def require_vulkan() -> None:
+    """Skip the calling test (or module fixture) unless a Vulkan device opens (``open_device``)."""
+    with open_device():
+        pass
+
+
+def run(dev, *dispatches) -> None:
+    """Record (kernel, buffers, push, groups) dispatches into one command buffer, submit once, wait."""
+    from hmad.backends.vulkan.recorder import CommandRecorder
+
+    rec = CommandRecorder(dev).begin()
+    for k, bufs, push, groups in dispatches:
+        rec.dispatch(k, bufs, push, groups)
+    rec.end()
+    rec.submit()
+    rec.close()
+
+
 class Kernels:
     """Kernels by variant name, built on first use: ``kernels("add_f32")`` or ``kernels["add_f32"]``.
 
