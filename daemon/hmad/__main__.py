@@ -4,6 +4,9 @@
     hmad generate [--model default] [--backend cpu] [--max-tokens N] [--temperature T] ...
                   [--json-schema FILE_OR_JSON] [--image PATH]... [--mmproj FILE] [--json] PROMPT
     hmad install-default-model
+    hmad pull REPO[:QUANT]
+    hmad models [--json]
+    hmad rm NAME
 
 With no subcommand hmad runs the service in the foreground (systemd runs it so too). ``generate`` runs
 offline (no daemon): it loads the model, streams the continuation to stdout and, with ``--json``, prints
@@ -13,6 +16,11 @@ then goes through the chat template as one user turn, the images before its text
 --image`` sends it (a model with a vision tower: an HF checkpoint with one, or ``--mmproj``, llama.cpp's
 projector GGUF beside a GGUF model). Its sampling flags are hmactl query's
 (hmaclient.sampling); one not given takes its default, the daemon's built-in one (``--help`` lists them).
+
+``pull``, ``models`` and ``rm`` work on this user's model store (hmad.store; docs/models.md): ``pull``
+fetches a GGUF, and its projector, from Hugging Face (``REPO[:QUANT]``, e.g.
+``ggml-org/gemma-3-4b-it-GGUF:Q4_K_M``); ``models`` lists what is on disk (``--json``: one JSON array);
+``rm`` deletes a pulled model. ``--model hf:REPO[:QUANT]`` pulls on first use.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from hmaclient import sampling
 from hmaclient.args import json_schema_arg
 from hmad.core.errors import HmadError
 
-SUBCOMMANDS = ("generate", "install-default-model")
+SUBCOMMANDS = ("generate", "install-default-model", "pull", "models", "rm")
 
 
 def build_service_parser() -> argparse.ArgumentParser:
@@ -81,7 +89,63 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", help="prompt text, or - to read stdin")
     sampling.add_flags(g)  # hmaclient.sampling's fields, as hmactl query has them
     sub.add_parser("install-default-model", help="assemble and verify the embedded default model")
+    p = sub.add_parser("pull", help="fetch a GGUF model (and its projector) from Hugging Face")
+    p.add_argument("ref", metavar="REPO[:QUANT]", help="e.g. ggml-org/gemma-3-4b-it-GGUF:Q4_K_M")
+    m = sub.add_parser("models", help="list the models on disk")
+    m.add_argument("--json", action="store_true", help="print one JSON array")
+    r = sub.add_parser("rm", help="remove a pulled model")
+    r.add_argument("name", metavar="NAME", help="as hmad models lists it (owner/repo:QUANT)")
     return ap
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from hmad.store.catalog import human_size
+    from hmad.store.hub import pull
+
+    res = pull(args.ref)
+    state = "already in the store" if res.already_present else "pulled"
+    print(f"{res.name}: {state}, {human_size(res.size_bytes)} in {res.folder}")
+    print(f"run it: hmad --model {res.name}")
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from hmad.store.catalog import human_size, list_models
+
+    models = list_models()
+    if args.json:
+        print(json.dumps([asdict(e) for e in models], indent=1))
+        return 0
+    rows = [("NAME", "ARCH", "QUANT", "SIZE", "CONTEXT", "TEMPLATE", "VISION")]
+    for e in models:
+        rows.append(
+            (
+                e.name,
+                e.architecture or "?",
+                e.quantization or "?",
+                human_size(e.size_bytes),
+                str(e.context_length or "?"),
+                "yes" if e.chat_template else "no",
+                "yes" if e.vision else "no",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    for e in models:
+        if e.problem:
+            print(f"{e.name}: {e.problem}", file=sys.stderr)
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    from hmad.store.catalog import human_size, remove_model
+
+    gone = remove_model(args.name)
+    print(f"removed {gone.name} ({human_size(gone.freed_bytes)})")
+    return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -195,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(install_default_model())
             return 0
+        return {"pull": cmd_pull, "models": cmd_models, "rm": cmd_rm}[args.command](args)
     except (HmadError, ValueError) as e:
         print(f"hmad: error: {e}", file=sys.stderr)
         return 1

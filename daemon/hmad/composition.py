@@ -18,6 +18,7 @@ from hmad.model.registry import get_architecture
 from hmad.model.siglip import VisionTower
 from hmad.model.vision import read_hf_vision, read_json, read_mmproj, vision_config_from_hf
 from hmad.model.vision_prompt import image_ids
+from hmad.store.resolve import is_store_ref, resolve_model_ref
 
 log = logging.getLogger("hmad.model")
 
@@ -103,13 +104,18 @@ def load_model(
 ) -> Model:
     """Load a model and make its weights resident on ``backend``.
 
-    ``spec`` is ``default``, a GGUF file or an HF checkpoint directory. Corrupt files raise
-    ``ModelFormatError`` naming the file and the problem. ``model.info["load_phases_s"]`` says where the
+    ``spec`` is ``default``, a GGUF file, an HF checkpoint directory, or a model of the store
+    (``hf:REPO[:QUANT]``, pulled first if absent, or a pulled model's name: hmad.store; its projector is
+    the vision tower unless ``mmproj`` is given). Corrupt files raise ``ModelFormatError`` naming the file
+    and the problem. ``model.info["load_phases_s"]`` says where the
     time went (read, device, upload: what ``hmactl status`` shows). ``background``: return while a GPU
     backend still uploads (the daemon records its steps meanwhile); ``backend.wait_resident()`` waits.
     The vision tower (image input) comes from an HF checkpoint that has one, or from ``mmproj``, llama.cpp's
     projector GGUF; a model without either is text only (``model.vision`` None).
     """
+    if is_store_ref(spec):  # hf:REPO[:QUANT] (pulled on first use) or a pulled model's name
+        spec, pulled_mmproj = resolve_model_ref(str(spec), progress)
+        mmproj = pulled_mmproj if mmproj is None else mmproj
     t0 = time.perf_counter()
     phases: dict[str, float] = {}
     path = resolve_model_path(spec)
