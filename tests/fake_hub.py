@@ -7,7 +7,8 @@ huggingface_hub 2.x makes for a pull, so that the store's tests never reach the 
 
 Point huggingface_hub at it with ``HF_ENDPOINT`` (hmad.store.hub reads it at each call). Faults, per file:
 ``lie_sha`` (the listing states another sha256), ``missing`` (listed, but 404 EntryNotFound on resolve),
-``cut_after`` (the first GET sends that many bytes of the body and closes the connection).
+``cut_after`` (the first GET sends that many bytes of the body and closes the connection), ``dead``
+(every GET sends the headers, then closes the connection).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class FakeRepo:
     lie_sha: set[str] = field(default_factory=set)
     missing: set[str] = field(default_factory=set)
     cut_after: dict[str, int] = field(default_factory=dict)  # path -> bytes sent before the cut (once)
+    dead: set[str] = field(default_factory=set)  # paths whose every GET is cut before the body
 
     def sha(self, path: str) -> str:
         digest = hashlib.sha256(self.files[path]).hexdigest()
@@ -127,7 +129,7 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             if not body:
                 return
-            cut = repo.cut_after.pop(path, None) if self.command == "GET" else None
+            cut = repo.cut_after.pop(path, 0 if path in repo.dead else None)
             if cut is not None:  # a dropped connection: part of the body, then the socket closed
                 self.wfile.write(part[:cut])
                 self.wfile.flush()

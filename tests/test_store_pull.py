@@ -1,5 +1,6 @@
 """``hmad pull`` against a stand-in for the Hugging Face hub (tests/fake_hub.py; never the internet): a good
-pull with its projector, a dropped connection resumed, a stopped pull resumed by the next, a wrong checksum,
+pull with its projector, a dropped connection resumed, a stopped pull and a connection lost for good
+resumed by the next pull, a wrong checksum,
 a missing file, a repository without GGUF, an unknown quant, too little disk space, a disk that fills; then
 the models listed, the loaded one refused by rm, and hmad pull / hmad models as real processes."""
 
@@ -115,6 +116,25 @@ def test_stopped_pull_resumed_by_the_next(fake_hub, store, blobs, monkeypatch):
     assert res.model_path.read_bytes() == blobs[MODEL] and not part.exists()
 
 
+def test_connection_lost_for_good_then_resumed(fake_hub, store, blobs, monkeypatch):
+    """The connection drops at 100 kB and every retry fails: the pull says how far it got and keeps the
+    partial file; once the hub answers again, the next pull resumes from there."""
+    import huggingface_hub.file_download as fd
+
+    monkeypatch.setattr("huggingface_hub.constants.DOWNLOAD_CHUNK_SIZE", 4096)
+    monkeypatch.setattr(fd.time, "sleep", lambda s: None)  # huggingface_hub's 1 s between its retries
+    repo = fake_hub.repos[REPO]
+    repo.cut_after[MODEL], repo.dead = 100_000, {MODEL}
+    with pytest.raises(StoreError, match=f"the download of {MODEL} from .* failed after .* pull again"):
+        hub.pull(f"{REPO}:Q8_0")
+    part = part_path(store / REPO / "Q8_0" / MODEL, sha(blobs[MODEL]))
+    kept = part.stat().st_size
+    assert 0 < kept <= 100_000 and len(fake_hub.ranges(MODEL)) == 6  # the first GET, 5 retries
+    repo.dead.clear()
+    assert hub.pull(f"{REPO}:Q8_0").model_path.read_bytes() == blobs[MODEL]
+    assert fake_hub.ranges(MODEL)[-1] == f"bytes={kept}-"
+
+
 def test_wrong_checksum_refused_and_not_kept(fake_hub, store):
     fake_hub.repos[REPO].lie_sha.add(MODEL)  # huggingface_hub checks sizes only: the sha256 check is ours
     with pytest.raises(StoreError, match=f"{MODEL}: its sha256 is .*the file was removed"):
@@ -215,3 +235,5 @@ def test_cli_pull_and_models(fake_hub, store, blobs):
     table = hmad("models").stdout.splitlines()
     assert table[0].split() == ["NAME", "ARCH", "QUANT", "SIZE", "CONTEXT", "TEMPLATE", "VISION"]
     assert f"{REPO}:Q8_0  gemma3  Q8_0" in "\n".join(table)
+    gone = hmad("rm", f"{REPO}:Q8_0")
+    assert gone.returncode == 0 and gone.stdout == f"removed {REPO}:Q8_0 (4.0 MB)\n", gone.stderr
