@@ -4,9 +4,10 @@
     hmactl [--socket PATH] [--timeout S] ping [--wait S]
     hmactl [--socket PATH] [--timeout S] metrics [--json | --prometheus]
     hmactl [--socket PATH] [--timeout S] query [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
-           [--min-p P] [--repetition-penalty R] [--repeat-last-n N] [--seed S] [--stop STR]... [--raw]
-           [--json-schema FILE_OR_JSON] [--logprobs N] [--prompt-logprobs N] [--image PATH]... [--json]
-           PROMPT|-
+           [--min-p P] [--repetition-penalty R] [--repeat-last-n N] [--seed S] [--stop STR]...
+           [--raw | --chat-template] [--json-schema FILE_OR_JSON] [--logprobs N] [--prompt-logprobs N]
+           [--image PATH]... [--json] PROMPT|-
+    hmactl [--socket PATH] [--timeout S] chat [--system TEXT] [--raw | --chat-template] [sampling flags]
 
 ``query`` streams the answer to stdout as it arrives (``-`` reads the prompt from stdin; ``--raw`` skips the
 chat template); with ``--json`` it prints one JSON object at the end instead. ``--image PATH`` (repeatable)
@@ -19,13 +20,23 @@ one JSON value satisfying that JSON Schema (a file holding it, or its JSON text;
 prompt token's logprob and its N most likely alternatives: printed after the answer, one token a line
 (logprob, the token's text as a JSON string, then the alternatives), or with ``--json`` as lists of
 {token_id, text, logprob, top: [[id, logprob, text]]} (the prompt's first item null). Ctrl-C cancels the
-request.
+request. An answer to ``--json-schema`` that is not a whole JSON value (max_tokens ran out, or a stop string
+cut it) exits 1, saying so on stderr after the answer.
+``chat`` is a conversation with streamed answers, line editing and history, and /commands: hmaclient.chat.
+
+Defaults that fit the model (query and chat), from the daemon's status: a model without a chat template
+(``chat_template: false``, a base model) is prompted raw, and hmactl says so in one line on stderr;
+``--chat-template`` sends it through the built-in Gemma turns anyway, ``--raw`` skips a template the model
+has, and ``--image`` takes the template. Without ``--max-tokens``, a model that runs on a CPU (the cpu
+backend, or Vulkan on llvmpipe) answers at most sampling.CPU_MAX_TOKENS tokens; elsewhere the daemon's
+default holds.
 ``metrics`` prints the daemon's counters and histograms (requests by outcome, tokens, time to first token,
 batch sizes, KV blocks, memory); ``--prometheus`` as Prometheus text (needs prometheus_client: the
 ``prometheus`` extra, ``pip install 'hmaclient[prometheus]'``), ``--json`` as the families the daemon sent.
 
-Exit codes: 0 ok, 1 the request failed (error reply, timeout), 2 usage, 3 hmad unreachable (no daemon at
-the socket, or a socket another user could own: refused, see hmaclient.safepath), 130 interrupted.
+Exit codes: 0 ok, 1 the request failed (error reply, timeout, a JSON answer left unfinished; in chat, a
+message failed, without a terminal), 2 usage, 3 hmad unreachable (no daemon at the socket, or a socket
+another user could own: refused, see hmaclient.safepath), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -39,11 +50,11 @@ import time
 from collections.abc import Generator
 from typing import Any, TextIO
 
-from hmaclient import sampling
+from hmaclient import chat, sampling
 from hmaclient.args import json_schema_arg
-from hmaclient.client import Client
+from hmaclient.client import Client, read_images
 from hmaclient.errors import DaemonUnreachable, HmadTimeout, HmaError, RequestError
-from hmaclient.protocol import Logprob, ProtocolError, default_socket_path
+from hmaclient.protocol import Logprob, ProtocolError, default_socket_path, generate_request
 from hmaclient.results import Piece, Result
 
 EXIT_OK, EXIT_REQUEST, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -69,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     shown.add_argument("--json", action="store_true", help="print the metric families as JSON")
     shown.add_argument("--prometheus", action="store_true", help="print them in Prometheus' text format")
     q = sub.add_parser("query", help="generate an answer, streamed to stdout")
-    sampling.add_flags(q)  # --max-tokens, --temperature, ...: hmaclient.sampling's fields
-    q.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    sampling.add_flags(q, helps=sampling.CLIENT_HELP)  # --max-tokens, ...: the fields
+    _template_flags(q)
     q.add_argument(
         "--json-schema",
         type=json_schema_arg,
@@ -95,7 +106,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     q.add_argument("--json", action="store_true", help="print one JSON object at the end, no streaming")
     q.add_argument("prompt", metavar="PROMPT|-", help="the prompt, or - to read it from stdin")
+    c = sub.add_parser("chat", help="a conversation in the terminal, answers streamed (/help inside)")
+    sampling.add_flags(c, helps=sampling.CLIENT_HELP)
+    _template_flags(c)
+    c.add_argument("--system", metavar="TEXT", help="the system prompt (/system changes it)")
     return ap
+
+
+def _template_flags(parser: argparse.ArgumentParser) -> None:
+    """--raw | --chat-template: override the choice the model's status makes (the module docstring)."""
+    how = parser.add_mutually_exclusive_group()
+    how.add_argument(
+        "--raw",
+        action="store_true",
+        help="no chat template: the model continues the text (a base model's default)",
+    )
+    how.add_argument(
+        "--chat-template",
+        action="store_true",
+        help="the chat template even for a model without one (the built-in Gemma turns)",
+    )
 
 
 def _count_arg(name: str) -> Any:
@@ -134,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                 return _fail(f"hmad at {client.path} is still loading its model", EXIT_UNREACHABLE)
             print(f"hmad is running at {client.path}")
             return EXIT_OK
+        if args.command == "chat":
+            return _chat(client, args)
         return _query(client, args, sys.stdout)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED  # the request was cancelled on the way out (Client.close below)
@@ -177,6 +209,73 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
+# -- defaults that fit the model ------------------------------------------------------------------------
+
+RAW_NOTE = {
+    "query": "the prompt is sent raw, for it to continue",
+    "chat": "the conversation is sent as plain text (User: / Assistant: lines), for it to continue",
+}
+
+
+def _fit(client: Client, args: argparse.Namespace, images: bool = False) -> tuple[bool, int | None, dict]:
+    """(raw, max_tokens, the status read) for this model (:func:`fit`); the base-model note goes to stderr.
+    Status is read only when a flag leaves something open, and always for chat (its model's name goes into
+    /save)."""
+    decided = args.raw or args.chat_template or images
+    ask = args.command == "chat" or not decided or args.max_tokens is None
+    info = client.status() if ask else {}
+    raw, max_tokens, note = fit(info, args, images)
+    if note:
+        print(f"hmactl: {note}", file=sys.stderr)
+    return raw, max_tokens, info
+
+
+def fit(info: dict[str, Any], args: argparse.Namespace, images: bool = False) -> tuple[bool, int | None, str]:
+    """(raw, max_tokens, a note for stderr or "") given the daemon's status map and the flags (the module
+    docstring has the rule). A status without ``chat_template`` (a daemon still loading, or an older one)
+    leaves the chat template on."""
+    decided = args.raw or args.chat_template or images
+    raw = args.raw or (not decided and info.get("chat_template") is False)
+    note = ""
+    if raw and not args.raw:
+        name = info.get("model_name") or info.get("model")
+        note = (
+            f"{name} has no chat template (a base model): {RAW_NOTE[args.command]}; "
+            "--chat-template uses the built-in Gemma turns"
+        )
+    on_cpu = info.get("backend") == "cpu" or "llvmpipe" in str(info.get("device", "")).lower()
+    max_tokens = args.max_tokens if args.max_tokens is not None else sampling.client_max_tokens(on_cpu)
+    return raw, max_tokens, note
+
+
+def _check(prompt: str, params: dict[str, Any]) -> None:
+    """Raise the ProtocolError (a usage error, exit 2) a request with these fields would get, before
+    anything connects: the wire's checks, and the image files read."""
+    generate_request(0, prompt, **{**params, "images": read_images(params.get("images"), "images")})
+
+
+# -- chat -------------------------------------------------------------------------------------------------
+
+
+def _chat(client: Client, args: argparse.Namespace) -> int:
+    _check("", sampling.from_args(args))
+    raw, max_tokens, info = _fit(client, args)
+    params = {**sampling.from_args(args), "max_tokens": max_tokens}
+    interactive = sys.stdin.isatty() and sys.stdout.isatty()
+    session = chat.Chat(
+        client,
+        chat.Conversation(raw, system=args.system or None),
+        params,
+        model=info.get("model_name") or info.get("model") or "",
+        out=sys.stdout,
+        err=sys.stderr,
+        interactive=interactive,
+    )
+    if not interactive:
+        return session.run(chat.pipe_lines(sys.stdin))
+    return session.run(chat.session_lines(chat.terminal_session(chat.history_path())))
+
+
 # -- query ------------------------------------------------------------------------------------------------
 
 
@@ -190,6 +289,9 @@ def _query(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         "prompt_logprobs": args.prompt_logprobs,
         "images": args.images,  # paths: the client reads them
     }
+    _check(prompt, params)
+    raw, max_tokens, _ = _fit(client, args, images=bool(args.images))
+    params.update(max_tokens=max_tokens, raw=True if raw else None)
     if args.json:
         r = client.generate(prompt, **params)
         obj = {
@@ -207,7 +309,8 @@ def _query(client: Client, args: argparse.Namespace, out: TextIO) -> int:
             if entries is not None:
                 obj[name] = [None if e is None else dataclasses.asdict(e) for e in entries]
         print(json.dumps(obj, ensure_ascii=False), file=out)
-        return EXIT_OK
+        out.flush()
+        return _schema_check(r)
     with contextlib.closing(client.stream(prompt, **params)) as pieces:
         result, logprobs = _write_answer(pieces, out)
     if args.prompt_logprobs is not None and result is not None:
@@ -215,7 +318,19 @@ def _query(client: Client, args: argparse.Namespace, out: TextIO) -> int:
     if args.logprobs is not None:
         out.write("\n".join(["logprobs:", *format_logprobs(logprobs)]) + "\n")
     out.flush()
-    return EXIT_OK
+    return _schema_check(result)
+
+
+def _schema_check(result: Result | None) -> int:
+    """EXIT_REQUEST, said on stderr, when the answer to a json_schema is not a whole JSON value."""
+    if result is None or result.extra.get("schema_complete", True):
+        return EXIT_OK
+    why = (
+        f"max_tokens ran out after {result.generated_tokens} tokens (--max-tokens N for more)"
+        if result.finish_reason == "length"
+        else f"it ended ({result.finish_reason}) before it was finished"
+    )
+    return _fail(f"error: the answer is not a whole JSON value for the schema: {why}", EXIT_REQUEST)
 
 
 def _write_answer(pieces: Generator[Piece, None, Result | None], out: TextIO) -> tuple[Result | None, list]:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import argparse
 import math
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 MAX_TOKENS_LIMIT = 1_000_000  # max_tokens and repeat_last_n
@@ -108,6 +108,18 @@ BY_NAME: dict[str, SamplingField] = {f.name: f for f in FIELDS}
 NAMES: tuple[str, ...] = tuple(BY_NAME)
 DEFAULTS: dict[str, Any] = {f.name: f.default for f in FIELDS}
 OFF: dict[str, Any] = {f.name: f.off for f in FIELDS}
+
+# hmactl's max_tokens when --max-tokens is not given (query, chat): on a CPU an answer this long takes
+# seconds (README's CPU-only figures), and a base model, which rarely stops by itself, is cut there; on a
+# GPU or an NPU the daemon's default.
+CPU_MAX_TOKENS = 128
+CLIENT_HELP = {"max_tokens": f"most tokens to generate ({CPU_MAX_TOKENS} when the model runs on a CPU)"}
+
+
+def client_max_tokens(on_cpu: bool) -> int | None:
+    """hmactl's max_tokens when its flag is not given: :data:`CPU_MAX_TOKENS` for a model that runs on a
+    CPU, else None (the field left out: the daemon's default)."""
+    return CPU_MAX_TOKENS if on_cpu else None
 
 
 def bound(x: float) -> str:
@@ -256,12 +268,18 @@ def _shown_default(f: SamplingField) -> str:
     return "none" if f.kind in ("strings", "bias") and not f.default else bound(f.default)
 
 
-def add_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] = NAMES) -> None:
+def add_flags(
+    parser: argparse.ArgumentParser,
+    names: tuple[str, ...] = NAMES,
+    helps: dict[str, str] | None = None,
+) -> None:
     """One ``--flag`` per field (``--max-tokens``, ...), defaulting to None: "not given", which means the
-    field's default (the daemon's, or :data:`DEFAULTS` offline). The help shows range and default; a value
-    out of range is a usage error (exit 2) naming the field, as the wire would."""
+    field's default (the daemon's, or :data:`DEFAULTS` offline). The help shows the field's help (or
+    ``helps[name]``: a CLI's own rule, :data:`CLIENT_HELP`), range and default; a value out of range is a
+    usage error (exit 2) naming the field, as the wire would."""
     for name in names:
         f = BY_NAME[name]
+        f = replace(f, help=(helps or {}).get(name, f.help))
         shown = _shown_default(f)
         if f.kind == "strings":
             text = f"{f.help}: at most {f.hi}, of 1 to {MAX_STOP_CHARS} characters"

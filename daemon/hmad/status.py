@@ -36,6 +36,9 @@ def status(server) -> dict:
         "state": "ready",
         "model": model.path,
         "model_name": model.config.name,
+        # whether chats get a template the model file (or the config's chat_template path) gives; false: a
+        # base model, whose chats fall back to the built-in Gemma turns (clients prompt it raw by default)
+        "chat_template": model.tokenizer.chat_template is not None,
         "backend": model.backend.name,
         "device": model.backend.device,
         "deterministic": bool(getattr(model.backend, "deterministic", False)),
