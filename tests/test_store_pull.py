@@ -1,8 +1,8 @@
 """``hmad pull`` against a stand-in for the Hugging Face hub (tests/fake_hub.py; never the internet): a good
-pull with its projector, a dropped connection resumed, a stopped pull and a connection lost for good
-resumed by the next pull, a wrong checksum,
-a missing file, a repository without GGUF, an unknown quant, too little disk space, a disk that fills; then
-the models listed, the loaded one refused by rm, and hmad pull / hmad models as real processes."""
+pull with its projector; a dropped connection resumed within the pull; a stopped pull, and a connection
+lost for good, resumed by the next pull; a wrong checksum, a missing file, a repository without GGUF, an
+unknown quant, too little disk space, a disk that fills; then the models listed, the loaded one refused by
+rm, and hmad pull / models / rm as real processes."""
 
 from __future__ import annotations
 
