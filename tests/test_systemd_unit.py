@@ -25,7 +25,6 @@ YES_HARDENING = [
     "ProtectHome",
     "PrivateTmp",
     "PrivateMounts",
-    "PrivateNetwork",
     "ProtectKernelTunables",
     "ProtectKernelModules",
     "ProtectKernelLogs",
@@ -92,7 +91,8 @@ def test_parser_handles_repeats_continuations_and_empty_values():
 def test_lifecycle(service):
     assert one(service, "Type") == "notify"
     assert one(service, "NotifyAccess") == "main"
-    assert one(service, "ExecStart") == "/usr/local/bin/hmad --config /etc/hmad/hmad.yaml"
+    assert one(service, "ExecStart") == "/opt/hmad/venv/bin/hmad --config /etc/hmad/hmad.yaml"  # install.sh
+    assert one(service, "KillMode") == "mixed"  # hmad stops its HTTP gateway child itself
     assert one(service, "WatchdogSec") == "30"
     assert one(service, "TimeoutStartSec") == "120"
     assert one(service, "TimeoutStopSec") == "30"
@@ -133,8 +133,10 @@ def test_hardening(service):
     assert service["SystemCallFilter"][0] == "@system-service"
     assert one(service, "CapabilityBoundingSet") == ""
     assert one(service, "AmbientCapabilities") == ""
-    assert one(service, "RestrictAddressFamilies") == "AF_UNIX"
-    assert one(service, "IPAddressDeny") == "any"
+    # the socket is AF_UNIX; TCP for the HTTP gateway child (http.enabled), with loopback peers only
+    assert words(service, "RestrictAddressFamilies") == {"AF_UNIX", "AF_INET", "AF_INET6"}
+    assert service.get("PrivateNetwork", ["no"])[-1] == "no", "a private network hides the HTTP listener"
+    assert one(service, "IPAddressAllow") == "localhost" and one(service, "IPAddressDeny") == "any"
 
 
 def test_sysusers_lines():
@@ -171,7 +173,8 @@ def test_security_exposure_at_most_2():
 def test_verify(tmp_path):
     """The unit parses with no warnings; ExecStart points at a stand-in, as hmad need not be installed."""
     analyze = _tool("systemd-analyze")
-    text = UNIT.read_text().replace("ExecStart=/usr/local/bin/hmad ", f"ExecStart={shutil.which('true')} ")
+    true = shutil.which("true")
+    text = UNIT.read_text().replace("ExecStart=/opt/hmad/venv/bin/hmad ", f"ExecStart={true} ")
     unit = tmp_path / "hmad.service"
     unit.write_text(text)
     res = _run(analyze, "verify", "--man=no", "--generators=no", str(unit))
@@ -219,7 +222,7 @@ def test_gateway_follows_hmad_on_loopback(gateway_unit):
     unit, service = gateway_unit["Unit"], gateway_unit["Service"]
     assert "hmad.service" in unit["Requires"] and "hmad.service" in unit["After"]
     argv = one(service, "ExecStart").split()
-    assert argv[0] == "/usr/local/bin/hmad-openai"
+    assert argv[0] == "/opt/hmad/venv/bin/hmad-openai"
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
     assert argv[argv.index("--socket") + 1] == "/run/hmad/hmad.sock"
     assert one(service, "EnvironmentFile") == "-/etc/hmad/openai.env"  # HMAD_OPENAI_API_KEY, optional
@@ -254,7 +257,7 @@ def test_gateway_verify(tmp_path):
     """Both units side by side (Requires=hmad.service must resolve), ExecStart pointing at a stand-in."""
     analyze = _tool("systemd-analyze")
     true = shutil.which("true")
-    for unit, exe in ((UNIT, "/usr/local/bin/hmad "), (GATEWAY_UNIT, "/usr/local/bin/hmad-openai ")):
+    for unit, exe in ((UNIT, "/opt/hmad/venv/bin/hmad "), (GATEWAY_UNIT, "/opt/hmad/venv/bin/hmad-openai ")):
         (tmp_path / unit.name).write_text(unit.read_text().replace(f"ExecStart={exe}", f"ExecStart={true} "))
     gateway = tmp_path / GATEWAY_UNIT.name
     res = _run(analyze, "verify", "--man=no", "--generators=no", str(gateway))

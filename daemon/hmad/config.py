@@ -40,6 +40,7 @@ from hmad.config_keys import (  # the keys' types; parse_bytes and UNIX_PATH_MAX
     BOOL,
     TRISTATE,
     UNIX_PATH_MAX,
+    absolute_path,
     byte_size,
     custom,
     device,
@@ -54,6 +55,7 @@ from hmad.config_keys import (  # the keys' types; parse_bytes and UNIX_PATH_MAX
     socket_path,
     subset,
     text,
+    texts,
     typed,
 )
 from hmad.core.errors import HmadError
@@ -173,6 +175,21 @@ class ServiceConfig(_Section):
     status_every_s: real_in(0.0) = 5.0
 
 
+class HttpConfig(_Section):
+    """The HTTP gateway (hmad-openai: OpenAI's, Anthropic's and Ollama's APIs) that hmad runs as its child
+    once the model is loaded (hmad.gateway_child); its flags of the same names."""
+
+    enabled: BOOL = False
+    host: text("an address to listen on (an IP address or a host name)") = "127.0.0.1"
+    port: int_in(1, 65535) = 8080
+    api_key_file: or_null(
+        absolute_path("a file whose first line is the bearer token clients must send"),
+        "no key: the API is open to whoever reaches the address",
+    ) = None
+    allowed_hosts: texts("Host names answered besides the loopback ones ('*' for any)") = ()
+    cors_origins: texts("web origins whose pages may call the API ('*' for any)") = ()
+
+
 #: sampling: the defaults of requests that leave a field out; every field, its range and its built-in default
 #: from the one table (hmaclient.sampling), as pydantic types from hmad.engine.sampling_schema
 SamplingConfig = sampling_model("SamplingConfig", sampling_fields.DEFAULTS, frozen=True)
@@ -236,6 +253,7 @@ _SECTIONS: dict[str, type[BaseModel]] = {
     "vision": VisionConfig,
     "server": ServerConfig,
     "service": ServiceConfig,
+    "http": HttpConfig,
     "sampling": SamplingConfig,
     "cpu": CpuConfig,
     "vulkan": VulkanConfig,
@@ -258,6 +276,7 @@ class Config(_Section):
     vision: VisionConfig = Field(default_factory=VisionConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     service: ServiceConfig = Field(default_factory=ServiceConfig)
+    http: HttpConfig = Field(default_factory=HttpConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     cpu: CpuConfig = Field(default_factory=CpuConfig)
     vulkan: VulkanConfig = Field(default_factory=VulkanConfig)

@@ -196,6 +196,31 @@ def subset(known: tuple[str, ...]) -> Any:
     return custom(tuple[str, ...], "a list of distinct names from " + ", ".join(known), check, show=list)
 
 
+def absolute_path(what: str) -> Any:
+    """An absolute path (a file the daemon or its children open; a relative one would depend on the
+    working directory, / under systemd)."""
+
+    def check(v: Any) -> str:
+        if not isinstance(v, str) or not os.path.isabs(v):
+            raise Bad()
+        return v
+
+    return custom(str, f"the absolute path of {what}", check)
+
+
+def texts(what: str) -> Any:
+    """A list of distinct non-empty strings; stored as a tuple."""
+
+    def check(v: Any) -> tuple[str, ...]:
+        if not isinstance(v, list | tuple) or not all(isinstance(x, str) and x.strip() for x in v):
+            raise Bad()
+        if len(set(v)) != len(v):
+            raise Bad(" (a name is repeated)")
+        return tuple(v)
+
+    return custom(tuple[str, ...], f"a list of {what}", check, show=list)
+
+
 def show(v: Any) -> str:
     text = repr(v)
     return text if len(text) <= 80 else text[:77] + "..."

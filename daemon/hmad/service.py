@@ -37,6 +37,7 @@ import sdnotify
 import zmq
 
 from hmaclient import protocol as P
+from hmad import gateway_child
 from hmad.backends.npu.status import npu_status
 from hmad.composition import load_model, resolve_backend_name
 from hmad.config import Config
@@ -135,7 +136,8 @@ class Service:
         loader = threading.Thread(target=self._load, name="hmad-load", daemon=True)
         loader.start()
         try:
-            server.serve(tick=lambda: self._tick(server))
+            with gateway_child.supervised(cfg, serving=lambda: server.engine is not None):  # http: section
+                server.serve(tick=lambda: self._tick(server))
         finally:
             self.stopping = True  # a load still running gives up at its next progress report
             loader.join(LOAD_STOP_S)
