@@ -1,4 +1,5 @@
-"""hmaclient is a distribution of its own (client/pyproject.toml) that needs only pyzmq and msgpack: what it
+"""hmaclient is a distribution of its own (client/pyproject.toml) that needs only pyzmq and msgpack, and
+prompt_toolkit for hmactl chat's terminal (imported only when one starts): what it
 declares, what its installed metadata says, what its modules import, and what importing it loads."""
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT = ROOT / "client"
-RUNTIME = {"pyzmq", "msgpack"}
-THIRD_PARTY_IMPORTS = {"zmq", "msgpack"}  # the import names of RUNTIME
-OPTIONAL_IMPORTS = {"prometheus.py": {"prometheus_client"}}  # behind the `prometheus` extra
+RUNTIME = {"pyzmq", "msgpack", "prompt_toolkit"}
+THIRD_PARTY_IMPORTS = {"zmq", "msgpack"}  # the import names of RUNTIME but prompt_toolkit's, which only:
+OPTIONAL_IMPORTS = {
+    "prometheus.py": {"prometheus_client"},  # behind the `prometheus` extra
+    "chat.py": {"prompt_toolkit"},  # inside the function that starts the terminal UI
+}
 # The daemon's stack: none of it may come with the client.
 HEAVY = ("numpy", "vulkan", "gguf", "tokenizers", "llguidance", "safetensors", "yaml", "hmad", "hmad_openai")
-HEAVY += ("prometheus_client", "starlette", "uvicorn", "pydantic", "sdnotify")
+HEAVY += ("prometheus_client", "starlette", "uvicorn", "pydantic", "sdnotify", "prompt_toolkit")
 
 
 def _pyproject(path: Path) -> dict:
@@ -32,7 +36,7 @@ def _names(requirements: list[str]) -> set[str]:
     return {Requirement(r).name.lower() for r in requirements}
 
 
-def test_client_declares_only_pyzmq_and_msgpack():
+def test_client_declares_only_its_runtime():
     project = _pyproject(CLIENT / "pyproject.toml")["project"]
     assert project["name"] == "hmaclient"
     assert _names(project["dependencies"]) == RUNTIME
@@ -64,7 +68,7 @@ def test_installed_metadata_matches():
     assert [r.name for r in hmad_requires if r.marker is None and r.name == "hmaclient"] == ["hmaclient"]
 
 
-def test_modules_import_only_the_standard_library_zmq_and_msgpack():
+def test_modules_import_only_the_standard_library_zmq_and_msgpack():  # (and chat.py prompt_toolkit)
     for path in sorted((CLIENT / "hmaclient").glob("*.py")):
         allowed = THIRD_PARTY_IMPORTS | {"hmaclient"} | OPTIONAL_IMPORTS.get(path.name, set())
         for node in ast.walk(ast.parse(path.read_text())):

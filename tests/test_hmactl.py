@@ -134,8 +134,9 @@ def test_image_files_are_read_by_hmactl_before_connecting(sock_path, tmp_path, c
         return (piece for piece in ())
 
     monkeypatch.setattr(cli.Client, "stream", stream)
-    assert cli.main(["--socket", sock_path, "query", "--image", str(tmp_path / "a.png"), "--image",
-                     str(tmp_path / "a.png"), "what?"]) == 0  # fmt: skip
+    # (--max-tokens: with --image and it given, hmactl needs nothing of the daemon's status)
+    assert cli.main(["--socket", sock_path, "query", "--max-tokens", "8", "--image", str(tmp_path / "a.png"),
+                     "--image", str(tmp_path / "a.png"), "what?"]) == 0  # fmt: skip
     assert (
         sent[0][0] == "what?" and sent[0][1]["images"] == [str(tmp_path / "a.png")] * 2
     )  # the client reads them
@@ -189,7 +190,7 @@ def test_query_streams(hmad, capsys):
     assert capsys.readouterr().out == " b b b b\n"  # the newline hmactl adds after an answer without one
     assert cli.main([*q, "--raw", "--max-tokens", "9", "--stop", "b b", "x b"]) == 0
     assert capsys.readouterr().out == " \n"  # cut before the stop string
-    assert cli.main([*q, "--max-tokens", "3", "--temperature", "0", "x b"]) == 0
+    assert cli.main([*q, "--chat-template", "--max-tokens", "3", "--temperature", "0", "x b"]) == 0
     assert capsys.readouterr().out == "\n\n\n"  # chat template: the answer repeats its final newline
 
 
