@@ -207,7 +207,7 @@ def test_error_builder_refuses_unknown_codes():
         (raw({"v": 1, "type": "token", "id": 1, "text": 3, "token_ids": []}), P.BAD_REQUEST),
         (raw({"v": 1, "type": "accepted", "id": 1, "rid": True}), P.BAD_REQUEST),
         (raw({"v": 1, "type": "surprise", "id": 1}), P.UNKNOWN_TYPE),
-        (raw({"v": 5, "type": "pong", "time": 1.0}), P.UNSUPPORTED_VERSION),
+        (raw({"v": 6, "type": "pong", "time": 1.0}), P.UNSUPPORTED_VERSION),
     ],
 )
 def test_bad_replies(frame, kind):
@@ -306,8 +306,8 @@ def test_version():
     refused(raw({"type": "ping", "id": 4}), P.BAD_REQUEST, id=4, match="'v'")
     refused(raw({"v": "1", "type": "ping"}), P.BAD_REQUEST, match="'v'")
     refused(raw({"v": True, "type": "ping"}), P.BAD_REQUEST)
-    e = refused(raw(gen(v=5)), P.UNSUPPORTED_VERSION, id="r1")
-    assert "5" in e.message and "1, 2, 3, 4" in e.message
+    e = refused(raw(gen(v=6)), P.UNSUPPORTED_VERSION, id="r1")
+    assert "6" in e.message and "1, 2, 3, 4, 5" in e.message
     assert e.reply()["v"] == 1  # an unsupported version is answered in 1, which every client reads
     refused(raw(gen(v=0)), P.UNSUPPORTED_VERSION, id="r1")
 

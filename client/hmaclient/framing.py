@@ -14,8 +14,8 @@ import msgpack
 
 from hmaclient import sampling
 
-PROTOCOL_VERSION = 4  # the newest version this module speaks
-SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4})
+PROTOCOL_VERSION = 5  # the newest version this module speaks
+SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4, 5})
 
 # a request frame: room for images (encoded files) besides a whole prompt; what the daemon may hold for
 # the requests in flight follows from it (docs/protocol.md, "Limits")
@@ -59,6 +59,11 @@ LOADING = "loading"  # the model is still loading (retry later; ``ping`` says wh
 NOT_FOUND = "not_found"
 UNSUPPORTED = "unsupported"  # the loaded model cannot do what the request asks (images without vision)
 INTERNAL = "internal"
+# since version 5 (models named by requests; a client of an older version never names one)
+MODEL_NOT_FOUND = "model_not_found"  # neither a model of the daemon's store nor a file it can read
+SWITCH_REFUSED = "switch_refused"  # another model than the loaded one, and the config forbids switching
+MODEL_IN_USE = "model_in_use"  # remove of the loaded model
+NO_MODEL = "no_model"  # no model is loaded (its load failed) and none is loading
 ERROR_CODES = frozenset(
     {
         BAD_REQUEST,
@@ -72,12 +77,17 @@ ERROR_CODES = frozenset(
         NOT_FOUND,
         UNSUPPORTED,
         INTERNAL,
+        MODEL_NOT_FOUND,
+        SWITCH_REFUSED,
+        MODEL_IN_USE,
+        NO_MODEL,
     }
 )
 
 FINISH_REASONS = frozenset({"stop", "length", "tool_calls"})
 ROLES = frozenset({"system", "user", "model", "assistant", "tool"})
-REQUEST_TYPES = frozenset({"generate", "cancel", "status", "ping", "metrics"})
+MODEL_REQUESTS = ("models", "load", "unload", "remove", "pull")  # version 5: the models on disk and loaded
+REQUEST_TYPES = frozenset({"generate", "cancel", "status", "ping", "metrics", *MODEL_REQUESTS})
 
 # Not a field: a generate whose messages hold a content that is a list of parts (ADDED_IN has it).
 CONTENT_PARTS = "messages[].content as a list of parts"
@@ -88,6 +98,8 @@ ADDED_IN: dict[tuple[str, str | None], int] = {
     ("generate", "images"): 4,
     ("generate", CONTENT_PARTS): 4,
     ("metrics", None): 2,
+    ("generate", "model"): 5,
+    **{(t, None): 5 for t in MODEL_REQUESTS},
     **{
         ("generate", field): 3
         for field in (
@@ -97,7 +109,9 @@ ADDED_IN: dict[tuple[str, str | None], int] = {
         )
     },
 }
-REPLY_TYPES = frozenset({"accepted", "token", "done", "error", "cancelled", "status", "pong", "metrics"})
+REPLY_TYPES = frozenset(
+    {"accepted", "token", "done", "error", "cancelled", "status", "pong", "metrics", "result"}
+)
 METRIC_TYPES = frozenset({"counter", "gauge", "histogram"})
 TERMINAL_TYPES = frozenset({"done", "error", "cancelled"})
 

@@ -94,6 +94,11 @@ def metrics(id: Id, families: list[dict[str, Any]], *, v: int = PROTOCOL_VERSION
     return {"v": v, "type": "metrics", "id": id, "metrics": families}
 
 
+def result(id: Id, values: dict[str, Any], *, v: int = PROTOCOL_VERSION) -> dict[str, Any]:
+    """The answer to a model request (version 5): ``values`` as docs/protocol.md lists them per request."""
+    return {"v": v, "type": "result", "id": id, "result": values}
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Replies: parsed (the client's side)
 
@@ -172,7 +177,13 @@ class Metrics:
     families: list[dict[str, Any]]
 
 
-Reply = Accepted | Token | Done | Error | Cancelled | Status | Pong | Metrics
+@dataclass
+class Result:
+    id: Id
+    values: dict[str, Any]
+
+
+Reply = Accepted | Token | Done | Error | Cancelled | Status | Pong | Metrics | Result
 
 _NUM = (int, float)
 # type -> (class, {field: accepted types}) for the required fields; optional ones are handled below.
@@ -195,6 +206,7 @@ _REPLY_SCHEMA: dict[str, tuple[type, dict[str, tuple[type, ...] | type]]] = {
     "status": (Status, {"status": dict}),
     "pong": (Pong, {"time": _NUM}),
     "metrics": (Metrics, {"metrics": list}),
+    "result": (Result, {"result": dict}),
 }
 
 
@@ -230,6 +242,8 @@ def _reply(msg: dict[str, Any], mid: Id) -> Reply:
     if mtype == "pong":
         state = msg.get("state")
         return Pong(mid, values["time"], state if isinstance(state, str) else "ready")
+    if mtype == "result":
+        return Result(mid, msg["result"])
     if mtype == "metrics":
         return Metrics(mid, [f for f in msg["metrics"] if _is_family(f)])
     if mtype == "done":

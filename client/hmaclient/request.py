@@ -23,6 +23,7 @@ from hmaclient.framing import (
     MAX_PARTS,
     MAX_PROMPT_CHARS,
     MAX_REQUEST_ITEMS,
+    MODEL_REQUESTS,
     ROLES,
     TOO_LARGE,
     UNKNOWN_TYPE,
@@ -68,6 +69,7 @@ class GenerateRequest:
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, str] = "auto"
     parallel_tool_calls: bool = True
+    model: str | None = None  # since version 5: the model to answer with (the daemon may switch to it)
     v: int = field(default=1, compare=False)
 
     @property
@@ -107,7 +109,21 @@ class MetricsRequest:
     v: int = field(default=2, compare=False)
 
 
-Request = GenerateRequest | CancelRequest | StatusRequest | PingRequest | MetricsRequest
+@dataclass
+class ModelRequest:
+    """Since version 5: ``models``, ``load``, ``unload``, ``remove`` or ``pull`` (``kind``); ``model`` the
+    model named (load, remove, pull), else None."""
+
+    kind: str
+    id: Id = None
+    model: str | None = None
+    v: int = field(default=5, compare=False)
+
+
+Request = GenerateRequest | CancelRequest | StatusRequest | PingRequest | MetricsRequest | ModelRequest
+
+MAX_MODEL_CHARS = 4096  # a model's name or path
+_NAMED = ("load", "remove", "pull")  # the model requests that name a model
 
 
 SAMPLING_FIELDS = sampling.NAMES  # the sampling fields of a generate, stop included
@@ -130,12 +146,14 @@ _FIELDS = {
             *_TOOL_FIELDS,
             *SAMPLING_FIELDS,
             *COUNT_FIELDS,
+            "model",
         }
     ),
     "cancel": frozenset(_ENVELOPE),
     "status": frozenset(_ENVELOPE),
     "ping": frozenset(_ENVELOPE),
     "metrics": frozenset(_ENVELOPE),
+    **{t: frozenset({*_ENVELOPE, "model"} if t in _NAMED else _ENVELOPE) for t in MODEL_REQUESTS},
 }
 
 
@@ -171,6 +189,8 @@ def validate_request(msg: dict[str, Any], mid: Id = None) -> Request:
         if msg.get("id") is None:
             raise ProtocolError(BAD_REQUEST, "cancel needs the 'id' of the generation to cancel")
         return CancelRequest(mid, v)
+    if mtype in MODEL_REQUESTS:
+        return _model_request(msg, mid)
     return {"status": StatusRequest, "ping": PingRequest, "metrics": MetricsRequest}[mtype](mid, v)
 
 
@@ -222,7 +242,28 @@ def _generate(msg: dict[str, Any], mid: Id) -> GenerateRequest:
             raise fail(f"json_schema must be a map (a JSON Schema object), got {_kind(msg['json_schema'])}")
         req.json_schema = msg["json_schema"]
     _tool_fields(req, msg, fail)
+    if msg.get("model") is not None:
+        problem = _model_name(msg["model"], "model")
+        if problem:
+            raise fail(problem)
+        req.model = msg["model"]
     return req
+
+
+def _model_name(value: Any, where: str) -> str | None:
+    """The problem with a model's name or path, or None."""
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_MODEL_CHARS or "\x00" in value:
+        return f"{where} must be a model's name or path: a str of 1..{MAX_MODEL_CHARS} characters"
+    return None
+
+
+def _model_request(msg: dict[str, Any], mid: Id) -> ModelRequest:
+    kind = msg["type"]
+    if kind in _NAMED:
+        problem = _model_name(msg.get("model"), f"{kind}.model")
+        if problem:
+            raise ProtocolError(BAD_REQUEST, problem, mid)
+    return ModelRequest(kind, mid, msg.get("model"), msg["v"])
 
 
 def _images_field(req: GenerateRequest, images: Any, fail: Any) -> None:
@@ -378,6 +419,17 @@ def ping_request(id: Id = None) -> dict[str, Any]:
 
 def metrics_request(id: Id = None) -> dict[str, Any]:
     return _stamped({"type": "metrics"}, id)
+
+
+def model_request(kind: str, id: Id = None, model: str | None = None) -> dict[str, Any]:
+    """A ``models``, ``load``, ``unload``, ``remove`` or ``pull`` map (version 5); ``model`` for the three
+    that name one."""
+    msg: dict[str, Any] = {"type": kind}
+    if model is not None:
+        msg["model"] = model
+    msg = _stamped(msg, id)
+    validate_request(msg, id)
+    return msg
 
 
 def _stamped(msg: dict[str, Any], id: Id) -> dict[str, Any]:

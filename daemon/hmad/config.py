@@ -175,6 +175,15 @@ class ServiceConfig(_Section):
     status_every_s: real_in(0.0) = 5.0
 
 
+class ModelsConfig(_Section):
+    """Switching and unloading the model without a restart (hmad.switching, docs/models.md)."""
+
+    switch: one_of("finish", "cancel") = "finish"  # the running requests when another model loads
+    switch_grace_s: real_in(0.0) = 30.0  # finish: how long they may run before the rest are cancelled
+    keep_alive_s: or_null(real_in(0.0, lo_open=True), "never: the model stays loaded") = None
+    allow_switch: BOOL = True  # a generate naming another model loads it (as Ollama does)
+
+
 class HttpConfig(_Section):
     """The HTTP gateway (hmad-openai: OpenAI's, Anthropic's and Ollama's APIs) that hmad runs as its child
     once the model is loaded (hmad.gateway_child); its flags of the same names."""
@@ -254,6 +263,7 @@ _SECTIONS: dict[str, type[BaseModel]] = {
     "server": ServerConfig,
     "service": ServiceConfig,
     "http": HttpConfig,
+    "models": ModelsConfig,
     "sampling": SamplingConfig,
     "cpu": CpuConfig,
     "vulkan": VulkanConfig,
@@ -277,6 +287,7 @@ class Config(_Section):
     server: ServerConfig = Field(default_factory=ServerConfig)
     service: ServiceConfig = Field(default_factory=ServiceConfig)
     http: HttpConfig = Field(default_factory=HttpConfig)
+    models: ModelsConfig = Field(default_factory=ModelsConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     cpu: CpuConfig = Field(default_factory=CpuConfig)
     vulkan: VulkanConfig = Field(default_factory=VulkanConfig)
