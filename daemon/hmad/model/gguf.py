@@ -12,7 +12,8 @@ Why not ``gguf.GGUFReader``: it walks every array item in Python with a numpy vi
 270M model's 262144-token vocab on 2 cores) and trusts declared lengths, so a corrupt count can make it loop
 or allocate without bound. This reader checks every length against :data:`LIMITS` and the file size before
 reading, makes numeric arrays with one ``np.frombuffer``, and never reads tensor data: tensors are views of a
-read-only ``mmap`` (a 26 GB file costs page-table entries, not RAM).
+read-only ``mmap`` (a 26 GB file costs page-table entries, not RAM). A parts manifest (hmad.model.parts: one
+GGUF stored as several files, as the embedded model is) is read the same way, its parts mapped side by side.
 
 Any corrupt or unsupported input raises :class:`ModelFormatError` naming the file and the problem.
 """
@@ -33,6 +34,7 @@ from gguf import GGUFValueType
 from hmad.core.errors import ModelFormatError
 from hmad.core.quants import SUPPORTED_TYPES, row_bytes
 from hmad.core.tensors import PLAIN_TYPES, QType, WeightTensor
+from hmad.model import parts
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -84,7 +86,7 @@ class GGUFFile:
     stored type (e.g. ``tokenizer.ggml.scores`` float32, ``tokenizer.ggml.token_type`` int32), copied out
     of the file.
     ``tensors`` maps names to :class:`WeightTensor` whose ``shape`` is numpy order (GGUF's ``ne`` reversed)
-    and whose ``data`` is a read-only view of the file's mmap.
+    and whose ``data`` is a read-only view of the file's mmap (of its parts' mapping, for a manifest).
     """
 
     path: str
@@ -96,7 +98,8 @@ class GGUFFile:
 
 
 def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
-    """Parse and validate ``path``; tensor data stays on disk, mapped. Raises ModelFormatError only."""
+    """Parse and validate ``path`` (a GGUF file or a parts manifest); tensor data stays on disk, mapped.
+    Raises ModelFormatError only (ModelNotFoundError too for a manifest's missing part)."""
     path = os.fspath(path)
     buf = _map_file(path)
     try:
@@ -146,8 +149,8 @@ def _checked(gguf_file: GGUFFile, key: str, kind: type) -> Any:
 # --- reading -------------------------------------------------------------------------------------------
 
 
-def _map_file(path: str) -> mmap.mmap:
-    """Read-only mmap of a regular file at least a header long."""
+def _map_file(path: str) -> mmap.mmap | memoryview:
+    """Read-only mmap of a regular file at least a header long; for a parts manifest, its parts' mapping."""
     try:
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode):
@@ -155,9 +158,13 @@ def _map_file(path: str) -> mmap.mmap:
         if st.st_size < 24:
             raise ModelFormatError(path, f"file too short for a GGUF header ({st.st_size} bytes)")
         with open(path, "rb") as f:
-            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except OSError as e:
         raise ModelFormatError(path, f"cannot open: {e.strerror or e}") from e
+    if buf[: len(parts.MAGIC)] != parts.MAGIC:
+        return buf
+    buf.close()
+    return parts.map_manifest(path)
 
 
 _U64 = struct.Struct("<Q")
@@ -166,7 +173,7 @@ _U64 = struct.Struct("<Q")
 class _Cursor:
     """Bounds-checked little-endian reads through the header; an overrun is a 'truncated' ModelFormatError."""
 
-    def __init__(self, buf: mmap.mmap, path: str):
+    def __init__(self, buf: mmap.mmap | memoryview, path: str):
         self.buf, self.path, self.pos, self.size = buf, path, 0, len(buf)
 
     def error(self, problem: str) -> ModelFormatError:
@@ -190,7 +197,7 @@ class _Cursor:
             raise self.error(f"{what} declares {n} bytes, over the {limit}-byte limit")
         start = self.take(n, what)
         try:
-            return self.buf[start : start + n].decode("utf-8")
+            return str(self.buf[start : start + n], "utf-8")
         except UnicodeDecodeError as e:
             raise self.error(f"{what} is not valid UTF-8") from e
 
@@ -206,7 +213,7 @@ class _Cursor:
             if n > MAX_STRING_BYTES or end > size:
                 self.string(f"item {i} of {what}")  # raises
             try:
-                out.append(buf[pos + 8 : end].decode("utf-8"))
+                out.append(str(buf[pos + 8 : end], "utf-8"))
             except UnicodeDecodeError:
                 self.string(f"item {i} of {what}")  # raises
             self.pos = end
@@ -228,7 +235,7 @@ def _parse(cur: _Cursor) -> GGUFFile:
 
 
 def _read_header(cur: _Cursor) -> tuple[int, int, int]:
-    magic = cur.buf[0:4]
+    magic = bytes(cur.buf[0:4])
     if magic != MAGIC:
         raise cur.error(f"bad magic {magic!r}: not a GGUF file")
     cur.take(4, "magic")
@@ -365,7 +372,7 @@ def _check_tensor(cur: _Cursor, info: _TensorInfo, alignment: int) -> tuple[QTyp
     return qtype, tuple(reversed(info.ne)), n_elements // info.ne[0] * rb
 
 
-def _view(buf: mmap.mmap, start: int, qtype: QType, shape: tuple[int, ...]) -> np.ndarray:
+def _view(buf: mmap.mmap | memoryview, start: int, qtype: QType, shape: tuple[int, ...]) -> np.ndarray:
     """The stored tensor as a read-only view of the mmap: plain dtype of ``shape``, or uint8 block rows."""
     if qtype in PLAIN_TYPES:
         dtype, view_shape = np.dtype(PLAIN_TYPES[qtype]).newbyteorder("<"), shape

@@ -79,16 +79,17 @@ def list_models(
     read from its GGUF header; ``loaded``: the model spec a daemon has loaded, marked on its entry."""
     out = []
     if include_default:
-        path = default.default_model_path()
+        path = default.default_model_path()  # its parts manifest: the size is the model's
         if path.exists():
             out.append(_entry(default.DEFAULT_NAME, path, None))
+            out[-1].size_bytes = default.SIZE
         elif find_spec(default.PACKAGE.replace("-", "_")) is not None:
             out.append(
                 ModelEntry(
                     default.DEFAULT_NAME, str(path), None, None, None, default.SIZE, None, False, False
                 )
             )
-            out[-1].problem = "not assembled yet: hmad install-default-model"
+            out[-1].problem = "not verified yet: hmad install-default-model"
     for folder, m in pulled(root):
         out.append(_entry(m.name, folder / m.model, folder / m.mmproj if m.mmproj else None))
     for e in out:
