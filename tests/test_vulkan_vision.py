@@ -136,7 +136,7 @@ def test_kernel_choices():
     assert vp.attention_kernel(24) == "vision_attention_any"
     assert vp.attention_kernel(256) == "vision_attention_any"
     assert vp.attention_kernel(260) is None and vp.attention_kernel(18) is None
-    assert vp.attention_kernel(72, cm=True) == "vision_attention_cm_d96"
+    assert vp.attention_kernel(72, cm=True) == "vision_attention_cm_d80"
     assert vp.attention_kernel(64, cm=True) == "vision_attention_cm_d64"
     assert vp.attention_kernel(16, cm=True) == "vision_attention_cm_d32"
     assert vp.attention_kernel(24, cm=True) == "vision_attention_cm_d32"
@@ -398,7 +398,7 @@ def test_gelu_add_pool_match_reference(ops):
 def test_attention_matches_reference(ops, p, heads, dh):
     """Head sizes with their own variant (16, Gemma's 72) and the run-time-sized one (24); P over one
     workgroup of queries and not a multiple of the key chunk. Where the device runs it on cooperative
-    matrices (vision_attention_cm: 16, 72, 24 and 64 padded to 32, 96, 32 and 64),
+    matrices (vision_attention_cm: 16, 72, 24 and 64 padded to 32, 80, 32 and 64),
     against the reference on float16-rounded q * scale, k and v, within 2e-3 * max |v| (P in float16:
     2^-11 relative a weight, l summing the same rounded weights)."""
     rng = np.random.default_rng(6 + p)

@@ -38,8 +38,8 @@ ATTENTION_PREFILL_CM_DH = (64, 128, 256)  # attention_prefill_cm.comp: the head 
 #: run-time-sized variant takes (a multiple of 4)
 VISION_ATTENTION_DH = (16, 32, 64, 72, 128)
 VISION_ATTENTION_MAX_DH = 256
-#: vision_attention_cm.comp: the padded head sizes it is built for (multiples of 32; Gemma 3's 72 takes 96)
-VISION_ATTENTION_CM_DH = (32, 64, 96, 128)
+#: vision_attention_cm.comp: the padded head sizes it is built for (multiples of 16; Gemma 3's 72 takes 80)
+VISION_ATTENTION_CM_DH = (32, 64, 80, 96, 128)
 #: block types of embed_dq.comp (embed.comp reads f32, f16 and q8_0 tables itself)
 EMBED_DQ_TYPES = ("bf16", "q4_0", "q5_0", "q4_k", "q6_k")
 #: weight types with a decoder in dequant.glsl (mul_mat.comp, mul_mat_reg.comp)
@@ -353,9 +353,10 @@ def _vision() -> list[Variant]:
         for dh in VISION_ATTENTION_DH
     ]
     out += [
-        _v(f"vision_attention_cm_d{dh}", "vision_attention_cm.comp", 7, DH=f"{dh}u")
+        _v(f"vision_attention_cm_d{dh}", "vision_attention_cm.comp", 4, DH=f"{dh}u")
         for dh in VISION_ATTENTION_CM_DH
     ]
+    out.append(_v("vision_qkv_f16", "vision_qkv_f16.comp", 9))
     return out + [
         _v("vision_attention_any", "vision_attention.comp", 7, DH=f"{VISION_ATTENTION_MAX_DH}u", KC="8u")
     ]

@@ -31,8 +31,9 @@ vision_policy.gemm_kernel says (the cooperative-matrix GEMM after row_scale's fl
 tiled mat-mat; the bias then added by the op reading the output), else shaders/vision_linear.comp with its
 bias in the epilogue; LayerNorm / RMSNorm one workgroup a row; GELU and the (broadcasting) add grid-stride;
 dense attention per (image, head) flash style (online softmax, K and V chunks in shared memory), on
-cooperative matrices where vision_policy.attention_kernel says (vision_attention_cm.comp, 32 query rows a
-workgroup); the k x k average pool (shaders/vision_*.comp).
+cooperative matrices where vision_policy.attention_kernel says (vision_attention_cm.comp, 16 query rows a
+subgroup, on float16 heads that vision_qkv_f16.comp writes first); the k x k average pool
+(shaders/vision_*.comp).
 
 GPU time: with ``timestamps`` set, an encode (recorded or replayed) writes a timestamp after every command
 and ``last_gpu`` holds ``{"total_ns", "commands": [(label, ns)]}``, the label a kernel's name (or "vision
@@ -71,6 +72,7 @@ from hmad.backends.vulkan.vision_push import (
     VisionLinearPush,
     VisionNormPush,
     VisionPoolPush,
+    VisionQkvPush,
 )
 
 F32 = np.float32
@@ -479,7 +481,8 @@ class VulkanVisionOps(VisionOps):
 
     def attention(self, q, k, v, n_heads: int, scale: float) -> VTensor:
         """The attention of q, k, v (n, P, W); where all three have a pending bias (the q, k, v GEMMs') the
-        kernel adds them as it reads (its ``bias``), else each is added first."""
+        kernels add them as they read (``bias``), else each is added first. On cooperative matrices q, k
+        and v go through vision_qkv_f16 first (float16 heads, padded: :meth:`_f16_heads`)."""
         q, k, v = (self._act(t, lazy=True) for t in (q, k, v))
         fused = all(t.bias is not None for t in (q, k, v))
         biases = [t.bias for t in (q, k, v)] if fused else [self._act(t) for t in (q, k, v)]
@@ -489,11 +492,28 @@ class VulkanVisionOps(VisionOps):
         if name is None or width % 4:
             raise ValueError(vp.unsupported(width, n_heads) or f"vision attention width {width}")
         o = self._new(q.shape)
-        rows = ATTENTION_CM_ROWS if name.startswith("vision_attention_cm") else ATTENTION_BLOCK
-        groups = (-(-p // rows), n_heads, n)
         push = VisionAttentionPush(p, width, dh, scale, int(fused))
+        if name.startswith("vision_attention_cm"):
+            heads = self._f16_heads([q, k, v], biases, n_heads, int(name.rsplit("_d", 1)[1]), scale, fused)
+            rows = heads[0].shape[2]
+            self._dispatch(name, [*heads, o], push, (rows // ATTENTION_CM_ROWS, n_heads, n))
+            return o
+        groups = (-(-p // ATTENTION_BLOCK), n_heads, n)
         self._dispatch(name, [q, k, v, o, *biases], push, groups)  # unfused: q, k, v again (unread)
         return o
+
+    def _f16_heads(self, qkv: list[VTensor], biases, heads: int, dhp: int, scale: float, fused: bool):
+        """q * scale, k, v (+ their biases when ``fused``) as float16 heads (n, heads, PP, dhp) for
+        vision_attention_cm (vision_qkv_f16.comp): PP = P in whole ATTENTION_CM_ROWS, zeros past P and dh."""
+        n, p, width = qkv[0].shape
+        pp = -(-p // ATTENTION_CM_ROWS) * ATTENTION_CM_ROWS
+        out = []
+        for _ in range(3):
+            buf: _Buf = self.scratch.take(2 * n * heads * pp * dhp)
+            out.append(VTensor(buf.view, (n, heads, pp, dhp), "f16", self, keep=buf, epoch=self.epoch))
+        push = VisionQkvPush(n, p, pp, width, width // heads, dhp, scale, int(fused))
+        self._dispatch("vision_qkv_f16", [*qkv, *biases, *out], push, self._grid(n * heads * pp * dhp // 8))
+        return out
 
     def avg_pool(self, x, side: int, k: int) -> VTensor:
         x = self._act(x)

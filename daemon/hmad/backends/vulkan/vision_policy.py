@@ -85,14 +85,14 @@ def fallback_kernel(fmt: str, transposed: bool = False) -> str:
 def attention_cm(o: VulkanOptions, c: DeviceCaps) -> bool:
     """Whether the attention may run on cooperative matrices (vision_attention_cm.comp): the text model's
     ``attention_cm`` option and float16 cooperative matrices (policy.coopmat_on: 32-wide subgroups), with
-    subgroup shuffles (its softmax's rows)."""
+    subgroup shuffles (its softmax's two lanes a row)."""
     return bool(o.attention_cm) and policy.coopmat_on(o, c) and c.subgroup_shuffle
 
 
 def attention_kernel(head_dim: int, cm: bool = False) -> str | None:
     """The attention variant for ``head_dim``: with ``cm`` (:func:`attention_cm`) and a head of whole
     8-value groups up to the largest VISION_ATTENTION_CM_DH, the cooperative-matrix one built for the
-    smallest of those that holds it (the head padded with zeros: Gemma 3's 72 runs ``_d96``); else the
+    smallest of those that holds it (the head padded with zeros: Gemma 3's 72 runs ``_d80``); else the
     plain one built for it, else the run-time-sized one (a multiple of 4 up to VISION_ATTENTION_MAX_DH),
     else None (unsupported)."""
     padded = next((d for d in VISION_ATTENTION_CM_DH if head_dim <= d), None)

@@ -13,9 +13,10 @@ LINEAR_BLOCK = 256
 NORM_BLOCK = 256
 #: query rows per attention workgroup (one an invocation)
 ATTENTION_BLOCK = 64
-#: vision_attention_cm.comp: 4 subgroups of 32 a workgroup (BLOCK_SIZE), ATTENTION_CM_ROWS query rows
+#: vision_attention_cm.comp: 4 subgroups of 32 a workgroup (BLOCK_SIZE), 16 query rows each; its operands
+#: (vision_qkv_f16.comp) hold each head's rows rounded up to whole workgroups
 ATTENTION_CM_BLOCK = 128
-ATTENTION_CM_ROWS = 32
+ATTENTION_CM_ROWS = 64
 
 
 class VisionLinearPush(ctypes.Structure):
@@ -54,6 +55,12 @@ class VisionAttentionPush(ctypes.Structure):
     _fields_ = [("P", u32), ("W", u32), ("dh", u32), ("scale", f32), ("bias", u32)]
 
 
+class VisionQkvPush(ctypes.Structure):
+    """shaders/vision_qkv_f16.comp"""
+
+    _fields_ = [(n, u32) for n in ("n", "P", "PP", "W", "dh", "DHP")] + [("scale", f32), ("bias", u32)]
+
+
 VISION_SOURCES: dict[str, tuple[type[ctypes.Structure], int]] = {
     "vision_linear.comp": (VisionLinearPush, LINEAR_BLOCK),
     "vision_norm.comp": (VisionNormPush, NORM_BLOCK),
@@ -62,4 +69,5 @@ VISION_SOURCES: dict[str, tuple[type[ctypes.Structure], int]] = {
     "vision_pool.comp": (VisionPoolPush, 256),
     "vision_attention.comp": (VisionAttentionPush, ATTENTION_BLOCK),
     "vision_attention_cm.comp": (VisionAttentionPush, ATTENTION_CM_BLOCK),
+    "vision_qkv_f16.comp": (VisionQkvPush, 256),
 }
