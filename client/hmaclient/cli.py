@@ -8,6 +8,7 @@
            [--raw | --chat-template] [--json-schema FILE_OR_JSON] [--logprobs N] [--prompt-logprobs N]
            [--image PATH]... [--json] PROMPT|-
     hmactl [--socket PATH] [--timeout S] chat [--system TEXT] [--raw | --chat-template] [sampling flags]
+    hmactl [--socket PATH] [--timeout S] models [--json] | pull REPO[:QUANT] | load MODEL | unload | rm NAME
 
 ``query`` streams the answer to stdout as it arrives (``-`` reads the prompt from stdin; ``--raw`` skips the
 chat template); with ``--json`` it prints one JSON object at the end instead. ``--image PATH`` (repeatable)
@@ -23,6 +24,8 @@ prompt token's logprob and its N most likely alternatives: printed after the ans
 request. An answer to ``--json-schema`` that is not a whole JSON value (max_tokens ran out, or a stop string
 cut it) exits 1, saying so on stderr after the answer.
 ``chat`` is a conversation with streamed answers, line editing and history, and /commands: hmaclient.chat.
+``models``, ``pull``, ``load``, ``unload``, ``rm``: the daemon's models (hmaclient.cli_models);
+``ping --wait`` draws a load's progress while it waits.
 
 Defaults that fit the model (query and chat), from the daemon's status: a model without a chat template
 (``chat_template: false``, a base model) is prompted raw, and hmactl says so in one line on stderr;
@@ -50,7 +53,7 @@ import time
 from collections.abc import Generator
 from typing import Any, TextIO
 
-from hmaclient import chat, sampling
+from hmaclient import chat, cli_models, sampling
 from hmaclient.args import json_schema_arg
 from hmaclient.client import Client, read_images
 from hmaclient.errors import DaemonUnreachable, HmadTimeout, HmaError, RequestError
@@ -110,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_flags(c, helps=sampling.CLIENT_HELP)
     _template_flags(c)
     c.add_argument("--system", metavar="TEXT", help="the system prompt (/system changes it)")
+    cli_models.register(sub)
     return ap
 
 
@@ -166,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_OK
         if args.command == "chat":
             return _chat(client, args)
+        ran = cli_models.run(client, args)
+        if ran is not None:
+            return ran
         return _query(client, args, sys.stdout)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED  # the request was cancelled on the way out (Client.close below)
@@ -190,12 +197,14 @@ def _ping(client: Client, args: argparse.Namespace) -> tuple[Client, bool]:
     """Ping until the daemon is ready (its model loaded), retrying with a fresh client while it is
     unreachable, until ``--wait`` seconds have passed; returns the client that got the last answer (the
     caller closes it) and whether the daemon was ready."""
-    deadline = time.monotonic() + args.wait
+    deadline, draw = time.monotonic() + args.wait, cli_models.Progress()
     while True:
         try:
             ready = client.ready()
             if ready or time.monotonic() >= deadline:
+                draw.end()
                 return client, ready
+            draw.status(client.status())  # the load's phase and bytes
         except DaemonUnreachable:
             if time.monotonic() >= deadline:
                 raise

@@ -182,6 +182,15 @@ class AsyncClient:
         reply = await self._call(P.metrics_request, P.Metrics, timeout)
         return reply.families
 
+    async def model_request(
+        self, kind: str, model: str | None = None, timeout: float | None = _DEFAULT
+    ) -> dict[str, Any]:
+        """A model request (protocol version 5): ``models``, ``load``, ``unload``, ``remove`` or ``pull``
+        (``model`` names the model of the last three); the ``result`` reply's values (docs/protocol.md,
+        "Models"). A refusal raises RequestError with its code (e.g. model_not_found, model_in_use)."""
+        reply = await self._call(lambda i: P.model_request(kind, i, model), P.Result, timeout)
+        return reply.values
+
     async def connect(self) -> None:
         """Check the socket path is safe, open the socket and check the daemon answers (once; again after a
         lost connection). Raises UnsafeSocket, DaemonUnreachable."""
@@ -431,6 +440,11 @@ class Client:
 
     def metrics(self, timeout: float | None = _DEFAULT) -> list[dict[str, Any]]:
         return self._run(self._async.metrics(timeout))
+
+    def model_request(
+        self, kind: str, model: str | None = None, timeout: float | None = _DEFAULT
+    ) -> dict[str, Any]:
+        return self._run(self._async.model_request(kind, model, timeout))
 
     def connect(self) -> None:
         self._run(self._async.connect())

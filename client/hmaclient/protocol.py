@@ -1,4 +1,4 @@
-"""The hmad wire protocol, version 4: every message, every field, every limit. This module is the spec.
+"""The hmad wire protocol, version 5: every message, every field, every limit. This module is the spec.
 
 Transport
 =========
@@ -8,7 +8,7 @@ frame; neither side ever sees or sends more frames). Strings are msgpack ``str``
 only as an image's bytes (``generate.images`` and image parts: a bin anywhere else is refused, naming where);
 no ``ext`` types (timestamps included) appear anywhere. Every message has
 
-    v     int   protocol version: the rules this message follows, one of SUPPORTED_VERSIONS (1, 2, 3, 4)
+    v     int   protocol version: the rules this message follows, one of SUPPORTED_VERSIONS (1, 2, 3, 4, 5)
     type  str   the message type, below
 
 Requests are **strict**: a field not listed for its type is refused, naming the field. Replies are
@@ -19,7 +19,8 @@ Versions
 Version 2 adds ``generate.json_schema`` (structured output); version 3 tool calling (``tools``,
 ``tool_choice``, ``parallel_tool_calls``), ``logprobs``, ``prompt_logprobs`` and OpenAI's additive
 adjustments (``presence_penalty``, ``frequency_penalty``, ``logit_bias``); version 4 images
-(``generate.images``, and a message ``content`` that is a list of parts, named CONTENT_PARTS). ``ADDED_IN``
+(``generate.images``, and a message ``content`` that is a list of parts, named CONTENT_PARTS); version 5
+models (``generate.model``, the requests MODEL_REQUESTS and their reply ``result``). ``ADDED_IN``
 lists every request type and field newer than version 1 with the version that brought it. The daemon
 serves messages of every supported version: a message of version v may use only what version v had (an
 older ``v`` using a newer field or type is refused with ``bad_request`` naming the field and the version
@@ -97,6 +98,12 @@ Requests (client -> daemon)
     prompt_logprobs     int | nil           0..MAX_LOGPROBS, default nil: likewise for each prompt token
                                             (``done.prompt_logprobs``); the prompt is then computed whole
                                             (no prefix cache). Both: COUNT_FIELDS; docs/protocol.md.
+    model               str                 since version 5. 1..MAX_MODEL_CHARS characters: the model to
+                                            answer with (a pulled model's name, hf:REPO[:QUANT] once
+                                            pulled, "default", or a file the daemon may read). Another model
+                                            than the loaded one is loaded first if the daemon's config
+                                            allows (models.allow_switch; else switch_refused); absent: the
+                                            loaded one.
     An absent sampling field (or nil) means "the daemon's default" (its config's ``sampling:`` section).
     An int field takes ints only, a number field ints or finite floats; bools are not numbers.
 
@@ -110,6 +117,19 @@ Requests (client -> daemon)
 ``status``    what the daemon is doing              id optional, echoed
 ``ping``      liveness                              id optional, echoed
 ``metrics``   cumulative counters and histograms    id optional, echoed. Since version 2.
+
+Since version 5, the model requests (MODEL_REQUESTS), each answered by one ``result`` (or ``error``):
+``models``    the models on the daemon's disk       result: models (list of maps: name, path, mmproj,
+                                                    architecture, quantization, size_bytes, context_length,
+                                                    chat_template, vision, loaded, problem), loaded, state
+``load``      model: str (as generate.model, or     result: switch_id, state, unchanged; the switch then
+              hf:REPO[:QUANT], pulled first)        shows in status's ``switch`` map (docs/models.md)
+``unload``    free the model; the next generate     result: switch_id, state, unchanged
+              loads it back
+``remove``    model: str, a pulled model's name     result: name, path, freed_bytes (model_in_use for the
+                                                    loaded one, model_not_found for none)
+``pull``      model: str, [hf:]REPO[:QUANT]         result: pull_id, joined, state, phase; status's ``pulls``
+                                                    map then shows it by pull_id (docs/protocol.md)
 
 Replies (daemon -> client)
 ==========================
@@ -150,8 +170,11 @@ Replies (daemon -> client)
                ``_s`` seconds (``hmactl status`` formats them so).
 ``pong``       {id, time, state}: the daemon's wall clock, float seconds since the epoch; state "ready"
                (generations are served) or "loading" (the socket answers while the model loads: status
-               shows the progress, a ``generate`` gets ``error`` code ``loading``). A reply without state
+               shows the progress, a ``generate`` gets ``error`` code ``loading``; after the start, while
+               another model is switched in, a generate waits for it) or "no_model" (its load failed and
+               none is loaded: ``load`` one). A reply without state
                comes from a daemon that answers only once ready.
+``result``     {id, result: map} (since version 5): the answer to a model request, its keys above.
 ``metrics``    {id, metrics: list of families} (since version 2): what Prometheus calls metric families,
                counted since the daemon started. A family is
                    {name: str, type: "counter" | "gauge" | "histogram", help: str, samples: list}
@@ -186,6 +209,10 @@ Error codes
     internal              a bug or device failure in the daemon; the message says what. Only the requests
                           it concerns get it (one failed step: that step's); the daemon serves on unless
                           its device is lost, when it answers everyone and exits 1
+    model_not_found       (v5) the model a request names is not on the daemon's machine, or failed to load
+    switch_refused        (v5) generate.model names another model and the config forbids switching
+    model_in_use          (v5) remove of the loaded model
+    no_model              no model is loaded (its load failed): any version's generate may get it
 
 Limits (enforced in ``unpack`` before any field is looked at)
 =============================================================

@@ -63,6 +63,7 @@ class Intake:
                     self._done.put((key, fn(), None))
                 except BaseException as e:  # noqa: BLE001 - handed to the loop, which answers the request
                     self._done.put((key, None, e))
+                fn = None  # its closure may hold a model that is being unloaded (hmad/switching.py)
                 with contextlib.suppress(zmq.Again):
                     push.send(b"", zmq.NOBLOCK)
         finally:

@@ -25,7 +25,8 @@ Guarantees:
 - tokenizing, rendering and schema checks run on the intake thread (hmad/intake.py), never on the loop:
   a generate is answered ``accepted`` (or its refusal) once that work is done;
 - while the model loads (no engine attached yet) the socket already answers: ``status`` shows the load's
-  progress, ``ping`` says ``state: loading``, a ``generate`` gets ``error`` code ``loading``.
+  progress, ``ping`` says ``state: loading``, a ``generate`` gets ``error`` code ``loading``; once serving,
+  hmad/switching.py admits each generate (``models.admit``): now, once another model is loaded, or refused.
 - every reply carries the protocol version of the request it answers (a version-1 client never sees 2).
 
 Who does what (all on the loop's thread but the intake): this module reads requests and dispatches them;
@@ -117,6 +118,8 @@ class Server:
         self.draining, self.drain_cancelled = False, False
         self.drain_deadline = 0.0
         self.started = time.time()
+        self.models = None  # once serving: the switcher (hmad/switching.py), whose admit/park gate generates
+        self.model_routes = None  # once serving: the model requests (hmad/model_routes.py)
 
     def _router(self, ctx: zmq.Context, heartbeat_ivl_s: float, heartbeat_timeout_s: float) -> zmq.Socket:
         sock = ctx.socket(zmq.ROUTER)
@@ -221,6 +224,7 @@ class Server:
             P.StatusRequest: self._status,
             P.PingRequest: self._ping,
             P.MetricsRequest: self._metrics,
+            P.ModelRequest: self._model_request,
         }[type(req)]
         first_rid = self.routes.next_rid
         try:
@@ -256,7 +260,7 @@ class Server:
     def _generate(self, peer: bytes, req, uid: int | None = None) -> None:
         if self.draining:
             return self._refuse(peer, req, P.SHUTTING_DOWN, "hmad is shutting down")
-        if self.engine is None:
+        if self.models is None:  # the first load
             msg = f"hmad is loading its model ({self.loading_status().get('phase', '')}); retry when ready"
             return self._refuse(peer, req, P.LOADING, msg)
         if req.id is not None and self.routes.rid_of(peer, req.id) is not None:
@@ -264,10 +268,20 @@ class Server:
         busy = self.routes.over_limit(peer, uid)
         if busy:
             return self._refuse(peer, req, P.BUSY, busy)
+        why = self.models.admit(req)  # None: now; PARK: once the model is loaded; else refused
+        if isinstance(why, tuple):
+            return self._refuse(peer, req, *why)
         rid = self.routes.add(Route(peer, req.id, req.stream, req.v, uid, preparing=True))
-        # accepted (or refused) once prepared
-        context, limits = self.engine.scheduler.context, self.image_limits
-        self.intake.submit(rid, lambda: prepare(req, self.defaults, self.model, context, limits))
+        if why is None:
+            self.prepare_request(rid, req)
+        else:
+            self.models.park(rid, req)
+
+    def prepare_request(self, rid: int, req) -> None:
+        """``rid``'s generate on the intake thread for the model served now: accepted (or refused) once
+        prepared."""
+        model, context, limits = self.model, self.engine.scheduler.context, self.image_limits
+        self.intake.submit(rid, lambda: prepare(req, self.defaults, model, context, limits))
 
     def _prepared(self) -> None:
         """Requests the intake thread has prepared: accepted and queued in the engine, or refused."""
@@ -334,8 +348,13 @@ class Server:
         self.replies.send(peer, P.status(req.id, self.status(), v=req.v))
 
     def _ping(self, peer: bytes, req) -> None:
-        state = "loading" if self.engine is None else "ready"
+        state = self.models.ping_state() if self.models is not None else "loading"
         self.replies.send(peer, P.pong(req.id, time.time(), state, v=req.v))
+
+    def _model_request(self, peer: bytes, req) -> None:
+        if self.model_routes is None:
+            return self._refuse(peer, req, P.LOADING, "hmad is loading its model; retry when ready")
+        self.model_routes.handle(peer, req)
 
     def _metrics(self, peer: bytes, req) -> None:
         self.replies.send(peer, P.metrics(req.id, metric_families(self), v=req.v))

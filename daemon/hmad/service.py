@@ -17,8 +17,10 @@ STOPPING=1                        SIGTERM/SIGINT: refuse new work, let running r
                                   service.drain_grace_s, cancel the rest, each with its terminal reply;
                                   peers that do not read cannot hold it (their replies are dropped)
                                   exit 0
-SIGHUP                            logged; nothing is reloaded (the model, the socket and the limits are
-                                  fixed for the process's life: restart to change them); never ends hmad
+SIGHUP                            logged; nothing is reloaded (the socket and the limits are fixed for
+                                  the process's life: restart to change them); never ends hmad
+Once serving, the model changes without a restart (hmactl load / unload, models.keep_alive_s, a request
+naming another model): hmad/switching.py, driven from the loop's tick.
 """
 
 from __future__ import annotations
@@ -39,18 +41,16 @@ import zmq
 from hmaclient import protocol as P
 from hmad import gateway_child
 from hmad.backends.npu.status import npu_status
-from hmad.composition import load_model, resolve_backend_name
 from hmad.config import Config
 from hmad.core.errors import HmadError
-from hmad.engine import structured
 from hmad.engine.scheduler import Scheduler
 from hmad.engine.worker import EngineThread
 from hmad.faults import fault_from_env, stall_forever
-from hmad.faults import install as install_fault
 from hmad.heap import map_large_buffers
-from hmad.model import chat_template
+from hmad.model_routes import ModelRoutes
 from hmad.peers import connection_cap, open_descriptors, raise_nofile_limit
 from hmad.server import Server
+from hmad.switching import Switcher, load_scheduler
 
 log = logging.getLogger("hmad.service")
 
@@ -98,6 +98,7 @@ class Service:
         self.progress_count = 0  # progress reports of the load (EXTEND_TIMEOUT_USEC follows them)
         self.nofile = 0  # the open-file soft limit in force
         self.fault = None  # TEST-ONLY fault injection (hmad/faults.py), from HMAD_TEST_FAULT
+        self.switcher: Switcher | None = None  # once serving: the model's life (hmad/switching.py)
 
     def run(self) -> int:
         fault = fault_from_env()  # TEST-ONLY (hmad/faults.py); a malformed value refuses to start
@@ -208,34 +209,9 @@ class Service:
         try:
             if self.fault is not None and self.fault.stalls_load:
                 stall_forever()  # TEST-ONLY: a load hung in one phase
-            backend = resolve_backend_name(
-                cfg.backend, cfg.backend_options("npu")
-            )  # auto: vulkan, npu or cpu
-            self.load["backend"] = backend
-            model = load_model(
-                cfg.model,
-                backend=backend,
-                mmproj=cfg.mmproj,
-                progress=self._progress,
-                background=True,
-                **cfg.backend_options(backend),
-            )
-            model.tokenizer.chat_template = chat_template.choose(cfg.chat_template, model.tokenizer)
-            if self.fault is not None and not self.fault.stalls_load:
-                install_fault(model.backend, self.fault)
-            t0 = time.perf_counter()
-            scheduler = Scheduler(model, cfg.scheduler_config())  # while the weights upload
-            scheduler.images.cache.max_bytes = cfg.vision.image_cache_bytes
-            scheduler.images.waiting_bytes = cfg.vision.max_waiting_image_bytes
-            scheduler.prepare()
+            scheduler = load_scheduler(cfg, cfg.model, cfg.mmproj, self._progress, self.fault, self.load)
+            model = scheduler.model
             phases = model.info["load_phases_s"]
-            phases["kv_and_prepare_s"] = round(time.perf_counter() - t0, 3)
-            if structured.available():  # seconds, holding the GIL: never while serving (the loop would wait)
-                t0 = time.perf_counter()
-                self._progress("indexing the vocabulary for structured output")
-                structured.Vocabulary.of(model.tokenizer)
-                phases["vocabulary_index_s"] = round(time.perf_counter() - t0, 3)
-            model.backend.wait_resident()
             phases["ready_s"] = round(time.monotonic() - self.t0, 3)
             self._progress(f"ready: {model.config.name or model.path} on {model.backend.name}")
             self.loaded = scheduler
@@ -268,17 +244,33 @@ class Service:
                 seen = self.progress_count
                 self.notify(f"EXTEND_TIMEOUT_USEC={EXTEND_BY_US}")
 
+    def progress_while_serving(self, msg: str) -> None:
+        """A switch's load reports progress (hmad/switching.py): it gives up once hmad stops."""
+        if self.stopping:
+            raise LoadCancelled("stopped while loading")
+        log.info("%s", msg)
+
     # -- serve -----------------------------------------------------------------------------------------
-    def _start_serving(self, server: Server, scheduler: Scheduler) -> None:
-        """Called once by the serving thread when the load is done: the engine starts, READY=1."""
+    def start_engine(self, server: Server, scheduler: Scheduler) -> None:
+        """The engine thread of a loaded scheduler, attached to the server (at start and after a switch)."""
         model = scheduler.model
-        server.status_extra = lambda: self._status_extra(model)
+        server.status_extra = lambda: {**self._status_extra(model), **self.switcher.status_extra()}
         freeze_loaded_objects()
         engine = EngineThread(scheduler, server.wake, server.metrics)
         server.attach(engine, model)
         engine.start()
-        threading.Thread(target=self._watchdog, args=(engine,), daemon=True).start()
-        threading.Thread(target=self._status_updates, args=(engine,), daemon=True).start()
+
+    def _start_serving(self, server: Server, scheduler: Scheduler) -> None:
+        """Called once by the serving thread when the first load is done: the engine starts, READY=1."""
+        model = scheduler.model
+        self.switcher = Switcher(self, server, str(self.cfg.model), model.path)
+        self.start_engine(server, scheduler)
+        self.loaded = None  # the switcher owns the model's life from here
+        server.loading_status = self.switcher.loading_status
+        server.models, server.model_routes = self.switcher, ModelRoutes(server, self.switcher)
+        self.switcher.more = server.model_routes.status
+        threading.Thread(target=self._watchdog, args=(server,), daemon=True).start()
+        threading.Thread(target=self._status_updates, args=(server,), daemon=True).start()
         self.notify("READY=1", f"STATUS=serving {model.config.name or model.path} on {model.backend.name}")
         log.info("serving %s (%s) at %s", model.path, model.backend.name, self.path)
 
@@ -312,8 +304,8 @@ class Service:
         signal came during it; start the drain once a stop signal arrived or the engine failed."""
         if self.hup:
             self.hup = False
-            log.info("SIGHUP: nothing to reload (restart hmad to change its model, socket or limits)")
-        if server.engine is None:
+            log.info("SIGHUP: nothing to reload (hmactl load changes the model; restart for the rest)")
+        if self.switcher is None:  # the first load
             if self.load_error is not None:
                 return True
             if self.loaded is not None:
@@ -322,7 +314,10 @@ class Service:
                 log.info("%s while loading: stopping", signal.Signals(self.stop_signal).name)
                 return True
             return False
-        if server.engine.failed and not self.stopping:
+        if not self.stopping:
+            self.switcher.tick()
+        server.model_routes.flush()
+        if server.engine is not None and server.engine.failed and not self.stopping:
             self.stopping, self.exit_code = True, 1
             self.notify("STOPPING=1", "STATUS=engine failure")
             server.begin_drain(0.0)
@@ -335,13 +330,19 @@ class Service:
             )
             self.notify("STOPPING=1", "STATUS=draining")
             server.begin_drain(self.cfg.service.drain_grace_s)
+            self.switcher.stop()
         return False
 
-    def _status_updates(self, engine: EngineThread) -> None:
+    def _status_updates(self, server: Server) -> None:
         """STATUS= every service.status_every_s while serving (what `systemctl status hmad` shows)."""
         every = self.cfg.service.status_every_s
         while every > 0 and not self.stopping:
             time.sleep(every)
+            engine = server.engine
+            if engine is None:
+                if not self.stopping:
+                    self.notify(f"STATUS={self.switcher.state}: {self.switcher.load.get('phase', '')}")
+                continue
             snap = engine.snapshot
             if not self.stopping:
                 self.notify(
@@ -349,14 +350,17 @@ class Service:
                     f"{snap.get('tokens_per_s', 0.0)} tok/s"
                 )
 
-    def _watchdog(self, engine: EngineThread) -> None:
+    def _watchdog(self, server: Server) -> None:
+        """WATCHDOG=1 while the engine makes progress (or while no engine is attached: a switch loads, or
+        the model is unloaded; the loop answers)."""
         usec = int(os.environ.get("WATCHDOG_USEC", "0") or 0)
         if not usec or not self.cfg.service.watchdog:
             return
         period = usec / 2e6
         while True:
             time.sleep(period)
-            if time.monotonic() - engine.last_progress < 2 * period:
+            engine = server.engine
+            if engine is None or time.monotonic() - engine.last_progress < 2 * period:
                 self.notify("WATCHDOG=1")
             else:
                 log.warning(

@@ -58,8 +58,11 @@ def error_response(err: OpenAIError) -> Response:
 
 async def messages(request: Request) -> Response:
     body = parse(MessagesBody, await read_body(request))
-    params = body.params()
-    reply = _Reply(await gateway_of(request).model_name())
+    params, gw = body.params(), gateway_of(request)
+    other = await gw.model_for(body.model)  # a model on hmad's disk other than the served one
+    if other is not None:
+        params["model"] = other
+    reply = _Reply(body.model if other else await gw.model_name())
     if body.stream:
         return await runs.streamed(request, {}, params, reply.events_of(runs.may_call(params)), runs.SSE)
     result = await runs.whole(request, {}, params)

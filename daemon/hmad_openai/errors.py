@@ -7,7 +7,9 @@ refused before it was sent) onto them:
     unsupported (the model cannot do what was asked, e.g.    400 invalid_request_error
     images on a model without a vision tower)
     busy                                                     429 rate_limit_error (clients retry)
-    shutting_down, loading, hmad unreachable                 503 service_unavailable
+    model_not_found (a model named that is not on disk)       404 invalid_request_error
+    switch_refused (hmad does not switch models per request)  400 invalid_request_error
+    shutting_down, loading, no_model, hmad unreachable       503 service_unavailable
     lost the connection while the request ran               502 server_error
     unsupported_version, unknown_type                        502 server_error (gateway and hmad disagree)
     internal and anything else                               500 server_error
@@ -33,6 +35,9 @@ _BY_CODE: dict[str, tuple[int, str]] = {
     P.BUSY: (429, "rate_limit_error"),
     P.SHUTTING_DOWN: (503, "service_unavailable"),
     P.LOADING: (503, "service_unavailable"),  # a daemon that answers while its model loads
+    P.NO_MODEL: (503, "service_unavailable"),  # its model failed to load; hmactl load one
+    P.MODEL_NOT_FOUND: (404, INVALID),
+    P.SWITCH_REFUSED: (400, INVALID),
     P.UNSUPPORTED_VERSION: (502, SERVER),
     P.UNKNOWN_TYPE: (502, SERVER),
 }

@@ -21,6 +21,7 @@ from starlette.types import Receive
 
 from hmaclient import protocol as P
 from hmaclient.client import AsyncClient
+from hmaclient.errors import RequestError
 from hmad_openai.errors import OpenAIError
 from hmad_openai.guards import require_json
 
@@ -42,6 +43,19 @@ class Settings:
     allowed_hosts: tuple[str, ...] = ()
 
 
+NAME_TTL_S = 5.0  # how long the served model's name is taken as known
+MODELS_TTL_S = 10.0  # how long hmad's list of models on disk is taken as known
+
+
+def model_key(name: str) -> str:
+    """A model's name as requests may spell it: case, an ``hf:`` / ``hf.co/`` prefix and Ollama's
+    ``:latest`` aside."""
+    key = name.strip().lower()
+    for prefix in ("hf:", "hf.co/", "huggingface.co/"):
+        key = key.removeprefix(prefix)
+    return key.removesuffix(":latest")
+
+
 class ClientGone(Exception):
     """The HTTP client disconnected while its request waited."""
 
@@ -53,6 +67,10 @@ class Gateway:
         self.settings = settings
         self.client: AsyncClient | None = None
         self._model_name = settings.model_name
+        self._named_at = 0.0
+        self._models: list[dict[str, Any]] = []  # hmad's models on disk, as its ``models`` request lists them
+        self._models_at = -MODELS_TTL_S
+        self._served_spec: str | None = None
         self.requests = Counter(
             "hmad_openai_requests",
             "HTTP requests to the gateway by endpoint and status",
@@ -61,13 +79,46 @@ class Gateway:
         )
 
     async def model_name(self, refresh: bool = False) -> str:
-        """``--model-name``, else hmad's model name (asked once, again when ``refresh``)."""
+        """``--model-name``, else hmad's model name (asked again when ``refresh``, or after NAME_TTL_S: hmad
+        may have switched models since)."""
         if self.settings.model_name:
             return self.settings.model_name
-        if self._model_name is None or refresh:
+        if self._model_name is None or refresh or time.monotonic() - self._named_at > NAME_TTL_S:
             info = await self.client.status()
             self._model_name = info.get("model_name") or os.path.basename(str(info.get("model", "hmad")))
+            self._named_at = time.monotonic()
         return self._model_name
+
+    async def model_for(self, asked: str | None) -> str | None:
+        """The model to ask hmad for (a generate's ``model``) when a request's ``model`` names one on hmad's
+        disk other than the one it serves (hmad then switches, if its config allows: docs/models.md); None
+        for the served model and for any other name (served by the loaded model, as before)."""
+        if not asked or asked == self.settings.model_name:
+            return None
+        want = model_key(asked)
+        if want in (model_key(await self.model_name()), model_key(self._served_spec or "")):
+            return None
+        for entry in await self._disk_models(want):
+            if model_key(entry.get("name", "")) == want:
+                if entry.get("loaded"):
+                    return None
+                self._model_name = None  # hmad switches: its name is asked again
+                return entry["name"]
+        return None
+
+    async def _disk_models(self, want: str) -> list[dict[str, Any]]:
+        """hmad's models on disk (its ``models`` request), kept MODELS_TTL_S; asked again for a name not
+        among them (a model pulled since). An hmad before protocol version 5: none."""
+        now = time.monotonic()
+        known = any(model_key(e.get("name", "")) == want for e in self._models)
+        if now - self._models_at > MODELS_TTL_S or (not known and now - self._models_at > 1.0):
+            try:
+                got = await self.client.model_request("models")
+            except RequestError:  # an older hmad (unknown_type) or a refusal: nothing to switch to
+                got = {}
+            self._models, self._models_at = got.get("models", []), now
+            self._served_spec = got.get("loaded")
+        return self._models
 
 
 def gateway_of(request: Request) -> Gateway:

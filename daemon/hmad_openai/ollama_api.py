@@ -8,13 +8,15 @@
                                 "stream": false; tool calls come as message.tool_calls
     POST /api/generate          a prompt (raw: no template); the same streaming
 
-What each request field becomes is ``ollama_schema``'s docstring. hmad serves one model: /api/chat and
-/api/generate answer with it whatever ``model`` names (as the OpenAI routes do); /api/show answers 404 for
-another name. An empty ``messages`` or ``prompt`` answers at once with ``done_reason`` "load" (Ollama's way
-to load a model: hmad's is always loaded). Durations are nanoseconds: prompt_eval_duration is hmad's time to
-the first token (queueing included), eval_duration the rest of the generation, total_duration the
-gateway's time on the request, load_duration 0. Errors are ``{"error": "..."}`` with the HTTP status;
-an error after a stream started is one last line of that shape (the ollama client raises it).
+What each request field becomes is ``ollama_schema``'s docstring. hmad serves one model at a time:
+/api/chat and /api/generate switch hmad to the model ``model`` names when it is one of hmad's models on
+disk (Gateway.model_for; as the OpenAI routes do), and answer any other name with the loaded model;
+/api/show answers 404 for another name than the loaded one's. An empty ``messages`` or ``prompt``
+answers at once with ``done_reason`` "load" (Ollama's way to load a model). Durations are nanoseconds:
+prompt_eval_duration is hmad's time to the first token (queueing included), eval_duration the rest of the
+generation, total_duration the gateway's time on the request, load_duration 0. Errors are
+``{"error": "..."}`` with the HTTP status; an error after a stream started is one last line of that shape
+(the ollama client raises it).
 """
 
 from __future__ import annotations
@@ -86,7 +88,11 @@ async def generate(request: Request) -> Response:
 
 async def _generation(request: Request, body: ChatBody | GenerateBody, inputs: dict, chat: bool) -> Response:
     t0, params = time.monotonic(), body.params()
-    reply = _Reply(await _reply_model(request), chat, t0, runs.may_call(params))
+    other = await gateway_of(request).model_for(body.model)  # on hmad's disk, not the served one
+    if other is not None:
+        params["model"] = other
+    name = body.model if other else await _reply_model(request)
+    reply = _Reply(name, chat, t0, runs.may_call(params))
     if body.streams:
         return await runs.streamed(request, inputs, params, reply.lines, runs.NDJSON)
     return JSONResponse(reply.final(await runs.whole(request, inputs, params), whole=True))

@@ -28,8 +28,8 @@
 
 Refused with a 400: images in other than user messages or with raw (they need the chat template), think
 (the model does not think), suffix, template, context (send the conversation as /api/chat messages),
-system with raw. Ignored: keep_alive (hmad keeps its one model
-loaded), the model's name (hmad serves one model; see ``ollama_api``).
+system with raw. Ignored: keep_alive (hmad's config has its own: models.keep_alive_s). The model's name
+switches hmad to that model when it is on hmad's disk (see ``ollama_api``).
 """
 
 from __future__ import annotations

@@ -51,7 +51,10 @@ async def _generation(
     (completions' echo). Streamed as SSE or answered whole; a refusal is an HTTP error, a client gone
     before the answer cancels the generations."""
     gw: Gateway = gateway_of(request)
-    reply = R.Reply(await gw.model_name(), chat=chat, **(reply or {}))
+    other = await gw.model_for(req.model)  # a model on hmad's disk other than the served one
+    if other is not None:
+        params = {**params, "model": other}
+    reply = R.Reply(req.model if other else await gw.model_name(), chat=chat, **(reply or {}))
     each = req.choice_params(params)
     if req.stream:
         streams = [gw.client.stream(**inputs, **p) for p in each]
