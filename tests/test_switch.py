@@ -224,3 +224,37 @@ def test_unload_then_a_request_reloads(tmp_path, models):
             assert_model(answer(c), models["b"])
     finally:
         assert d.stop() == 0, d.log_text()
+
+
+def test_sigterm_during_a_switch_answers_every_request(tmp_path, models):
+    """SIGTERM while a switch drains: the running stream ends (the service's drain), the request waiting
+    for the new model gets shutting_down, and hmad exits 0."""
+    d = start(tmp_path, models["a"][0], "models.switch_grace_s=60", "service.drain_grace_s=0.2")
+    refused = {}
+
+    def wait_for_model(other: Client) -> None:
+        try:
+            answer(other)
+        except RequestError as e:
+            refused["code"] = e.code
+
+    with Client(d.socket, timeout=60) as c, Client(d.socket, timeout=60) as other:
+        stream = c.stream(PROMPT, raw=True, max_tokens=500, temperature=0.0)
+        next(stream)
+        assert c.model_request("load", str(models["b"][0]))["state"] == "draining"
+        t = threading.Thread(target=wait_for_model, args=(other,))
+        t.start()
+        deadline = time.monotonic() + 10
+        while c.status()["switch"]["waiting"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        code = d.stop()
+        ends = []
+        while not ends:
+            try:
+                next(stream)
+            except StopIteration as stop:
+                ends.append(stop.value)
+        t.join(30)
+    assert code == 0, d.log_text()
+    assert ends[0].finish_reason in ("length", "cancelled") and refused["code"] == P.SHUTTING_DOWN

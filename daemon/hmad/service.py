@@ -142,7 +142,8 @@ class Service:
         finally:
             self.stopping = True  # a load still running gives up at its next progress report
             loader.join(LOAD_STOP_S)
-            if loader.is_alive():  # stuck in one phase: a daemon thread, abandoned with the process
+            stuck = loader.is_alive() or (self.switcher is not None and not self.switcher.join(LOAD_STOP_S))
+            if stuck:  # in one phase (the first load, or a switch's): a daemon thread, abandoned with hmad
                 log.warning("the model load did not stop within %.0f s: abandoning it", LOAD_STOP_S)
                 self.abandoned_load = True
             if server.engine is not None:

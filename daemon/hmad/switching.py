@@ -236,6 +236,14 @@ class Switcher:
         elif self.state in ("unloading", "loading") and not self._thread.is_alive():
             self._loaded()
 
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the switch thread (hmad stops: a load gives up at its next progress
+        report); whether it has ended."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+        return thread is None or not thread.is_alive()
+
     def stop(self) -> None:
         """hmad stops: the waiting requests are answered shutting_down (a load gives up by itself)."""
         self._refuse_parked(P.SHUTTING_DOWN, "hmad is shutting down")
