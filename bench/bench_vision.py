@@ -14,7 +14,8 @@ matrices, as its converter writes them), then measures, each server started alon
   1 new token: the client's time to first token (the median of 3, each image new to the server); then 8
   concurrent requests with 8 different images: their wall time (the aggregate image rate). hmad through
   hmaclient (images= beside a prompt); llama-server through /v1/chat/completions with a data: URI, and
-  its log's own "image slice encoded in N ms" lines.
+  its log's own "image slice encoded in N ms" lines. ``hmad@N`` (in ``--parts``): hmad again with
+  engine.step_tokens and engine.max_chunk N (2048: llama-server's logical batch here, ``-b 2048``).
 The GPU's clocks are sampled during every timed section (gpu_clocks.py).
 """
 
@@ -156,11 +157,14 @@ async def hmad_requests(sock: str, images: list[bytes]) -> list[tuple[float, obj
         return await asyncio.gather(*(one(c, img) for img in images))
 
 
-def bench_hmad(a, mmproj: Path) -> dict:
+def bench_hmad(a, mmproj: Path, step_tokens: int = 512) -> dict:
+    """hmad through hmaclient; ``step_tokens``: engine.step_tokens and engine.max_chunk (512: the default;
+    2048: llama-server's logical batch here, ``-b 2048``)."""
     from hmaclient import Client
 
     with tempfile.TemporaryDirectory() as tmp:
         a.set = [f"mmproj={mmproj}", "engine.max_seqs=8"]
+        a.set += [f"engine.step_tokens={step_tokens}", f"engine.max_chunk={step_tokens}"]
         proc, sock, ready = start_hmad(a, tmp)
         try:
             asyncio.run(hmad_requests(sock, [png(100)]))  # warm
@@ -178,6 +182,7 @@ def bench_hmad(a, mmproj: Path) -> dict:
             proc.wait(60)
     return {
         "ready_s": round(ready, 2),
+        "step_tokens": step_tokens,
         "ttft_one_image_s": {"median": round(statistics.median(one), 4), "all": [round(x, 4) for x in one]},
         "eight_images_wall_s": round(wall8, 3),
         "eight_images_per_s": round(8 / wall8, 2),
@@ -257,7 +262,9 @@ def main() -> int:
     ap.add_argument("--mmproj", default="/tmp/syn-mmproj.gguf")
     ap.add_argument("--backend", default="vulkan")
     ap.add_argument("--max-seqs", type=int, default=8)
-    ap.add_argument("--parts", default="encoder,hmad,peer")
+    ap.add_argument(
+        "--parts", default="encoder,hmad,peer", help="also hmad@N: hmad with step_tokens = max_chunk = N"
+    )
     ap.add_argument("--json")
     a = ap.parse_args()
     mmproj = Path(a.mmproj)
@@ -272,9 +279,10 @@ def main() -> int:
     for part in a.parts.split(","):
         t0 = time.perf_counter()
         try:
-            result[part] = {"encoder": bench_encoder, "hmad": bench_hmad, "peer": bench_peer}[part](
-                *((mmproj,) if part == "encoder" else (a, mmproj))
-            )
+            name, _, steps = part.partition("@")
+            fn = {"encoder": bench_encoder, "hmad": bench_hmad, "peer": bench_peer}[name]
+            args = (mmproj,) if name == "encoder" else (a, mmproj)
+            result[part] = fn(*args, *((int(steps),) if steps else ()))
         except Exception as e:  # noqa: BLE001 - one part's failure is reported, the others still run
             result[part] = {"error": f"{type(e).__name__}: {e}"}
         print(part, f"({time.perf_counter() - t0:.0f} s):", json.dumps(result[part])[:1500], flush=True)

@@ -25,5 +25,5 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,po
     --format=csv | tee "$OUT/gpu.csv"
 echo "== vision $(date +%T)"
 timeout 420 python3 bench/bench_vision.py --model /tmp/syn-27b.gguf --server-dir /tmp/peer/bin --text-width 5376 \
-    --json "$OUT/vision.json" 2>&1 | cut -c1-1500 | tail -30
+    --parts encoder,hmad,hmad@2048,peer --json "$OUT/vision.json" 2>&1 | cut -c1-1500 | tail -30
 echo "== done $(date +%T)"
