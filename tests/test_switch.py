@@ -10,6 +10,8 @@ backend closed: status ``switch.previous_released``)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -113,6 +115,7 @@ def test_keep_alive_unloads_when_idle_and_the_next_request_reloads(tmp_path, mod
                 time.sleep(0.1)
             st = c.status()
             assert st["switch"]["previous_released"] is True and "memory" not in st
+            assert st["backend"] == "cpu" and st["chat_template"] is False  # what hmactl fits defaults to
             assert c.ready()  # idle still takes requests: ping says ready
             assert_model(answer(c), models["a"])  # loaded back for this one
             assert c.status()["state"] == "ready"
@@ -258,3 +261,30 @@ def test_sigterm_during_a_switch_answers_every_request(tmp_path, models):
         t.join(30)
     assert code == 0, d.log_text()
     assert ends[0].finish_reason in ("length", "cancelled") and refused["code"] == P.SHUTTING_DOWN
+
+
+def test_when_the_previous_model_cannot_come_back_hmad_stays_up_without_one(tmp_path, models):
+    """The new model fails and the previous one's file is gone: state failed with both errors, generates
+    get no_model, ping says no_model (hmactl ping --wait stops at once), and a load that works serves."""
+    x = tmp_path / "x.gguf"
+    x.write_bytes(models["a"][0].read_bytes())
+    (tmp_path / "d").mkdir()
+    d = start(tmp_path / "d", x)
+    try:
+        x.unlink()
+        with Client(d.socket, timeout=60) as c:
+            sw, _ = load(c, models["a"][0].parent / "junk.gguf")
+            assert sw["state"] == "failed" and "junk.gguf" in sw["error"] and "x.gguf" in sw["error"], sw
+            assert c.status()["state"] == "failed" and not c.ready()
+            with pytest.raises(RequestError) as e:
+                answer(c)
+            assert e.value.code == P.NO_MODEL
+            cmd = [sys.executable, "-m", "hmaclient.cli", "--socket", d.socket, "ping", "--wait", "30"]
+            t0 = time.monotonic()
+            ping = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+            assert ping.returncode == 1 and "no_model" in ping.stderr and time.monotonic() - t0 < 15
+            sw, _ = load(c, models["b"][0])
+            assert sw["state"] == "ready" and "error" not in sw
+            assert_model(answer(c), models["b"])
+    finally:
+        assert d.stop() == 0, d.log_text()

@@ -204,7 +204,11 @@ def _ping(client: Client, args: argparse.Namespace) -> tuple[Client, bool]:
             if ready or time.monotonic() >= deadline:
                 draw.end()
                 return client, ready
-            draw.status(client.status())  # the load's phase and bytes
+            info = client.status()
+            if info.get("state") == "failed":  # no model, and none loading: waiting would not help
+                draw.end()
+                raise RequestError("no_model", info.get("error") or "no model is loaded: hmactl load MODEL")
+            draw.status(info)  # the load's phase and bytes
         except DaemonUnreachable:
             if time.monotonic() >= deadline:
                 raise

@@ -136,6 +136,7 @@ class Switcher:
         self._thread: threading.Thread | None = None
         self._result = None  # the load thread's Scheduler, or its exception
         self.more = lambda: {}  # more for status: the pulls (hmad/model_routes.py)
+        self.facts: dict = {}  # the unloaded model's facts clients read (idle: it is the one loaded next)
 
     # -- asked by the server and the model routes ------------------------------------------------------
     def admit(self, req: P.GenerateRequest):
@@ -217,7 +218,15 @@ class Switcher:
     def loading_status(self) -> dict:
         """What status shows while no engine is attached (loading, idle, failed)."""
         model = self.target.spec if self.state == "loading" and self.target else self.current.spec
-        return {"state": self.state, "model": model, **self.load, "switch": self.info(), **self.more()}
+        facts = self.facts if self.state == "idle" else {}  # what hmactl fits its defaults to
+        return {
+            "state": self.state,
+            "model": model,
+            **facts,
+            **self.load,
+            "switch": self.info(),
+            **self.more(),
+        }
 
     def status_extra(self) -> dict:
         """Added to status while an engine serves (ready, draining)."""
@@ -292,7 +301,14 @@ class Switcher:
         """The engine taken off the server (the loop serves no generate from here): it is stopped and its
         model freed on the switch thread (``_unload``), so the loop never waits on the device."""
         server = self.server
-        engine = server.engine
+        engine, model = server.engine, server.model
+        self.facts = {
+            "model_name": model.config.name,
+            "chat_template": model.tokenizer.chat_template is not None,
+            "backend": model.backend.name,
+            "device": model.backend.device,
+        }
+        del model
         server.replies.forward_events(engine.events)  # what it published last
         server.engine = server.model = None
         server.status_extra = lambda: {}
@@ -365,7 +381,8 @@ class Switcher:
         path = resolve_local(target.spec)
         if path is not None and path != self.path:
             self.failed[path] = why
-        self.error = f"loading {target.spec} failed: {why}"
+        failed = f"loading {target.spec} failed: {why}"
+        self.error = f"{self.error}; then {failed}" if self.fallback and self.error else failed
         if not self.fallback and target != self.current and not self.service.stopping:
             self.fallback = True  # the previous model, back
             log.info("loading the previous model %s again", self.current.spec)
