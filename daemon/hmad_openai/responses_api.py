@@ -36,8 +36,11 @@ from hmad_openai.responses_schema import RENAMES, ResponsesBody
 
 async def responses(request: Request) -> Response:
     body = parse(ResponsesBody, await read_body(request), RENAMES)
-    params = body.params()
-    reply = _Reply(await gateway_of(request).model_name(), body)
+    params, gw = body.params(), gateway_of(request)
+    other = await gw.model_for(body.model)  # a model on hmad's disk other than the served one
+    if other is not None:
+        params["model"] = other
+    reply = _Reply(body.model if other else await gw.model_name(), body)
     if body.stream:
         return await runs.streamed(request, {}, params, reply.events_of(runs.may_call(params)), runs.SSE)
     return JSONResponse(reply.response(await runs.whole(request, {}, params)))
