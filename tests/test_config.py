@@ -108,8 +108,13 @@ def test_sections_mirror_the_classes_they_configure():
             else [f.name for f in dataclasses.fields(cls)]
         )
 
-    # engine.deterministic goes to the backend (backend_options), every other engine key to the scheduler
-    assert names(config_mod.EngineConfig) == [*names(SchedulerConfig), "deterministic"]
+    # engine.deterministic goes to the backend (backend_options), every other engine key to the scheduler;
+    # the scheduler's speculation comes from its own section
+    assert names(config_mod.EngineConfig) == [*names(SchedulerConfig)[:-1], "deterministic"]
+    assert names(SchedulerConfig)[-1] == "speculation"
+    from hmad.engine.speculation import SpeculationConfig
+
+    assert names(config_mod.SpeculationSection) == names(SpeculationConfig)
     from hmaclient.protocol import COUNT_FIELDS  # logprobs counts: asked per request, no config default
 
     assert sorted(names(config_mod.SamplingConfig)) == sorted(set(names(SamplingParams)) - set(COUNT_FIELDS))

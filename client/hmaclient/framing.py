@@ -99,6 +99,7 @@ ADDED_IN: dict[tuple[str, str | None], int] = {
     ("generate", CONTENT_PARTS): 4,
     ("metrics", None): 2,
     ("generate", "model"): 5,
+    ("generate", "speculate"): 5,
     **{(t, None): 5 for t in MODEL_REQUESTS},
     **{
         ("generate", field): 3

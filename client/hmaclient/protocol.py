@@ -20,7 +20,8 @@ Version 2 adds ``generate.json_schema`` (structured output); version 3 tool call
 ``tool_choice``, ``parallel_tool_calls``), ``logprobs``, ``prompt_logprobs`` and OpenAI's additive
 adjustments (``presence_penalty``, ``frequency_penalty``, ``logit_bias``); version 4 images
 (``generate.images``, and a message ``content`` that is a list of parts, named CONTENT_PARTS); version 5
-models (``generate.model``, the requests MODEL_REQUESTS and their reply ``result``). ``ADDED_IN``
+models (``generate.model``, the requests MODEL_REQUESTS and their reply ``result``) and
+``generate.speculate``. ``ADDED_IN``
 lists every request type and field newer than version 1 with the version that brought it. The daemon
 serves messages of every supported version: a message of version v may use only what version v had (an
 older ``v`` using a newer field or type is refused with ``bad_request`` naming the field and the version
@@ -104,6 +105,10 @@ Requests (client -> daemon)
                                             than the loaded one is loaded first if the daemon's config
                                             allows (models.allow_switch; else switch_refused); absent: the
                                             loaded one.
+    speculate           bool                since version 5. default true: the daemon may decode this
+                                            request speculatively when its config turns speculation on
+                                            (speculation.mode); false: never. The answer is the same
+                                            either way (docs/speculation.md).
     An absent sampling field (or nil) means "the daemon's default" (its config's ``sampling:`` section).
     An int field takes ints only, a number field ints or finite floats; bools are not numbers.
 

@@ -70,6 +70,7 @@ class GenerateRequest:
     tool_choice: str | dict[str, str] = "auto"
     parallel_tool_calls: bool = True
     model: str | None = None  # since version 5: the model to answer with (the daemon may switch to it)
+    speculate: bool = True  # since version 5: false: no speculative decoding for this request
     v: int = field(default=1, compare=False)
 
     @property
@@ -147,6 +148,7 @@ _FIELDS = {
             *SAMPLING_FIELDS,
             *COUNT_FIELDS,
             "model",
+            "speculate",
         }
     ),
     "cancel": frozenset(_ENVELOPE),
@@ -202,7 +204,7 @@ def _generate(msg: dict[str, Any], mid: Id) -> GenerateRequest:
     if where:
         raise fail(f"{where} is msgpack bin; bin is allowed only as an image's bytes (send text as str)")
     req = GenerateRequest(id=mid, v=msg["v"])
-    for name in ("raw", "stream", "parallel_tool_calls"):
+    for name in ("raw", "stream", "parallel_tool_calls", "speculate"):
         if msg.get(name) is not None:
             if not isinstance(msg[name], bool):
                 raise fail(f"{name} must be a bool, got {_kind(msg[name])}")
@@ -396,8 +398,9 @@ def generate_request(
     id: Id, prompt: str | None = None, messages: list[dict[str, Any]] | None = None, **fields: Any
 ) -> dict[str, Any]:
     """A ``generate`` map; ``fields`` are images (a list of bytes: encoded image files), raw, stream,
-    json_schema, tools, tool_choice, parallel_tool_calls and the sampling fields. None values are left
-    out; ``v`` is the lowest version that has every field used (messages with a list content need 4)."""
+    json_schema, tools, tool_choice, parallel_tool_calls, model, speculate and the sampling fields. None
+    values are left out; ``v`` is the lowest version that has every field used (messages with a list
+    content need 4)."""
     msg = {"type": "generate", "id": id, "prompt": prompt, "messages": messages, **fields}
     msg = {k: sampling.to_wire(k, v) for k, v in msg.items() if v is not None}
     msg = {"v": required_version(msg), **msg}

@@ -25,10 +25,18 @@ import difflib
 import inspect
 import os
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+)
 
 from hmaclient import protocol as P
 from hmaclient import sampling as sampling_fields
@@ -62,6 +70,8 @@ from hmad.core.errors import HmadError
 from hmad.engine.images import CACHE_BYTES, WAITING_BYTES
 from hmad.engine.sampling_schema import sampling_model
 from hmad.engine.scheduler import SchedulerConfig
+from hmad.engine.speculation.config import MODES as SPECULATION_MODES
+from hmad.engine.speculation.config import SpeculationConfig
 from hmad.model.images import ImageLimits
 
 if TYPE_CHECKING:
@@ -89,13 +99,18 @@ class _Section(BaseModel):
 
 
 def _mirror(
-    name: str, of: Callable[..., Any], types: dict[str, Any], every: bool = False, **own: tuple[Any, Any]
+    name: str,
+    of: Callable[..., Any],
+    types: dict[str, Any],
+    every: bool = False,
+    skip: tuple[str, ...] = (),
+    **own: tuple[Any, Any],
 ) -> type[_Section]:
     """A section whose keys are parameters of ``of`` (a dataclass's fields, a class's constructor), in its
     order and with its defaults (written there, not here), each typed by ``types`` (every key it names must
-    be a parameter of ``of``; with ``every``, every parameter must have a type); ``own``: (type, default) of
-    the section's own keys."""
-    params = {k: p.default for k, p in inspect.signature(of).parameters.items()}
+    be a parameter of ``of``; with ``every``, every parameter must have a type, but those in ``skip``: set
+    from another section); ``own``: (type, default) of the section's own keys."""
+    params = {k: p.default for k, p in inspect.signature(of).parameters.items() if k not in skip}
     strays = sorted(set(types) ^ set(params) if every else set(types) - set(params))
     if strays:
         raise TypeError(f"{name} and {of.__name__} disagree on {', '.join(strays)}")
@@ -135,7 +150,27 @@ EngineConfig = _mirror(
         "pipeline": BOOL,
     },
     every=True,
+    skip=("speculation",),  # its own section, below
     deterministic=(TRISTATE, "auto"),
+)
+
+#: speculation: hmad.engine.speculation.SpeculationConfig's fields (docs/speculation.md); YAML reads a bare
+#: ``off`` as false, taken as "off"
+SpeculationSection = _mirror(
+    "SpeculationConfig",
+    SpeculationConfig,
+    {
+        "mode": typed(
+            Literal[SPECULATION_MODES],
+            "one of " + ", ".join(SPECULATION_MODES),
+            BeforeValidator(lambda v: "off" if v is False else v.lower() if isinstance(v, str) else v),
+        ),
+        "k_max": int_in(1, 64),
+        "ngram_min": int_in(1, 16),
+        "ngram_max": int_in(1, 16),
+        "max_batch": int_in(1, 1024),
+    },
+    every=True,
 )
 
 
@@ -258,6 +293,7 @@ NpuConfig = _mirror(
 _SECTIONS: dict[str, type[BaseModel]] = {
     "socket": SocketConfig,
     "engine": EngineConfig,
+    "speculation": SpeculationSection,
     "limits": LimitsConfig,
     "vision": VisionConfig,
     "server": ServerConfig,
@@ -282,6 +318,7 @@ class Config(_Section):
     log_level: one_of("debug", "info", "warning", "error") = "info"
     socket: SocketConfig = Field(default_factory=SocketConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    speculation: SpeculationSection = Field(default_factory=SpeculationSection)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     vision: VisionConfig = Field(default_factory=VisionConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
@@ -304,7 +341,9 @@ class Config(_Section):
         return self.model_dump(mode="json", exclude={"source"})
 
     def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(**self.engine.model_dump(exclude={"deterministic"}))  # the backend's, not its
+        spec = SpeculationConfig(**self.speculation.model_dump())
+        # (deterministic: the backend's, not its)
+        return SchedulerConfig(**self.engine.model_dump(exclude={"deterministic"}), speculation=spec)
 
     def image_limits(self) -> ImageLimits:
         v = self.vision

@@ -47,6 +47,7 @@ class Prepared:
     params: SamplingParams
     grammar: str | ToolGrammar | None
     images: list[ImageSpan] = field(default_factory=list)
+    speculate: bool = True  # the request's ``speculate`` (engine/speculation)
 
 
 def prepare(
@@ -76,7 +77,7 @@ def prepare(
     ids, spans = _tokens(text, images, model)
     if len(ids) >= context:
         raise PromptTooLong(f"the prompt is {len(ids)} tokens; the context holds {context}")
-    return Prepared(ids, params, grammar, spans)
+    return Prepared(ids, params, grammar, spans, getattr(req, "speculate", True))
 
 
 def _messages(req) -> list[dict] | None:

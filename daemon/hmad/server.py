@@ -324,7 +324,7 @@ class Server:
         request = Request(
             rid, ids, prepared.params, tag=(route.peer, route.client_id), grammar=prepared.grammar
         )
-        request.images = prepared.images
+        request.images, request.speculate = prepared.images, prepared.speculate
         request.owner, request.tenant = route.peer, route.uid
         self.engine.submit(request)
 

@@ -54,6 +54,7 @@ def status(server) -> dict:
         "steps": snap.get("steps", 0),
         "pipelined_steps": snap.get("pipelined_steps", 0),  # of steps: engine.pipeline's
         "draws_corrected": snap.get("draws_corrected", 0),  # device draws the host's replaced
+        "speculation": snap.get("speculation", {}),  # drafts checked and kept (docs/speculation.md)
         "server_us_per_reply": server.replies.us_per_reply(),
         "tokens_per_s": snap.get("tokens_per_s", 0.0),
         "tokens_generated": snap.get("tokens_generated", 0),

@@ -349,6 +349,22 @@ class KVCacheManager:
             if j in s.local:
                 self.local_pool.register(s.local[j], key)
 
+    def rollback(self, seq_id: int, n_positions: int) -> None:
+        """The sequence keeps positions < ``n_positions`` only (a step wrote drafts past them that were not
+        kept: engine/speculation/speculator.py): the blocks wholly past them go back to their pools, free
+        to take again (none is registered: ``commit`` runs after, up to the kept positions). A later step
+        writes the positions from ``n_positions`` on again; the local blocks its queries read are held."""
+        s, bs = self._seqs[seq_id], self.layout.block_size
+        keep = cdiv(n_positions, bs)
+        if len(s.keys) > n_positions // bs:
+            raise ValueError(f"sequence {seq_id}: rolling back over a block registered in the prefix cache")
+        while len(s.glob) > keep:
+            self.global_pool.unpin(s.glob.pop())
+            self.global_pool.promised += 1
+        for j in sorted((j for j in s.local if j >= keep), reverse=True):
+            self.local_pool.unpin(s.local.pop(j))
+            self.local_pool.promised += 1
+
     def release(self, seq_id: int) -> None:
         """Give every block of the sequence back (tail first, so cached prefixes outlive their tails)."""
         s = self._seqs.pop(seq_id, None)

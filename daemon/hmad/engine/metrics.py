@@ -153,6 +153,7 @@ class Metrics:
             ),
             _family("kv_blocks", "gauge", "KV cache blocks by pool and state", _kv_samples(snapshot)),
             *_prefix_cache(snapshot),
+            *_speculation(snapshot),
             *_images(snapshot),
             _family(
                 "memory_bytes",
@@ -193,6 +194,22 @@ def _prefix_cache(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
         "evictions": "Cached blocks evicted for new ones",
     }
     return [_counter(f"prefix_cache_{k}", text, stats.get(k, 0)) for k, text in helps.items()]
+
+
+def _speculation(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
+    """Speculative decoding's counts and gauges (engine/speculation: ``speculation`` of the snapshot)."""
+    st = snapshot.get("speculation")
+    if not isinstance(st, dict):
+        return []
+    return [
+        _counter("speculation_drafted_tokens", "Draft tokens checked", st.get("drafted", 0)),
+        _counter("speculation_accepted_tokens", "Draft tokens kept", st.get("accepted", 0)),
+        _counter(
+            "speculation_rolled_back_tokens", "KV positions of drafts not kept", st.get("rolled_back", 0)
+        ),
+        _gauge("speculation_acceptance_rate", "Kept / checked draft tokens", st.get("acceptance_rate", 0.0)),
+        _gauge("speculation_mean_k", "Mean k of the running sequences that speculate", st.get("mean_k", 0.0)),
+    ]
 
 
 def _family(name: str, kind: str, help: str, samples: list[dict[str, Any]]) -> dict[str, Any]:

@@ -108,10 +108,14 @@ class StepPlanner:
         self.model, self.kv = model, kv
         self.step_tokens, self.max_chunk, self.context = step_tokens, max_chunk, context
 
-    def plan(self, running: list[Request], fed: dict[int, int]) -> list[Part]:
+    def plan(
+        self, running: list[Request], fed: dict[int, int], drafts: dict[int, list[int]] | None = None
+    ) -> list[Part]:
         """(request, slice, input ids, wants logits) for this step, decode first, within the budget. The
         sequences in ``fed`` (request id -> its row in the step in flight) decode the token that step gives
-        them (the id is a placeholder 0: the device feeds it), except those that token ends by length."""
+        them (the id is a placeholder 0: the device feeds it), except those that token ends by length. A
+        decoding sequence in ``drafts`` (request id -> draft tokens: engine/speculation) feeds its drafts
+        after its last token, a logits row for each position (``SeqSlice.all_rows``)."""
         budget = self.step_tokens
         parts = []
         order = sorted(running, key=lambda r: r.state is not State.DECODE and r.id not in fed)
@@ -122,6 +126,9 @@ class StepPlanner:
                 continue
             chunk = min(self.max_chunk, budget, PROMPT_ROWS_MAX if prompt_rows(r) else budget)
             toks = [0] if r.id in fed else r.next_input(chunk)
+            drafted = bool(drafts) and r.id in drafts and r.state is State.DECODE and r.id not in fed
+            if drafted:
+                toks = toks + drafts[r.id][: chunk - 1]
             if r.images and r.state is State.PREFILL:  # never ending inside an image (engine/images.py)
                 toks = toks[: images.chunk_end(r.images, r.n_cached, len(toks))]
                 if not toks:
@@ -141,6 +148,7 @@ class StepPlanner:
             s.all_rows = r.id not in fed and prompt_rows(r)
             if s.all_rows:
                 s.targets = prompt_targets(r, r.n_cached, len(toks))
+            s.all_rows = s.all_rows or drafted
             r.step_rows = len(toks) if s.all_rows else 1  # its logit rows (TokenTaker.sample)
             parts.append((r, s, toks, done_prompt or s.all_rows))
             budget -= len(toks)

@@ -73,6 +73,7 @@ class Request:
     grammar: str | ToolGrammar | None = None
     owner: bytes | None = None
     tenant: int | str | None = None
+    speculate: bool = True  # may it speculate when the daemon's config does (engine/speculation)
     state: State = State.WAITING
     n_cached: int = 0  # positions already in the KV cache
     n_reused: int = 0  # of the prompt's, those found in the prefix cache at admission

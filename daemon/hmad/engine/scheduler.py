@@ -64,6 +64,7 @@ from hmad.engine.images import ImageEncoder
 from hmad.engine.kvcache import KVCacheManager, KVLayout
 from hmad.engine.planning import Part, StepPlanner, device_sampling, greedy_ok
 from hmad.engine.request import Event, Request, State
+from hmad.engine.speculation import SpeculationConfig, Speculator
 from hmad.engine.tokens import TokenTaker, cancelled, fail
 
 log = logging.getLogger("hmad.engine")
@@ -93,6 +94,8 @@ class SchedulerConfig:
     context_length: int = 0  # 0: the model's
     prefix_cache: bool = True  # reuse the KV blocks of earlier prompts' shared prefixes
     pipeline: bool = True  # launch the next greedy step before reading this one's ids (module docstring)
+    # drafts checked in one step per sequence (engine/speculation; the config's speculation: section)
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
 
 
 @dataclass
@@ -131,6 +134,8 @@ class Scheduler:
         self.kv = KVCacheManager(self.layout, prefix_cache=self.cfg.prefix_cache)
         self.planner = StepPlanner(model, self.kv, self.cfg.step_tokens, self.cfg.max_chunk, self.context)
         self.tokens = TokenTaker(set(model.tokenizer.eot_ids), self.context)
+        c = self.cfg
+        self.speculator = Speculator(c.speculation, self.kv, c.step_tokens, c.max_chunk)
         self.images = ImageEncoder(lambda px: model.encode_images(px))
         self.waiting = FairQueue()
         self.running: list[Request] = []
@@ -208,8 +213,9 @@ class Scheduler:
         events += self._encode_admitted()
         if self.flight is not None:
             return events + self._step_pipelined()
-        parts = self.planner.plan(self.running, {})
-        if parts and self._pipelining():
+        drafts = self.speculator.propose(self.running)
+        parts = self.planner.plan(self.running, {}, drafts)
+        if parts and not drafts and self._pipelining():
             events += self._launch(parts, None)
             if self.flight is not None:
                 return events + self._step_pipelined()
@@ -217,7 +223,7 @@ class Scheduler:
             t0 = time.perf_counter()
             self.steps += 1
             try:
-                events += self._forward_and_sample(parts)
+                events += self._forward_and_sample(parts, drafts)
             except BackendUnusable:
                 raise
             except Exception as e:  # the step's KV may be half written: nothing of it goes into the cache
@@ -265,9 +271,13 @@ class Scheduler:
         self._release_finished()
         return events
 
-    def _forward_and_sample(self, parts: list[Part]) -> list[Event]:
+    def _forward_and_sample(self, parts: list[Part], drafts: dict[int, list[int]]) -> list[Event]:
         batch = StepBatch.build([(s, toks, want) for _, s, toks, want in parts], self.layout.block_size)
         wanting = [r for r, _, _, want in parts if want]
+        if drafts:  # verified on the host from whole rows (engine/speculation/speculator.py)
+            return self.speculator.take(
+                self.tokens, wanting, self._forward(self.model.forward, batch), drafts
+            )
         if self.planner.greedy_on_device(wanting):
             return self.tokens.take_ids(wanting, self._forward(self.model.forward_argmax, batch))  # (S_out,)
         if self.planner.topk_on_device(wanting):
@@ -292,9 +302,9 @@ class Scheduler:
 
     def _commit(self, parts: list[Part]) -> None:
         """Register in the prefix cache the blocks each part's step filled (its slice's positions are
-        written)."""
+        written, those of drafts not kept aside: ``r.n_cached``)."""
         for r, s, _, _ in parts:
-            self.kv.commit(r.id, s.end_pos, r.cache_ids)
+            self.kv.commit(r.id, min(s.end_pos, r.n_cached), r.cache_ids)
 
     def _release_finished(self) -> None:
         for r in self.running:
@@ -307,7 +317,9 @@ class Scheduler:
 
     def _pipelining(self) -> bool:
         """Whether the next step may be launched before the one in flight is read."""
-        return self.planner.can_pipeline(self.running, self.cfg.pipeline)
+        return self.planner.can_pipeline(self.running, self.cfg.pipeline) and not self.speculator.active(
+            self.running
+        )
 
     def _step_pipelined(self) -> list[Event]:
         """Launch the next step (if it can go ahead unread), then collect the one in flight."""
@@ -420,6 +432,8 @@ class Scheduler:
             "pipelined_steps": self.pipelined_steps,
             # of the tokens drawn on the device in pipelined steps, those the host's own draw replaced
             "draws_corrected": self.draws_corrected,
+            # drafts checked and kept (engine/speculation)
+            "speculation": self.speculator.status(self.running),
             "json_mask_ms": round(1e3 * sum(mask_s) / max(1, len(mask_s)), 4),
             "kv": self.kv.usage(),
             # images run through the vision tower, and the encoded images kept by digest (engine/images.py)
