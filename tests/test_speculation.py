@@ -104,10 +104,10 @@ def assert_no_blocks_held(sched: Scheduler) -> None:
     assert sched.kv.global_pool.promised == 0 and sched.kv.local_pool.promised == 0
 
 
-def both(model, make, **kw):
+def both(model, make, spec: SpeculationConfig = LOOKUP, **kw):
     """The answers of the same requests without and with speculation, and the speculating run's stats."""
     off, _ = run(model, make(), SpeculationConfig(), **kw)
-    on, sched = run(model, make(), LOOKUP, **kw)
+    on, sched = run(model, make(), spec, **kw)
     assert_no_blocks_held(sched)
     return answers(off), answers(on), sched.status()["speculation"]
 

@@ -12,6 +12,7 @@ from test_speculation import GREEDY, both, prompts, requests
 from tiny_gguf import MIXED, make_tiny_gguf
 
 from hmad.composition import load_model
+from hmad.engine.speculation import SpeculationConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -34,8 +35,22 @@ def tiny(tmp_path_factory):
 def test_greedy_identical_with_and_without_speculation(tiny):
     """Deterministic mode: the same logits row by row whether a step holds one token of a sequence or its
     token and drafts, so the same argmax (the plain run's on the device, pipelined; the speculating run's
-    on the host from whole rows)."""
+    on the host from whole rows); the rejected drafts' KV positions are written again."""
     params = dataclasses.replace(GREEDY, max_tokens=12)
-    off, on, st = both(tiny, lambda: requests(prompts(2), params), max_seqs=2)  # (both: no block held)
+    off, on, st = both(tiny, lambda: requests(prompts(2), params), max_seqs=2)  # (both: no block held after)
     assert on == off
     assert st["accepted"] > 0 and st["rolled_back"] > 0, st
+
+
+def test_from_pipelined_steps_to_speculating_ones(tiny):
+    """3 sequences, speculation up to 2: the steps are pipelined until one ends, then speculate."""
+    params = dataclasses.replace(GREEDY, max_tokens=8)
+
+    def make():
+        reqs = requests(prompts(3), params)
+        reqs[2].params.max_tokens = 1
+        return reqs
+
+    off, on, st = both(tiny, make, SpeculationConfig(mode="lookup", max_batch=2), max_seqs=3)
+    assert on == off
+    assert st["accepted"] > 0, st
