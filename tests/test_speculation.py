@@ -351,3 +351,16 @@ def test_daemon_with_speculation_answers_concurrent_requests(tmp_path):
     assert st["kv"]["global_blocks_used"] == 0 and st["kv"]["sequences"] == 0
     assert metrics["speculation_accepted_tokens"]["samples"][0]["value"] == spec["accepted"]
     assert metrics["speculation_rolled_back_tokens"]["samples"][0]["value"] == spec["rolled_back"]
+
+
+def test_protocol_speculate_field():
+    """``generate.speculate``: a bool since version 5 (hmaclient stamps v5 when it is used)."""
+    from hmaclient import protocol as P
+
+    msg = P.generate_request(1, "x", speculate=False)
+    assert msg["v"] == 5 and P.validate_request(msg).speculate is False
+    assert P.validate_request({"v": 5, "type": "generate", "prompt": "x"}).speculate is True
+    with pytest.raises(P.ProtocolError, match="version 5"):
+        P.validate_request({"v": 4, "type": "generate", "prompt": "x", "speculate": False})
+    with pytest.raises(P.ProtocolError, match="bool"):
+        P.validate_request({"v": 5, "type": "generate", "prompt": "x", "speculate": 1})

@@ -5,12 +5,15 @@ Each ``step()``:
   2. admit    - move waiting requests to running while a sequence slot and their KV budget are free,
                 owners in turn, each owner's in order (engine/admission.py, which states the wait's bound);
                 a prompt starting with blocks its tenant cached (engine/kvcache.py) skips their prefill;
-  3. plan     - one decode token for every decoding sequence, then prefill chunks of the others while the
-                step's token budget lasts; each takes the KV blocks its positions need (engine/planning.py);
+  3. plan     - one decode token for every decoding sequence (and its drafts, when it speculates:
+                engine/speculation), then prefill chunks of the others while the step's token budget
+                lasts; each takes the KV blocks its positions need (engine/planning.py);
   4. forward  - one batched forward pass, logits only for rows that produce a token;
   5. commit   - blocks the step filled are registered in the prefix cache;
   6. sample   - per request: [json mask] -> sampler -> stream decoder -> stop strings -> limits; events out
                 (engine/tokens.py, which makes every request's events, its one terminal event included);
+                a speculating sequence's rows one by one while they give its drafts, the positions of
+                the rest rolled back before the commit (engine/speculation/speculator.py);
   7. release  - finished requests give their blocks back (full ones stay cached until evicted).
 Requests join and leave between steps; nothing a request does changes another's tokens.
 
@@ -30,7 +33,9 @@ that produced a token in step n decodes in step n + 1, its input token taken on 
 ids (``StepBatch.feed``); a sequence whose token in step n ends it by length is left out. One that step n
 ends otherwise (end of turn, a stop string) or that is cancelled meanwhile computes one row too many in step
 n + 1: the row is dropped, its KV blocks are freed, nothing is committed from it. A step that needs host
-logits (a grammar, a repetition penalty, top-k off) waits for the step in flight first. The device runs the
+logits (a grammar, a repetition penalty, top-k off) waits for the step in flight first; so does every
+step while a request that may speculate runs within ``speculation.max_batch`` (engine/speculation: its
+drafts come from the tokens of the step in flight, and its rows come whole to the host). The device runs the
 steps in submission order, so KV blocks freed on the host while a step is in flight are only rewritten by
 later steps.
 
