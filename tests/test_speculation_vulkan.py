@@ -12,6 +12,8 @@ from test_speculation import GREEDY, both, prompts, requests
 from tiny_gguf import MIXED, make_tiny_gguf
 
 from hmad.composition import load_model
+from hmad.engine.request import Request
+from hmad.engine.sampling import SamplingParams
 from hmad.engine.speculation import SpeculationConfig
 
 pytestmark = pytest.mark.gpu
@@ -52,5 +54,19 @@ def test_from_pipelined_steps_to_speculating_ones(tiny):
         return reqs
 
     off, on, st = both(tiny, make, SpeculationConfig(mode="lookup", max_batch=2), max_seqs=3)
+    assert on == off
+    assert st["accepted"] > 0, st
+
+
+def test_sampled_identical_for_a_seed(tiny):
+    """Sampled requests: without speculation the device draws each token from its top-k (pipelined, the
+    host drawing again from the same candidates); speculating, the host draws from whole rows. One
+    uniform per token either way: the same tokens for a seed."""
+    params = SamplingParams(temperature=1.0, top_k=8, max_tokens=10)
+
+    def make():
+        return [Request(i, p, dataclasses.replace(params, seed=10 + i)) for i, p in enumerate(prompts(2))]
+
+    off, on, st = both(tiny, make, max_seqs=2)
     assert on == off
     assert st["accepted"] > 0, st
