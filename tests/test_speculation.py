@@ -233,6 +233,22 @@ def test_sampled_distribution_is_the_targets(tmp_path):
     assert chi2 < dof * (1 - 2 / (9 * dof) + z * np.sqrt(2 / (9 * dof))) ** 3, (chi2, dof)
 
 
+def test_plain_mode_teacher_forced(tmp_path):
+    """Without deterministic mode a step of drafts sums in another order than a step of one token (as
+    batches do): every greedy token of a speculating run is the argmax of the sequence's own logits
+    computed in one pass (teacher forced), or within 1e-4 of its scale of it (a near tie)."""
+    model = load_model(make_tiny_gguf(tmp_path / "tiny.gguf", seed=7), backend="cpu")
+    events, sched = run(model, requests(prompts(4), GREEDY), LOOKUP)
+    st = sched.status()["speculation"]
+    assert st["accepted"] > 0 and st["rolled_back"] > 0, st
+    for rid, (ids, *_) in answers(events).items():
+        prompt = prompts(4)[rid]
+        rows = forward_full(model, prompt + ids[:-1])[len(prompt) - 1 :]
+        for j, (row, tok) in enumerate(zip(rows, ids, strict=True)):
+            gap = row.max() - row[tok]
+            assert gap <= 1e-4 * np.abs(row).max(), (rid, j, tok, int(row.argmax()), gap)
+
+
 def test_stop_strings_and_max_tokens(tiny):
     ps = prompts(4, seed=20)
     base, _ = run(tiny, requests(ps, GREEDY), SpeculationConfig())
