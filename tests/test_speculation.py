@@ -387,3 +387,22 @@ def test_protocol_speculate_field():
         P.validate_request({"v": 4, "type": "generate", "prompt": "x", "speculate": False})
     with pytest.raises(P.ProtocolError, match="bool"):
         P.validate_request({"v": 5, "type": "generate", "prompt": "x", "speculate": 1})
+
+
+def test_config_section(monkeypatch, tmp_path):
+    """``speculation:``: off by default (YAML's bare off too), its keys checked, and the scheduler's."""
+    from hmad import config as config_mod
+    from hmad.config import ConfigError, load_config
+
+    monkeypatch.setattr(config_mod, "SYSTEM_CONFIG", str(tmp_path / "absent.yaml"))  # never the machine's
+
+    cfg = load_config(None, env={})
+    assert cfg.scheduler_config().speculation == SpeculationConfig() and not SpeculationConfig().on
+    cfg = load_config(None, {"speculation": {"mode": False, "k_max": 4}}, env={})  # `mode: off` in YAML
+    assert cfg.scheduler_config().speculation == SpeculationConfig(mode="off", k_max=4)
+    cfg = load_config(None, {"speculation.mode": "lookup", "speculation.max_batch": 2}, env={})
+    assert cfg.scheduler_config().speculation == SpeculationConfig(mode="lookup", max_batch=2)
+    with pytest.raises(ConfigError, match="speculation.mode"):
+        load_config(None, {"speculation.mode": "draft"}, env={})
+    with pytest.raises(ConfigError, match="speculation.ngram_max"):
+        load_config(None, {"speculation.ngram_min": 3, "speculation.ngram_max": 2}, env={})

@@ -560,6 +560,12 @@ def _check_together(cfg: Config) -> None:
             f"got {svc.heartbeat_timeout_s:g}",
             "service.heartbeat_timeout_s",
         )
+    spec = cfg.speculation
+    if spec.ngram_max < spec.ngram_min:
+        raise ConfigError(
+            f"must be at least speculation.ngram_min ({spec.ngram_min}), got {spec.ngram_max}",
+            "speculation.ngram_max",
+        )
     if cfg.backend == "npu" and cfg.npu.enabled is False:
         raise ConfigError(
             "is false, but backend is npu (set npu.enabled: auto or true, or another backend)", "npu.enabled"
