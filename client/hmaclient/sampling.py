@@ -112,7 +112,7 @@ OFF: dict[str, Any] = {f.name: f.off for f in FIELDS}
 # hmactl's max_tokens when --max-tokens is not given (query, chat): on a CPU an answer this long takes
 # seconds (README's CPU-only figures), and a base model, which rarely stops by itself, is cut there; on a
 # GPU or an NPU the daemon's default.
-CPU_MAX_TOKENS = 128
+CPU_MAX_TOKENS = 64
 CLIENT_HELP = {"max_tokens": f"most tokens to generate ({CPU_MAX_TOKENS} when the model runs on a CPU)"}
 
 
