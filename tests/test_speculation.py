@@ -403,6 +403,6 @@ def test_config_section(monkeypatch, tmp_path):
     cfg = load_config(None, {"speculation.mode": "lookup", "speculation.max_batch": 2}, env={})
     assert cfg.scheduler_config().speculation == SpeculationConfig(mode="lookup", max_batch=2)
     with pytest.raises(ConfigError, match="speculation.mode"):
-        load_config(None, {"speculation.mode": "draft"}, env={})
+        load_config(None, {"speculation.mode": "medusa"}, env={})
     with pytest.raises(ConfigError, match="speculation.ngram_max"):
         load_config(None, {"speculation.ngram_min": 3, "speculation.ngram_max": 2}, env={})

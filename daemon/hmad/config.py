@@ -165,6 +165,7 @@ SpeculationSection = _mirror(
             "one of " + ", ".join(SPECULATION_MODES),
             BeforeValidator(lambda v: "off" if v is False else v.lower() if isinstance(v, str) else v),
         ),
+        "draft_model": text("'default', a .gguf file or a pulled model's name"),
         "k_max": int_in(1, 64),
         "ngram_min": int_in(1, 16),
         "ngram_max": int_in(1, 16),

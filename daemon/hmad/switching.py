@@ -38,6 +38,7 @@ from hmad.composition import load_model, resolve_backend_name
 from hmad.config import Config
 from hmad.engine import structured
 from hmad.engine.scheduler import Scheduler
+from hmad.engine.speculation.draft_model import attach_draft
 from hmad.faults import install as install_fault
 from hmad.model import chat_template, default
 from hmad.store.catalog import find_local
@@ -70,6 +71,7 @@ def load_scheduler(
         background=True,
         **cfg.backend_options(backend),
     )
+    scheduler = None
     try:
         template = cfg.chat_template if spec == cfg.model else "auto"  # a template file was for that model
         model.tokenizer.chat_template = chat_template.choose(template, model.tokenizer)
@@ -77,6 +79,8 @@ def load_scheduler(
             install_fault(model.backend, fault)
         t0 = time.perf_counter()
         scheduler = Scheduler(model, cfg.scheduler_config())  # while the weights upload
+        if cfg.speculation.mode == "draft":  # beside the target, on its own backend (docs/speculation.md)
+            attach_draft(scheduler, cfg.speculation.draft_model, progress, **cfg.backend_options(backend))
         scheduler.images.cache.max_bytes = cfg.vision.image_cache_bytes
         scheduler.images.waiting_bytes = cfg.vision.max_waiting_image_bytes
         scheduler.prepare()
@@ -90,6 +94,8 @@ def load_scheduler(
         model.backend.wait_resident()
     except BaseException:
         model.backend.close()  # a failed load leaves nothing on the device
+        if scheduler is not None:
+            scheduler.speculator.close()
         raise
     return scheduler
 
@@ -348,6 +354,7 @@ class Switcher:
         gc.unfreeze()  # the loaded objects were frozen (service.freeze_loaded_objects)
         ref = weakref.ref(model)
         model.backend.close()
+        engine.scheduler.speculator.close()  # a draft model's backend
         del engine, model
         gc.collect()
         self.released = ref() is None

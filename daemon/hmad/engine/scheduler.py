@@ -315,6 +315,7 @@ class Scheduler:
         for r in self.running:
             if r.state is State.FINISHED:
                 self.kv.release(r.id)
+                self.speculator.release(r.id)
         self.running = [r for r in self.running if r.state is not State.FINISHED]
 
     # -- pipelining (module docstring) ------------------------------------------------------------------

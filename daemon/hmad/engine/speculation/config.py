@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MODES = ("off", "lookup")
+MODES = ("off", "lookup", "draft")
 
 
 @dataclass(frozen=True)
 class SpeculationConfig:
-    mode: str = "off"  # off | lookup (prompt lookup: engine/speculation/lookup.py)
+    mode: str = "off"  # off | lookup (prompt lookup: engine/speculation/lookup.py) | draft (draft_model.py)
+    draft_model: str = "default"  # mode draft: a GGUF path, default (the embedded 270M) or a pulled model
     k_max: int = 8  # most draft tokens a sequence checks in one step (also < engine.max_chunk)
     ngram_min: int = 1  # shortest suffix of the sequence looked up (llama.cpp's lookup, vLLM's ngram)
     ngram_max: int = 3  # longest; the longest suffix that occurs earlier wins

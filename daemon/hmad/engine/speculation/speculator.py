@@ -60,13 +60,16 @@ class Speculator:
     ):
         self.cfg, self.kv, self.step_tokens = cfg, kv, step_tokens
         self.k_max = max(0, min(cfg.k_max, max_chunk - 1, step_tokens - 1))
-        self.drafter = drafter or LookupDrafter(cfg.ngram_min, cfg.ngram_max)
+        # mode draft: engine/speculation/draft_model.py's drafter, attached once its model is loaded
+        lookup = LookupDrafter(cfg.ngram_min, cfg.ngram_max) if cfg.mode == "lookup" else None
+        self.drafter = drafter or lookup
         self.k: dict[int, int] = {}  # request id -> its current k
         self.stats = SpeculationStats()
 
     def eligible(self, r: Request) -> bool:
         """Whether ``r`` may speculate (module docstring, "Not speculated"), the batch aside."""
-        return self.cfg.on and self.k_max > 0 and r.speculate and r.params.logprobs is None
+        on = self.cfg.on and self.drafter is not None and self.k_max > 0
+        return on and r.speculate and r.params.logprobs is None
 
     def active(self, running: list[Request]) -> bool:
         """Whether a step of ``running`` may speculate (then the scheduler does not pipeline it)."""
@@ -78,6 +81,8 @@ class Speculator:
             return {}
         self.k = {r.id: self.k.get(r.id, self.k_max) for r in running if self.eligible(r)}
         budget = self.step_tokens - len(running)  # every decoding sequence keeps its one token
+        if hasattr(self.drafter, "propose_batch"):  # a draft model: k tokens each, drafted all at once
+            return self._propose_batch(running, budget)
         drafts = {}
         for r in running:
             if r.state is not State.DECODE or r.id not in self.k:
@@ -88,6 +93,26 @@ class Speculator:
                 drafts[r.id] = d
                 budget -= len(d)
         return drafts
+
+    def _propose_batch(self, running: list[Request], budget: int) -> dict[int, list[int]]:
+        wanted = []
+        for r in running:
+            if r.state is State.DECODE and r.id in self.k:
+                k = max(0, min(self.k[r.id], r.params.max_tokens - len(r.output_ids) - 1, budget))
+                wanted.append((r, k))
+                budget -= k
+        return {i: d for i, d in self.drafter.propose_batch(wanted).items() if d}
+
+    def release(self, request_id: int) -> None:
+        """The request ended (the scheduler released it): what the drafter holds for it goes too."""
+        self.k.pop(request_id, None)
+        if hasattr(self.drafter, "release"):
+            self.drafter.release(request_id)
+
+    def close(self) -> None:
+        """A draft model's backend closed (the target's unload)."""
+        if hasattr(self.drafter, "close"):
+            self.drafter.close()
 
     def take(
         self, tokens, reqs: list[Request], logits: np.ndarray, drafts: dict[int, list[int]]
@@ -145,4 +170,5 @@ class Speculator:
             "acceptance_rate": round(st.accepted / st.drafted, 4) if st.drafted else 0.0,
             "mean_k": round(sum(ks) / len(ks), 3) if ks else 0.0,  # of the running sequences that may
             "mean_drafts": round(st.drafted / st.steps, 3) if st.steps else 0.0,  # per verification
+            **({"draft": self.drafter.describe()} if hasattr(self.drafter, "describe") else {}),
         }
