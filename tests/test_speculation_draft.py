@@ -108,6 +108,40 @@ def test_long_prompt_caught_up_in_chunks(target, files):
     assert sched.status()["speculation"]["drafted"] > 0 and drafter.steps > 5 and not drafter.fed
 
 
+def test_cancel_and_a_growing_batch(target, files):
+    """A request cancelled mid-speculation and others that speculate alone, then beside more than
+    max_batch: the others' answers unchanged, every draft block given back (cancel and end alike)."""
+    draft = load_model(files[1], backend="cpu", deterministic=True)
+    seen = []
+
+    def make():
+        reqs = requests(prompts(5, seed=40), GREEDY)
+        for r in reqs[2:]:
+            r.params.max_tokens = 2  # these three end early: the batch shrinks to max_batch and below
+        return reqs
+
+    off, _ = run(target, make(), SpeculationConfig(), max_seqs=5)
+    spec = SpeculationConfig(mode="draft", max_batch=2)
+    cfg = SchedulerConfig(max_seqs=5, kv_tokens=4096, block_size=4, speculation=spec)
+    sched = Scheduler(target, cfg)
+    drafter = DraftModelDrafter.attach(sched, draft)
+    reqs = make()
+    events = {r.id: [] for r in reqs}
+    for r in reqs:
+        sched.submit(r)
+    while sched.has_work():
+        for ev in sched.step():
+            events[ev.request_id].append(ev)
+        if sched.speculator.stats.steps and not seen:
+            seen.append(sorted(drafter.fed))
+            sched.cancel(1)
+    got, want = answers(events), answers(off)
+    assert got[1][2] == "cancelled" and got[0] == want[0] and all(got[i] == want[i] for i in (2, 3, 4))
+    assert seen == [[0, 1]], seen  # only the two left speculated
+    assert_no_blocks_held(sched)
+    assert drafter.kv.usage()["sequences"] == 0 and not drafter.fed and not drafter.sure
+
+
 def test_vocabulary_mismatch_refused(files, tmp_path):
     """A draft of another vocabulary size, or of the same size with one token's text changed, is refused at
     load with a ModelFormatError naming both files; its backend closed."""

@@ -91,6 +91,7 @@ class DraftModelDrafter:
         model.backend.alloc_kv(self.layout)
         self.kv = KVCacheManager(self.layout, prefix_cache=False)
         self.fed: dict[int, list[int]] = {}  # request id -> the tokens its draft KV positions hold
+        self.sure: dict[int, int] = {}  # request id -> how many of them were its tokens at the last round
         self.steps = 0  # draft forward passes
 
     @classmethod
@@ -125,6 +126,7 @@ class DraftModelDrafter:
         """The request ended: its draft KV blocks go back."""
         self.kv.release(request_id)
         self.fed.pop(request_id, None)
+        self.sure.pop(request_id, None)
 
     def close(self) -> None:
         self.model.backend.close()
@@ -142,17 +144,19 @@ class DraftModelDrafter:
     # -- its KV cache ------------------------------------------------------------------------------------
     def _sync(self, r: Request) -> bool:
         """``r``'s draft KV cut to the longest prefix still its own (False: no room in the draft's pools)."""
-        tokens = r.prompt_ids + r.output_ids
         fed = self.fed.get(r.id)
         if fed is None:
             if self.kv.admit(r.id, r.n_positions) is None:
                 return False
             fed = self.fed[r.id] = []
-        n = 0
-        for a, b in zip(fed, tokens[:-1], strict=False):  # the last token is fed again: its row is wanted
+            self.sure[r.id] = 0
+        tokens = r.prompt_ids + r.output_ids
+        n = min(self.sure[r.id], len(fed))  # (positions before it were the sequence's last round: still are)
+        for a, b in zip(fed[n:], tokens[n:-1], strict=False):  # the last token fed again: its row is wanted
             if a != b:
                 break
             n += 1
+        self.sure[r.id] = len(tokens) - 1
         if n < len(fed) and not self.kv.can_rewrite(r.id, n):  # its window's blocks gone: from the start
             self.release(r.id)
             return self._sync(r)
