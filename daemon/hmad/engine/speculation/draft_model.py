@@ -39,9 +39,7 @@ def check_vocabulary(target, draft) -> None:
     if sizes[0] != sizes[1]:
         problem = f"vocabulary sizes differ: {sizes[1][1]} tokens (draft), {sizes[0][1]} (target)"
     else:
-        bad = next(
-            (i for i in range(tt.vocab_size) if tt.token_bytes(i, True) != dt.token_bytes(i, True)), None
-        )
+        bad = _first_difference(tt, dt)
         if bad is not None:
             t, d = tt.token_bytes(bad, True), dt.token_bytes(bad, True)
             problem = f"token {bad} differs: {d!r} (draft), {t!r} (target)"
@@ -49,6 +47,14 @@ def check_vocabulary(target, draft) -> None:
         raise ModelFormatError(
             draft.path, f"a draft model needs the target's vocabulary ({target.path}); {problem}"
         )
+
+
+def _first_difference(a, b) -> int | None:
+    """The first token id whose text differs between tokenizers ``a`` and ``b`` of one size, or None."""
+    ta, tb = getattr(a, "_text", None), getattr(b, "_text", None)  # a GGUF vocabulary's texts: one compare
+    if ta is not None and tb is not None and ta == tb:
+        return None
+    return next((i for i in range(a.vocab_size) if a.token_bytes(i, True) != b.token_bytes(i, True)), None)
 
 
 def load_draft(spec: str | Path, target, **backend_opts):
