@@ -311,9 +311,8 @@ def run_peer(a, tmp: Path) -> dict:
 
     server = Path(a.server_dir) / "llama-server"
     env = {**os.environ, "LD_LIBRARY_PATH": f"{a.server_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
-    env_help = subprocess.run(
-        [str(server), "--help"], capture_output=True, text=True, env=env, timeout=60
-    ).stdout
+    helped = subprocess.run([str(server), "--help"], capture_output=True, text=True, env=env, timeout=60)
+    env_help = helped.stdout + helped.stderr
     from hmad.model.loader import resolve_model_path
 
     gguf = gguf_file(str(resolve_model_path(a.model_file)), tmp)
@@ -322,7 +321,8 @@ def run_peer(a, tmp: Path) -> dict:
     if "--spec-type" in env_help and "ngram-simple" in env_help:
         configs["ngram"] = ["--spec-type", "ngram-simple", "--draft-max", k]
     if "--model-draft" in env_help:
-        configs["draft"] = ["-md", gguf, "--draft-max", k, "--draft-min", "0", "-ngld", "999"]
+        configs["draft"] = ["-md", gguf, "--draft-max", k, "--draft-min", "0"]
+        configs["draft"] += ["-ngld", "999"] if "-ngld" in env_help else []
     out: dict = {"help_has": {"ngram": "ngram" in configs, "draft": "draft" in configs}}
     if "ngram" not in configs:
         out["ngram"] = "this llama-server has no n-gram speculation (--spec-type ngram-simple not in --help)"
