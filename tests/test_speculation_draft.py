@@ -200,3 +200,32 @@ def test_daemon_with_a_draft_model(files, tmp_path):
     assert draft["model"] == str(files[1]) and draft["model_name"] == "tiny-gemma3-seed8", draft
     assert sum(draft["memory"].values()) > 0 and draft["sequences"] == 0, draft
     assert st["kv"]["global_blocks_used"] == 0 and st["kv"]["sequences"] == 0
+
+
+def test_switching_models_keeps_the_draft_and_refuses_a_mismatch(files, tmp_path):
+    """hmactl load with a draft model configured: the new model gets the draft too (the old one, draft and
+    all, released); a model of another vocabulary fails to load, its error naming both files, and the
+    model before it serves on."""
+    from test_switch import load
+
+    from hmaclient import Client
+
+    other = make_tiny_gguf(tmp_path / "other.gguf", seed=9)
+    small = make_tiny_gguf(tmp_path / "small.gguf", byte_tokens=False)
+    sets = ("speculation.mode=draft", f"speculation.draft_model={files[1]}")
+    d = Daemon(files[0], tmp_path, *sets, backend="cpu").wait_ready(60)
+    try:
+        with Client(d.socket, timeout=60) as c:
+            sw, _ = load(c, other)
+            assert sw["state"] == "ready" and sw["previous_released"] is True, sw
+            c.generate("the cat and the dog the cat", raw=True, max_tokens=8, temperature=0.0)
+            spec = c.status()["speculation"]
+            assert spec["draft"]["model"] == str(files[1]) and spec["drafted"] > 0, spec
+            sw, _ = load(c, small)
+            assert sw["state"] == "ready" and sw["model"] == str(other), sw
+            assert "small.gguf" in sw["error"] and "wayward.gguf" in sw["error"], sw
+            assert "vocabulary" in sw["error"], sw
+            r = c.generate("the cat and the dog the cat", raw=True, max_tokens=8, temperature=0.0)
+            assert r.finish_reason in ("length", "stop")
+    finally:
+        assert d.stop() == 0, d.log_text()
