@@ -92,7 +92,7 @@ class DraftModelDrafter:
         self, model, step_tokens: int, max_chunk: int, max_seqs: int, kv_tokens: int, block_size: int
     ):
         self.model = model
-        self.step_tokens, self.max_chunk = step_tokens, max_chunk
+        self.step_tokens, self.max_chunk = step_tokens, min(max_chunk, step_tokens)  # a chunk fits a step
         self.layout = KVLayout.plan(model.config, kv_tokens, max_seqs, max_chunk, block_size)
         model.backend.alloc_kv(self.layout)
         self.kv = KVCacheManager(self.layout, prefix_cache=False)
