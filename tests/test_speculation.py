@@ -340,33 +340,14 @@ def test_daemon_with_speculation_answers_concurrent_requests(tmp_path):
     d = Daemon(path, tmp_path, "engine.deterministic=true", "speculation.mode=lookup", backend="cpu")
     words = ["the cat and the dog", "hello world of the model", "it is that in the", "dog cat dog cat"]
     texts = [f"{w} {w} {w} {w.split()[0]}" for w in words]
-    out: dict = {}
-    errors: list[BaseException] = []
-
-    def ask(i: int, speculate: bool) -> None:
-        try:
-            with Client(d.socket, timeout=120) as c:
-                r = c.generate(texts[i], raw=True, max_tokens=24, temperature=0.0, speculate=speculate)
-                out[i, speculate] = (r.token_ids, r.text, r.finish_reason)
-        except BaseException as e:  # re-raised in the test's thread
-            errors.append(e)
-
     try:
         d.wait_ready()
-        threads = [
-            threading.Thread(target=ask, args=(i, s)) for i in range(len(texts)) for s in (True, False)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        out = ask_with_and_without(d.socket, texts, 24)
         with Client(d.socket, timeout=30) as c:
             st = c.status()
             metrics = {f["name"]: f for f in c.metrics()}
     finally:
         assert d.stop() == 0, d.log_text()
-    if errors:
-        raise errors[0]
     for i in range(len(texts)):
         assert out[i, True] == out[i, False], i
     spec = st["speculation"]
@@ -374,6 +355,35 @@ def test_daemon_with_speculation_answers_concurrent_requests(tmp_path):
     assert st["kv"]["global_blocks_used"] == 0 and st["kv"]["sequences"] == 0
     assert metrics["speculation_accepted_tokens"]["samples"][0]["value"] == spec["accepted"]
     assert metrics["speculation_rolled_back_tokens"]["samples"][0]["value"] == spec["rolled_back"]
+
+
+def ask_with_and_without(socket: str, texts: list[str], max_tokens: int) -> dict:
+    """Each text sent twice at once, with and without ``speculate``, greedy and raw, every request from a
+    thread of its own: {(i, speculate): (token ids, text, finish reason)}; the first exception a request
+    raised (Client.generate raises on anything but one ``done``) is raised here."""
+    from hmaclient import Client
+
+    out: dict = {}
+    errors: list[BaseException] = []
+
+    def ask(i: int, speculate: bool) -> None:
+        try:
+            with Client(socket, timeout=120) as c:
+                r = c.generate(
+                    texts[i], raw=True, max_tokens=max_tokens, temperature=0.0, speculate=speculate
+                )
+                out[i, speculate] = (r.token_ids, r.text, r.finish_reason)
+        except BaseException as e:  # re-raised in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=ask, args=(i, s)) for i in range(len(texts)) for s in (True, False)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
 
 
 def test_protocol_speculate_field():

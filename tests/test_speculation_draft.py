@@ -10,13 +10,21 @@ small against its layers: it wanders off, and the target rejects most of its dra
 from __future__ import annotations
 
 import dataclasses
-import threading
 from unittest import mock
 
 import pytest
 import tiny_gguf
 from daemon_harness import Daemon
-from test_speculation import GREEDY, answers, assert_no_blocks_held, prompts, requests, run, run_all
+from test_speculation import (
+    GREEDY,
+    answers,
+    ask_with_and_without,
+    assert_no_blocks_held,
+    prompts,
+    requests,
+    run,
+    run_all,
+)
 from tiny_gguf import make_tiny_gguf
 
 from hmad.composition import load_model
@@ -166,32 +174,13 @@ def test_daemon_with_a_draft_model(files, tmp_path):
     sets = ("engine.deterministic=true", "speculation.mode=draft", f"speculation.draft_model={files[1]}")
     d = Daemon(files[0], tmp_path, *sets, backend="cpu")
     texts = ["the cat and the dog", "hello world of the model"]
-    out: dict = {}
-    errors: list[BaseException] = []
-
-    def ask(i: int, speculate: bool) -> None:
-        try:
-            with Client(d.socket, timeout=120) as c:
-                r = c.generate(texts[i], raw=True, max_tokens=16, temperature=0.0, speculate=speculate)
-                out[i, speculate] = (r.token_ids, r.text, r.finish_reason)
-        except BaseException as e:  # re-raised in the test's thread
-            errors.append(e)
-
     try:
         d.wait_ready()
-        threads = [
-            threading.Thread(target=ask, args=(i, s)) for i in range(len(texts)) for s in (True, False)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        out = ask_with_and_without(d.socket, texts, 16)
         with Client(d.socket, timeout=30) as c:
             st = c.status()
     finally:
         assert d.stop() == 0, d.log_text()
-    if errors:
-        raise errors[0]
     for i in range(len(texts)):
         assert out[i, True] == out[i, False], i
     spec = st["speculation"]

@@ -11,6 +11,7 @@ import pytest
 from test_speculation import GREEDY, prompts, requests
 from test_speculation_draft import wayward, with_draft
 from tiny_gguf import MIXED, make_tiny_gguf
+from vk_harness import require_vulkan
 
 from hmad.composition import load_model
 from hmad.engine.speculation.draft_model import load_draft
@@ -20,13 +21,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    try:
-        from hmad.backends.vulkan import device as vkdev
-
-        with vkdev.Device():
-            pass
-    except Exception as e:  # no loader, no driver, unsuitable device
-        pytest.skip(f"no usable Vulkan device ({e}); apt-get install mesa-vulkan-drivers provides lavapipe")
+    require_vulkan()
     d = tmp_path_factory.mktemp("vkdraft")
     target = load_model(make_tiny_gguf(d / "tiny.gguf", seed=7, types=MIXED), "vulkan", deterministic=True)
     draft = load_draft(wayward(d / "wayward.gguf"), target, deterministic=True)

@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 from test_speculation import GREEDY, both, prompts, requests
 from tiny_gguf import MIXED, make_tiny_gguf
+from vk_harness import require_vulkan
 
 from hmad.composition import load_model
 from hmad.engine.request import Request
@@ -21,13 +22,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    try:
-        from hmad.backends.vulkan import device as vkdev
-
-        with vkdev.Device():
-            pass
-    except Exception as e:  # no loader, no driver, unsuitable device
-        pytest.skip(f"no usable Vulkan device ({e}); apt-get install mesa-vulkan-drivers provides lavapipe")
+    require_vulkan()
     path = make_tiny_gguf(tmp_path_factory.mktemp("vkspec") / "tiny.gguf", seed=7, types=MIXED)
     model = load_model(path, "vulkan", deterministic=True)
     yield model
