@@ -57,6 +57,12 @@ def run(model, reqs: list[Request], spec: SpeculationConfig | None = None, max_s
     """Drive a scheduler until every request ends: ({request id: its events}, scheduler)."""
     cfg = SchedulerConfig(max_seqs=max_seqs, kv_tokens=4096, block_size=4, speculation=spec or LOOKUP)
     sched = Scheduler(model, cfg)
+    return run_all(sched, reqs, on_step), sched
+
+
+def run_all(sched: Scheduler, reqs: list[Request], on_step=None) -> dict:
+    """``reqs`` through a scheduler that may have run others: {request id: its events}; ``on_step(sched)``
+    after every step."""
     events = {r.id: [] for r in reqs}
     for r in reqs:
         sched.submit(r)
@@ -65,17 +71,6 @@ def run(model, reqs: list[Request], spec: SpeculationConfig | None = None, max_s
             events[ev.request_id].append(ev)
         if on_step:
             on_step(sched)
-    return events, sched
-
-
-def run_all(sched: Scheduler, reqs: list[Request]) -> dict:
-    """``reqs`` through a scheduler that may have run others: {request id: its events}."""
-    events = {r.id: [] for r in reqs}
-    for r in reqs:
-        sched.submit(r)
-    while sched.has_work():
-        for ev in sched.step():
-            events[ev.request_id].append(ev)
     return events
 
 

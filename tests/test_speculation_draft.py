@@ -133,16 +133,13 @@ def test_cancel_and_a_growing_batch(target, files):
     cfg = SchedulerConfig(max_seqs=5, kv_tokens=4096, block_size=4, speculation=spec)
     sched = Scheduler(target, cfg)
     drafter = DraftModelDrafter.attach(sched, draft)
-    reqs = make()
-    events = {r.id: [] for r in reqs}
-    for r in reqs:
-        sched.submit(r)
-    while sched.has_work():
-        for ev in sched.step():
-            events[ev.request_id].append(ev)
+
+    def cancel_once(sched: Scheduler) -> None:  # request 1, at the first step that speculated
         if sched.speculator.stats.steps and not seen:
             seen.append(sorted(drafter.fed))
             sched.cancel(1)
+
+    events = run_all(sched, make(), cancel_once)
     got, want = answers(events), answers(off)
     assert got[1][2] == "cancelled" and got[0] == want[0] and all(got[i] == want[i] for i in (2, 3, 4))
     assert seen == [[0, 1]], seen  # only the two left speculated
