@@ -27,12 +27,12 @@ from test_speculation import (
 )
 from tiny_gguf import make_tiny_gguf
 
-from hmad.composition import load_model
+from hmad.composition import load_draft, load_model
 from hmad.core.errors import ModelFormatError
 from hmad.engine.sampling import SamplingParams
 from hmad.engine.scheduler import Scheduler, SchedulerConfig
 from hmad.engine.speculation import SpeculationConfig
-from hmad.engine.speculation.draft_model import DraftModelDrafter, check_vocabulary, load_draft
+from hmad.engine.speculation.draft_model import DraftModelDrafter, check_vocabulary
 
 DRAFT = SpeculationConfig(mode="draft", max_batch=8)
 

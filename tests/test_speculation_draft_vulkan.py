@@ -13,8 +13,7 @@ from test_speculation_draft import wayward, with_draft
 from tiny_gguf import MIXED, make_tiny_gguf
 from vk_harness import require_vulkan
 
-from hmad.composition import load_model
-from hmad.engine.speculation.draft_model import load_draft
+from hmad.composition import load_draft, load_model
 
 pytestmark = pytest.mark.gpu
 

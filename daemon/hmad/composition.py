@@ -1,6 +1,7 @@
 """Composition: a model file put on a backend. The one floor that knows both the model and every backend.
 
 model = load_model("default", "vulkan")       # or a GGUF path, an HF directory; backend auto/cpu/npu
+drafter = attach_draft(scheduler, "default")  # a draft model for speculation, on a backend of its own
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 from hmad.backends.base import Backend
 from hmad.core.errors import ModelFormatError
+from hmad.engine.speculation.draft_model import DraftModelDrafter, check_vocabulary
 from hmad.model.loader import Model, check_tensors, read_model_files, resolve_model_path
 from hmad.model.registry import get_architecture
 from hmad.model.siglip import VisionTower
@@ -141,3 +143,29 @@ def load_model(
     if not background:
         note(f"model resident in {model.load_seconds:.1f} s")
     return model
+
+
+def load_draft(spec: str | Path, target, **backend_opts):
+    """The draft model ``spec`` resident on a new backend of ``target``'s kind (its own device handle, KV
+    pools and recordings), its vocabulary checked against ``target``'s; closed again if it does not fit."""
+    draft = load_model(spec, backend=target.backend.name, **backend_opts)
+    try:
+        check_vocabulary(target, draft)
+    except BaseException:
+        draft.backend.close()
+        raise
+    return draft
+
+
+def attach_draft(scheduler, spec: str | Path, progress=None, **backend_opts) -> DraftModelDrafter:
+    """The draft model ``spec`` loaded (``load_draft``), made ``scheduler``'s drafter, its steps made ready
+    (recorded on a GPU) as the target's are (``Scheduler.prepare``)."""
+    (progress or log.info)(f"loading the draft model {spec}")
+    draft = load_draft(spec, scheduler.model, **backend_opts)
+    try:
+        drafter = DraftModelDrafter.attach(scheduler, draft)
+        draft.backend.prepare(draft.net, scheduler.cfg.step_tokens, scheduler.cfg.max_seqs)
+    except BaseException:
+        draft.backend.close()
+        raise
+    return drafter

@@ -34,11 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hmaclient import protocol as P
-from hmad.composition import load_model, resolve_backend_name
+from hmad.composition import attach_draft, load_model, resolve_backend_name
 from hmad.config import Config
 from hmad.engine import structured
 from hmad.engine.scheduler import Scheduler
-from hmad.engine.speculation.draft_model import attach_draft
 from hmad.faults import install as install_fault
 from hmad.model import chat_template, default
 from hmad.store.catalog import find_local

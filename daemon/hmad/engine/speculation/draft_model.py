@@ -2,7 +2,8 @@
 
 ``speculation.mode: draft`` with ``speculation.draft_model`` (a GGUF path, ``default``: the embedded 270M,
 or a pulled model's name). The draft is loaded on its own backend of the target's kind and device
-(``load_draft``): its weights, KV pools and recorded steps are its own, never the target's.
+(``hmad.composition.load_draft``, the floor that loads models): its weights, KV pools and recorded steps
+are its own, never the target's.
 
 Its KV cache is kept in step with each speculating sequence lazily. ``fed[id]`` is the tokens whose
 positions the draft's cache holds. A round (``propose_batch``) keeps the longest prefix of ``fed`` that is
@@ -17,7 +18,6 @@ Requests with images are not drafted for (the draft would need their soft tokens
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import numpy as np
 
@@ -55,34 +55,6 @@ def _first_difference(a, b) -> int | None:
     if ta is not None and tb is not None and ta == tb:
         return None
     return next((i for i in range(a.vocab_size) if a.token_bytes(i, True) != b.token_bytes(i, True)), None)
-
-
-def load_draft(spec: str | Path, target, **backend_opts):
-    """The draft model ``spec`` resident on a new backend of ``target``'s kind (its own device handle, KV
-    pools and recordings), its vocabulary checked against ``target``'s; closed again if it does not fit."""
-    from hmad.composition import load_model
-
-    draft = load_model(spec, backend=target.backend.name, **backend_opts)
-    try:
-        check_vocabulary(target, draft)
-    except BaseException:
-        draft.backend.close()
-        raise
-    return draft
-
-
-def attach_draft(scheduler, spec: str | Path, progress=None, **backend_opts) -> DraftModelDrafter:
-    """The draft model ``spec`` loaded (``load_draft``), made ``scheduler``'s drafter, its steps made ready
-    (recorded on a GPU) as the target's are (``Scheduler.prepare``)."""
-    (progress or log.info)(f"loading the draft model {spec}")
-    draft = load_draft(spec, scheduler.model, **backend_opts)
-    try:
-        drafter = DraftModelDrafter.attach(scheduler, draft)
-        draft.backend.prepare(draft.net, scheduler.cfg.step_tokens, scheduler.cfg.max_seqs)
-    except BaseException:
-        draft.backend.close()
-        raise
-    return drafter
 
 
 class DraftModelDrafter:
