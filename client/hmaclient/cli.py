@@ -6,7 +6,7 @@
     hmactl [--socket PATH] [--timeout S] query [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
            [--min-p P] [--repetition-penalty R] [--repeat-last-n N] [--seed S] [--stop STR]...
            [--raw | --chat-template] [--json-schema FILE_OR_JSON] [--logprobs N] [--prompt-logprobs N]
-           [--image PATH]... [--json] PROMPT|-
+           [--image PATH]... [--no-speculate] [--json] PROMPT|-
     hmactl [--socket PATH] [--timeout S] chat [--system TEXT] [--raw | --chat-template] [sampling flags]
     hmactl [--socket PATH] [--timeout S] models [--json] | pull REPO[:QUANT] | load MODEL | unload | rm NAME
 
@@ -22,7 +22,9 @@ prompt token's logprob and its N most likely alternatives: printed after the ans
 (logprob, the token's text as a JSON string, then the alternatives), or with ``--json`` as lists of
 {token_id, text, logprob, top: [[id, logprob, text]]} (the prompt's first item null). Ctrl-C cancels the
 request. An answer to ``--json-schema`` that is not a whole JSON value (max_tokens ran out, or a stop string
-cut it) exits 1, saying so on stderr after the answer.
+cut it) exits 1, saying so on stderr after the answer. ``--no-speculate`` asks the daemon not to decode this
+answer speculatively (``generate.speculate`` false; the answer is the same, docs/speculation.md);
+``--speculate``, the default, leaves it to the daemon's ``speculation:`` config.
 ``chat`` is a conversation with streamed answers, line editing and history, and /commands: hmaclient.chat.
 ``models``, ``pull``, ``load``, ``unload``, ``rm``: the daemon's models (hmaclient.cli_models);
 ``ping --wait`` draws a load's progress while it waits.
@@ -106,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="an image file (PNG, JPEG, WebP, GIF, BMP) shown before the prompt's text; repeat for more "
         "(not with --raw)",
+    )
+    q.add_argument(
+        "--speculate",
+        action=argparse.BooleanOptionalAction,
+        help="--no-speculate: no speculative decoding for this query (default: as the daemon's config says)",
     )
     q.add_argument("--json", action="store_true", help="print one JSON object at the end, no streaming")
     q.add_argument("prompt", metavar="PROMPT|-", help="the prompt, or - to read it from stdin")
@@ -301,6 +308,7 @@ def _query(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         "logprobs": args.logprobs,
         "prompt_logprobs": args.prompt_logprobs,
         "images": args.images,  # paths: the client reads them
+        "speculate": args.speculate,  # None (no flag): not sent, the daemon's default
     }
     _check(prompt, params)
     raw, max_tokens, _ = _fit(client, args, images=bool(args.images))

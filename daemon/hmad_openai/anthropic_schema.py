@@ -15,6 +15,7 @@
     tools (custom: name, description, input_schema) -> tools {name, description, parameters}
     tool_choice auto | any | tool | none   -> auto | required | {name} | none;
         disable_parallel_tool_use          -> parallel_tool_calls false
+    speculate (a bool; hmad's own)         -> speculate (absent: the daemon's default)
 
 Refused with a 400: images by URL (source type url: the gateway fetches nothing; send base64) or file,
 images in assistant turns or tool results, document blocks, server tools (web search, code execution,
@@ -31,7 +32,7 @@ from pydantic import Field
 from hmaclient import sampling
 from hmad.engine.sampling_schema import field_type
 from hmad_openai import images
-from hmad_openai.bodies import Body, hmad_messages, sampling_type
+from hmad_openai.bodies import Body, hmad_messages, sampling_type, speculate
 from hmad_openai.errors import bad_request
 
 _SKIPPED = ("thinking", "redacted_thinking")
@@ -56,6 +57,7 @@ class MessagesBody(Body):
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
+    speculate: Any = None  # bodies.speculate checks it
 
     def params(self) -> dict[str, Any]:
         """hmaclient ``generate`` keyword arguments, messages and tools included."""
@@ -70,6 +72,7 @@ class MessagesBody(Body):
         if self.tools:
             out["tools"] = [_tool(i, t) for i, t in enumerate(self.tools)]
         out.update(_choice(self.tool_choice))
+        out.update(speculate(self.speculate))
         fmt = (self.output_config or {}).get("format")
         if fmt is not None:
             if (

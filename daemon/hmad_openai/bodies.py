@@ -1,7 +1,7 @@
 """What the Ollama, Anthropic and Responses APIs share in reading a request: strict pydantic bodies, a parse
 that names the first bad field in the wire's words under the body's own name for it, the sampling fields'
-types (``hmaclient.sampling``: one table of bounds for every API), and hmad's messages (leading system
-turns joined into the one hmad takes).
+types (``hmaclient.sampling``: one table of bounds for every API), hmad's messages (leading system
+turns joined into the one hmad takes), and hmad's own ``speculate`` field (every API, OpenAI's too).
 
 Errors are OpenAIError (the gateway's one error carrier); ``app`` renders them in the shape of the API the
 path belongs to.
@@ -9,6 +9,7 @@ path belongs to.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -67,6 +68,20 @@ def checked(body_name: str, hmad_name: str, value: Any) -> Any:
     if wrong:
         raise bad_request(wrong.replace(hmad_name, body_name, 1), body_name)
     return value
+
+
+def speculate(value: Any, name: str = "speculate") -> dict[str, Any]:
+    """A body's ``name`` (hmad's own field, no API's: ``speculate``, Ollama's ``options.speculate``) ->
+    hmaclient's ``speculate`` (false: never decoded speculatively, docs/speculation.md): {} when absent or
+    null (the daemon's default), ``{"speculate": value}`` for a bool, else a 400 naming ``name``. Bodies
+    declare the field ``Any`` so that every API refuses a wrong value in these words."""
+    if value is None:
+        return {}
+    if not isinstance(value, bool):
+        shown = json.dumps(value)
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+        raise bad_request(f"{name} must be true or false, got {shown}", name)
+    return {"speculate": value}
 
 
 def hmad_messages(turns: list[tuple[str, Any] | dict[str, Any]]) -> list[dict[str, Any]]:

@@ -12,6 +12,7 @@
         num_predict                                   -> max_tokens (< 0: until the context is full)
         repeat_penalty, repeat_last_n                 -> repetition_penalty, repeat_last_n (-1: the context)
         presence_penalty, frequency_penalty           -> the same
+        speculate (a bool; hmad's own)                -> speculate (absent: the daemon's default)
         typical_p, tfs_z (not 1), mirostat (not 0)     refused: they change the answer and hmad has no such
                                                       sampler
         anything else (num_ctx, num_gpu, num_thread, num_batch, num_keep, use_mmap, penalize_newline, ...)
@@ -40,7 +41,7 @@ from pydantic import Field
 
 from hmaclient import sampling
 from hmad_openai import images as _images
-from hmad_openai.bodies import Body, checked, hmad_messages
+from hmad_openai.bodies import Body, checked, hmad_messages, speculate
 from hmad_openai.errors import bad_request
 
 # Ollama's option names of hmad's sampling fields.
@@ -111,7 +112,9 @@ def options_params(options: dict[str, Any]) -> dict[str, Any]:
         hmad = _OPTIONS.get(name)
         if value is None:
             continue
-        if hmad in sampling.BY_NAME:
+        if name == "speculate":
+            out |= speculate(value, "options.speculate")
+        elif hmad in sampling.BY_NAME:
             out[hmad] = _option(name, hmad, value)
         elif name in _OFF and value != _OFF[name]:
             msg = f"option {name} is not supported (hmad has no such sampler); leave it out"

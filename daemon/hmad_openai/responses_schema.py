@@ -20,6 +20,7 @@
     include message.output_text.logprobs, top_logprobs (0..20; either asks for them)
                                           -> logprobs: the output_text's ``logprobs`` (and each text delta
                                           event's), {token, logprob, bytes, top_logprobs} a token
+    speculate (a bool; hmad's own)        -> speculate (absent: the daemon's default)
 
 Refused with a 400: previous_response_id and conversation (the gateway keeps no state: send the whole
 conversation as input), background, stored prompts (prompt), input_image by file_id (the gateway keeps
@@ -36,7 +37,7 @@ from typing import Any
 from pydantic import Field
 
 from hmad_openai import images
-from hmad_openai.bodies import Body, hmad_messages, sampling_type
+from hmad_openai.bodies import Body, hmad_messages, sampling_type, speculate
 from hmad_openai.errors import bad_request
 
 RENAMES = {"max_output_tokens": "max_tokens"}
@@ -69,6 +70,7 @@ class ResponsesBody(Body):
     prompt: Any = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     include: list[str] | None = Field(default=None)
+    speculate: Any = None  # bodies.speculate checks it
 
     @property
     def wants_logprobs(self) -> bool:
@@ -92,7 +94,7 @@ class ResponsesBody(Body):
             out["parallel_tool_calls"] = self.parallel_tool_calls
         if self.wants_logprobs:
             out["logprobs"] = self.top_logprobs or 0
-        return out
+        return out | speculate(self.speculate)
 
     def _refuse_state(self) -> None:
         stateless = "the gateway keeps no responses: send the whole conversation as input"

@@ -15,6 +15,8 @@ What maps where:
     response_format json_schema         -> json_schema <its schema>
     top_k, min_p, repetition_penalty, repeat_last_n (hmad's, as llama-server takes them) -> the same
     presence_penalty, frequency_penalty, logit_bias ({"<token id>": bias}) -> the same (hmad's own: OpenAI's)
+    speculate (a bool; hmad's own, as llama-server and vLLM take extra fields) -> the same (absent: the
+                                           daemon's default; false: no speculative decoding for it)
     tools ({type: function, function: {name, description, parameters}}), tool_choice ("auto", "none",
     "required", {type: function, function: {name}}), parallel_tool_calls -> the same (hmaclient.tools
     checks them); assistant messages' tool_calls (content null) and role "tool" messages (tool_call_id,
@@ -45,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from hmaclient import sampling
 from hmad.engine.sampling_schema import field_type
 from hmad_openai import images
+from hmad_openai.bodies import speculate
 from hmad_openai.errors import OpenAIError, bad_request
 
 # OpenAI's names that are hmad's sampling fields (stop, a str or a list, is translated by hand)
@@ -89,6 +92,7 @@ class _Common(_SamplingBody):
     stream_options: StreamOptions | None = None
     n: int | None = None
     response_format: ResponseFormat | None = None
+    speculate: Any = None  # bodies.speculate checks it
 
     @property
     def include_usage(self) -> bool:
@@ -104,7 +108,7 @@ class _Common(_SamplingBody):
         schema = self._json_schema()
         if schema is not None:
             out["json_schema"] = schema
-        return out
+        return out | speculate(self.speculate)
 
     @property
     def choices(self) -> int:
