@@ -7,10 +7,10 @@
 // workgroup); lane l of lane group c takes units u = l + LANES c, l + LANES (KS + c), ... of those rows,
 // decodes each unit once and uses it for every token, and loads each block of x once for all NR rows (x,
 // three planes of it, is the larger stream through L1); the lanes' partial sums are added in shared memory
-// (no assumption on the subgroup size: lavapipe's is 8, RADV's 32 or 64). ONE_LANE (LANES 1, the "_l1" layout, for CPU
-// implementations): each invocation takes its NR rows' whole K and writes them, no shared memory. The
-// layouts (NR, KS, LANES) are variants
-// (kernels_matmul.Q8_LAYOUTS), picked per weight shape (kernels_matmul.q8_matvec_layout).
+// (no assumption on the subgroup size: lavapipe's is 8, RADV's 32 or 64). ONE_LANE (LANES 1, the "_l4" and
+// "_l8" layouts, for CPU implementations): each invocation takes its NR rows' whole K and writes them, no
+// shared memory; a row's sum runs over its units in order whatever NR. The layouts (NR, KS, LANES) are
+// variants (variants.Q8_LAYOUTS), picked per weight shape (kernels_q8.q8_matvec_layout).
 // PLANES 3 (the exact decode path): x comes as three int8 planes (q8act.glsl), each block's three integer dots
 // combined with their power-of-two plane scales before the float factors.
 // Bindings: 0 W, 1 XQ (uvec4: 4 words), 2 XD (vec2), 3 Y, [4 W_up]. Push as mul_mat_vec.comp.
@@ -37,7 +37,7 @@ layout(binding = 4) readonly buffer WU { W_ELEM w_up[]; };
 #endif
 
 #ifdef ONE_LANE
-#define LANES 1u  // the "_l1" layout: each invocation its rows' whole K (CPU implementations)
+#define LANES 1u  // the one-lane layouts: each invocation its rows' whole K (CPU implementations)
 #else
 #define LANES 32u
 #endif
@@ -83,7 +83,9 @@ layout(push_constant) uniform Push {
 #define NSUM 1u
 #endif
 #define NACC (NSUM * NR * MAX_T)  // accumulator (s, r, t) at (s * NR + r) * MAX_T + t
+#ifndef ONE_LANE
 shared float red[LANES][GROUPS * NACC + 1u];
+#endif
 
 // The integer dots of block b's lane words (q[8b..8b+7]) with one plane's 32 x values (x0, x1): (first 16
 // values, last 16)

@@ -643,3 +643,34 @@ def test_mul_mat_vec_q8_fused_tail(dev, kernels, gpu, t, tail, x):
         bq2, bd2 = _quantize(dev, kernels, gpu, y, planes)
         for got, want in ((yq, bq2), (yd, bd2)):
             np.testing.assert_array_equal(gpu.get(got, np.uint8), gpu.get(want, np.uint8), err_msg=fused.name)
+
+
+@pytest.mark.parametrize("t", Q8_TYPES)
+def test_one_lane_layouts_write_the_same_bits(dev, kernels, gpu, t):
+    """The one-lane layouts (``_l4``, ``_l8``: CPU implementations, kernels_q8.q8_matvec_layout) add each
+    row's units in the same order whatever their rows an invocation, so a weight's layout may follow its
+    row count without changing a bit: plain and GeGLU, eight tokens and one (``_t1``)."""
+    rng = np.random.default_rng()
+    k, n = 768, 45
+    raw, _ = _weights(t, n, k, rng)
+    raw_u, _ = _weights(t, n, k, rng)
+    for ntok, t1 in ((8, ""), (5, ""), (1, "_t1")):
+        x = (rng.standard_normal((ntok, k)) * rng.uniform(0.1, 100, (ntok, 1))).astype(np.float32)
+        bq, bd = _quantize(dev, kernels, gpu, x, planes=3)
+        for geglu in ("", "_geglu"):
+            ys = [
+                _run_q8_matvec(
+                    dev,
+                    gpu,
+                    kernels(f"mul_mat_vec_x3_{t}{geglu}{lay}{t1}"),
+                    raw,
+                    raw_u if geglu else None,
+                    bq,
+                    bd,
+                    k,
+                    n,
+                    ntok,
+                )
+                for lay in ("_l4", "_l8")
+            ]
+            assert np.array_equal(ys[0], ys[1]), f"{t}{geglu}{t1} T={ntok}: _l4 and _l8 differ"

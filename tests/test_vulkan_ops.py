@@ -25,6 +25,7 @@ from test_vulkan_fused import q8_reference
 from vk_harness import assert_x3_planes, run
 
 from hmad.backends.cpu import CpuBackend, CpuWeight
+from hmad.backends.vulkan.shapes import ATTENTION_ONE_LANE_BLOCK
 from hmad.backends.vulkan.stepmeta import NONE, StepMetaLayout, kv_slots
 from hmad.backends.vulkan.variants import ATTENTION_DECODE_DPL
 from hmad.core.batch import SAMPLE_DTYPE, SeqSlice, StepBatch
@@ -265,7 +266,16 @@ def test_geglu_on_fused_gate_up_rows_matches_reference(dev, kernels, gpu):
 @pytest.mark.parametrize("splits", [1, 3, 64])
 @pytest.mark.parametrize(
     "variant,min_keys",
-    [("split", 32), ("decode", 32), ("decode", 1), ("decode_kl", 32), ("decode_kl", 8), ("decode_kl4", 32)],
+    [
+        ("split", 32),
+        ("split_l1", 32),
+        ("split_l1_g8", 32),
+        ("decode", 32),
+        ("decode", 1),
+        ("decode_kl", 32),
+        ("decode_kl", 8),
+        ("decode_kl4", 32),
+    ],
 )
 def test_kv_write_and_paged_attention_match_reference(
     dev, kernels, gpu, pool, head_dim, splits, variant, min_keys
@@ -279,7 +289,9 @@ def test_kv_write_and_paged_attention_match_reference(
     kernel, the variant the backend would pick for this device) in place of attention_split; "decode_kl":
     attention_decode_kl (8 lanes per key: 4 keys at once on a 32-wide subgroup, one on lavapipe's 8-wide
     ones; head dims up to 128); "decode_kl4": its 4-lane test variant, so that lavapipe's subgroups hold two
-    keys and the merge of a subgroup's key clusters runs there too. ``min_keys``: the keys a split of the
+    keys and the merge of a subgroup's key clusters runs there too; "split_l1": attention_split_l1 (CPU
+    implementations: an invocation per row, KV head and split, 8 keys a chunk), with arrays for 2 query
+    heads a KV head, "split_l1_g8" for 8 (2 used). ``min_keys``: the keys a split of the
     decode kernels takes at least (the backend's attention_min_keys; 1: a split of a key or two, every split
     live; attention_split's splits take a tile of 16 keys whatever it says)."""
     from hmad.backends.vulkan.push import AttentionReducePush, AttentionSplitPush, KvWritePush
@@ -320,8 +332,12 @@ def test_kv_write_and_paged_attention_match_reference(
         if lanes == 4 and pool != "f32":
             pytest.skip("the 4-lane test variant is built for float32 pools")
         att_s = kernels(f"attention_decode_kl_{pool}_g2" + ("_l4" if lanes == 4 else ""))
+    elif variant.startswith("split_l1"):
+        att_s = kernels(f"attention_split_l1_{pool}_g" + ("8" if variant.endswith("g8") else "2"))
     else:
         att_s = kernels(f"attention_split_{pool}")
+    per_group = ATTENTION_ONE_LANE_BLOCK if variant.startswith("split_l1") else 1  # items a workgroup
+    groups = att_s.groups_for(-(-(t + 1) * hkv * splits // per_group))
     for layer, name, win in ((0, "global", None), (1, "local", window)):
         want = cpu.attention(q, k, v, layer, batch, win, scale)
         b_kp, b_vp = gpu.put(init[name][0]), gpu.put(init[name][1])
@@ -350,7 +366,7 @@ def test_kv_write_and_paged_attention_match_reference(
         run(
             dev,
             (kw, [b_k, b_v, b_meta, b_kp, b_vp], write, 4),
-            (att_s, [b_q, b_kp, b_vp, b_meta, b_part], split, att_s.groups_for((t + 1) * hkv * splits)),
+            (att_s, [b_q, b_kp, b_vp, b_meta, b_part], split, groups),
             (att_r, [b_part, b_o], reduce, att_r.groups_for((t + 1) * h)),
         )
         got = gpu.get(b_o, shape=(t + 1, h * head_dim))
@@ -379,6 +395,60 @@ def test_kv_write_and_paged_attention_match_reference(
         kp_want, vp_want = cpu.pools[name][0][0], cpu.pools[name][1][0]
         np.testing.assert_array_equal(gpu.get(b_kp, dtype, kp_want.shape), kp_want)
         np.testing.assert_array_equal(gpu.get(b_vp, dtype, vp_want.shape), vp_want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pool", ["f32", "f16"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_one_lane_attention_over_long_rows(dev, kernels, gpu, pool, splits):
+    """attention_split_l1 (a CPU implementation's kernel for every row) over splits of hundreds of keys: a
+    row decoding at 700 and a 20-row prompt chunk at 300..319, GQA of 4 query heads on one KV head of 256
+    values (the 270M's), a global layer and a 512-key window whose ring wraps, against the numpy backend."""
+    from hmad.backends.vulkan.push import AttentionReducePush, AttentionSplitPush, KvWritePush
+
+    rng = np.random.default_rng()
+    h, hkv, dh, bs, window = 4, 1, 256, 16, 512
+    ring = -(-(window + 20) // bs) + 1
+    glob, loc = rng.permutation(96).astype(np.int32), rng.permutation(2 * ring).astype(np.int32)
+    parts = [
+        (SeqSlice(1, 0, 0, 700, glob[:45], loc[:ring]), rng.integers(0, 300, 1), True),
+        (SeqSlice(2, 0, 0, 300, glob[45:66], loc[ring:]), rng.integers(0, 300, 20), True),
+    ]
+    batch = StepBatch.build(parts, bs)
+    t = batch.n_tokens
+    dtype = np.float16 if pool == "f16" else np.float32
+    layout = KVLayout(bs, 96, 2 * ring, ring, (0,), (1,), hkv, dh)
+    cpu = CpuBackend(numerics="f32", kv_dtype=np.dtype(dtype).name)
+    cpu.alloc_kv(layout)
+    for kp, vp in cpu.pools.values():
+        kp[:] = rng.standard_normal(kp.shape).astype(dtype)
+        vp[:] = rng.standard_normal(vp.shape).astype(dtype)
+    init = {n: (kp[0].copy(), vp[0].copy()) for n, (kp, vp) in cpu.pools.items()}
+    q, k, v = (rng.standard_normal((t, n, dh)).astype(np.float32) for n in (h, hkv, hkv))
+    scale = dh**-0.5
+    lay = StepMetaLayout(max_tokens=t, max_seqs=2, max_table=160)
+    b_meta, b_q, b_k, b_v = gpu.put(lay.pack(batch)), gpu.put(q), gpu.put(k), gpu.put(v)
+    att_s, att_r = kernels(f"attention_split_l1_{pool}_g4"), kernels("attention_reduce_f32")
+    for layer, name, win in ((0, "global", None), (1, "local", window)):
+        want = cpu.attention(q, k, v, layer, batch, win, scale)
+        b_kp, b_vp = gpu.put(init[name][0]), gpu.put(init[name][1])
+        slot_off = lay.slot_global if name == "global" else lay.slot_local
+        info_off = lay.info_global if name == "global" else lay.info_local
+        write = KvWritePush(n_tokens=t, row=dh, k_stride=dh, v_stride=dh, slot_off=slot_off)
+        split = AttentionSplitPush(
+            *(t, h, hkv, dh, h * dh, splits, bs, win or 0, lay.positions, lay.seq, info_off, scale)
+        )
+        b_part = gpu.poison(gpu.alloc(t * h * splits * (dh + 4) * 4))
+        b_o = gpu.poison(gpu.alloc(t * h * dh * 4))
+        groups = att_s.groups_for(-(-t * hkv * splits // ATTENTION_ONE_LANE_BLOCK))
+        run(
+            dev,
+            (kernels(f"kv_write_{pool}"), [b_k, b_v, b_meta, b_kp, b_vp], write, 4),
+            (att_s, [b_q, b_kp, b_vp, b_meta, b_part], split, groups),
+            (att_r, [b_part, b_o], AttentionReducePush(t, h, dh, splits, h * dh), att_r.groups_for(t * h)),
+        )
+        got = gpu.get(b_o, shape=(t, h * dh))
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6, err_msg=f"{name} layer")
 
 
 def _prefill_batch(block_size, ring):

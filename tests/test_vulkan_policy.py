@@ -17,6 +17,7 @@ from types import SimpleNamespace as NS
 import pytest
 
 from hmad.backends.vulkan import policy
+from hmad.backends.vulkan.kernels_q8 import q8_matvec_layout
 from hmad.backends.vulkan.options import VulkanOptions
 from hmad.backends.vulkan.policy import DeviceCaps
 from hmad.core.tensors import QType
@@ -47,8 +48,11 @@ BYTES_PER_WEIGHT = {
     QType.F16: 2,
     QType.F32: 4,
 }
-#: sha256 of the table the backend's methods made before the move (same grid, same serialization)
-DIGEST_BEFORE = "498c4be440746fe4c9615b3406d2a9f51663ef235d597e5751f4f62c7af38876"
+#: sha256 of the table the backend's methods made before the move (same grid, same serialization), with the
+#: changes made since on purpose, all in the lavapipe rows: no fused GeGLU tail, since every int8 mat-vec
+#: there is one-lane (24 entries, fused_tail True -> False); attention on attention_split_l1 and no prefill
+#: tiles (432 entries)
+DIGEST_BEFORE = "162ddeb6e3246800a25ca60cc940688fb071fb7ac098873676740265209efc97"
 
 
 def caps(name: str, threads: int = 2) -> DeviceCaps:
@@ -148,12 +152,44 @@ def test_options_are_checked_and_frozen():
 
 
 def test_one_lane_matvec_on_cpu_implementations_only():
-    """The "_l1" int8 mat-vec (one invocation per row group) for the LM head on a CPU implementation; GPUs
-    keep 32 lanes a row group; 0 turns it off."""
-    head, q = 262144, 1024
+    """Every int8 mat-vec of a CPU implementation one invocation per row group: 8 rows an invocation on
+    the LM head and a GeGLU pair, 4 on smaller weights, one token or eight; no fused tail there; GPUs keep
+    32 lanes a row group; 0 turns it off, a row count keeps it to larger weights."""
+    head, ffn, q = 262144, 2048, 1024
     cpu = policy.resolve(VulkanOptions(), caps("lavapipe"))
-    assert policy.q8_one_lane(cpu, head) and not policy.q8_one_lane(cpu, q)
+    assert all(policy.q8_one_lane(cpu, n) for n in (head, ffn, q, 1))
+    for t in (1, 8):
+        assert q8_matvec_layout(t, head, 640, one_lane=True) == "_l8"
+        assert q8_matvec_layout(t, ffn, 640, geglu=True, one_lane=True) == "_l8"
+        assert q8_matvec_layout(t, q, 640, one_lane=True) == "_l4"
+    gate = weight(QType.Q5_0, ffn, 640)
+    assert not policy.fused_tail(cpu, caps("lavapipe"), 1, gate)
     for name in ("nvidia", "rdna3", "intel", "old"):
         assert not policy.q8_one_lane(policy.resolve(VulkanOptions(), caps(name)), head)
     off = policy.resolve(VulkanOptions(matvec_one_lane_rows=0), caps("lavapipe"))
     assert not policy.q8_one_lane(off, head)
+    big = policy.resolve(VulkanOptions(matvec_one_lane_rows=32768), caps("lavapipe"))
+    assert policy.q8_one_lane(big, head) and not policy.q8_one_lane(big, q)
+
+
+def test_attention_on_cpu_implementations_one_lane_without_tiles():
+    """A CPU implementation's every attention row on attention_split_l1 (its arrays sized for G), with no
+    prefill tiles, about attention_target workgroups of ATTENTION_ONE_LANE_BLOCK splits, and enough splits
+    for ONE_LANE_MAX_KEYS keys a split; GPUs keep their subgroup kernels and tiles."""
+    from hmad.backends.vulkan.ops_attention import ONE_LANE_MAX_KEYS, attention_splits, one_lane_splits
+    from hmad.backends.vulkan.shapes import ATTENTION_ONE_LANE_BLOCK
+
+    c = caps("lavapipe")
+    o = options(c=c)
+    assert policy.attention_kernel(o, c, "f32", 256, 4) == "attention_split_l1_f32_g4"
+    assert policy.attention_kernel(o, c, "f16", 128, 3) == "attention_split_l1_f16_g4"
+    assert policy.attention_kernel(o, c, "f32", 64, 1) == "attention_split_l1_f32_g1"
+    assert policy.prefill_kernel(o, c, "f32", 256, 4) is None
+    assert attention_splits(o, 6, 4, 1, False, ATTENTION_ONE_LANE_BLOCK) == 64  # 8 x 64 / 6, capped
+    assert attention_splits(o, 512, 4, 1, False, ATTENTION_ONE_LANE_BLOCK) == 1
+    # ... and a split's keys bounded (llvmpipe's loop guard): 512-key windows one, 32K-key rows 16
+    assert ONE_LANE_MAX_KEYS == 2048 and one_lane_splits(512) == 1 and one_lane_splits(32768) == 16
+    assert one_lane_splits(10**6) == 64
+    for name in ("nvidia", "rdna3", "intel", "old"):
+        g = caps(name)
+        assert not policy.attention_kernel(options(c=g), g, "f32", 256, 4).startswith("attention_split_l1")

@@ -24,6 +24,10 @@ from hmad.core.tensors import QType
 Q8_MATVEC_LANES = 32  # invocations per row (LANES in mul_mat_vec_q8.comp)
 Q8_MATVEC_BLOCK = 128  # workgroup size: 4 lane groups
 Q8_MATVEC_ROWS = 2  # rows per lane group (NR) of the default layout: 8 rows per workgroup
+#: one-lane layouts (CPU implementations): 8 rows an invocation from this many rows (the LM head, a GeGLU
+#: pair), else 4: each x block an invocation loads then serves more rows, where a load costs tens of
+#: products; on fewer rows 8 would leave too few workgroups for the host threads (docs/tuning.md)
+ONE_LANE_WIDE_ROWS = 2048
 
 
 def xq_word_order(k: int) -> np.ndarray:
@@ -59,10 +63,10 @@ def q8_matvec_layout(t: int, n: int, k: int, geglu: bool = False, one_lane: bool
     workgroups (then K split over two lane groups). At 2..8 tokens, where the per-token work bounds the
     kernel: 4 rows a lane group from N = 4096, and K split over two lane groups when K >= 1024 and the
     workgroups would be under 512. A GeGLU pair stays at 2 rows (its NR 4 variants are not built).
-    ``one_lane`` (policy.q8_one_lane: a CPU implementation's many-row mat-vec): "_l1", each invocation two
-    whole rows, for a plain mat-vec."""
-    if one_lane and not geglu:
-        return "_l1"
+    ``one_lane`` (policy.q8_one_lane: a CPU implementation's mat-vecs): "_l8" from ONE_LANE_WIDE_ROWS rows,
+    else "_l4": each invocation 8 or 4 whole rows (of both weights for a GeGLU pair), whatever ``t``."""
+    if one_lane:
+        return "_l8" if n >= ONE_LANE_WIDE_ROWS else "_l4"
     nr = 4 if t > 1 and n >= 4096 and not geglu else 2
     groups = n / (Q8_MATVEC_BLOCK // Q8_MATVEC_LANES * nr)
     split = groups < 128 if t == 1 else groups < 512 and k >= 1024

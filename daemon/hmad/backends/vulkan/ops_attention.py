@@ -24,7 +24,11 @@ from hmad.backends.vulkan.push import (
     KvWritePush,
     NormRopeKvPush,
 )
-from hmad.backends.vulkan.shapes import ATTENTION_PREFILL_TILE, attention_prefill_groups
+from hmad.backends.vulkan.shapes import (
+    ATTENTION_ONE_LANE_BLOCK,
+    ATTENTION_PREFILL_TILE,
+    attention_prefill_groups,
+)
 
 # the attention kernels' limits: a head's values (a multiple of 4: vec4s) and query heads per KV head
 ATTENTION_MAX_HEAD_DIM = 256
@@ -32,6 +36,9 @@ ATTENTION_MAX_GROUP = 8
 # deterministic mode: the split count of every bucket (the partials are T x H x splits x (Dh + 4) floats: at
 # 512 tokens of the 27B, 136 MB)
 DETERMINISTIC_SPLITS = 16
+# attention_split_l1 (CPU implementations): the most keys of one split (llvmpipe ends a shader's loops after
+# 65,535 passes in all; the shader makes about 150 a chunk of 8 keys: some 3,400 keys)
+ONE_LANE_MAX_KEYS = 2048
 
 
 def attention_limits(head_dim: int, group: int) -> str | None:
@@ -87,7 +94,12 @@ def attend(ctx: RecordContext, q: Act, hkv: int, layer: int, window: int | None,
     info_off = meta.info_global if pool == "global" else meta.info_local
     pool_t, _ = KV_DTYPES[opt.kv_dtype]
     tiles = policy.prefill_kernel(opt, ctx.caps, pool_t, dh, g) if meta.max_tiles else None
-    splits = attention_splits(opt, t, h, hkv, bool(tiles))
+    kern = policy.attention_kernel(opt, ctx.caps, pool_t, dh, g)
+    one_lane = kern.startswith("attention_split_l1")
+    per_group = ATTENTION_ONE_LANE_BLOCK if one_lane else 1  # items a workgroup
+    splits = attention_splits(opt, t, h, hkv, bool(tiles), per_group)
+    if one_lane:  # keys of a split bounded: the most a row of this layer can see
+        splits = max(splits, one_lane_splits(window or lay.n_global_blocks * lay.block_size))
     part = ctx.new((t, h, splits, dh + 4))  # (m, l, padding, acc): shaders/attention_part.glsl
     binds = [q.view, kp, vp, ctx.meta_gpu, part.view]
     push = AttentionSplitPush(
@@ -95,7 +107,7 @@ def attend(ctx: RecordContext, q: Act, hkv: int, layer: int, window: int | None,
         *(meta.positions, meta.seq, info_off, scale, meta.tiled if tiles else 0, opt.attention_min_keys),
         meta.visible,
     )
-    ctx.dispatch(policy.attention_kernel(opt, ctx.caps, pool_t, dh, g), binds, push, t * hkv * splits)
+    ctx.dispatch(kern, binds, push, -(-t * hkv * splits // per_group))
     if tiles:  # the tiles' rows (the kernel above skipped them), into the same partials
         push = AttentionPrefillPush(
             *(meta.max_tiles, h, hkv, dh, h * dh, splits, lay.block_size, window or 0),
@@ -105,19 +117,28 @@ def attend(ctx: RecordContext, q: Act, hkv: int, layer: int, window: int | None,
     return reduce_splits(ctx, part, t, h, dh, splits)
 
 
-def attention_splits(opt: VulkanOptions, t: int, h: int, hkv: int, tiled: bool) -> int:
+def attention_splits(opt: VulkanOptions, t: int, h: int, hkv: int, tiled: bool, per_group: int = 1) -> int:
     """Key splits per (row, KV head) of a step of ``t`` rows: about ``attention_target`` workgroups at small
-    batches (a split takes at least min_keys keys, so splits past the sequence's length / min_keys exit at
-    once; the partials stay ~attention_target * G * Dh floats). With prefill tiles (``tiled``), as many as
+    batches, a workgroup ``per_group`` splits (attention_split_l1's invocations; a split takes at least
+    min_keys keys, so splits past the sequence's length / min_keys exit at once; the partials stay
+    ~attention_target * per_group * G * Dh floats). With prefill tiles (``tiled``), as many as
     the tiles want (a tile's workgroup per 32 query vectors and split, for about
     ``attention_prefill_target`` workgroups: the long causal rows of a prompt's last tiles spread).
     Deterministic mode: DETERMINISTIC_SPLITS (a row's split boundaries then depend on its position only)."""
     if opt.deterministic:
         return DETERMINISTIC_SPLITS
-    splits = -(-opt.attention_target // (t * hkv))
+    splits = -(-opt.attention_target * per_group // (t * hkv))
     if tiled:
         splits = max(splits, -(-opt.attention_prefill_target // max(1, t * h // ATTENTION_PREFILL_TILE)))
     return max(1, min(ATTENTION_MAX_SPLITS, splits))
+
+
+def one_lane_splits(keys: int) -> int:
+    """The fewest splits of attention_split_l1 over rows of up to ``keys`` keys (ONE_LANE_MAX_KEYS a split,
+    at most ATTENTION_MAX_SPLITS: 131,072 keys, Gemma 3's context, with room to spare up to the shader's
+    ~3,400 a split); the same for every step of a process, so deterministic mode's split boundaries stay
+    its position's."""
+    return min(ATTENTION_MAX_SPLITS, -(-keys // ONE_LANE_MAX_KEYS))
 
 
 def reduce_splits(ctx: RecordContext, part: Act, t: int, h: int, dh: int, splits: int) -> Act:

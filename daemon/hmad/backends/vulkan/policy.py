@@ -23,6 +23,7 @@ from hmad.backends.vulkan.variants import (
     ATTENTION_DECODE_DPL,
     ATTENTION_DECODE_GROUPS,
     ATTENTION_DECODE_KL_GROUPS,
+    ATTENTION_ONE_LANE_GROUPS,
     ATTENTION_PREFILL_CM_DH,
     ATTENTION_PREFILL_DPL,
 )
@@ -52,10 +53,10 @@ PREFETCH_AUTO_BYTES = 8 << 20
 #: workgroups a split-K dispatch aims for per host thread of a CPU implementation: a few, so that the
 #: threads finish together, without the empty splits a GPU-sized target leaves (tuning: CPU drivers)
 CPU_GROUPS_PER_THREAD = 4
-#: on a CPU implementation, int8 mat-vecs of this many rows or more (the LM head) run one invocation per row
-#: group ("_l1"): its SIMD runs invocations side by side, and 32 lanes on one row's short K sit idle and
-#: then add through shared memory (tuning: matvec_one_lane_rows)
-CPU_ONE_LANE_MIN_ROWS = 32768
+#: on a CPU implementation, int8 mat-vecs of this many rows or more (all of them) run one invocation per
+#: row group ("_l4", "_l8"): its SIMD runs invocations side by side, and 32 lanes on one row's short K sit
+#: idle and then add through shared memory (tuning: matvec_one_lane_rows)
+CPU_ONE_LANE_MIN_ROWS = 1
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,7 @@ def q8_path(o: VulkanOptions, c: DeviceCaps, t: int, w: Weight) -> bool:
 
 
 def q8_one_lane(o: VulkanOptions, n: int) -> bool:
-    """Whether the int8 mat-vec of an N-row weight runs one invocation per row group (``_l1``)."""
+    """Whether the int8 mat-vec of an N-row weight runs one invocation per row group (``_l4``, ``_l8``)."""
     return bool(o.matvec_one_lane_rows) and n >= o.matvec_one_lane_rows
 
 
@@ -197,9 +198,10 @@ def mmq_for(o: VulkanOptions, c: DeviceCaps, t: int, w: Weight) -> bool:
 
 def fused_tail(o: VulkanOptions, c: DeviceCaps, t: int, w: Weight) -> bool:
     """Whether a matmul of ``t`` tokens on ``w`` can run the one-token int8 mat-vec with a fused tail (not
-    in deterministic mode, which never runs the one-token variants): W in one bind range, its output a
-    whole number of 64-value groups."""
-    if not (t == 1 and not o.deterministic and q8_path(o, c, t, w)):
+    in deterministic mode, which never runs the one-token variants; not in the one-lane layouts, whose
+    workgroups hold more rows than a tail's 32): W in one bind range, its output a whole number of 64-value
+    groups."""
+    if not (t == 1 and not o.deterministic and q8_path(o, c, t, w)) or q8_one_lane(o, w.shape[0]):
         return False
     return w.nbytes <= c.max_range and w.shape[0] % 64 == 0
 
@@ -249,12 +251,15 @@ def workgroup_target(target: int, parallel: int | None) -> int:
 
 
 def attention_kernel(o: VulkanOptions, c: DeviceCaps, pool_t: str, dh: int, g: int) -> str:
-    """attention_decode_kl (8 lanes per key) for heads of up to 128 dims and G <= 4 on a GPU with subgroup
-    shuffles, else attention_decode (a key's dims over the whole subgroup) with subgroup arithmetic where a
-    variant holds the head; else attention_split (also on CPU implementations such as lavapipe, where the
-    subgroup kernels' per-invocation arrays run ~4x slower)."""
+    """attention_split_l1 (one invocation per row, KV head and split, no shared memory or barrier) on CPU
+    implementations such as lavapipe, where a workgroup's barriers and shared-memory loads cost more than
+    its products; attention_decode_kl (8 lanes per key) for heads of up to 128 dims and G <= 4 on a GPU with
+    subgroup shuffles, else attention_decode (a key's dims over the whole subgroup) with subgroup arithmetic
+    where a variant holds the head; else attention_split."""
     sub = c.subgroup_size
-    if c.is_cpu or sub < 8 or 256 // sub > 32:
+    if c.is_cpu:
+        return f"attention_split_l1_{pool_t}_g{next(m for m in ATTENTION_ONE_LANE_GROUPS if g <= m)}"
+    if sub < 8 or 256 // sub > 32:
         return f"attention_split_{pool_t}"
     if o.attention_kl and c.subgroup_shuffle and sub % 8 == 0 and dh % 4 == 0:
         mg = next((m for m in ATTENTION_DECODE_KL_GROUPS if g <= m), None)
@@ -272,9 +277,9 @@ def prefill_kernel(o: VulkanOptions, c: DeviceCaps, pool_t: str, dh: int, g: int
     """attention_prefill's variant for this head shape: on cooperative matrices (attention_prefill_cm)
     where the GEMM runs on them and a variant has the head dims, else the scalar one; None where the device
     or the shape allows neither (8-lane shuffle clusters inside subgroups; G dividing the 32 rows of a
-    tile; Dh / 4 dividing 256)."""
+    tile; Dh / 4 dividing 256), and on CPU implementations, where attention_split_l1 takes every row."""
     sub = c.subgroup_size
-    if not c.subgroup_shuffle or sub < 8 or sub % 8 or ATTENTION_PREFILL_TILE % g:
+    if c.is_cpu or not c.subgroup_shuffle or sub < 8 or sub % 8 or ATTENTION_PREFILL_TILE % g:
         return None
     if o.attention_cm and coopmat_on(o, c) and dh in ATTENTION_PREFILL_CM_DH:
         return f"attention_prefill_cm_{pool_t}_d{dh}"

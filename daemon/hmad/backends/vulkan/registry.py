@@ -16,7 +16,7 @@ from hmad.backends.vulkan.kernels_coopmat import coopmat_variant
 from hmad.backends.vulkan.kernels_matmul import MATMUL_BLOCK, MATMUL_REG_BLOCK, MATVEC_BLOCK, UNIT_BLOCK
 from hmad.backends.vulkan.kernels_mmq import MMQ_BLOCK
 from hmad.backends.vulkan.kernels_q8 import Q8_MATVEC_BLOCK
-from hmad.backends.vulkan.shapes import RESIDUAL_BLOCK
+from hmad.backends.vulkan.shapes import ATTENTION_ONE_LANE_BLOCK, RESIDUAL_BLOCK
 from hmad.backends.vulkan.variants import VARIANTS, Variant
 from hmad.backends.vulkan.vision_push import VISION_SOURCES
 
@@ -45,6 +45,7 @@ SOURCES: dict[str, tuple[type[ctypes.Structure], int]] = {
     "attention_prefill.comp": (p.AttentionPrefillPush, 256),
     "attention_prefill_cm.comp": (p.AttentionPrefillPush, 128),
     "attention_split.comp": (p.AttentionSplitPush, 256),
+    "attention_split_l1.comp": (p.AttentionSplitPush, ATTENTION_ONE_LANE_BLOCK),
     "attention_reduce.comp": (p.AttentionReducePush, 256),
     "argmax.comp": (p.ArgmaxPush, 256),
     "topk.comp": (p.TopkPush, 256),

@@ -33,6 +33,8 @@ def topk_chunk(vocab: int, chunks: int) -> int:
 #: attention_prefill.comp: query vectors (tile rows x query heads of a KV head) per workgroup ...
 ATTENTION_PREFILL_QV = 32
 ATTENTION_PREFILL_TILE = TILE_ROWS  # ... and rows of a tile
+#: attention_split_l1.comp (CPU implementations): (token, KV head, split) items a workgroup, one an invocation
+ATTENTION_ONE_LANE_BLOCK = 64
 
 
 def attention_prefill_groups(max_tiles: int, g: int, n_kv_heads: int, n_splits: int) -> int:

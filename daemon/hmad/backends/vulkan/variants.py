@@ -32,6 +32,7 @@ POOLS = (("f32", {}), ("f16", {"POOL_TYPE": "float16_t"}))
 ATTENTION_DECODE_DPL = (4, 8, 32)  # attention_decode.comp: head dims per lane (Dh <= DPL * subgroup size)
 ATTENTION_DECODE_GROUPS = (4, 8)  # ... and query heads per KV head it holds registers for
 ATTENTION_DECODE_KL_GROUPS = (2, 4)  # attention_decode_kl.comp (8 lanes per key, Dh <= 128): query heads
+ATTENTION_ONE_LANE_GROUPS = (1, 2, 4, 8)  # attention_split_l1.comp: query heads per KV head its arrays hold
 ATTENTION_PREFILL_DPL = (8, 16, 32)  # attention_prefill.comp: head dims per lane (Dh <= 8 DPL)
 ATTENTION_PREFILL_CM_DH = (64, 128, 256)  # attention_prefill_cm.comp: the head dims it is built for
 #: vision_attention.comp: head sizes with a variant of their own (Gemma 3's SigLIP: 72), and the most the
@@ -59,14 +60,15 @@ UNIT_VARIANTS = (
 )
 #: layouts of the int8 mat-vec (mul_mat_vec_q8.comp): name suffix -> (NR rows per lane group, KS lane
 #: groups per row group, splitting the rows' K between them); built for T <= 8 tokens, and the
-#: Q8_T1_LAYOUTS for one token too (``_t1``); GeGLU variants at NR 2 only (at NR 4 and 8 tokens their
-#: reduction would need 32.1 KiB of shared memory, over the 32 KiB lavapipe and some GPUs allow)
-Q8_LAYOUTS = {"": (2, 1), "_k2": (2, 2), "_r4": (4, 1), "_r4k2": (4, 2), "_l1": (2, 1)}
-Q8_T1_LAYOUTS = ("", "_k2", "_l1")
-#: layouts whose lane groups are not 32 lanes wide: "_l1", one invocation per row group (each its own
-#: rows' whole K, no reduction across lanes): for CPU implementations, whose SIMD runs invocations side by
-#: side (kernels_q8.q8_matvec_layout)
-Q8_LANES = {"_l1": 1}
+#: Q8_T1_LAYOUTS for one token too (``_t1``); GeGLU variants at NR 2 and in the one-lane layouts only (at
+#: NR 4 and 8 tokens their reduction would need 32.1 KiB of shared memory, over the 32 KiB lavapipe and
+#: some GPUs allow; the one-lane layouts reduce nothing)
+Q8_LAYOUTS = {"": (2, 1), "_k2": (2, 2), "_r4": (4, 1), "_r4k2": (4, 2), "_l4": (4, 1), "_l8": (8, 1)}
+Q8_T1_LAYOUTS = ("", "_k2", "_l4", "_l8")
+#: layouts whose lane groups are not 32 lanes wide: "_l4" and "_l8", one invocation per 4 or 8 rows (each
+#: its rows' whole K, no reduction across lanes): for CPU implementations, whose SIMD runs invocations side
+#: by side (kernels_q8.q8_matvec_layout)
+Q8_LANES = {"_l4": 1, "_l8": 1}
 #: fused tails of the one-token int8 mat-vec (in the Q8_T1_LAYOUTS): suffix -> (the variant it extends,
 #: defines, bindings). "_t1_qo" (GeGLU): its output's q8 form for the down projection (XQ, XD, N / 32
 #: counters, y again)
@@ -135,7 +137,7 @@ def q8_matvec_variants() -> list[tuple[str, dict[str, str]]]:
     out = []
     for lay, (nr, _) in Q8_LAYOUTS.items():
         d = _q8_defines(lay)
-        for geglu, g in (("", {}), ("_geglu", {"GEGLU": "1"}))[: 1 if nr > 2 or lay in Q8_LANES else 2]:
+        for geglu, g in (("", {}), ("_geglu", {"GEGLU": "1"}))[: 2 if nr <= 2 or lay in Q8_LANES else 1]:
             out.append((f"{geglu}{lay}", {**g, **d}))
             if lay in Q8_T1_LAYOUTS:
                 out.append((f"{geglu}{lay}_t1", {**g, **d, "MAX_T": "1u"}))
@@ -208,6 +210,10 @@ def _elementwise() -> list[Variant]:
 def _attention() -> list[Variant]:
     """Attention over the paged KV pool: split (decode and prefill kernels), then the reduce."""
     out = [Variant(f"attention_split_{p}", "attention_split.comp", d, 5) for p, d in POOLS]
+    for pool, d in POOLS:
+        for mg in ATTENTION_ONE_LANE_GROUPS:
+            defs = {"MAX_GROUP": f"{mg}u", **d}
+            out.append(Variant(f"attention_split_l1_{pool}_g{mg}", "attention_split_l1.comp", defs, 5))
     for pool, d in POOLS:
         for dpl in ATTENTION_DECODE_DPL:
             for mg in ATTENTION_DECODE_GROUPS:

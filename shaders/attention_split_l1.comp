@@ -1,0 +1,166 @@
+#version 450
+// attention_split.comp for CPU implementations (Mesa lavapipe / llvmpipe): the same pass 1 of the split-K
+// attention over the paged KV cache, the same key splits (attention_part.glsl: split_keys) and the same
+// partials (m, l, acc[Dh]) for attention_reduce.comp, but one invocation per (token, KV head, split), with no
+// shared memory and no barrier. A CPU driver runs invocations side by side in SIMD and
+// pays tens of products for a buffer load and a suspension of the whole workgroup for a barrier, so here each
+// invocation keeps its G query heads and their outputs in its own arrays, reads each key's K and V row once
+// for all G heads, and goes KC keys at a time: the KC x G scores, the running max and its correction once per
+// chunk, then the outputs (docs/tuning.md, "Large steps without cooperative matrices").
+// Every row takes this kernel on such a device (policy.prefill_kernel gives no tiles there), so skip_off is
+// read as in attention_split.comp but the tile rows it names are none.
+// One workgroup is BLOCK_SIZE items (ops_attention.attend dispatches ceil(T Hkv splits / BLOCK_SIZE)).
+// Host asserts: Dh <= MAX_HEAD_DIM, Dh % 4 == 0, G <= MAX_GROUP (a variant per group bound: the arrays).
+#include "common.glsl"
+#ifndef POOL_TYPE
+#define POOL_TYPE float
+#endif
+#define MAX_HEAD_DIM 256u
+#ifndef MAX_GROUP
+#define MAX_GROUP 8u
+#endif
+#ifndef KC
+#define KC 8u  // keys a chunk
+#endif
+#define D4 (MAX_HEAD_DIM / 4u)
+#define DU 8u  // vec4s of a key's row a loop pass
+
+layout(binding = 0) readonly buffer Q { vec4 q4[]; };
+layout(binding = 1) readonly buffer KP { POOL_TYPE k_pool[]; };
+layout(binding = 2) readonly buffer VP { POOL_TYPE v_pool[]; };
+layout(binding = 3) readonly buffer Meta { uint meta[]; };
+layout(binding = 4) writeonly buffer Part { float part[]; };
+
+layout(push_constant) uniform Push {
+    uint n_tokens;
+    uint n_heads;     // H
+    uint n_kv_heads;  // Hkv (divides H)
+    uint head_dim;    // Dh
+    uint q_stride;    // elements between tokens of q (a multiple of 4)
+    uint n_splits;
+    uint block_size;  // B: positions per KV block
+    uint window;      // 0: global; else the sliding window W
+    uint pos_off;     // meta sections (word offsets)
+    uint seq_off;
+    uint info_off;
+    float scale;
+    uint skip_off;    // 0, or the per-row tile flags (attention_split.comp's); rows flagged 1 are skipped
+    uint min_keys;    // unused: a split takes at least KC keys
+    uint vis_off;     // 0, or the meta section of per-row last visible keys (paged_kv.glsl: last_key)
+} p;
+
+#include "paged_kv.glsl"
+#include "attention_part.glsl"
+
+vec4 kv4(uint base, uint d4, bool is_v) {
+    const uint e = base + 4u * d4;
+    if (is_v) return vec4(v_pool[e], v_pool[e + 1u], v_pool[e + 2u], v_pool[e + 3u]);
+    return vec4(k_pool[e], k_pool[e + 1u], k_pool[e + 2u], k_pool[e + 3u]);
+}
+
+void main() {
+    const uint item = group_index() * BLOCK_SIZE + gl_LocalInvocationID.x;
+    const uint c = item % p.n_splits, rest = item / p.n_splits;
+    const uint kvh = rest % p.n_kv_heads, t = rest / p.n_kv_heads;
+    if (t >= p.n_tokens || tiled_row(t)) return;
+    const uint G = p.n_heads / p.n_kv_heads, h0 = kvh * G, n4 = p.head_dim / 4u;
+    uint c0, c1, tab, tab_len;
+    split_keys(t, c, KC, c0, c1, tab, tab_len);
+    if (c0 >= c1) {  // an empty split or a padding row: m = -inf, l = 0 (pass 2 gives it no weight)
+        [[unroll]] for (uint g = 0u; g < MAX_GROUP; ++g) {
+            if (g < G) {
+                part[part_base(t, h0 + g, c)] = NEG_INF;
+                part[part_base(t, h0 + g, c) + 1u] = 0.0;
+            }
+        }
+        return;
+    }
+    const uint row = p.n_kv_heads * p.head_dim, kvo = kvh * p.head_dim, B = p.block_size;
+
+    // llvmpipe ends a loop after 65,535 passes over all of an invocation's loops (its guard against endless
+    // shaders): the loops over a key's dimensions go DU vec4s a pass (about 150 passes a chunk of KC keys,
+    // about 1,000 outside the chunks), and the host keeps a split under ONE_LANE_MAX_KEYS keys
+    // (ops_attention.attention_splits).
+    vec4 qv[MAX_GROUP * D4];  // (g, d4): the G query heads
+    vec4 acc[MAX_GROUP * D4];
+    float m_run[MAX_GROUP], l_run[MAX_GROUP];
+    [[unroll]] for (uint g = 0u; g < MAX_GROUP; ++g) {
+        const uint qb = (t * p.q_stride + (h0 + min(g, G - 1u)) * p.head_dim) / 4u;
+        for (uint d = 0u; d < D4; ++d) {
+            qv[g * D4 + d] = d < n4 ? q4[qb + d] : vec4(0.0);
+            acc[g * D4 + d] = vec4(0.0);
+        }
+        m_run[g] = NEG_INF;
+        l_run[g] = 0.0;
+    }
+    for (uint base = c0; base < c1; base += KC) {
+        uint slot[KC];
+        float s[KC * MAX_GROUP];  // (key, g): scores, then probabilities; keys past c1 weigh 0
+        for (uint j = 0u; j < KC; ++j) {
+            const bool live = base + j < c1;
+            slot[j] = kv_slot(tab, tab_len, live ? base + j : c0, B) * row + kvo;
+            vec4 dot4[MAX_GROUP];
+            [[unroll]] for (uint g = 0u; g < MAX_GROUP; ++g) dot4[g] = vec4(0.0);
+            for (uint d0 = 0u; d0 < n4; d0 += DU) {
+                [[unroll]] for (uint e = 0u; e < DU; ++e) {
+                    const uint d = d0 + e;
+                    if (d < n4) {
+                        const vec4 kd = kv4(slot[j], d, false);
+                        [[unroll]] for (uint g = 0u; g < MAX_GROUP; ++g) dot4[g] += qv[g * D4 + d] * kd;
+                    }
+                }
+            }
+            [[unroll]] for (uint g = 0u; g < MAX_GROUP; ++g) {
+                const float sc = (dot4[g].x + dot4[g].y + dot4[g].z + dot4[g].w) * p.scale;
+                s[j * MAX_GROUP + g] = live ? sc : NEG_INF;
+            }
+        }
+        float corr[MAX_GROUP];
+        [[unroll]] for (uint g = 0u; g < MAX_GROUP; ++g) {
+            float mt = m_run[g];
+            [[unroll]] for (uint j = 0u; j < KC; ++j) mt = max(mt, s[j * MAX_GROUP + g]);
+            corr[g] = exp(m_run[g] - mt);  // mt finite: key base is live
+            float sum = 0.0;
+            [[unroll]] for (uint j = 0u; j < KC; ++j) {
+                s[j * MAX_GROUP + g] = exp(s[j * MAX_GROUP + g] - mt);
+                sum += s[j * MAX_GROUP + g];
+            }
+            l_run[g] = l_run[g] * corr[g] + sum;
+            m_run[g] = mt;
+        }
+        for (uint d0 = 0u; d0 < n4; d0 += DU) {
+            [[unroll]] for (uint e = 0u; e < DU; ++e) {
+                [[unroll]] for (uint g = 0u; g < MAX_GROUP; ++g) acc[g * D4 + d0 + e] *= corr[g];
+            }
+        }
+        for (uint j = 0u; j < KC; ++j) {
+            for (uint d0 = 0u; d0 < n4; d0 += DU) {
+                [[unroll]] for (uint e = 0u; e < DU; ++e) {
+                    const uint d = d0 + e;
+                    if (d < n4) {
+                        const vec4 vd = kv4(slot[j], d, true);
+                        [[unroll]] for (uint g = 0u; g < MAX_GROUP; ++g)
+                            acc[g * D4 + d] += s[j * MAX_GROUP + g] * vd;
+                    }
+                }
+            }
+        }
+    }
+    [[unroll]] for (uint g = 0u; g < MAX_GROUP; ++g) {
+        if (g < G) {
+            const uint pb = part_base(t, h0 + g, c);
+            part[pb] = m_run[g];
+            part[pb + 1u] = l_run[g];
+            for (uint d = 0u; d < D4; ++d) {
+                if (d < n4) {
+                    const vec4 a = acc[g * D4 + d];
+                    const uint e = pb + PART_ACC + 4u * d;
+                    part[e] = a.x;
+                    part[e + 1u] = a.y;
+                    part[e + 2u] = a.z;
+                    part[e + 3u] = a.w;
+                }
+            }
+        }
+    }
+}
