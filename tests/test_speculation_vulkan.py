@@ -29,14 +29,18 @@ def tiny(tmp_path_factory):
     model.backend.close()
 
 
-def test_greedy_identical_with_and_without_speculation(tiny):
+def test_greedy_identical_with_and_without_speculation(tiny, monkeypatch):
     """Deterministic mode: the same logits row by row whether a step holds one token of a sequence or its
     token and drafts, so the same argmax (the plain run's on the device, pipelined; the speculating run's
-    on the host from whole rows); the rejected drafts' KV positions are written again."""
+    on the device too, a pick per row: no whole row comes to the host); the rejected drafts' KV positions
+    are written again."""
     params = dataclasses.replace(GREEDY, max_tokens=12)
+    whole = []
+    monkeypatch.setattr(tiny, "forward", lambda batch, f=tiny.forward: whole.append(batch) or f(batch))
     off, on, st = both(tiny, lambda: requests(prompts(2), params), max_seqs=2)  # (both: no block held after)
     assert on == off
     assert st["accepted"] > 0 and st["rolled_back"] > 0, st
+    assert not whole, f"{len(whole)} steps read whole rows"
 
 
 def test_from_pipelined_steps_to_speculating_ones(tiny):

@@ -35,7 +35,8 @@ ends otherwise (end of turn, a stop string) or that is cancelled meanwhile compu
 n + 1: the row is dropped, its KV blocks are freed, nothing is committed from it. A step that needs host
 logits (a grammar, a repetition penalty, top-k off) waits for the step in flight first; so does every
 step while a request that may speculate runs within ``speculation.max_batch`` (engine/speculation: its
-drafts come from the tokens of the step in flight, and its rows come whole to the host). The device runs the
+drafts come from the tokens of the step in flight; its rows come whole to the host, or only their argmax
+when every request of the step is greedy without adjustments). The device runs the
 steps in submission order, so KV blocks freed on the host while a step is in flight are only rewritten by
 later steps.
 
@@ -279,10 +280,13 @@ class Scheduler:
     def _forward_and_sample(self, parts: list[Part], drafts: dict[int, list[int]]) -> list[Event]:
         batch = StepBatch.build([(s, toks, want) for _, s, toks, want in parts], self.layout.block_size)
         wanting = [r for r, _, _, want in parts if want]
-        if drafts:  # verified on the host from whole rows (engine/speculation/speculator.py)
+        if drafts:  # verified from each row's pick (engine/speculation/speculator.py)
+            if self.planner.greedy_on_device(wanting) and not any(r.params.adjusts for r in wanting):
+                ids = self._forward(self.model.forward_argmax, batch)  # (S_out,): a token a logits row
+                return self.speculator.take_ids(self.tokens, wanting, ids, drafts)
             return self.speculator.take(
                 self.tokens, wanting, self._forward(self.model.forward, batch), drafts
-            )
+            )  # whole rows (S_out, V) to the host
         if self.planner.greedy_on_device(wanting):
             return self.tokens.take_ids(wanting, self._forward(self.model.forward_argmax, batch))  # (S_out,)
         if self.planner.topk_on_device(wanting):

@@ -2,8 +2,9 @@
 
 A step (engine/scheduler.py) asks ``propose`` for the drafts of the running sequences; a decoding sequence
 with drafts d_1..d_k feeds ``[last token, d_1, .., d_k]`` and gets a logits row for each of the k + 1
-positions (engine/planning.py, ``StepPlanner.plan``'s ``drafts``). ``take`` then walks a sequence's rows in
-order: row j's token is taken exactly as a step without speculation takes one (engine/tokens.py: the
+positions (engine/planning.py, ``StepPlanner.plan``'s ``drafts``). ``take`` (whole rows) or ``take_ids``
+(the device's argmax of each row: a step of greedy requests without adjustments) then walks a sequence's
+rows in order: row j's token is taken exactly as a step without speculation takes one (engine/tokens.py: the
 grammar mask, the sampler with every setting of the request, stop strings, limits), and the walk goes on
 to row j + 1 only while that token is d_(j+1) and the request is not finished. So:
 
@@ -123,21 +124,38 @@ class Speculator:
         for r in reqs:
             rows, at = logits[at : at + r.step_rows], at + r.step_rows
             d = drafts.get(r.id)
-            events += self._verify(tokens, r, rows, d) if d else tokens.sample([r], rows)
+            take = lambda j, r=r, rows=rows: tokens.sample([r], rows[j][None])  # noqa: E731
+            events += self._verify(take, r, len(rows), d) if d else tokens.sample([r], rows)
         if at != len(logits):
             raise ValueError(f"{len(logits)} logit rows for {at} wanted")
         return events
 
-    def _verify(self, tokens, r: Request, rows: np.ndarray, drafts: list[int]) -> list[Event]:
-        """``r``'s tokens from its rows (k + 1, V) of a step that fed it its last token and ``drafts``: a
-        row's token is taken as without speculation, and the next row read while it is the draft there."""
-        drafts = drafts[: len(rows) - 1]
-        n0 = r.n_cached - len(rows)  # the position of its last token, the step's first
+    def take_ids(
+        self, tokens, reqs: list[Request], ids: np.ndarray, drafts: dict[int, list[int]]
+    ) -> list[Event]:
+        """As :meth:`take`, from the device's pick of each row (S_out,): greedy requests without
+        adjustments (the scheduler's choice), whose rows then never come whole to the host."""
+        events, at = [], 0
+        for r in reqs:
+            row_ids, at = ids[at : at + r.step_rows], at + r.step_rows
+            d = drafts.get(r.id)
+            take = lambda j, r=r, row_ids=row_ids: tokens.take_ids([r], row_ids[j : j + 1])  # noqa: E731
+            events += self._verify(take, r, len(row_ids), d) if d else tokens.take_ids([r], row_ids)
+        if at != len(ids):
+            raise ValueError(f"{len(ids)} picked rows for {at} wanted")
+        return events
+
+    def _verify(self, take, r: Request, n_rows: int, drafts: list[int]) -> list[Event]:
+        """``r``'s tokens from its ``n_rows`` = k + 1 rows of a step that fed it its last token and
+        ``drafts``: ``take(j)`` takes row j's token as without speculation, and the next row is read while
+        it is the draft there."""
+        drafts = drafts[: n_rows - 1]
+        n0 = r.n_cached - n_rows  # the position of its last token, the step's first
         events, m = [], 0
         r.step_rows = 1
-        for j, row in enumerate(rows):
+        for j in range(n_rows):
             before = len(r.output_ids)
-            events += tokens.sample([r], row[None])
+            events += take(j)
             hit = j < len(drafts) and len(r.output_ids) > before and r.output_ids[-1] == drafts[j]
             m += hit
             if not hit or r.state is State.FINISHED:
