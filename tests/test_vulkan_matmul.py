@@ -145,9 +145,9 @@ def test_q8_matvec_layouts():
         assert f"_{qtype.name.lower()}" in name and ("MAX_T" in d) == ("_t1" in name)
         assert ("QOUT" in d) == name.endswith("_qo"), name
         # the lanes' partial sums in shared memory (red[LANES][GROUPS * NACC + 1] floats) fit the 32 KiB
-        # that lavapipe and some GPUs allow
+        # that lavapipe and some GPUs allow (the one-lane layouts have none: each invocation its rows)
         nacc = (2 if "GEGLU" in d else 1) * nr * (1 if "MAX_T" in d else 8)
-        assert 32 * (Q8_MATVEC_BLOCK // 32 * nacc + 1) * 4 <= 32768, name
+        assert "ONE_LANE" in d or 32 * (Q8_MATVEC_BLOCK // 32 * nacc + 1) * 4 <= 32768, name
     shapes = [(8192, 5376), (5376, 4096), (21504, 5376), (5376, 21504), (1536, 640), (2048, 640), (640, 2048)]
     shapes += [(640, 1024)]
     for t in range(1, 9):
