@@ -318,10 +318,13 @@ def run_peer(a, tmp: Path) -> dict:
     gguf = gguf_file(str(resolve_model_path(a.model_file)), tmp)
     k = str(a.k_max)
     configs = {"off": []}
+    new = "--spec-draft-n-max" in env_help  # (later releases renamed --draft-max and the n-gram sizes)
     if "--spec-type" in env_help and "ngram-simple" in env_help:
-        configs["ngram"] = ["--spec-type", "ngram-simple", "--draft-max", k]
+        size_m = ["--spec-ngram-simple-size-m", k] if "--spec-ngram-simple-size-m" in env_help else []
+        configs["ngram"] = ["--spec-type", "ngram-simple", *(size_m if new else ["--draft-max", k])]
     if "--model-draft" in env_help:
-        configs["draft"] = ["-md", gguf, "--draft-max", k, "--draft-min", "0"]
+        n_max, n_min = ("--spec-draft-n-max", "--spec-draft-n-min") if new else ("--draft-max", "--draft-min")
+        configs["draft"] = ["-md", gguf, n_max, k, n_min, "0"]
         configs["draft"] += ["-ngld", "999"] if "-ngld" in env_help else []
     out: dict = {"help_has": {"ngram": "ngram" in configs, "draft": "draft" in configs}}
     if "ngram" not in configs:
