@@ -10,12 +10,13 @@ grow for it, while the same request left to the default drafts.
 
 from __future__ import annotations
 
+import gateway_harness as harness
 import httpx
 import ollama
 import openai
 import pytest
 from daemon_harness import Daemon
-from gateway_harness import CLEAN_EXIT, KEY, TINY_NAME, Gateway
+from gateway_harness import KEY, TINY_NAME, Gateway
 from tiny_gguf import MIXED, make_tiny_gguf
 
 from hmaclient import Client, cli
@@ -34,13 +35,7 @@ def daemon(tmp_path_factory):
     assert d.stop() == 0, d.log_text()
 
 
-@pytest.fixture(scope="module")
-def gateway(daemon, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("gateway")
-    (tmp / "key").write_text(KEY + "\n")
-    g = Gateway(daemon.socket, tmp, "--api-key-file", str(tmp / "key"))
-    yield g
-    assert g.stop() in CLEAN_EXIT, g.log_path.read_text()
+gateway = harness.gateway  # the gateway harness's, in front of this module's daemon
 
 
 def drafted(daemon: Daemon) -> int:
