@@ -94,8 +94,7 @@ def attend(ctx: RecordContext, q: Act, hkv: int, layer: int, window: int | None,
     info_off = meta.info_global if pool == "global" else meta.info_local
     pool_t, _ = KV_DTYPES[opt.kv_dtype]
     tiles = policy.prefill_kernel(opt, ctx.caps, pool_t, dh, g) if meta.max_tiles else None
-    kern = policy.attention_kernel(opt, ctx.caps, pool_t, dh, g)
-    one_lane = kern.startswith("attention_split_l1")
+    one_lane = policy.attention_one_lane(ctx.caps)
     per_group = ATTENTION_ONE_LANE_BLOCK if one_lane else 1  # items a workgroup
     splits = attention_splits(opt, t, h, hkv, bool(tiles), per_group)
     if one_lane:  # keys of a split bounded: the most a row of this layer can see
@@ -107,6 +106,7 @@ def attend(ctx: RecordContext, q: Act, hkv: int, layer: int, window: int | None,
         *(meta.positions, meta.seq, info_off, scale, meta.tiled if tiles else 0, opt.attention_min_keys),
         meta.visible,
     )
+    kern = policy.attention_kernel(opt, ctx.caps, pool_t, dh, g)
     ctx.dispatch(kern, binds, push, -(-t * hkv * splits // per_group))
     if tiles:  # the tiles' rows (the kernel above skipped them), into the same partials
         push = AttentionPrefillPush(

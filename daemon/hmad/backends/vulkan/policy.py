@@ -250,14 +250,19 @@ def workgroup_target(target: int, parallel: int | None) -> int:
     return target if parallel is None else min(target, CPU_GROUPS_PER_THREAD * parallel)
 
 
+def attention_one_lane(c: DeviceCaps) -> bool:
+    """Whether every attention row runs attention_split_l1 (one invocation per row, KV head and split): on
+    CPU implementations such as lavapipe, where a workgroup's barriers and shared-memory loads cost more
+    than its products (then no prefill tiles)."""
+    return c.is_cpu
+
+
 def attention_kernel(o: VulkanOptions, c: DeviceCaps, pool_t: str, dh: int, g: int) -> str:
-    """attention_split_l1 (one invocation per row, KV head and split, no shared memory or barrier) on CPU
-    implementations such as lavapipe, where a workgroup's barriers and shared-memory loads cost more than
-    its products; attention_decode_kl (8 lanes per key) for heads of up to 128 dims and G <= 4 on a GPU with
-    subgroup shuffles, else attention_decode (a key's dims over the whole subgroup) with subgroup arithmetic
-    where a variant holds the head; else attention_split."""
+    """attention_split_l1 where :func:`attention_one_lane`; attention_decode_kl (8 lanes per key) for heads
+    of up to 128 dims and G <= 4 on a GPU with subgroup shuffles, else attention_decode (a key's dims over
+    the whole subgroup) with subgroup arithmetic where a variant holds the head; else attention_split."""
     sub = c.subgroup_size
-    if c.is_cpu:
+    if attention_one_lane(c):
         return f"attention_split_l1_{pool_t}_g{next(m for m in ATTENTION_ONE_LANE_GROUPS if g <= m)}"
     if sub < 8 or 256 // sub > 32:
         return f"attention_split_{pool_t}"
@@ -277,9 +282,9 @@ def prefill_kernel(o: VulkanOptions, c: DeviceCaps, pool_t: str, dh: int, g: int
     """attention_prefill's variant for this head shape: on cooperative matrices (attention_prefill_cm)
     where the GEMM runs on them and a variant has the head dims, else the scalar one; None where the device
     or the shape allows neither (8-lane shuffle clusters inside subgroups; G dividing the 32 rows of a
-    tile; Dh / 4 dividing 256), and on CPU implementations, where attention_split_l1 takes every row."""
+    tile; Dh / 4 dividing 256), and where attention_split_l1 takes every row (:func:`attention_one_lane`)."""
     sub = c.subgroup_size
-    if c.is_cpu or not c.subgroup_shuffle or sub < 8 or sub % 8 or ATTENTION_PREFILL_TILE % g:
+    if attention_one_lane(c) or not c.subgroup_shuffle or sub < 8 or sub % 8 or ATTENTION_PREFILL_TILE % g:
         return None
     if o.attention_cm and coopmat_on(o, c) and dh in ATTENTION_PREFILL_CM_DH:
         return f"attention_prefill_cm_{pool_t}_d{dh}"
