@@ -7,6 +7,7 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -109,3 +110,23 @@ class Daemon:
         if not self.log.closed:  # after stop() the log is closed and complete
             self.log.flush()
         return self.log_path.read_text()
+
+
+def run_in_threads(fn, arg_tuples) -> None:
+    """``fn(*args)`` for each of ``arg_tuples``, each in a thread of its own, all started at once; after
+    every thread ended, the first exception one of them raised is raised here."""
+    errors: list[BaseException] = []
+
+    def guarded(*args) -> None:
+        try:
+            fn(*args)
+        except BaseException as e:  # re-raised in the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=a) for a in arg_tuples]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]

@@ -11,12 +11,11 @@ The plain mode is checked to differ, so that the mixes do reach the row-count-de
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
-from daemon_harness import Daemon
+from daemon_harness import Daemon, run_in_threads
 from determinism_harness import first_mismatch, mixed_schedule, rand_ids, run_schedule, solo_logits
 from gguf import GGMLQuantizationType as Q
 from tiny_gguf import MIXED, make_tiny_gguf
@@ -135,25 +134,14 @@ def query_all(socket: str, idx: list[int], n_new: int, clients: int) -> list[lis
     from hmaclient import Client
 
     out: dict[int, list[int]] = {}
-    errors: list[BaseException] = []
 
     def run(share: list[int]) -> None:
-        try:
-            with Client(socket, timeout=600) as c:
-                for i in share:
-                    r = c.generate(CASES[i]["prompt"], raw=True, max_tokens=n_new, temperature=0.0, stop=[])
-                    out[i] = r.token_ids
-        except BaseException as e:  # re-raised in the test's thread
-            errors.append(e)
+        with Client(socket, timeout=600) as c:
+            for i in share:
+                r = c.generate(CASES[i]["prompt"], raw=True, max_tokens=n_new, temperature=0.0, stop=[])
+                out[i] = r.token_ids
 
-    shares = [idx[j::clients] for j in range(clients)]
-    threads = [threading.Thread(target=run, args=(s,)) for s in shares]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    run_in_threads(run, [(idx[j::clients],) for j in range(clients)])
     return [out[i] for i in idx]
 
 

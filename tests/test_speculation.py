@@ -11,11 +11,10 @@ The sampled distribution is also checked against the model's own, computed exact
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import numpy as np
 import pytest
-from daemon_harness import Daemon
+from daemon_harness import Daemon, run_in_threads
 from tiny_gguf import make_tiny_gguf
 
 from hmad.composition import load_model
@@ -359,25 +358,13 @@ def ask_with_and_without(socket: str, texts: list[str], max_tokens: int) -> dict
     from hmaclient import Client
 
     out: dict = {}
-    errors: list[BaseException] = []
 
     def ask(i: int, speculate: bool) -> None:
-        try:
-            with Client(socket, timeout=120) as c:
-                r = c.generate(
-                    texts[i], raw=True, max_tokens=max_tokens, temperature=0.0, speculate=speculate
-                )
-                out[i, speculate] = (r.token_ids, r.text, r.finish_reason)
-        except BaseException as e:  # re-raised in the test's thread
-            errors.append(e)
+        with Client(socket, timeout=120) as c:
+            r = c.generate(texts[i], raw=True, max_tokens=max_tokens, temperature=0.0, speculate=speculate)
+            out[i, speculate] = (r.token_ids, r.text, r.finish_reason)
 
-    threads = [threading.Thread(target=ask, args=(i, s)) for i in range(len(texts)) for s in (True, False)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    run_in_threads(ask, [(i, s) for i in range(len(texts)) for s in (True, False)])
     return out
 
 
