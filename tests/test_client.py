@@ -412,6 +412,28 @@ def test_close_cancels_running_generations(hmad):
         c.ping()
 
 
+def test_close_ends_a_task_a_ctrl_c_left_behind(hmad):
+    """A Ctrl-C can land in Client._run after its task was scheduled and before it could be cancelled:
+    close() still ends that orphan before the loop closes (no "Task was destroyed but it is pending")."""
+    c = Client(hmad.socket)
+    astream = c._async.stream("x a", raw=True, max_tokens=LONG, id="orphan")
+    orphan = asyncio.run_coroutine_threadsafe(_drain(astream), c._loop)  # what an interrupted _run leaves
+    while c.status()["running"] == 0:
+        time.sleep(0.02)
+    c._run(astream.aclose())  # what the interrupted stream's cleanup then does: the request is abandoned
+    while c._async._pending:  # until the daemon's "cancelled" ends it: nothing will wake the orphan now
+        time.sleep(0.02)
+    c.close()
+    assert orphan.cancelled(), orphan.exception()
+    with Client(hmad.socket) as other:
+        wait_idle(other)
+
+
+async def _drain(astream):
+    async for _ in astream:
+        pass
+
+
 def test_duplicate_id_in_flight_is_refused_locally(hmad):
     async def main():
         async with AsyncClient(hmad.socket) as c, c.stream("x a", raw=True, max_tokens=LONG, id="dup") as s:

@@ -455,7 +455,7 @@ class Client:
             return
         self._closed = True
         try:
-            self._run(self._async.close())
+            self._run(_close_and_settle(self._async))
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
@@ -526,6 +526,17 @@ def _read_parts(i: int, m: Any) -> Any:
         for j, p in enumerate(m["content"])
     ]
     return {**m, "content": parts}
+
+
+async def _close_and_settle(client: AsyncClient) -> None:
+    """Close ``client``, then cancel every other task still on this loop and wait for them, as
+    ``asyncio.run`` does at its end. A Ctrl-C can land between two bytecodes of ``Client._run`` (after
+    its task was scheduled, before it could be cancelled); such an orphan must end before the loop closes."""
+    await client.close()
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in others:
+        task.cancel()
+    await asyncio.gather(*others, return_exceptions=True)
 
 
 async def _next_or_none(astream: AsyncIterator[Piece]) -> Piece | None:
