@@ -1,16 +1,19 @@
 #version 450
 // attention_split.comp for CPU implementations (Mesa lavapipe / llvmpipe): the same pass 1 of the split-K
 // attention over the paged KV cache, the same key splits (attention_part.glsl: split_keys) and the same
-// partials (m, l, acc[Dh]) for attention_reduce.comp, but one invocation per (token, KV head, split), with no
-// shared memory and no barrier. A CPU driver runs invocations side by side in SIMD and
-// pays tens of products for a buffer load and a suspension of the whole workgroup for a barrier, so here each
-// invocation keeps its G query heads and their outputs in its own arrays, reads each key's K and V row once
-// for all G heads, and goes KC keys at a time: the KC x G scores, the running max and its correction once per
-// chunk, then the outputs (docs/tuning.md, "Large steps without cooperative matrices").
+// partials (m, l, acc[Dh]) for attention_reduce.comp, but one invocation per item, with no shared memory and
+// no barrier. A CPU driver runs invocations side by side in SIMD and pays tens of products for a buffer load
+// and a suspension of the whole workgroup for a barrier, so here each invocation keeps its query heads and
+// their outputs in its own arrays, reads each key's K and V row once for all of them, and goes KC keys at a
+// time: the KC x G scores, the running max and its correction once per chunk, then the outputs
+// (docs/tuning.md, "Large steps without cooperative matrices").
+// An item is (token, KV head, slice, split): a KV head's G query heads go in slices of up to MAX_GROUP
+// (ceil(G / MAX_GROUP) slices, each reading the split's keys), so the arrays stay small, which keeps
+// llvmpipe's compile short (docs/tuning.md).
 // Every row takes this kernel on such a device (policy.prefill_kernel gives no tiles there), so skip_off is
 // read as in attention_split.comp but the tile rows it names are none.
-// One workgroup is BLOCK_SIZE items (ops_attention.attend dispatches ceil(T Hkv splits / BLOCK_SIZE)).
-// Host asserts: Dh <= MAX_HEAD_DIM, Dh % 4 == 0, G <= MAX_GROUP (a variant per group bound: the arrays).
+// One workgroup is BLOCK_SIZE items (ops_attention.attend dispatches ceil(T Hkv slices splits / BLOCK_SIZE)).
+// Host asserts: Dh <= MAX_HEAD_DIM, Dh % 4 == 0.
 #include "common.glsl"
 #ifndef POOL_TYPE
 #define POOL_TYPE float
@@ -60,10 +63,13 @@ vec4 kv4(uint base, uint d4, bool is_v) {
 
 void main() {
     const uint item = group_index() * BLOCK_SIZE + gl_LocalInvocationID.x;
+    const uint G_all = p.n_heads / p.n_kv_heads, slices = (G_all + MAX_GROUP - 1u) / MAX_GROUP;
     const uint c = item % p.n_splits, rest = item / p.n_splits;
-    const uint kvh = rest % p.n_kv_heads, t = rest / p.n_kv_heads;
+    const uint slice = rest % slices, rest2 = rest / slices;
+    const uint kvh = rest2 % p.n_kv_heads, t = rest2 / p.n_kv_heads;
     if (t >= p.n_tokens || tiled_row(t)) return;
-    const uint G = p.n_heads / p.n_kv_heads, h0 = kvh * G, n4 = p.head_dim / 4u;
+    const uint h0 = kvh * G_all + slice * MAX_GROUP, G = min(MAX_GROUP, G_all - slice * MAX_GROUP);
+    const uint n4 = p.head_dim / 4u;
     uint c0, c1, tab, tab_len;
     split_keys(t, c, KC, c0, c1, tab, tab_len);
     if (c0 >= c1) {  // an empty split or a padding row: m = -inf, l = 0 (pass 2 gives it no weight)

@@ -269,7 +269,7 @@ def test_geglu_on_fused_gate_up_rows_matches_reference(dev, kernels, gpu):
     [
         ("split", 32),
         ("split_l1", 32),
-        ("split_l1_g8", 32),
+        ("split_l1_g1", 32),
         ("decode", 32),
         ("decode", 1),
         ("decode_kl", 32),
@@ -290,10 +290,11 @@ def test_kv_write_and_paged_attention_match_reference(
     attention_decode_kl (8 lanes per key: 4 keys at once on a 32-wide subgroup, one on lavapipe's 8-wide
     ones; head dims up to 128); "decode_kl4": its 4-lane test variant, so that lavapipe's subgroups hold two
     keys and the merge of a subgroup's key clusters runs there too; "split_l1": attention_split_l1 (CPU
-    implementations: an invocation per row, KV head and split, 8 keys a chunk), with arrays for 2 query
-    heads a KV head, "split_l1_g8" for 8 (2 used). ``min_keys``: the keys a split of the
-    decode kernels takes at least (the backend's attention_min_keys; 1: a split of a key or two, every split
-    live; attention_split's splits take a tile of 16 keys whatever it says)."""
+    implementations: an invocation per row, KV head, slice and split, 8 keys a chunk), with arrays for
+    the 2 query heads a KV head; "split_l1_g1": arrays for 1, so each KV head's 2 heads go in 2 slices.
+    ``min_keys``: the keys a split of the decode kernels takes at least (the backend's attention_min_keys;
+    1: a split of a key or two, every split live; attention_split's splits take a tile of 16 keys whatever
+    it says)."""
     from hmad.backends.vulkan.push import AttentionReducePush, AttentionSplitPush, KvWritePush
 
     rng = np.random.default_rng(head_dim)
@@ -333,11 +334,12 @@ def test_kv_write_and_paged_attention_match_reference(
             pytest.skip("the 4-lane test variant is built for float32 pools")
         att_s = kernels(f"attention_decode_kl_{pool}_g2" + ("_l4" if lanes == 4 else ""))
     elif variant.startswith("split_l1"):
-        att_s = kernels(f"attention_split_l1_{pool}_g" + ("8" if variant.endswith("g8") else "2"))
+        att_s = kernels(f"attention_split_l1_{pool}_g" + ("1" if variant.endswith("g1") else "2"))
     else:
         att_s = kernels(f"attention_split_{pool}")
     per_group = ATTENTION_ONE_LANE_BLOCK if variant.startswith("split_l1") else 1  # items a workgroup
-    groups = att_s.groups_for(-(-(t + 1) * hkv * splits // per_group))
+    slices = 2 if variant == "split_l1_g1" else 1  # items a (row, KV head, split)
+    groups = att_s.groups_for(-(-(t + 1) * hkv * slices * splits // per_group))
     for layer, name, win in ((0, "global", None), (1, "local", window)):
         want = cpu.attention(q, k, v, layer, batch, win, scale)
         b_kp, b_vp = gpu.put(init[name][0]), gpu.put(init[name][1])

@@ -51,8 +51,8 @@ BYTES_PER_WEIGHT = {
 #: sha256 of the table the backend's methods made before the move (same grid, same serialization), with the
 #: changes made since on purpose, all in the lavapipe rows: no fused GeGLU tail, since every int8 mat-vec
 #: there is one-lane (24 entries, fused_tail True -> False); attention on attention_split_l1 and no prefill
-#: tiles (432 entries)
-DIGEST_BEFORE = "162ddeb6e3246800a25ca60cc940688fb071fb7ac098873676740265209efc97"
+#: tiles (432 entries); G = 8 on attention_split_l1's 4-head arrays in 2 slices, not 8-head ones (108)
+DIGEST_BEFORE = "7458bebba51ecadac97c9368ecf9fe4a41bc95dab4a551b82cf3d160b780a1fa"
 
 
 def caps(name: str, threads: int = 2) -> DeviceCaps:
@@ -173,7 +173,8 @@ def test_one_lane_matvec_on_cpu_implementations_only():
 
 
 def test_attention_on_cpu_implementations_one_lane_without_tiles():
-    """A CPU implementation's every attention row on attention_split_l1 (its arrays sized for G), with no
+    """A CPU implementation's every attention row on attention_split_l1 (its arrays sized for G, or for 4
+    heads of a slice where G is larger), with no
     prefill tiles, about attention_target workgroups of ATTENTION_ONE_LANE_BLOCK splits, and enough splits
     for ONE_LANE_MAX_KEYS keys a split; GPUs keep their subgroup kernels and tiles."""
     from hmad.backends.vulkan.ops_attention import ONE_LANE_MAX_KEYS, attention_splits, one_lane_splits
@@ -184,6 +185,8 @@ def test_attention_on_cpu_implementations_one_lane_without_tiles():
     assert policy.attention_kernel(o, c, "f32", 256, 4) == "attention_split_l1_f32_g4"
     assert policy.attention_kernel(o, c, "f16", 128, 3) == "attention_split_l1_f16_g4"
     assert policy.attention_kernel(o, c, "f32", 64, 1) == "attention_split_l1_f32_g1"
+    assert policy.attention_kernel(o, c, "f32", 256, 8) == "attention_split_l1_f32_g4"  # in 2 slices
+    assert [policy.attention_one_lane_heads(g) for g in (1, 2, 3, 4, 8)] == [1, 2, 4, 4, 4]
     assert policy.prefill_kernel(o, c, "f32", 256, 4) is None
     assert attention_splits(o, 6, 4, 1, False, ATTENTION_ONE_LANE_BLOCK) == 64  # 8 x 64 / 6, capped
     assert attention_splits(o, 512, 4, 1, False, ATTENTION_ONE_LANE_BLOCK) == 1

@@ -96,7 +96,8 @@ def attend(ctx: RecordContext, q: Act, hkv: int, layer: int, window: int | None,
     tiles = policy.prefill_kernel(opt, ctx.caps, pool_t, dh, g) if meta.max_tiles else None
     one_lane = policy.attention_one_lane(ctx.caps)
     per_group = ATTENTION_ONE_LANE_BLOCK if one_lane else 1  # items a workgroup
-    splits = attention_splits(opt, t, h, hkv, bool(tiles), per_group)
+    slices = -(-g // policy.attention_one_lane_heads(g)) if one_lane else 1  # items a (row, KV head, split)
+    splits = attention_splits(opt, t, h, hkv * slices, bool(tiles), per_group)
     if one_lane:  # keys of a split bounded: the most a row of this layer can see
         splits = max(splits, one_lane_splits(window or lay.n_global_blocks * lay.block_size))
     part = ctx.new((t, h, splits, dh + 4))  # (m, l, padding, acc): shaders/attention_part.glsl
@@ -107,7 +108,7 @@ def attend(ctx: RecordContext, q: Act, hkv: int, layer: int, window: int | None,
         meta.visible,
     )
     kern = policy.attention_kernel(opt, ctx.caps, pool_t, dh, g)
-    ctx.dispatch(kern, binds, push, -(-t * hkv * splits // per_group))
+    ctx.dispatch(kern, binds, push, -(-t * hkv * slices * splits // per_group))
     if tiles:  # the tiles' rows (the kernel above skipped them), into the same partials
         push = AttentionPrefillPush(
             *(meta.max_tiles, h, hkv, dh, h * dh, splits, lay.block_size, window or 0),
@@ -118,7 +119,8 @@ def attend(ctx: RecordContext, q: Act, hkv: int, layer: int, window: int | None,
 
 
 def attention_splits(opt: VulkanOptions, t: int, h: int, hkv: int, tiled: bool, per_group: int = 1) -> int:
-    """Key splits per (row, KV head) of a step of ``t`` rows: about ``attention_target`` workgroups at small
+    """Key splits per (row, KV head) of a step of ``t`` rows (``hkv``: a row's items, its KV heads times
+    attention_split_l1's slices of their query heads): about ``attention_target`` workgroups at small
     batches, a workgroup ``per_group`` splits (attention_split_l1's invocations; a split takes at least
     min_keys keys, so splits past the sequence's length / min_keys exit at once; the partials stay
     ~attention_target * per_group * G * Dh floats). With prefill tiles (``tiled``), as many as

@@ -257,13 +257,19 @@ def attention_one_lane(c: DeviceCaps) -> bool:
     return c.is_cpu
 
 
+def attention_one_lane_heads(g: int) -> int:
+    """The query heads an attention_split_l1 invocation holds where a KV head has ``g``: the smallest
+    variant that takes them all, else the largest (a KV head's heads then go in ceil(g / it) slices)."""
+    return next((m for m in ATTENTION_ONE_LANE_GROUPS if g <= m), ATTENTION_ONE_LANE_GROUPS[-1])
+
+
 def attention_kernel(o: VulkanOptions, c: DeviceCaps, pool_t: str, dh: int, g: int) -> str:
     """attention_split_l1 where :func:`attention_one_lane`; attention_decode_kl (8 lanes per key) for heads
     of up to 128 dims and G <= 4 on a GPU with subgroup shuffles, else attention_decode (a key's dims over
     the whole subgroup) with subgroup arithmetic where a variant holds the head; else attention_split."""
     sub = c.subgroup_size
     if attention_one_lane(c):
-        return f"attention_split_l1_{pool_t}_g{next(m for m in ATTENTION_ONE_LANE_GROUPS if g <= m)}"
+        return f"attention_split_l1_{pool_t}_g{attention_one_lane_heads(g)}"
     if sub < 8 or 256 // sub > 32:
         return f"attention_split_{pool_t}"
     if o.attention_kl and c.subgroup_shuffle and sub % 8 == 0 and dh % 4 == 0:

@@ -33,7 +33,7 @@ def topk_chunk(vocab: int, chunks: int) -> int:
 #: attention_prefill.comp: query vectors (tile rows x query heads of a KV head) per workgroup ...
 ATTENTION_PREFILL_QV = 32
 ATTENTION_PREFILL_TILE = TILE_ROWS  # ... and rows of a tile
-#: attention_split_l1.comp (CPU implementations): (token, KV head, split) items a workgroup, one an invocation
+#: attention_split_l1.comp (CPU implementations): (token, KV head, slice, split) items a workgroup
 ATTENTION_ONE_LANE_BLOCK = 64
 
 

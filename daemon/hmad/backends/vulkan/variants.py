@@ -32,7 +32,7 @@ POOLS = (("f32", {}), ("f16", {"POOL_TYPE": "float16_t"}))
 ATTENTION_DECODE_DPL = (4, 8, 32)  # attention_decode.comp: head dims per lane (Dh <= DPL * subgroup size)
 ATTENTION_DECODE_GROUPS = (4, 8)  # ... and query heads per KV head it holds registers for
 ATTENTION_DECODE_KL_GROUPS = (2, 4)  # attention_decode_kl.comp (8 lanes per key, Dh <= 128): query heads
-ATTENTION_ONE_LANE_GROUPS = (1, 2, 4, 8)  # attention_split_l1.comp: query heads per KV head its arrays hold
+ATTENTION_ONE_LANE_GROUPS = (1, 2, 4)  # attention_split_l1.comp: query heads its arrays hold (more: slices)
 ATTENTION_PREFILL_DPL = (8, 16, 32)  # attention_prefill.comp: head dims per lane (Dh <= 8 DPL)
 ATTENTION_PREFILL_CM_DH = (64, 128, 256)  # attention_prefill_cm.comp: the head dims it is built for
 #: vision_attention.comp: head sizes with a variant of their own (Gemma 3's SigLIP: 72), and the most the
