@@ -44,6 +44,8 @@ ALONE = (
     "tests/test_gateway_hardening.py::test_keep_alive_connection_gets_the_head_deadline_again",
     "tests/test_client.py::test_generate_timeout_cancels_and_raises",
     "tests/test_client.py::test_timeouts_while_queued_raise_and_cancel",
+    # a served connection's replies within 10 s while the daemon sheds a flood of 2,048 connections
+    "tests/test_hostile_connections.py::test_a_flood_of_connections_is_capped_and_served_clients_carry_on",
 )
 
 
