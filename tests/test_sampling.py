@@ -147,6 +147,25 @@ def test_nucleus_matches_full_sort_reference(scale):
         np.testing.assert_array_equal(np.sort(weights[kept]), np.sort(weights[order[:m]]))
 
 
+def test_nucleus_with_top_p_a_hair_under_one_keeps_everything_it_must():
+    """top_p the largest float under 1 over whole 262,144-token rows: the buckets' float64 sums can fall a
+    hair under top_p times the row's sum (another order of the same additions), which left the boundary
+    bucket empty and raised (the request fuzz's "taking the next token failed"). Now at least the
+    reference's shortest prefix reaching top_p of its own sum is kept (every bucket, in that case)."""
+    rng = np.random.default_rng(1)
+    top_p = float(np.nextafter(1.0, 0.0))
+    for _ in range(30):
+        logits = rng.normal(0.0, rng.choice([0.5, 2.0, 5.0]), 262_144).astype(np.float32)
+        weights = np.exp((logits - logits.max()) / np.float32(rng.choice([0.1, 1.0, 3.0])))
+        kept = _nucleus(weights, top_p)
+        order = np.argsort(-weights.astype(np.float64), kind="stable")
+        cum = np.cumsum(weights[order], dtype=np.float64)
+        m = min(int(np.searchsorted(cum, top_p * cum[-1])) + 1, len(weights))
+        assert len(kept) == len(set(kept.tolist())) >= m
+        assert weights[kept].sum(dtype=np.float64) >= top_p * cum[-1] * (1 - 1e-12)
+        assert 0 <= _sampler(top_p=top_p).pick(logits) < len(logits)  # a draw over the whole row
+
+
 def test_draw_never_picks_zero_weight_and_covers_blocks():
     weights = np.zeros(5000, dtype=np.float32)
     weights[[0, 1023, 1024, 4999]] = [1.0, 2.0, 3.0, 4.0]

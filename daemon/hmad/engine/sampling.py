@@ -365,6 +365,8 @@ def _nucleus(weights: np.ndarray, top_p: float) -> np.ndarray:
     upto = np.flatnonzero(key <= b)
     upto_key = key[upto]
     edge = upto[upto_key == b]
+    if not edge.size:  # the buckets' float64 sums fell a hair under target (top_p a hair under 1): all
+        return upto
     edge_w = weights[edge]
     if edge_w.min() < edge_w.max():  # when all are tied (flat logits) any order will do: no sort
         order = np.argsort(-edge_w)
