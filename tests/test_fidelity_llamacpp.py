@@ -26,6 +26,8 @@ from hmad.engine.scheduler import SchedulerConfig
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "llamacpp_greedy.json").read_text())
 CASES = FIXTURE["cases"]
 NEAR_TIE = 0.5  # logits; ggml's own roundings move this model's logits by ~0.05-0.2
+# one worker builds the module's model and greedy results (with -n 2 each worker built its own)
+pytestmark = pytest.mark.xdist_group("fidelity-llamacpp")
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
