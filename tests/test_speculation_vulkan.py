@@ -1,5 +1,6 @@
 """Speculative decoding on the Vulkan backend (lavapipe in CI): greedy answers identical with and without
-prompt lookup in deterministic mode, drafts both kept and rolled back, every KV block given back
+prompt lookup in deterministic mode, drafts both kept and rolled back, every KV block given back; without
+it, every greedy token the argmax of its teacher-forced logits
 (tests/test_speculation.py has the rest, on numpy). Kept small: lavapipe runs a step in a fraction of a
 second on 2 cores, and a step of drafts records a bucket of its own the first time."""
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from test_speculation import GREEDY, both, prompts, requests
+from test_speculation import GREEDY, LOOKUP, assert_teacher_forced, both, prompts, requests, run
 from tiny_gguf import MIXED, make_tiny_gguf
 from vk_harness import require_vulkan
 
@@ -41,6 +42,23 @@ def test_greedy_identical_with_and_without_speculation(tiny, monkeypatch):
     assert on == off
     assert st["accepted"] > 0 and st["rolled_back"] > 0, st
     assert not whole, f"{len(whole)} steps read whole rows"
+
+
+def test_plain_mode_teacher_forced(tmp_path):
+    """Without deterministic mode a step of drafts runs other kernels than a step of one token (as
+    batches do): every greedy token of a speculating run is the argmax of its sequence's logits computed
+    in one pass on the same device (teacher forced), or within 1e-4 of the row's scale of it."""
+    require_vulkan()
+    path = make_tiny_gguf(tmp_path / "tiny.gguf", seed=7, types=MIXED)
+    model = load_model(path, "vulkan", deterministic=False)
+    try:
+        ps = prompts(4)
+        events, sched = run(model, requests(ps, GREEDY), LOOKUP)
+        st = sched.status()["speculation"]
+        assert st["accepted"] > 0 and st["rolled_back"] > 0, st
+        assert_teacher_forced(model, events, ps)
+    finally:
+        model.backend.close()
 
 
 def test_from_pipelined_steps_to_speculating_ones(tiny):
