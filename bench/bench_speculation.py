@@ -400,22 +400,27 @@ def run_streams(a, tmp: Path) -> dict:
             return sum(toks) / (time.perf_counter() - t0)
 
     proc, sock = daemon(a, tmp, "speculation.mode=lookup", f"engine.max_seqs={a.streams}")
-    out = {"streams": a.streams, "gen": a.streams_gen}
+    out: dict = {"streams": a.streams, "gen": a.streams_gen, "off_runs": [], "lookup_runs": []}
     try:
-        for salt, (mode, speculate) in enumerate(
-            (("off", False), ("lookup", True), ("off", False), ("lookup", True))
-        ):
+        modes = [("off", False), ("lookup", True)] * (
+            1 + a.streams_reps
+        )  # alternated; the first pair untimed
+        for salt, (mode, speculate) in enumerate(modes):
             rate = asyncio.run(burst(sock, speculate, salt))
-            if salt >= 2:  # the first of each untimed
-                out[f"{mode}_tok_s"] = round(rate, 1)
+            if salt >= 2:
+                out[f"{mode}_runs"].append(round(rate, 1))
                 print(f"{a.streams} streams, speculation {mode}: {rate:.1f} tok/s", flush=True)
+        for mode in ("off", "lookup"):
+            out[f"{mode}_tok_s"] = round(float(np.median(out[f"{mode}_runs"])), 1)
         from hmaclient import Client
 
         with Client(sock) as c:
             out["speculation_status"] = c.status().get("speculation", {})
     finally:
         stop(proc)
-    out["ratio_on_off"] = round(out["lookup_tok_s"] / out["off_tok_s"], 3)
+    out["ratio_on_off"] = round(out["lookup_tok_s"] / out["off_tok_s"], 3)  # of the medians
+    pairs = zip(out["lookup_runs"], out["off_runs"], strict=True)
+    out["ratio_each_pair"] = [round(on / off, 3) for on, off in pairs]
     return out
 
 
@@ -462,6 +467,7 @@ def main() -> int:
     p.add_argument("--k-max", type=int, default=8)
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--streams-gen", type=int, default=128)
+    p.add_argument("--streams-reps", type=int, default=3, help="streams: timed off/on pairs, alternated")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     if a.model == "tiny":  # the smoke run's small sizes
