@@ -120,29 +120,26 @@ class Speculator:
     ) -> list[Event]:
         """Each request's token(s) from its ``r.step_rows`` logits rows (S_out, V), in order: a drafted
         request's verified (``_verify``), the others' as ``tokens.sample`` takes them."""
-        events, at = [], 0
-        for r in reqs:
-            rows, at = logits[at : at + r.step_rows], at + r.step_rows
-            d = drafts.get(r.id)
-            take = lambda j, r=r, rows=rows: tokens.sample([r], rows[j][None])  # noqa: E731
-            events += self._verify(take, r, len(rows), d) if d else tokens.sample([r], rows)
-        if at != len(logits):
-            raise ValueError(f"{len(logits)} logit rows for {at} wanted")
-        return events
+        return self._walk(reqs, logits, drafts, lambda r, rows: tokens.sample([r], rows), "logit rows")
 
     def take_ids(
         self, tokens, reqs: list[Request], ids: np.ndarray, drafts: dict[int, list[int]]
     ) -> list[Event]:
         """As :meth:`take`, from the device's pick of each row (S_out,): greedy requests without
         adjustments (the scheduler's choice), whose rows then never come whole to the host."""
+        return self._walk(reqs, ids, drafts, lambda r, rows: tokens.take_ids([r], rows), "picked rows")
+
+    def _walk(self, reqs: list[Request], rows: np.ndarray, drafts: dict[int, list[int]], take, what: str):
+        """``take(r, its rows)`` for each request over its ``r.step_rows`` of ``rows`` (logits rows or
+        picked ids), a drafted request's one row at a time through ``_verify``."""
         events, at = [], 0
         for r in reqs:
-            row_ids, at = ids[at : at + r.step_rows], at + r.step_rows
+            mine, at = rows[at : at + r.step_rows], at + r.step_rows
             d = drafts.get(r.id)
-            take = lambda j, r=r, row_ids=row_ids: tokens.take_ids([r], row_ids[j : j + 1])  # noqa: E731
-            events += self._verify(take, r, len(row_ids), d) if d else tokens.take_ids([r], row_ids)
-        if at != len(ids):
-            raise ValueError(f"{len(ids)} picked rows for {at} wanted")
+            one = lambda j, r=r, mine=mine: take(r, mine[j : j + 1])  # noqa: E731
+            events += self._verify(one, r, len(mine), d) if d else take(r, mine)
+        if at != len(rows):
+            raise ValueError(f"{len(rows)} {what} for {at} wanted")
         return events
 
     def _verify(self, take, r: Request, n_rows: int, drafts: list[int]) -> list[Event]:
