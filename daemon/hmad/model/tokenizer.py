@@ -43,6 +43,8 @@ from hmad.core.errors import UnencodableText
 
 SPACE_MARK = "\u2581"  # "▁", SentencePiece's escaped space
 _ASCII_SPACE = " \t\n\v\f\r"  # C isspace() in the "C" locale, used by LSTRIP/RSTRIP
+#: items of a per-character list built or freed in one C call: the GIL can change hands between slices
+GIL_SLICE = 1 << 16
 
 # Token texts llama.cpp treats as end-of-turn / end-of-generation when the GGUF names none
 # (llama_vocab::impl::load). It also forces the CONTROL attribute on them.
@@ -446,8 +448,7 @@ class SpmTokenizer(Tokenizer):
         """
         n = len(text)
         size = [1] * n
-        prev = list(range(-1, n - 1))
-        nxt = list(range(1, n + 1))
+        prev, nxt = _index_list(-1, n), _index_list(1, n)
         nxt[-1] = -1
         vocab, scores = self._to_id, self._scores
         heap: list[tuple[float, int, int, int]] = []
@@ -477,6 +478,7 @@ class SpmTokenizer(Tokenizer):
         while i != -1:
             self._emit(text[i : i + size[i]], out)
             i = nxt[i]
+        _free(prev, nxt)
 
     def _emit(self, piece: str, out: list[int]) -> None:
         """llama.cpp resegment(): a symbol in the vocab is one token; otherwise its UTF-8 bytes.
@@ -537,6 +539,22 @@ class SpmTokenizer(Tokenizer):
     def token_text(self, token_id: int) -> str:
         """The vocabulary entry of ``token_id`` as stored (U+2581 for spaces, ``<0xXX>`` for bytes)."""
         return self._text[token_id]
+
+
+def _index_list(start: int, n: int) -> list[int]:
+    """``list(range(start, start + n))``, built GIL_SLICE items at a time: over a megabyte prompt's million
+    characters one call would hold the GIL, and with it the socket loop, for tens of milliseconds."""
+    out: list[int] = []
+    for s in range(0, n, GIL_SLICE):
+        out.extend(range(start + s, start + min(n, s + GIL_SLICE)))
+    return out
+
+
+def _free(*lists: list) -> None:
+    """Empty ``lists`` GIL_SLICE items at a time (freeing a million ints at once holds the GIL as long)."""
+    for items in lists:
+        while items:
+            del items[-GIL_SLICE:]
 
 
 def _opt_int(x: Any) -> int | None:
