@@ -136,8 +136,8 @@ def test_q8_matvec_layouts():
     from hmad.backends.vulkan.registry import KERNELS
 
     built = {name: d for name, src, d in shader_build().BUILD if src == "mul_mat_vec_q8.comp"}
-    suffixes = q8_matvec_suffixes() + q8_tail_suffixes()
-    names = {f"mul_mat_vec_{x}_{t}{s}" for x in ("q8x", "x3") for t in UNIT_TYPES for s in suffixes}
+    suffixes = {t: q8_matvec_suffixes(t) + q8_tail_suffixes() for t in UNIT_TYPES}
+    names = {f"mul_mat_vec_{x}_{t}{s}" for x in ("q8x", "x3") for t in UNIT_TYPES for s in suffixes[t]}
     assert set(built) == names and all(KERNELS[n].source == "mul_mat_vec_q8.comp" for n in names)
     for name, d in built.items():
         qtype, (nr, ks) = q8_matvec_variant(name)

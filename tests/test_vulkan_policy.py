@@ -152,13 +152,16 @@ def test_options_are_checked_and_frozen():
 
 
 def test_one_lane_matvec_on_cpu_implementations_only():
-    """Every int8 mat-vec of a CPU implementation one invocation per row group: 8 rows an invocation on
-    the LM head and a GeGLU pair, 4 on smaller weights, one token or eight; no fused tail there; GPUs keep
-    32 lanes a row group; 0 turns it off, a row count keeps it to larger weights."""
+    """Every int8 mat-vec of a CPU implementation one invocation per row group: 16 rows an invocation on
+    a Q8_0 LM head (8 on one of another type, and on a GeGLU pair), 4 on smaller weights, one token or
+    eight; no fused tail there; GPUs keep 32 lanes a row group; 0 turns it off, a row count keeps it to
+    larger weights."""
     head, ffn, q = 262144, 2048, 1024
     cpu = policy.resolve(VulkanOptions(), caps("lavapipe"))
     assert all(policy.q8_one_lane(cpu, n) for n in (head, ffn, q, 1))
     for t in (1, 8):
+        assert q8_matvec_layout(t, head, 640, one_lane=True, t_name="q8_0") == "_l16"
+        assert q8_matvec_layout(t, head, 640, one_lane=True, t_name="q6_k") == "_l8"
         assert q8_matvec_layout(t, head, 640, one_lane=True) == "_l8"
         assert q8_matvec_layout(t, ffn, 640, geglu=True, one_lane=True) == "_l8"
         assert q8_matvec_layout(t, q, 640, one_lane=True) == "_l4"

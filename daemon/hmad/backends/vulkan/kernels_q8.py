@@ -13,6 +13,7 @@ from hmad.backends.vulkan.kernels_matmul import MATVEC_MAX_T, UNIT_TYPES, row_ra
 from hmad.backends.vulkan.push import MatMulPush
 from hmad.backends.vulkan.variants import (  # noqa: F401 (Q8_T1_LAYOUTS: read here by the benchmarks)
     Q8_LANES,
+    Q8_LAYOUT_TYPES,
     Q8_LAYOUTS,
     Q8_T1_LAYOUTS,
     Q8_TAILS,
@@ -28,6 +29,9 @@ Q8_MATVEC_ROWS = 2  # rows per lane group (NR) of the default layout: 8 rows per
 #: pair), else 4: each x block an invocation loads then serves more rows, where a load costs tens of
 #: products; on fewer rows 8 would leave too few workgroups for the host threads (docs/tuning.md)
 ONE_LANE_WIDE_ROWS = 2048
+#: ... and 16 rows an invocation from this many (a vocabulary's LM head; never a GeGLU pair): fewer loads of
+#: x again, where on 8 rows they took two thirds of the LM head's time (docs/tuning.md)
+ONE_LANE_HEAD_ROWS = 65536
 
 
 def xq_word_order(k: int) -> np.ndarray:
@@ -51,21 +55,28 @@ def q8_tail_suffixes() -> list[str]:
     return [suffix for suffix, _, _ in q8_tail_variants()]  # q8 out: after a GeGLU
 
 
-def q8_matvec_suffixes() -> list[str]:
-    """The name suffixes (after the weight type) of the int8 mat-vec variants: [_geglu] layout [_t1]."""
-    return [suffix for suffix, _ in q8_matvec_variants()]
+def q8_matvec_suffixes(t_name: str) -> list[str]:
+    """The name suffixes (after the weight type) of weight type ``t_name``'s int8 mat-vec variants:
+    [_geglu] layout [_t1]."""
+    return [suffix for suffix, _ in q8_matvec_variants(t_name)]
 
 
-def q8_matvec_layout(t: int, n: int, k: int, geglu: bool = False, one_lane: bool = False) -> str:
+def q8_matvec_layout(
+    t: int, n: int, k: int, geglu: bool = False, one_lane: bool = False, t_name: str = ""
+) -> str:
     """The layout (a :data:`Q8_LAYOUTS` suffix) of the int8 mat-vec for ``t`` tokens of an N × K weight:
     the fastest measured at the 27B and 270M layer shapes (bench/bench_vulkan_matvec_layouts.py; the times
     are in docs/tuning.md). At one token 2 rows a lane group on one lane group, unless that leaves under 128
     workgroups (then K split over two lane groups). At 2..8 tokens, where the per-token work bounds the
     kernel: 4 rows a lane group from N = 4096, and K split over two lane groups when K >= 1024 and the
     workgroups would be under 512. A GeGLU pair stays at 2 rows (its NR 4 variants are not built).
-    ``one_lane`` (policy.q8_one_lane: a CPU implementation's mat-vecs): "_l8" from ONE_LANE_WIDE_ROWS rows,
-    else "_l4": each invocation 8 or 4 whole rows (of both weights for a GeGLU pair), whatever ``t``."""
+    ``one_lane`` (policy.q8_one_lane: a CPU implementation's mat-vecs): "_l16" from ONE_LANE_HEAD_ROWS rows
+    (not a GeGLU pair; weight types ``t_name`` it is built for: Q8_LAYOUT_TYPES), "_l8" from
+    ONE_LANE_WIDE_ROWS, else "_l4": each invocation 16, 8 or 4 whole rows (of both weights for a GeGLU
+    pair), whatever ``t``."""
     if one_lane:
+        if n >= ONE_LANE_HEAD_ROWS and not geglu and t_name in Q8_LAYOUT_TYPES["_l16"]:
+            return "_l16"
         return "_l8" if n >= ONE_LANE_WIDE_ROWS else "_l4"
     nr = 4 if t > 1 and n >= 4096 and not geglu else 2
     groups = n / (Q8_MATVEC_BLOCK // Q8_MATVEC_LANES * nr)

@@ -142,14 +142,16 @@ def matvec_q8(
     xq, xd = q8(ctx, x)
     planes = ctx.options.planes
     x_name = "x3" if planes == 3 else "q8x"
-    base = f"mul_mat_vec_{x_name}_{policy.type_name(ws[0].qtype, UNIT_TYPES)}" + (
-        "_geglu" if len(ws) > 1 else ""
-    )
-    fixed = ctx.options.deterministic  # one layout, never _t1: the same reduction order for every row count
+    t_name = policy.type_name(ws[0].qtype, UNIT_TYPES)
+    base = f"mul_mat_vec_{x_name}_{t_name}" + ("_geglu" if len(ws) > 1 else "")
+    one_lane = policy.q8_one_lane(ctx.options, n)
+    # deterministic: one layout, never _t1, so that a row sums in the same order whatever the row count; a
+    # one-lane layout's rows sum their units in order whatever the tokens, so there _t1 keeps the bits
+    fixed = ctx.options.deterministic and not one_lane
     for t0 in range(0, t, MATVEC_MAX_T):
         tc = min(MATVEC_MAX_T, t - t0)
-        one_lane = policy.q8_one_lane(ctx.options, n)
-        lay = q8_matvec_layout(MATVEC_MAX_T if fixed else tc, n, k, geglu=len(ws) > 1, one_lane=one_lane)
+        t_lay = MATVEC_MAX_T if fixed else tc
+        lay = q8_matvec_layout(t_lay, n, k, geglu=len(ws) > 1, one_lane=one_lane, t_name=t_name)
         kern = ctx.kernel(base + lay + ("" if fixed else policy.t1(tc)) + suffix)
         xq_rows = rows(xq.view, t0, tc, planes * k)
         chunk = [xq_rows, rows(xd.view, t0, tc, k // 4), rows(y.view, t0, tc, 4 * n)]

@@ -60,15 +60,28 @@ UNIT_VARIANTS = (
 )
 #: layouts of the int8 mat-vec (mul_mat_vec_q8.comp): name suffix -> (NR rows per lane group, KS lane
 #: groups per row group, splitting the rows' K between them); built for T <= 8 tokens, and the
-#: Q8_T1_LAYOUTS for one token too (``_t1``); GeGLU variants at NR 2 and in the one-lane layouts only (at
-#: NR 4 and 8 tokens their reduction would need 32.1 KiB of shared memory, over the 32 KiB lavapipe and
-#: some GPUs allow; the one-lane layouts reduce nothing)
-Q8_LAYOUTS = {"": (2, 1), "_k2": (2, 2), "_r4": (4, 1), "_r4k2": (4, 2), "_l4": (4, 1), "_l8": (8, 1)}
-Q8_T1_LAYOUTS = ("", "_k2", "_l4", "_l8")
-#: layouts whose lane groups are not 32 lanes wide: "_l4" and "_l8", one invocation per 4 or 8 rows (each
-#: its rows' whole K, no reduction across lanes): for CPU implementations, whose SIMD runs invocations side
-#: by side (kernels_q8.q8_matvec_layout)
-Q8_LANES = {"_l4": 1, "_l8": 1}
+#: Q8_T1_LAYOUTS for one token too (``_t1``)
+Q8_LAYOUTS = {
+    "": (2, 1),
+    "_k2": (2, 2),
+    "_r4": (4, 1),
+    "_r4k2": (4, 2),
+    "_l4": (4, 1),
+    "_l8": (8, 1),
+    "_l16": (16, 1),
+}
+Q8_T1_LAYOUTS = ("", "_k2", "_l4", "_l8", "_l16")
+#: layouts whose lane groups are not 32 lanes wide: "_l4", "_l8" and "_l16", one invocation per 4, 8 or 16
+#: rows (each its rows' whole K, no reduction across lanes): for CPU implementations, whose SIMD runs
+#: invocations side by side (kernels_q8.q8_matvec_layout)
+Q8_LANES = {"_l4": 1, "_l8": 1, "_l16": 1}
+#: layouts with GeGLU variants: NR 2, and the one-lane layouts that a GeGLU pair takes (at NR 4 and 8 tokens
+#: the reduction would need 32.1 KiB of shared memory, over the 32 KiB lavapipe and some GPUs allow; the
+#: one-lane layouts reduce nothing; "_l16" is for vocabulary-sized weights only)
+Q8_GEGLU_LAYOUTS = ("", "_k2", "_l4", "_l8")
+#: layouts built for some weight types only: "_l16" for the LM head types of the models hmad ships (the
+#: embedded 270M's Q8_0 token embedding); other types' LM heads take "_l8"
+Q8_LAYOUT_TYPES = {"_l16": ("q8_0",)}
 #: fused tails of the one-token int8 mat-vec (in the Q8_T1_LAYOUTS): suffix -> (the variant it extends,
 #: defines, bindings). "_t1_qo" (GeGLU): its output's q8 form for the down projection (XQ, XD, N / 32
 #: counters, y again)
@@ -132,12 +145,13 @@ def coopmat_layout_variant(
     return f"{bt}x{bn}_s{sg_t}x{sg_n}" + tail, d
 
 
-def q8_matvec_variants() -> list[tuple[str, dict[str, str]]]:
-    """(name suffix after the type, defines) of every int8 mat-vec variant: [_geglu] layout [_t1]."""
+def q8_matvec_variants(t_name: str) -> list[tuple[str, dict[str, str]]]:
+    """(name suffix after the type, defines) of every int8 mat-vec variant of weight type ``t_name``:
+    [_geglu] layout [_t1]."""
     out = []
-    for lay, (nr, _) in Q8_LAYOUTS.items():
+    for lay in (lay for lay in Q8_LAYOUTS if t_name in Q8_LAYOUT_TYPES.get(lay, (t_name,))):
         d = _q8_defines(lay)
-        for geglu, g in (("", {}), ("_geglu", {"GEGLU": "1"}))[: 2 if nr <= 2 or lay in Q8_LANES else 1]:
+        for geglu, g in (("", {}), ("_geglu", {"GEGLU": "1"}))[: 2 if lay in Q8_GEGLU_LAYOUTS else 1]:
             out.append((f"{geglu}{lay}", {**g, **d}))
             if lay in Q8_T1_LAYOUTS:
                 out.append((f"{geglu}{lay}_t1", {**g, **d, "MAX_T": "1u"}))
@@ -281,7 +295,7 @@ def _matvec() -> list[Variant]:
     out = []
     for x, planes in (("q8x", {}), ("x3", {"PLANES": "3"})):
         for t in UNIT_TYPE_NAMES:
-            tails = [(s, d, 4 + ("_geglu" in s)) for s, d in q8_matvec_variants()] + q8_tail_variants()
+            tails = [(s, d, 4 + ("_geglu" in s)) for s, d in q8_matvec_variants(t)] + q8_tail_variants()
             for suffix, extra, n_buffers in tails:
                 defs = {f"TYPE_{t.upper()}": "1", **planes, **extra}
                 out.append(Variant(f"mul_mat_vec_{x}_{t}{suffix}", "mul_mat_vec_q8.comp", defs, n_buffers))
