@@ -51,6 +51,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "daemon"), str(ROOT / "client"), str(ROOT / "bench"), str(ROOT / "tests")]
 
+from bench_lavapipe_step import _option  # noqa: E402
+
 from hmad.composition import load_model  # noqa: E402
 from hmad.core.batch import SeqSlice, StepBatch  # noqa: E402
 from hmad.engine.kvcache import KVCacheManager, KVLayout  # noqa: E402
@@ -114,7 +116,7 @@ def step_timer(model, context: int, max_chunk: int = 16):
 
 
 def run_verify(a, tmp: Path) -> dict:
-    model = load_model(model_file(a.target, "27b", tmp, 7), a.backend)
+    model = load_model(model_file(a.target, "27b", tmp, 7), a.backend, **a.options)
     timed = step_timer(model, a.context)
     out = {"model": model.path, "decode_argmax_ms": 1e3 * timed(1, False, a.reps), "verify_ms": {}}
     out["verify_argmax_ms"] = {}  # greedy requests' verification: each row's argmax on the device
@@ -132,7 +134,7 @@ def run_verify(a, tmp: Path) -> dict:
 
 
 def run_draft(a, tmp: Path) -> dict:
-    model = load_model(model_file(a.draft, "270m", tmp, 8), a.backend)
+    model = load_model(model_file(a.draft, "270m", tmp, 8), a.backend, **a.options)
     ms = 1e3 * step_timer(model, a.context)(1, False, a.reps)
     print(f"draft decode step (batch 1): {ms:.3f} ms", flush=True)
     model.backend.close()
@@ -469,7 +471,9 @@ def main() -> int:
     p.add_argument("--streams-gen", type=int, default=128)
     p.add_argument("--streams-reps", type=int, default=3, help="streams: timed off/on pairs, alternated")
     p.add_argument("--json", default=None)
+    p.add_argument("--option", action="append", default=[], help="verify/draft: a Vulkan option, NAME=VALUE")
     a = p.parse_args()
+    a.options = dict(_option(o) for o in a.option)
     if a.model == "tiny":  # the smoke run's small sizes
         a.target, a.draft = "tiny", "tiny"
     parts = set(a.parts.split(","))

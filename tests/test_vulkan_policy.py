@@ -51,8 +51,9 @@ BYTES_PER_WEIGHT = {
 #: sha256 of the table the backend's methods made before the move (same grid, same serialization), with the
 #: changes made since on purpose, all in the lavapipe rows: no fused GeGLU tail, since every int8 mat-vec
 #: there is one-lane (24 entries, fused_tail True -> False); attention on attention_split_l1 and no prefill
-#: tiles (432 entries); G = 8 on attention_split_l1's 4-head arrays in 2 slices, not 8-head ones (108)
-DIGEST_BEFORE = "7458bebba51ecadac97c9368ecf9fe4a41bc95dab4a551b82cf3d160b780a1fa"
+#: tiles (432 entries); G = 8 on attention_split_l1's 4-head arrays in 2 slices, not 8-head ones (108);
+#: and in the nvidia and rdna3 rows, the exact path's 2-token steps on the int8 GEMM (mmq_min_tokens 2: 6)
+DIGEST_BEFORE = "40750005c29f15199066d9b3f62ab2cf63631f00c74bc54e40907996c4175eb1"
 
 
 def caps(name: str, threads: int = 2) -> DeviceCaps:
@@ -123,8 +124,10 @@ def test_prefill_on_coopmat_gpus_and_register_tiles_on_cpu():
 def test_int8_gemm_where_the_device_has_it():
     big = weight(QType.Q4_K, 21504, 5376)
     c = caps("nvidia")
-    o = replace(options(c=c), coopmat_min_tokens=9)  # the float16 GEMM from 9 tokens: 3..8 on the int8 one
-    assert [policy.mmq_for(o, c, t, big) for t in (2, 3, 8)] == [False, True, True]
+    o = replace(options(c=c), coopmat_min_tokens=9)  # the float16 GEMM from 9 tokens: 2..8 on the int8 one
+    assert [policy.mmq_for(o, c, t, big) for t in (1, 2, 3, 8)] == [False, True, True, True]
+    assert not policy.mmq_for(replace(o, mmq_min_tokens=3), c, 2, big)
+    assert policy.mmq_for(options(c=c), c, 2, big)  # the defaults: bucket 2 on the int8 GEMM, 4+ on float16
     assert not policy.mmq_for(replace(o, mmq="off"), c, 8, big)
     assert not policy.mmq_for(replace(o, matvec="int8"), c, 8, big)
     assert not policy.mmq_for(o, caps("intel"), 8, big)

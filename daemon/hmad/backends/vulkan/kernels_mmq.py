@@ -11,7 +11,7 @@ blocks whose sums a subgroup stores and scales together, and ``_fb`` for all MR 
 
 Kernels with NB 8 (``_n8``) run 16 × 8 products where the device has them (NVIDIA does): at up to 8 tokens
 half the products and half the sums to scale. The backend runs it for exact-path steps of
-``vulkan.mmq_min_tokens`` (default 3) tokens up to those the float16 GEMM takes, on big Q4_K weights
+``vulkan.mmq_min_tokens`` (default 2) tokens up to those the float16 GEMM takes, on big Q4_K weights
 (policy.mmq_for): about half the x3 mat-vec's time at 3-8 tokens of the 27B shapes, even at 2
 (docs/tuning.md).
 

@@ -32,7 +32,7 @@ class VulkanOptions:
     coopmat: str = "auto"  # auto | off: the cooperative-matrix GEMM where the device has it
     coopmat_min_tokens: int = 4  # decode batches of this many tokens or more on it (at least 2)
     mmq: str = "auto"  # auto | off: the exact path's int8 cooperative-matrix GEMM
-    mmq_min_tokens: int = 3  # steps of this many tokens or more on it (at least 2)
+    mmq_min_tokens: int = 2  # steps of this many tokens or more on it (at least 2)
     fuse: bool | str = True  # FUSIONS: all, none, or (to measure them one by one) a "+"-joined subset
     prefetch_bytes: int | None = None  # weights read ahead into the GPU's cache at decode (None: auto)
     step_timeout_s: float = 600.0  # a step's fence not signalled by then: a GPU hang
