@@ -200,7 +200,7 @@ def test_mmq_matches_float64(dev, gpu, kernels, split):
     target = 4096 if split else 1
     for name in _layouts(dev, mk):
         kern = kernels(name)
-        for t in (1, 5, 8, 16, 19):
+        for t in (1, 2, 5, 8, 16, 19):
             want = c.x[:t] @ c.wref[0].T
             args = (c.ws[0], c.xq, c.xd, c.y, k, n, t)
             got = c.run(dev, _recorder(record_mmq, kern, reduce, *args, c.part, target=target), t)
