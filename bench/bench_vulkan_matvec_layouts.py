@@ -124,6 +124,9 @@ def run_shape(dev, up, sh: Shape, x_name: str, args, copy_gbps: float) -> list[d
     ref = reference(sh.x, sh.wref, sh.geglu)
     lays = [lay for lay, (nr, _) in km.Q8_LAYOUTS.items() if nr == 2 or not sh.geglu]  # GeGLU: NR 2 only
     cases = [(1, lay) for lay in km.Q8_T1_LAYOUTS] + [(T_MAX, lay) for lay in lays]
+    built = set(km.q8_matvec_suffixes(sh.qtype.name.lower()))  # (some layouts: some types only)
+    geglu = "_geglu" if sh.geglu else ""
+    cases = [(t, lay) for t, lay in cases if f"{geglu}{lay}{'_t1' if t == 1 else ''}" in built]
     runs: dict[tuple[int, str], list[dict]] = {c: [] for c in cases}
     for t, lay in cases + cases[::-1]:
         runs[t, lay].append(time_case(dev, up, sh, ref, base + lay + ("_t1" if t == 1 else ""), t, args))
