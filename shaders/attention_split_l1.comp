@@ -12,12 +12,12 @@
 // llvmpipe's compile short (docs/tuning.md).
 // Every row takes this kernel on such a device (policy.prefill_kernel gives no tiles there), so skip_off is
 // read as in attention_split.comp but the tile rows it names are none.
+// q, K and V are storage texel buffers (rgba32f; rgba16f for float16 pools: POOL_F16), read a vec4 at a time
+// with imageLoad, which a CPU implementation fetches for all its SIMD lanes at once (a storage-buffer load
+// goes lane by lane there: physical.texel_loads).
 // One workgroup is BLOCK_SIZE items (ops_attention.attend dispatches ceil(T Hkv slices splits / BLOCK_SIZE)).
 // Host asserts: Dh <= MAX_HEAD_DIM, Dh % 4 == 0.
 #include "common.glsl"
-#ifndef POOL_TYPE
-#define POOL_TYPE float
-#endif
 #define MAX_HEAD_DIM 256u
 #ifndef MAX_GROUP
 #define MAX_GROUP 8u
@@ -26,11 +26,15 @@
 #define KC 8u  // keys a chunk
 #endif
 #define D4 (MAX_HEAD_DIM / 4u)
-#define DU 8u  // vec4s of a key's row a loop pass
 
-layout(binding = 0) readonly buffer Q { vec4 q4[]; };
-layout(binding = 1) readonly buffer KP { POOL_TYPE k_pool[]; };
-layout(binding = 2) readonly buffer VP { POOL_TYPE v_pool[]; };
+#ifdef POOL_F16
+#define POOL_FMT rgba16f
+#else
+#define POOL_FMT rgba32f
+#endif
+layout(binding = 0, rgba32f) uniform readonly imageBuffer q_img;
+layout(binding = 1, POOL_FMT) uniform readonly imageBuffer k_img;
+layout(binding = 2, POOL_FMT) uniform readonly imageBuffer v_img;
 layout(binding = 3) readonly buffer Meta { uint meta[]; };
 layout(binding = 4) writeonly buffer Part { float part[]; };
 
@@ -55,10 +59,10 @@ layout(push_constant) uniform Push {
 #include "paged_kv.glsl"
 #include "attention_part.glsl"
 
+// Values 4 d4 .. 4 d4 + 3 of the K or V row at element ``base`` (a multiple of 4: Dh % 4 == 0).
 vec4 kv4(uint base, uint d4, bool is_v) {
-    const uint e = base + 4u * d4;
-    if (is_v) return vec4(v_pool[e], v_pool[e + 1u], v_pool[e + 2u], v_pool[e + 3u]);
-    return vec4(k_pool[e], k_pool[e + 1u], k_pool[e + 2u], k_pool[e + 3u]);
+    const int e = int(base / 4u + d4);
+    return is_v ? imageLoad(v_img, e) : imageLoad(k_img, e);
 }
 
 void main() {
@@ -84,16 +88,15 @@ void main() {
     const uint row = p.n_kv_heads * p.head_dim, kvo = kvh * p.head_dim, B = p.block_size;
 
     // llvmpipe ends a loop after 65,535 passes over all of an invocation's loops (its guard against endless
-    // shaders): the loops over a key's dimensions go DU vec4s a pass (about 150 passes a chunk of KC keys,
-    // about 1,000 outside the chunks), and the host keeps a split under ONE_LANE_MAX_KEYS keys
-    // (ops_attention.attention_splits).
+    // shaders): a chunk of KC keys makes 2 Dh / 4 passes (the scores' pass over the dims, the outputs'), and
+    // the host keeps a split under ONE_LANE_MAX_KEYS keys (ops_attention.attention_splits).
     vec4 qv[MAX_GROUP * D4];  // (g, d4): the G query heads
     vec4 acc[MAX_GROUP * D4];
     float m_run[MAX_GROUP], l_run[MAX_GROUP];
     [[unroll]] for (uint g = 0u; g < MAX_GROUP; ++g) {
         const uint qb = (t * p.q_stride + (h0 + min(g, G - 1u)) * p.head_dim) / 4u;
         for (uint d = 0u; d < D4; ++d) {
-            qv[g * D4 + d] = d < n4 ? q4[qb + d] : vec4(0.0);
+            qv[g * D4 + d] = d < n4 ? imageLoad(q_img, int(qb + d)) : vec4(0.0);
             acc[g * D4 + d] = vec4(0.0);
         }
         m_run[g] = NEG_INF;
@@ -101,25 +104,27 @@ void main() {
     }
     for (uint base = c0; base < c1; base += KC) {
         uint slot[KC];
+        bool live[KC];
+        [[unroll]] for (uint j = 0u; j < KC; ++j) {
+            live[j] = base + j < c1;
+            slot[j] = kv_slot(tab, tab_len, live[j] ? base + j : c0, B) * row + kvo;
+        }
+        // the KC x G scores, a vec4 of each summed over the dims in order (then its 4 lanes): one pass over
+        // the dims loads each q vec4 once for the chunk's KC keys
+        vec4 dot4[KC * MAX_GROUP];  // (key, g)
+        [[unroll]] for (uint i = 0u; i < KC * MAX_GROUP; ++i) dot4[i] = vec4(0.0);
+        for (uint d = 0u; d < n4; ++d) {
+            vec4 qd[MAX_GROUP];
+            [[unroll]] for (uint g = 0u; g < MAX_GROUP; ++g) qd[g] = qv[g * D4 + d];
+            [[unroll]] for (uint j = 0u; j < KC; ++j) {
+                const vec4 kd = kv4(slot[j], d, false);
+                [[unroll]] for (uint g = 0u; g < MAX_GROUP; ++g) dot4[j * MAX_GROUP + g] += qd[g] * kd;
+            }
+        }
         float s[KC * MAX_GROUP];  // (key, g): scores, then probabilities; keys past c1 weigh 0
-        for (uint j = 0u; j < KC; ++j) {
-            const bool live = base + j < c1;
-            slot[j] = kv_slot(tab, tab_len, live ? base + j : c0, B) * row + kvo;
-            vec4 dot4[MAX_GROUP];
-            [[unroll]] for (uint g = 0u; g < MAX_GROUP; ++g) dot4[g] = vec4(0.0);
-            for (uint d0 = 0u; d0 < n4; d0 += DU) {
-                [[unroll]] for (uint e = 0u; e < DU; ++e) {
-                    const uint d = d0 + e;
-                    if (d < n4) {
-                        const vec4 kd = kv4(slot[j], d, false);
-                        [[unroll]] for (uint g = 0u; g < MAX_GROUP; ++g) dot4[g] += qv[g * D4 + d] * kd;
-                    }
-                }
-            }
-            [[unroll]] for (uint g = 0u; g < MAX_GROUP; ++g) {
-                const float sc = (dot4[g].x + dot4[g].y + dot4[g].z + dot4[g].w) * p.scale;
-                s[j * MAX_GROUP + g] = live ? sc : NEG_INF;
-            }
+        [[unroll]] for (uint i = 0u; i < KC * MAX_GROUP; ++i) {
+            const vec4 a = dot4[i];
+            s[i] = live[i / MAX_GROUP] ? (a.x + a.y + a.z + a.w) * p.scale : NEG_INF;
         }
         float corr[MAX_GROUP];
         [[unroll]] for (uint g = 0u; g < MAX_GROUP; ++g) {
@@ -134,22 +139,15 @@ void main() {
             l_run[g] = l_run[g] * corr[g] + sum;
             m_run[g] = mt;
         }
-        for (uint d0 = 0u; d0 < n4; d0 += DU) {
-            [[unroll]] for (uint e = 0u; e < DU; ++e) {
-                [[unroll]] for (uint g = 0u; g < MAX_GROUP; ++g) acc[g * D4 + d0 + e] *= corr[g];
+        // the outputs: each acc vec4 read once, corrected, given the chunk's keys in order, written once
+        for (uint d = 0u; d < n4; ++d) {
+            vec4 a[MAX_GROUP];
+            [[unroll]] for (uint g = 0u; g < MAX_GROUP; ++g) a[g] = acc[g * D4 + d] * corr[g];
+            [[unroll]] for (uint j = 0u; j < KC; ++j) {
+                const vec4 vd = kv4(slot[j], d, true);
+                [[unroll]] for (uint g = 0u; g < MAX_GROUP; ++g) a[g] += s[j * MAX_GROUP + g] * vd;
             }
-        }
-        for (uint j = 0u; j < KC; ++j) {
-            for (uint d0 = 0u; d0 < n4; d0 += DU) {
-                [[unroll]] for (uint e = 0u; e < DU; ++e) {
-                    const uint d = d0 + e;
-                    if (d < n4) {
-                        const vec4 vd = kv4(slot[j], d, true);
-                        [[unroll]] for (uint g = 0u; g < MAX_GROUP; ++g)
-                            acc[g * D4 + d] += s[j * MAX_GROUP + g] * vd;
-                    }
-                }
-            }
+            [[unroll]] for (uint g = 0u; g < MAX_GROUP; ++g) acc[g * D4 + d] = a[g];
         }
     }
     [[unroll]] for (uint g = 0u; g < MAX_GROUP; ++g) {

@@ -8,6 +8,10 @@
 // Decoding follows ggml's dequantize_row_* (hmad/model/quants.py): the same products, possibly fused (FMA),
 // so a weight may differ from numpy's by one float32 rounding. Multi-byte fields are little-endian.
 // Needs storageBuffer16BitAccess (the 16-bit loads) and nothing else beyond Vulkan 1.2 core.
+// With TEXEL_LOADS the weight is a storage texel buffer of the same elements (r16ui, r32ui, rgba32ui,
+// rgba32f: the host views it in the format declared here) read with imageLoad: CPU implementations fetch
+// texels for all their SIMD lanes at once (physical.texel_loads). The decoders read through W16 / W32 /
+// WU4 / WF4 (element i of the buffer), so both forms decode alike.
 
 // Byte n (0..3) of a 32-bit word / of a 16-bit element.
 #define BYTE32(w, n) (((w) >> (8u * (n))) & 0xFFu)
@@ -16,24 +20,36 @@
 #if defined(TYPE_F32)
 // F32: 4 bytes per weight; rows of K % 4 == 0 weights are whole vec4s.
 #define WSIZE 16u
+#ifdef TEXEL_LOADS
+layout(binding = 0, rgba32f) uniform readonly imageBuffer w_img;
+#define WF4(i) imageLoad(w_img, int(i))
+#else
 layout(binding = 0) readonly buffer W { vec4 wv[]; };
+#define WF4(i) wv[i]
+#endif
 void dq8(uint rb, uint k, out vec4 lo, out vec4 hi) {
-    lo = wv[rb + k / 4u];
-    hi = wv[rb + k / 4u + 1u];
+    lo = WF4(rb + k / 4u);
+    hi = WF4(rb + k / 4u + 1u);
 }
 
 #elif defined(TYPE_F16) || defined(TYPE_BF16)
 // F16 / BF16: 2 bytes per weight; 8 weights per uvec4 (rows of K % 8 == 0 weights).
 // BF16 is the top half of an f32: w = uintBitsToFloat(bits << 16).
 #define WSIZE 16u
+#ifdef TEXEL_LOADS
+layout(binding = 0, rgba32ui) uniform readonly uimageBuffer w_img;
+#define WU4(i) imageLoad(w_img, int(i))
+#else
 layout(binding = 0) readonly buffer W { uvec4 wu[]; };
+#define WU4(i) wu[i]
+#endif
 #ifdef TYPE_F16
 vec2 unpack2(uint u) { return unpackHalf2x16(u); }
 #else
 vec2 unpack2(uint u) { return vec2(uintBitsToFloat(u << 16), uintBitsToFloat(u & 0xFFFF0000u)); }
 #endif
 void dq8(uint rb, uint k, out vec4 lo, out vec4 hi) {
-    const uvec4 u = wu[rb + k / 8u];
+    const uvec4 u = WU4(rb + k / 8u);
     lo = vec4(unpack2(u.x), unpack2(u.y));
     hi = vec4(unpack2(u.z), unpack2(u.w));
 }
@@ -42,14 +58,20 @@ void dq8(uint rb, uint k, out vec4 lo, out vec4 hi) {
 // Q8_0: 32 weights in 34 bytes: d f16, qs int8[32].   w = d * q
 // 17 uint16 per block: [0] d, [1 + j/2] qs bytes j (low) and j+1 (high).
 #define WSIZE 2u
+#ifdef TEXEL_LOADS
+layout(binding = 0, r16ui) uniform readonly uimageBuffer w_img;
+#define W16(i) imageLoad(w_img, int(i)).x
+#else
 layout(binding = 0) readonly buffer W { uint16_t w16[]; };
+#define W16(i) uint(w16[i])
+#endif
 void dq8(uint rb, uint k, out vec4 lo, out vec4 hi) {
     const uint b = rb + (k / 32u) * 17u;
     const uint q = b + 1u + (k % 32u) / 2u;
-    const float d = HALF16(w16[b]);
+    const float d = HALF16(W16(b));
     float v[8];
     [[unroll]] for (uint i = 0; i < 4u; ++i) {
-        const int h = int(uint(w16[q + i]));
+        const int h = int(W16(q + i));
         v[2u * i] = float(bitfieldExtract(h, 0, 8));
         v[2u * i + 1u] = float(bitfieldExtract(h, 8, 8));
     }
@@ -62,16 +84,22 @@ void dq8(uint rb, uint k, out vec4 lo, out vec4 hi) {
 //       nibble).   w = d * (q - 8)
 // 9 uint16 per block: [0] d, [1 + j/2] qs bytes j, j+1.
 #define WSIZE 2u
+#ifdef TEXEL_LOADS
+layout(binding = 0, r16ui) uniform readonly uimageBuffer w_img;
+#define W16(i) imageLoad(w_img, int(i)).x
+#else
 layout(binding = 0) readonly buffer W { uint16_t w16[]; };
+#define W16(i) uint(w16[i])
+#endif
 void dq8(uint rb, uint k, out vec4 lo, out vec4 hi) {
     const uint b = rb + (k / 32u) * 9u;
     const uint j = k % 32u;
-    const float d = HALF16(w16[b]);
+    const float d = HALF16(W16(b));
     const uint q = b + 1u + (j % 16u) / 2u;
     const uint shift = (j / 16u) * 4u;
     float v[8];
     [[unroll]] for (uint i = 0; i < 4u; ++i) {
-        const uint h = uint(w16[q + i]) >> shift;
+        const uint h = W16(q + i) >> shift;
         v[2u * i] = float(int(h & 0xFu) - 8);
         v[2u * i + 1u] = float(int((h >> 8) & 0xFu) - 8);
     }
@@ -84,17 +112,23 @@ void dq8(uint rb, uint k, out vec4 lo, out vec4 hi) {
 //       nibble of byte j, weight 16+j in the high nibble).   w = d * (q - 16)
 // 11 uint16 per block: [0] d, [1..2] qh, [3 + j/2] qs bytes j, j+1.
 #define WSIZE 2u
+#ifdef TEXEL_LOADS
+layout(binding = 0, r16ui) uniform readonly uimageBuffer w_img;
+#define W16(i) imageLoad(w_img, int(i)).x
+#else
 layout(binding = 0) readonly buffer W { uint16_t w16[]; };
+#define W16(i) uint(w16[i])
+#endif
 void dq8(uint rb, uint k, out vec4 lo, out vec4 hi) {
     const uint b = rb + (k / 32u) * 11u;
     const uint j = k % 32u;
-    const float d = HALF16(w16[b]);
-    const uint qh = (uint(w16[b + 1u]) | (uint(w16[b + 2u]) << 16)) >> j;
+    const float d = HALF16(W16(b));
+    const uint qh = (W16(b + 1u) | (W16(b + 2u) << 16)) >> j;
     const uint q = b + 3u + (j % 16u) / 2u;
     const uint shift = (j / 16u) * 4u;
     float v[8];
     [[unroll]] for (uint i = 0; i < 4u; ++i) {
-        const uint h = uint(w16[q + i]) >> shift;
+        const uint h = W16(q + i) >> shift;
         v[2u * i] = float(int((h & 0xFu) | (((qh >> (2u * i)) & 1u) << 4)) - 16);
         v[2u * i + 1u] = float(int(((h >> 8) & 0xFu) | (((qh >> (2u * i + 1u)) & 1u) << 4)) - 16);
     }
@@ -110,13 +144,19 @@ void dq8(uint rb, uint k, out vec4 lo, out vec4 hi) {
 //   w = d * sc[j] * q - dmin * m[j]
 // 36 uint32 per block (144 % 4 == 0, so rows stay word-aligned): [0] d|dmin, [1..3] scales, [4..35] qs.
 #define WSIZE 4u
+#ifdef TEXEL_LOADS
+layout(binding = 0, r32ui) uniform readonly uimageBuffer w_img;
+#define W32(i) imageLoad(w_img, int(i)).x
+#else
 layout(binding = 0) readonly buffer W { uint w32[]; };
-uint q4k_scale_byte(uint b, uint n) { return BYTE32(w32[b + 1u + n / 4u], n % 4u); }
+#define W32(i) w32[i]
+#endif
+uint q4k_scale_byte(uint b, uint n) { return BYTE32(W32(b + 1u + n / 4u), n % 4u); }
 void dq8(uint rb, uint k, out vec4 lo, out vec4 hi) {
     const uint b = rb + (k / 256u) * 36u;
     const uint i = k % 256u;
     const uint j = i / 32u;  // sub-block
-    const vec2 dm = unpackHalf2x16(w32[b]);
+    const vec2 dm = unpackHalf2x16(W32(b));
     uint sc, m;
     if (j < 4u) {
         sc = q4k_scale_byte(b, j) & 63u;
@@ -129,7 +169,7 @@ void dq8(uint rb, uint k, out vec4 lo, out vec4 hi) {
     const float dl = dm.x * float(sc), ml = dm.y * float(m);
     const uint q = b + 4u + (i / 64u) * 8u + (i % 32u) / 4u;
     const uint shift = (j % 2u) * 4u;
-    const uint w0 = w32[q] >> shift, w1 = w32[q + 1u] >> shift;
+    const uint w0 = W32(q) >> shift, w1 = W32(q + 1u) >> shift;
     const vec4 q0 = vec4(w0 & 0xFu, (w0 >> 8) & 0xFu, (w0 >> 16) & 0xFu, (w0 >> 24) & 0xFu);
     const vec4 q1 = vec4(w1 & 0xFu, (w1 >> 8) & 0xFu, (w1 >> 16) & 0xFu, (w1 >> 24) & 0xFu);
     lo = q0 * dl - ml;
@@ -143,18 +183,24 @@ void dq8(uint rb, uint k, out vec4 lo, out vec4 hi) {
 //   w = d * sc[i/16] * (q - 32)
 // 105 uint16 per block: [0..63] ql, [64..95] qh, [96..103] scales, [104] d.
 #define WSIZE 2u
+#ifdef TEXEL_LOADS
+layout(binding = 0, r16ui) uniform readonly uimageBuffer w_img;
+#define W16(i) imageLoad(w_img, int(i)).x
+#else
 layout(binding = 0) readonly buffer W { uint16_t w16[]; };
+#define W16(i) uint(w16[i])
+#endif
 void dq8(uint rb, uint k, out vec4 lo, out vec4 hi) {
     const uint b = rb + (k / 256u) * 105u;
     const uint i = k % 256u;
     const uint h = i / 128u, l = i % 128u;
     const uint ql = b + (64u * h + l % 64u) / 2u, qh = b + 64u + (32u * h + l % 32u) / 2u;
     const uint lshift = (l / 64u) * 4u, hshift = (l / 32u) * 2u;
-    const int sc = bitfieldExtract(int(uint(w16[b + 96u + i / 32u])), int(((i / 16u) % 2u) * 8u), 8);
-    const float dl = HALF16(w16[b + 104u]) * float(sc);
+    const int sc = bitfieldExtract(int(W16(b + 96u + i / 32u)), int(((i / 16u) % 2u) * 8u), 8);
+    const float dl = HALF16(W16(b + 104u)) * float(sc);
     float v[8];
     [[unroll]] for (uint e = 0; e < 4u; ++e) {
-        const uint a = uint(w16[ql + e]) >> lshift, c = uint(w16[qh + e]) >> hshift;
+        const uint a = W16(ql + e) >> lshift, c = W16(qh + e) >> hshift;
         v[2u * e] = float(int((a & 0xFu) | ((c & 3u) << 4)) - 32);
         v[2u * e + 1u] = float(int(((a >> 8) & 0xFu) | (((c >> 8) & 3u) << 4)) - 32);
     }

@@ -8,6 +8,8 @@
 // Same push constants and bindings as mul_mat.comp. Invocation i: rows RN * (i % ceil(N / RN)), tokens
 // RT * (i / ceil(N / RN)). Requires K % 8 == 0, x_stride % 4 == 0.
 // Dispatch ceil(ceil(N / RN) * ceil(T / RT) / BLOCK_SIZE) workgroups.
+// TEXEL_LOADS (the _texel variants, where physical.texel_loads): W and x are storage texel buffers, read
+// with imageLoad (dequant.glsl), which CPU implementations fetch for all their SIMD lanes at once.
 #include "common.glsl"
 #include "dequant.glsl"
 
@@ -18,7 +20,13 @@
 #define RT 16u
 #endif
 
+#ifdef TEXEL_LOADS
+layout(binding = 1, rgba32f) uniform readonly imageBuffer x_img;
+#define X4(i) imageLoad(x_img, int(i))
+#else
 layout(binding = 1) readonly buffer X { vec4 x4[]; };
+#define X4(i) x4[i]
+#endif
 layout(binding = 2) writeonly buffer Y { float y[]; };
 
 layout(push_constant) uniform Push {
@@ -47,7 +55,7 @@ void main() {
         vec4 lo[RN], hi[RN];
         [[unroll]] for (uint j = 0; j < RN; ++j) dq8(rb[j], k, lo[j], hi[j]);
         [[unroll]] for (uint r = 0; r < RT; ++r) {
-            const vec4 a = x4[xr[r] + k / 4u], b = x4[xr[r] + k / 4u + 1u];
+            const vec4 a = X4(xr[r] + k / 4u), b = X4(xr[r] + k / 4u + 1u);
             [[unroll]] for (uint j = 0; j < RN; ++j) acc[r][j] += dot(a, lo[j]) + dot(b, hi[j]);
         }
     }

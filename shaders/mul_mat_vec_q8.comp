@@ -9,7 +9,9 @@
 // three planes of it, is the larger stream through L1); the lanes' partial sums are added in shared memory
 // (no assumption on the subgroup size: lavapipe's is 8, RADV's 32 or 64). ONE_LANE (LANES 1, the "_l4" and
 // "_l8" layouts, for CPU implementations): each invocation takes its NR rows' whole K and writes them, no
-// shared memory; a row's sum runs over its units in order whatever NR. The layouts (NR, KS, LANES) are
+// shared memory, W and x read as storage texel buffers (imageLoad: a CPU implementation fetches them for all
+// its SIMD lanes at once, physical.texel_loads); a row's sum runs over its units in order whatever NR. The
+// layouts (NR, KS, LANES) are
 // variants (variants.Q8_LAYOUTS), picked per weight shape (kernels_q8.q8_matvec_layout).
 // PLANES 3 (the exact decode path): x comes as three int8 planes (q8act.glsl), each block's three integer dots
 // combined with their power-of-two plane scales before the float factors.
@@ -23,15 +25,25 @@
 #include "q8act.glsl"
 #include "dq_int8.glsl"
 
+#ifdef ONE_LANE  // W and x as storage texel buffers (the one-lane layouts are for CPU implementations)
+layout(binding = 0, W_TEXEL) uniform readonly uimageBuffer w_gate;
+#define WB(i) (imageLoad(w_gate, int(i)) W_PICK)
+#else
 layout(binding = 0) readonly buffer W { W_ELEM w_gate[]; };
-#define WB w_gate
+#define WB(i) w_gate[i]
+#endif
 #define LOAD_UNIT load_unit
 #include "dq_int8.glsl"
 #ifdef GEGLU
-layout(binding = 4) readonly buffer WU { W_ELEM w_up[]; };
 #undef WB
 #undef LOAD_UNIT
-#define WB w_up
+#ifdef ONE_LANE
+layout(binding = 4, W_TEXEL) uniform readonly uimageBuffer w_up;
+#define WB(i) (imageLoad(w_up, int(i)) W_PICK)
+#else
+layout(binding = 4) readonly buffer WU { W_ELEM w_up[]; };
+#define WB(i) w_up[i]
+#endif
 #define LOAD_UNIT load_unit_up
 #include "dq_int8.glsl"
 #endif
@@ -55,8 +67,17 @@ layout(binding = 4) readonly buffer WU { W_ELEM w_up[]; };
 #endif
 #define RGROUPS (GROUPS / KS)  // row groups per workgroup: RGROUPS * NR rows
 
+#ifdef ONE_LANE
+layout(binding = 1, rgba32ui) uniform readonly uimageBuffer xq_img;
+layout(binding = 2, rg32f) uniform readonly imageBuffer xd_img;
+#define XQ4(i) imageLoad(xq_img, int(i))
+#define XD2(i) imageLoad(xd_img, int(i)).xy
+#else
 layout(binding = 1) readonly buffer XQ { uvec4 xq4[]; };
 layout(binding = 2) readonly buffer XD { vec2 xd[]; };
+#define XQ4(i) xq4[i]
+#define XD2(i) xd[i]
+#endif
 #ifdef QOUT
 layout(binding = 3) coherent writeonly buffer Y { float y[]; };  // read back by the tail (binding 8)
 #else
@@ -110,10 +131,10 @@ XBlock x_block(uint t, uint xb) {
     const uint groups = p.K / 64u, j = 2u * (xb & 1u);
     [[unroll]] for (uint pl = 0; pl < PLANES; ++pl) {
         const uint g = (t * PLANES + pl) * (p.K / 16u) + xb / 2u;  // plane pl of token t, xb's group
-        x.w[2u * pl] = xq4[g + j * groups];
-        x.w[2u * pl + 1u] = xq4[g + (j + 1u) * groups];
+        x.w[2u * pl] = XQ4(g + j * groups);
+        x.w[2u * pl + 1u] = XQ4(g + (j + 1u) * groups);
     }
-    x.ds = xd[t * (p.K / 32u) + xb];
+    x.ds = XD2(t * (p.K / 32u) + xb);
     return x;
 }
 

@@ -17,14 +17,14 @@
 #include "dq_int8.glsl"
 
 layout(binding = 0) readonly buffer W { W_ELEM w_gate[]; };
-#define WB w_gate
+#define WB(i) w_gate[i]
 #define LOAD_UNIT load_unit
 #include "dq_int8.glsl"
 #ifdef GEGLU
 layout(binding = 3) readonly buffer WU { W_ELEM w_up[]; };
 #undef WB
 #undef LOAD_UNIT
-#define WB w_up
+#define WB(i) w_up[i]
 #define LOAD_UNIT load_unit_up
 #include "dq_int8.glsl"
 #define NSUM 2u

@@ -80,11 +80,12 @@ def test_mul_mat_vec(dev, kernels, gpu, t, variant):
         print(f"{k.name} K={kk} N={n} T={ntok}: {err:.1e}")
 
 
-@pytest.mark.parametrize("reg", ["", "_reg"])  # shared-memory tiles, register tiles (CPU drivers)
+# shared-memory tiles; register tiles (CPU drivers), W and x as storage buffers or as storage texel buffers
+@pytest.mark.parametrize("reg", ["", "_reg", "_reg_texel"])
 @pytest.mark.parametrize("t", TYPES)
 def test_mul_mat(dev, kernels, gpu, t, reg):
     rng = np.random.default_rng(zlib.crc32(t.encode()))
-    k = kernels(f"mul_mat{reg}_{t}")
+    k = kernels(f"mul_mat_reg_{t}_texel" if reg == "_reg_texel" else f"mul_mat{reg}_{t}")
     for kk, n, ntok in [(256, 67, 17), (512, 130, 64), (1024, 33, 3)]:
         err, _ = _run(dev, gpu, k, t, kk, n, ntok, rng)
         print(f"{k.name} K={kk} N={n} T={ntok}: {err:.1e}")
@@ -93,13 +94,14 @@ def test_mul_mat(dev, kernels, gpu, t, reg):
 @pytest.mark.parametrize(
     "name",
     ["mul_mat_vec_q4_k", "mul_mat_vec_q8_0_t1", "mul_mat_vec_q6_k", "mul_mat_q6_k", "mul_mat_q5_0"]
-    + ["mul_mat_reg_q5_0"],
+    + ["mul_mat_reg_q5_0", "mul_mat_reg_q4_k_texel"],
 )
 def test_weight_bound_as_several_ranges(dev, kernels, gpu, name):
     """W split over bind ranges of whole rows: one dispatch per range, each writing its own y columns."""
     from hmad.backends.vulkan.kernels_matmul import MATMUL_TYPES, weight_row_bytes
 
-    t = next(s for s in MATMUL_TYPES if name.removesuffix("_subgroup").removesuffix("_t1").endswith("_" + s))
+    base = name.removesuffix("_subgroup").removesuffix("_t1").removesuffix("_texel")
+    t = next(s for s in MATMUL_TYPES if base.endswith("_" + s))
     k = 256
     rb = weight_row_bytes(MATMUL_TYPES[t], k)
     max_range = int(np.lcm(rb, 256))  # ranges hold whole rows and start aligned (16 or 128 rows here)
@@ -671,3 +673,13 @@ def test_coopmat_geglu(dev, kernels, gpu, t):
         err = np.abs(y - gelu * u).max() / bound.max()
         print(f"{t} K={k} N={n} T={ntok} {bt}x{bn}: error {err:.1e} of the rounding scale ({d} dispatches)")
         assert err <= 1e-5, f"{t} K={k} N={n} T={ntok}: error {err:.1e} of the rounding scale"
+
+
+def test_texel_kernels_refused_on_a_device_without_texel_buffers(dev, monkeypatch):
+    """A kernel that declares storage texel buffers is refused, with the reason, on a device whose buffers
+    are not made as texel buffers (Device.texel_loads: GPUs), before any descriptor is written."""
+    from hmad.backends.vulkan.pipelines import Kernel
+
+    monkeypatch.setattr(dev, "texel_loads", False)
+    with pytest.raises(ValueError, match="texel buffers"):
+        Kernel(dev, "mul_mat_reg_q8_0_texel")

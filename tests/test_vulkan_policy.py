@@ -52,13 +52,14 @@ BYTES_PER_WEIGHT = {
 #: changes made since on purpose, all in the lavapipe rows: no fused GeGLU tail, since every int8 mat-vec
 #: there is one-lane (24 entries, fused_tail True -> False); attention on attention_split_l1 and no prefill
 #: tiles (432 entries); G = 8 on attention_split_l1's 4-head arrays in 2 slices, not 8-head ones (108);
-#: and in the nvidia and rdna3 rows, the exact path's 2-token steps on the int8 GEMM (mmq_min_tokens 2: 6)
-DIGEST_BEFORE = "40750005c29f15199066d9b3f62ab2cf63631f00c74bc54e40907996c4175eb1"
+#: and in the nvidia and rdna3 rows, the exact path's 2-token steps on the int8 GEMM (mmq_min_tokens 2: 6);
+#: the lavapipe rows' register mat-mat on its storage-texel-buffer variant (``mul_mat_reg_<t>_texel``: 882)
+DIGEST_BEFORE = "a3fb6d65ef08fc98c18dc4269e005fe14cb13313a8148ca61b1e4229983736d2"
 
 
 def caps(name: str, threads: int = 2) -> DeviceCaps:
     typ, cm, mk, n8, sub, shuf, arith, align, rng = DEVICES[name]
-    return DeviceCaps(typ, cm, mk, n8, sub, shuf, arith, align, rng, threads)
+    return DeviceCaps(typ, cm, mk, n8, sub, shuf, arith, align, rng, threads, texel_loads=typ == "cpu")
 
 
 def weight(q: QType, n: int, k: int):
@@ -109,7 +110,7 @@ def test_prefill_on_coopmat_gpus_and_register_tiles_on_cpu():
         o = options(c=c)
         assert policy.coopmat_for(o, c, 512, big) and not policy.q8_path(o, c, 512, big)
         assert policy.prefill_kernel(o, c, "f32", 256, 4) == "attention_prefill_cm_f32_d256"
-    kernels = {"intel": "mul_mat_q4_k", "old": "mul_mat_q4_k", "lavapipe": "mul_mat_reg_q4_k"}
+    kernels = {"intel": "mul_mat_q4_k", "old": "mul_mat_q4_k", "lavapipe": "mul_mat_reg_q4_k_texel"}
     for name, kernel in kernels.items():
         c = caps(name)
         o = options(c=c)
@@ -118,6 +119,11 @@ def test_prefill_on_coopmat_gpus_and_register_tiles_on_cpu():
     c = caps("lavapipe")
     assert policy.matvec_name(policy.resolve(VulkanOptions(matmul_registers="off"), c), c, 64, big) == (
         "mul_mat_q4_k"
+    )
+    # a GPU told to take the register kernel reads W and x as storage buffers (it makes no texel buffers)
+    c = caps("intel")
+    assert policy.matvec_name(policy.resolve(VulkanOptions(matmul_registers="on"), c), c, 64, big) == (
+        "mul_mat_reg_q4_k"
     )
 
 
@@ -176,6 +182,13 @@ def test_one_lane_matvec_on_cpu_implementations_only():
     assert not policy.q8_one_lane(off, head)
     big = policy.resolve(VulkanOptions(matvec_one_lane_rows=32768), caps("lavapipe"))
     assert policy.q8_one_lane(big, head) and not policy.q8_one_lane(big, q)
+    # the one-lane layouts read texel buffers: a CPU implementation without them keeps 32 lanes, and a GPU
+    # told to take them is refused with the reason
+    no_texels = replace(caps("lavapipe"), texel_loads=False)
+    assert not policy.q8_one_lane(policy.resolve(VulkanOptions(), no_texels), head)
+    assert not policy.attention_one_lane(no_texels)
+    with pytest.raises(ValueError, match="texel buffers"):
+        policy.resolve(VulkanOptions(matvec_one_lane_rows=1), caps("nvidia"))
 
 
 def test_attention_on_cpu_implementations_one_lane_without_tiles():

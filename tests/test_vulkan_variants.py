@@ -64,3 +64,24 @@ def test_registered_interfaces_match_the_spirv():
         offsets = tuple(getattr(spec.push, f).offset for f, _ in spec.push._fields_)
         assert (iface.push_offsets, iface.push_size) == (offsets, ctypes.sizeof(spec.push)), name
         assert spec.block_size > 0 and spec.block_size & (spec.block_size - 1) == 0, name
+
+
+def test_texel_buffers_only_in_the_cpu_kernels_and_read_only():
+    """Storage texel buffers (physical.texel_loads: CPU implementations) are declared by exactly the kernels
+    made for those devices: the register mat-mat's ``_texel`` variants (its plain ones stay storage buffers,
+    a GPU knob), attention_split_l1 and the int8 mat-vec's one-lane layouts; each of their inputs is read
+    only, in a format program.TEXEL_FORMATS knows, and no other kernel declares one."""
+    from hmad.backends.vulkan.program import TEXEL_FORMATS
+
+    def cpu_kernel(name: str) -> bool:
+        one_lane = name.startswith("mul_mat_vec_") and any(lay in name for lay in variants.Q8_LANES)
+        return name.endswith("_texel") or name.startswith("attention_split_l1_") or one_lane
+
+    seen = 0
+    for name in KERNELS:
+        iface = reflect((shader_dir() / f"{name}.spv").read_bytes())
+        assert bool(iface.texels) == cpu_kernel(name), (name, iface.texels)
+        assert set(iface.texels.values()) <= set(TEXEL_FORMATS), name
+        assert not set(iface.texels) & set(iface.written), name
+        seen += bool(iface.texels)
+    assert seen >= 50

@@ -1,4 +1,5 @@
-"""Descriptor sets of storage buffers: what a binding is, what caches key on, and the pools sets come from.
+"""Descriptor sets of storage buffers (and storage texel buffers): what a binding is, what caches key on,
+and the pools sets come from.
 
 A binding is a whole :class:`BufferView` or one range ``(view, offset inside the view, nbytes)`` of a big
 tensor. Kernels cache one descriptor set per distinct tuple of bindings (:func:`key_of`), so a recorded
@@ -53,7 +54,8 @@ def handle_key(h) -> int:
 
 
 class DescriptorAllocator:
-    """Descriptor pools of storage-buffer sets, a new pool whenever the current one is full."""
+    """Descriptor pools of storage-buffer sets (storage texel buffers too where the device reads them:
+    ``Device.texel_loads``), a new pool whenever the current one is full."""
 
     def __init__(self, device: Device, sets_per_pool: int = 256, max_bindings: int = 8):
         self.device, self.sets_per_pool, self.max_bindings = device, sets_per_pool, max_bindings
@@ -61,17 +63,18 @@ class DescriptorAllocator:
         self._new_pool()
 
     def _new_pool(self) -> None:
-        size = new(
-            "VkDescriptorPoolSize",
-            type=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
-            descriptorCount=self.sets_per_pool * self.max_bindings,
-        )
+        types = [vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER]
+        if self.device.texel_loads:
+            types.append(vk.VK_DESCRIPTOR_TYPE_STORAGE_TEXEL_BUFFER)
+        sizes = ffi.new("VkDescriptorPoolSize[]", len(types))
+        for size, kind in zip(sizes, types, strict=True):
+            size.type, size.descriptorCount = kind, self.sets_per_pool * self.max_bindings
         ci = new(
             "VkDescriptorPoolCreateInfo",
             sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO,
             maxSets=self.sets_per_pool,
-            poolSizeCount=1,
-            pPoolSizes=size,
+            poolSizeCount=len(types),
+            pPoolSizes=sizes,
         )
         out = ffi.new("VkDescriptorPool*")
         check(lib.vkCreateDescriptorPool(self.device.handle, ci, ffi.NULL, out), "vkCreateDescriptorPool")

@@ -26,6 +26,7 @@ from hmad.backends.vulkan.physical import (
     missing_requirements,
     read_features,
     read_memory,
+    texel_loads,
 )
 from hmad.backends.vulkan.vkerrors import (
     DeviceUnsuitableError,
@@ -76,6 +77,7 @@ class Device:
                 raise DeviceUnsuitableError(self.info.name, missing)
             self.caps = capabilities(self.info)
             self.limits = self.info.limits
+            self.texel_loads = texel_loads(self.info)  # buffers may also be storage texel buffers
             self.handle, self.queue = self._create_device(pipeline_stats)
             self.command_pool = self.create_command_pool()
         except BaseException:

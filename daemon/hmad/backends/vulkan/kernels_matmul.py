@@ -114,7 +114,7 @@ def record_matmul(
 
 def _matmul_qtype(name: str) -> QType:
     base = name.removeprefix("mul_mat_vec_").removeprefix("mul_mat_reg_").removeprefix("mul_mat_")
-    return MATMUL_TYPES[base.split("_sub")[0].split("_geglu")[0].removesuffix("_t1")]
+    return MATMUL_TYPES[base.split("_sub")[0].split("_geglu")[0].removesuffix("_t1").removesuffix("_texel")]
 
 
 def _matvec_rows_per_group(kernel) -> int:

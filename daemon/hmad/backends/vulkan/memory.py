@@ -277,12 +277,13 @@ class Arena:
         self.flags = device.memory_types[memory_type].flags
         self.buffer = self.memory = None
         self.mapped: np.ndarray | None = None
+        self._texel_views: dict[tuple[int, int, int], Any] = {}  # (offset, nbytes, VkFormat) -> VkBufferView
         d = device.handle
         bci = new(
             "VkBufferCreateInfo",
             sType=vk.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO,
             size=nbytes,
-            usage=BUFFER_USAGE,
+            usage=BUFFER_USAGE | (vk.VK_BUFFER_USAGE_STORAGE_TEXEL_BUFFER_BIT if device.texel_loads else 0),
             sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE,
         )
         buf = ffi.new("VkBuffer*")
@@ -323,8 +324,30 @@ class Arena:
     def closed(self) -> bool:
         return self.buffer is None
 
+    def texel_view(self, offset: int, nbytes: int, vk_format: int):
+        """The VkBufferView of ``nbytes`` at ``offset`` as texels of ``vk_format`` (a storage texel buffer's
+        descriptor), made once and destroyed with the arena."""
+        key = (offset, nbytes, vk_format)
+        view = self._texel_views.get(key)
+        if view is None:
+            ci = new(
+                "VkBufferViewCreateInfo",
+                sType=vk.VK_STRUCTURE_TYPE_BUFFER_VIEW_CREATE_INFO,
+                buffer=self.buffer,
+                format=vk_format,
+                offset=offset,
+                range=nbytes,
+            )
+            out = ffi.new("VkBufferView*")
+            check(lib.vkCreateBufferView(self.device.handle, ci, ffi.NULL, out), "vkCreateBufferView")
+            view = self._texel_views[key] = out[0]
+        return view
+
     def close(self) -> None:
         d = self.device.handle
+        for view in self._texel_views.values():
+            lib.vkDestroyBufferView(d, view, ffi.NULL)
+        self._texel_views = {}
         if self.mapped is not None:
             self.mapped = None
             lib.vkUnmapMemory(d, self.memory)

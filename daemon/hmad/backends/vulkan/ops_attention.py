@@ -37,7 +37,7 @@ ATTENTION_MAX_GROUP = 8
 # 512 tokens of the 27B, 136 MB)
 DETERMINISTIC_SPLITS = 16
 # attention_split_l1 (CPU implementations): the most keys of one split (llvmpipe ends a shader's loops after
-# 65,535 passes in all; the shader makes about 150 a chunk of 8 keys: some 3,400 keys)
+# 65,535 passes in all; the shader makes Dh / 2 a chunk of 8 keys, 128 at Dh 256: some 4,000 keys)
 ONE_LANE_MAX_KEYS = 2048
 
 

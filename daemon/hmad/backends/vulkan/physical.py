@@ -16,6 +16,7 @@ from typing import Any
 
 import vulkan as vk
 
+from hmad.backends.vulkan.program import TEXEL_FORMATS
 from hmad.backends.vulkan.vkerrors import NoVulkanDeviceError, check
 from hmad.backends.vulkan.vkffi import cstr, enumerate_all, ffi, lib, new, unpack_version
 
@@ -83,6 +84,7 @@ class PhysicalDeviceInfo:
     compute_queue_family: int | None = None
     timestamp_valid_bits: int = 0
     coopmat_shapes: list[dict[str, Any]] = field(default_factory=list)  # VK_KHR_cooperative_matrix
+    storage_texel_buffers: bool = False  # every format of program.TEXEL_FORMATS as a storage texel buffer
     handle: Any = None
 
     @property
@@ -111,6 +113,8 @@ _LIMITS = (
     "nonCoherentAtomSize",
     "timestampPeriod",
     "maxMemoryAllocationCount",
+    "maxTexelBufferElements",
+    "minTexelBufferOffsetAlignment",
 )
 
 
@@ -255,7 +259,26 @@ def read_physical_device(handle, index: int) -> PhysicalDeviceInfo:
         _read_properties(handle, info)
     read_memory(handle, info)
     _read_queues(handle, info)
+    info.storage_texel_buffers = _texel_formats_supported(handle)
     return info
+
+
+def _texel_formats_supported(handle) -> bool:
+    fp = new("VkFormatProperties")
+    bit = vk.VK_FORMAT_FEATURE_STORAGE_TEXEL_BUFFER_BIT
+    for fmt, _ in TEXEL_FORMATS.values():
+        lib.vkGetPhysicalDeviceFormatProperties(handle, fmt, fp)
+        if not fp.bufferFeatures & bit:
+            return False
+    return True
+
+
+def texel_loads(info: PhysicalDeviceInfo) -> bool:
+    """Whether kernels read their large read-only inputs through storage texel buffers (``imageLoad``):
+    on CPU implementations that take every :data:`TEXEL_FORMATS` format. llvmpipe loads a storage buffer
+    lane by lane, behind a bounds check for each component, but fetches texels for all its SIMD lanes at
+    once (docs/tuning.md: about 10x the loads a second); GPUs keep their storage buffers."""
+    return info.is_cpu and info.storage_texel_buffers
 
 
 # -- choice and requirements ---------------------------------------------------------------------------------

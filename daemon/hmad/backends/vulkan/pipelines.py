@@ -1,7 +1,9 @@
 """Compute pipelines: :class:`Kernel`, one SPIR-V variant from ``shaders/spv`` built once.
 
-A kernel is a shader module, a descriptor-set layout of N storage buffers, a pipeline layout with one
-push-constant range, and the pipeline with its workgroup size as specialization constant 0. Its push
+A kernel is a shader module, a descriptor-set layout of N buffers (storage buffers; storage texel buffers
+where the shader declares an ``imageBuffer``, viewed in the format it declares: program.TEXEL_FORMATS), a
+pipeline layout with one push-constant range, and the pipeline with its workgroup size as specialization
+constant 0. Its push
 constants are the ctypes struct (push.py) registered in :data:`hmad.backends.vulkan.registry.KERNELS`,
 which mirrors the shader's ``Push`` block field by field; the struct's offsets are checked against the
 SPIR-V when the kernel is built, and the binding count and struct type are asserted at every ``record``.
@@ -20,7 +22,7 @@ import vulkan as vk
 
 from hmad.backends.vulkan.descriptors import Binding, DescriptorAllocator, arenas_of, key_of, range_of
 from hmad.backends.vulkan.device import Device
-from hmad.backends.vulkan.program import load_spirv, reflect
+from hmad.backends.vulkan.program import TEXEL_FORMATS, load_spirv, reflect
 from hmad.backends.vulkan.registry import KERNELS
 from hmad.backends.vulkan.vkerrors import check
 from hmad.backends.vulkan.vkffi import ffi, lib, new
@@ -35,13 +37,14 @@ class Kernel:
         self.block_size = block_size or spec.block_size
         self.n_buffers, self.push_type = spec.n_buffers, spec.push
         self.push_size = ctypes.sizeof(spec.push)
-        self.descriptors = descriptors or DescriptorAllocator(device)
-        self._own_descriptors = descriptors is None
-        self._sets: dict[tuple, Any] = {}
         code = load_spirv(name)
         iface = reflect(code)
         self._check_interface(iface)
+        self.descriptors = descriptors or DescriptorAllocator(device)
+        self._own_descriptors = descriptors is None
+        self._sets: dict[tuple, Any] = {}
         self.written = iface.written  # bindings the shader may write: what the recorder's barriers track
+        self.texels = {b: TEXEL_FORMATS[f] for b, f in iface.texels.items()}  # binding -> (VkFormat, bytes)
         self.module = self._create_module(code)
         self.set_layout = self._create_set_layout()
         self.layout = self._create_pipeline_layout()
@@ -61,6 +64,13 @@ class Kernel:
             )
         if self.push_size > self.device.limits["maxPushConstantsSize"]:
             raise ValueError(f"{self.name}: push constants exceed maxPushConstantsSize")
+        if iface.texels and not self.device.texel_loads:
+            raise ValueError(f"{self.name}: reads texel buffers, which this device's buffers are not made as")
+
+    def _type(self, binding: int) -> int:
+        if binding in self.texels:
+            return vk.VK_DESCRIPTOR_TYPE_STORAGE_TEXEL_BUFFER
+        return vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
 
     def _create_module(self, code: bytes):
         words = ffi.new("uint32_t[]", len(code) // 4)
@@ -82,7 +92,7 @@ class Kernel:
         binds = ffi.new("VkDescriptorSetLayoutBinding[]", self.n_buffers)
         for i in range(self.n_buffers):
             binds[i].binding = i
-            binds[i].descriptorType = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
+            binds[i].descriptorType = self._type(i)
             binds[i].descriptorCount = 1
             binds[i].stageFlags = vk.VK_SHADER_STAGE_COMPUTE_BIT
         ci = new(
@@ -171,7 +181,8 @@ class Kernel:
         key = tuple(key_of(b) for b in buffers)
         hit = self._sets.get(key)
         if hit is None:
-            hit = self._sets[key] = (self._write_set([range_of(b) for b in buffers]), arenas_of(buffers))
+            arenas = arenas_of(buffers)
+            hit = self._sets[key] = (self._write_set([range_of(b) for b in buffers], arenas), arenas)
         return hit[0]
 
     def forget_closed(self) -> int:
@@ -182,27 +193,42 @@ class Kernel:
             del self._sets[k]
         return len(dead)
 
-    def _write_set(self, ranges):
-        limits = self.device.limits
-        align, max_range = limits["minStorageBufferOffsetAlignment"], limits["maxStorageBufferRange"]
+    def _write_set(self, ranges, arenas):
         for i, (_, off, n) in enumerate(ranges):
-            if off % align or n > max_range:
-                raise ValueError(
-                    f"{self.name} binding {i}: range (offset {off}, {n} bytes) breaks alignment {align} "
-                    f"or maxStorageBufferRange {max_range}: bind big tensors in ranges (BufferView.ranges)"
-                )
+            self._check_range(i, off, n)
         ds = self.descriptors.allocate(self.set_layout)
         infos = ffi.new("VkDescriptorBufferInfo[]", len(ranges))
+        views = ffi.new("VkBufferView[]", len(ranges))
         writes = ffi.new("VkWriteDescriptorSet[]", len(ranges))
         for i, (h, off, n) in enumerate(ranges):
-            infos[i].buffer, infos[i].offset, infos[i].range = h, off, n
             w = writes[i]
             w.sType = vk.VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET
             w.dstSet, w.dstBinding, w.descriptorCount = ds, i, 1
-            w.descriptorType = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
-            w.pBufferInfo = infos + i
+            w.descriptorType = self._type(i)
+            if i in self.texels:  # whole texels: a partial one at the end is never read
+                fmt, size = self.texels[i]
+                views[i] = arenas[i].texel_view(off, n - n % size, fmt)
+                w.pTexelBufferView = views + i
+            else:
+                infos[i].buffer, infos[i].offset, infos[i].range = h, off, n
+                w.pBufferInfo = infos + i
         lib.vkUpdateDescriptorSets(self.device.handle, len(ranges), writes, 0, ffi.NULL)
         return ds
+
+    def _check_range(self, i: int, off: int, n: int) -> None:
+        limits = self.device.limits
+        if i in self.texels:
+            align = limits["minTexelBufferOffsetAlignment"]
+            max_range = limits["maxTexelBufferElements"] * self.texels[i][1]
+            what = "minTexelBufferOffsetAlignment or maxTexelBufferElements"
+        else:
+            align, max_range = limits["minStorageBufferOffsetAlignment"], limits["maxStorageBufferRange"]
+            what = "minStorageBufferOffsetAlignment or maxStorageBufferRange"
+        if off % align or n > max_range:
+            raise ValueError(
+                f"{self.name} binding {i}: range (offset {off}, {n} bytes) breaks {what} ({align}, "
+                f"{max_range} bytes): bind big tensors in ranges (BufferView.ranges)"
+            )
 
     def record(self, cmd, buffers: Sequence[Binding], push: ctypes.Structure, groups) -> None:
         """Bind, push and dispatch into ``cmd``. ``groups``: an int or (x, y, z) workgroup counts."""

@@ -73,6 +73,7 @@ class DeviceCaps:
     offset_align: int = 256  # minStorageBufferOffsetAlignment
     max_range: int = 1 << 27  # maxStorageBufferRange
     host_threads: int = 1  # the host's CPUs (a CPU implementation runs one workgroup on each)
+    texel_loads: bool = False  # kernels read large inputs as storage texel buffers (physical.texel_loads)
 
     @property
     def is_cpu(self) -> bool:
@@ -93,6 +94,7 @@ def caps_of(dev) -> DeviceCaps:
         offset_align=dev.limits["minStorageBufferOffsetAlignment"],
         max_range=dev.limits["maxStorageBufferRange"],
         host_threads=len(os.sched_getaffinity(0)),
+        texel_loads=dev.texel_loads,
     )
 
 
@@ -119,8 +121,22 @@ def resolve(o: VulkanOptions, c: DeviceCaps, deterministic_auto: bool = False) -
         geglu_xh=pick(o.geglu_xh, GEGLU_XH_MIN_TOKENS),
         coopmat_prefill_target=pick(o.coopmat_prefill_target, COOPMAT_PREFILL_TARGET_GROUPS),
         matmul_registers="on" if matmul_registers(o.matmul_registers, c.type) else "off",
-        matvec_one_lane_rows=pick(o.matvec_one_lane_rows, CPU_ONE_LANE_MIN_ROWS if c.is_cpu else 0),
+        matvec_one_lane_rows=one_lane_rows(o.matvec_one_lane_rows, c),
     )
+
+
+def one_lane_rows(rows: int | None, c: DeviceCaps) -> int:
+    """``matvec_one_lane_rows`` resolved: auto, CPU_ONE_LANE_MIN_ROWS on CPU implementations that read texel
+    buffers (the one-lane layouts read W and x as texel buffers), else 0. A row count set where the device
+    reads no texel buffers is refused (ValueError)."""
+    if rows is None:
+        return CPU_ONE_LANE_MIN_ROWS if c.is_cpu and c.texel_loads else 0
+    if rows and not c.texel_loads:
+        raise ValueError(
+            f"matvec_one_lane_rows {rows}: the one-lane mat-vec layouts read texel buffers, which hmad "
+            "uses on CPU implementations only (0 turns them off)"
+        )
+    return rows
 
 
 class Weight(Protocol):
@@ -141,9 +157,12 @@ def matmul_registers(mode: str, device_type: str) -> bool:
     return mode == "on" or (mode == "auto" and device_type == "cpu")
 
 
-def matmul_kernel(t_name: str, registers: bool) -> str:
-    """The float mat-mat of a step over MATVEC_MAX_T tokens for weights of type ``t_name``."""
-    return f"mul_mat_reg_{t_name}" if registers else f"mul_mat_{t_name}"
+def matmul_kernel(t_name: str, registers: bool, texel: bool = False) -> str:
+    """The float mat-mat of a step over MATVEC_MAX_T tokens for weights of type ``t_name``; the register
+    kernel's ``_texel`` variant where the device reads texel buffers (``DeviceCaps.texel_loads``)."""
+    if not registers:
+        return f"mul_mat_{t_name}"
+    return f"mul_mat_reg_{t_name}" + ("_texel" if texel else "")
 
 
 def coopmat_on(o: VulkanOptions, c: DeviceCaps) -> bool:
@@ -211,7 +230,7 @@ def matvec_name(o: VulkanOptions, c: DeviceCaps, t: int, w: Weight, geglu: bool 
     (quantized W, ``_t1`` for one token, ``_geglu`` fused), mul_mat_vec (float W) or the mat-mat."""
     t_name = type_name(w.qtype, MATMUL_TYPES)
     if t > MATVEC_MAX_T:
-        return matmul_kernel(t_name, o.matmul_registers == "on")
+        return matmul_kernel(t_name, o.matmul_registers == "on", c.texel_loads)
     if w.qtype in UNIT_TYPES.values():
         return f"mul_mat_vec_{t_name}" + ("_geglu" if geglu else "") + t1(t)
     return f"mul_mat_vec_{t_name}" + ("_subgroup" if c.subgroup_arithmetic else "")
@@ -251,10 +270,10 @@ def workgroup_target(target: int, parallel: int | None) -> int:
 
 
 def attention_one_lane(c: DeviceCaps) -> bool:
-    """Whether every attention row runs attention_split_l1 (one invocation per row, KV head and split): on
-    CPU implementations such as lavapipe, where a workgroup's barriers and shared-memory loads cost more
-    than its products (then no prefill tiles)."""
-    return c.is_cpu
+    """Whether every attention row runs attention_split_l1 (one invocation per row, KV head and split, its
+    inputs read as texel buffers): on CPU implementations such as lavapipe, where a workgroup's barriers and
+    shared-memory loads cost more than its products (then no prefill tiles), that read texel buffers."""
+    return c.is_cpu and c.texel_loads
 
 
 def attention_one_lane_heads(g: int) -> int:

@@ -27,6 +27,8 @@ class Variant(NamedTuple):
 
 
 # -- what the variants are built for --------------------------------------------------------------------
+#: the define of the variants that read their large inputs as storage texel buffers (suffix ``_texel``)
+TEXEL = {"TEXEL_LOADS": "1"}
 #: KV pool element types: name suffix, defines
 POOLS = (("f32", {}), ("f16", {"POOL_TYPE": "float16_t"}))
 ATTENTION_DECODE_DPL = (4, 8, 32)  # attention_decode.comp: head dims per lane (Dh <= DPL * subgroup size)
@@ -224,9 +226,9 @@ def _elementwise() -> list[Variant]:
 def _attention() -> list[Variant]:
     """Attention over the paged KV pool: split (decode and prefill kernels), then the reduce."""
     out = [Variant(f"attention_split_{p}", "attention_split.comp", d, 5) for p, d in POOLS]
-    for pool, d in POOLS:
+    for pool, _ in POOLS:
         for mg in ATTENTION_ONE_LANE_GROUPS:
-            defs = {"MAX_GROUP": f"{mg}u", **d}
+            defs = {"MAX_GROUP": f"{mg}u", **({"POOL_F16": "1"} if pool == "f16" else {})}
             out.append(Variant(f"attention_split_l1_{pool}_g{mg}", "attention_split_l1.comp", defs, 5))
     for pool, d in POOLS:
         for dpl in ATTENTION_DECODE_DPL:
@@ -318,6 +320,10 @@ def _matmat() -> list[Variant]:
     out = [
         Variant(f"mul_mat{reg}_{t}", src, {f"TYPE_{t.upper()}": "1"}, 3)
         for reg, src in (("", "mul_mat.comp"), ("_reg", "mul_mat_reg.comp"))
+        for t in MATMUL_TYPE_NAMES
+    ]
+    out += [  # W and x through storage texel buffers (CPU implementations: physical.texel_loads)
+        Variant(f"mul_mat_reg_{t}_texel", "mul_mat_reg.comp", {f"TYPE_{t.upper()}": "1", **TEXEL}, 3)
         for t in MATMUL_TYPE_NAMES
     ]
     for t in COOPMAT_TYPE_NAMES:

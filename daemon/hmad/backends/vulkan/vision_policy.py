@@ -74,7 +74,7 @@ def gemm_kernel(o: VulkanOptions, c: DeviceCaps, fmt: str, t: int, k: int) -> st
         return fallback_kernel(fmt)
     if fmt == "f16" and policy.coopmat_on(o, c):
         return coopmat_kernel_name(t, QType.F16)
-    return policy.matmul_kernel(fmt, o.matmul_registers == "on")
+    return policy.matmul_kernel(fmt, o.matmul_registers == "on", c.texel_loads)
 
 
 def fallback_kernel(fmt: str, transposed: bool = False) -> str:
