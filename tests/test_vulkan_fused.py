@@ -644,6 +644,7 @@ def test_mul_mat_vec_q8_fused_tail(dev, kernels, gpu, t, tail, x):
             np.testing.assert_array_equal(gpu.get(got, np.uint8), gpu.get(want, np.uint8), err_msg=fused.name)
 
 
+@pytest.mark.slow  # every one-lane layout of a type compiled: 20-40 s each on lavapipe's 2 cores
 @pytest.mark.parametrize("t", Q8_TYPES)
 def test_one_lane_layouts_write_the_same_bits(dev, kernels, gpu, t):
     """The one-lane layouts (``_l4``, ``_l8``, ``_l16`` where built: CPU implementations,
