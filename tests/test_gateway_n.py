@@ -28,6 +28,7 @@ MESSAGES = [{"role": "user", "content": PROMPT}]
 HOT = {"temperature": 100.0, "top_p": 1.0, "extra_body": {"top_k": 0}}
 HOT_HMAD = {"temperature": 100.0, "top_p": 1.0, "top_k": 0}
 LONG = " ".join(f"w{i}" for i in range(60)) + " x b"  # several KV blocks of 16 tokens
+NO_END = {"1": -100, "5": -100}  # the tiny vocabulary's <eos> and <end_of_turn> (tiny_gguf.SPECIAL) banned
 
 
 @pytest.fixture(scope="module")
@@ -175,11 +176,14 @@ def test_bad_n_is_400(oai, hmad, body, param, says):
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_refused_choice_cancels_its_siblings(oai, hmad, stream):
     """n=6 is past what hmad takes in flight: a choice is refused busy (429) and those accepted are cancelled
-    (the ``hmad`` fixture checks nothing still runs)."""
+    (the ``hmad`` fixture checks nothing still runs). The tiny model's end tokens are banned, so no running
+    choice can end (and free its place) before the last one is submitted."""
     with Client(hmad.socket) as c:
         before = _requests(c, "error", "busy")
         with pytest.raises(openai.RateLimitError) as info:
-            oai.completions.create(model="any", prompt="x b", n=6, max_tokens=100000, stream=stream)
+            oai.completions.create(
+                model="any", prompt="x b", n=6, max_tokens=100000, stream=stream, logit_bias=NO_END
+            )
         assert info.value.body["code"] == "busy"
         wait(lambda: load(c) == (0, 0, 0))
         assert _requests(c, "error", "busy") > before

@@ -438,7 +438,7 @@ def test_recorded_buffer_replays_with_new_host_inputs(dev, kernels, gpu):
     rec.close()
 
 
-@pytest.mark.slow  # every shader compiled again: about 2 minutes on 2 cores
+@pytest.mark.slow  # where glslc and glslangValidator are both installed, every shader again: ~2 min
 def test_committed_shaders_are_up_to_date():
     if shutil.which("glslc") is None:
         print("glslc absent: checking sources against the manifest only")

@@ -3,10 +3,10 @@
 A kernel is a shader module, a descriptor-set layout of N buffers (storage buffers; storage texel buffers
 where the shader declares an ``imageBuffer``, viewed in the format it declares: program.TEXEL_FORMATS), a
 pipeline layout with one push-constant range, and the pipeline with its workgroup size as specialization
-constant 0. Its push
-constants are the ctypes struct (push.py) registered in :data:`hmad.backends.vulkan.registry.KERNELS`,
-which mirrors the shader's ``Push`` block field by field; the struct's offsets are checked against the
-SPIR-V when the kernel is built, and the binding count and struct type are asserted at every ``record``.
+constant 0. Its push constants are the ctypes struct (push.py) registered in
+:data:`hmad.backends.vulkan.registry.KERNELS`, which mirrors the shader's ``Push`` block field by field; the
+struct's offsets are checked against the SPIR-V when the kernel is built, and the binding count and struct
+type are asserted at every ``record``.
 
 Descriptor sets are made once per distinct tuple of buffer ranges and cached (descriptors.py), so a recorded
 graph (recorder.py) binds the same sets on every replay.
