@@ -17,6 +17,17 @@
 #define BYTE32(w, n) (((w) >> (8u * (n))) & 0xFFu)
 #define HALF16(h) unpackHalf2x16(uint(h)).x
 
+// The 16-bit element types' weight buffer (WSIZE 2), read through W16(i).
+#if defined(TYPE_Q8_0) || defined(TYPE_Q4_0) || defined(TYPE_Q5_0) || defined(TYPE_Q6_K)
+#ifdef TEXEL_LOADS
+layout(binding = 0, r16ui) uniform readonly uimageBuffer w_img;
+#define W16(i) imageLoad(w_img, int(i)).x
+#else
+layout(binding = 0) readonly buffer W { uint16_t w16[]; };
+#define W16(i) uint(w16[i])
+#endif
+#endif
+
 #if defined(TYPE_F32)
 // F32: 4 bytes per weight; rows of K % 4 == 0 weights are whole vec4s.
 #define WSIZE 16u
@@ -58,13 +69,6 @@ void dq8(uint rb, uint k, out vec4 lo, out vec4 hi) {
 // Q8_0: 32 weights in 34 bytes: d f16, qs int8[32].   w = d * q
 // 17 uint16 per block: [0] d, [1 + j/2] qs bytes j (low) and j+1 (high).
 #define WSIZE 2u
-#ifdef TEXEL_LOADS
-layout(binding = 0, r16ui) uniform readonly uimageBuffer w_img;
-#define W16(i) imageLoad(w_img, int(i)).x
-#else
-layout(binding = 0) readonly buffer W { uint16_t w16[]; };
-#define W16(i) uint(w16[i])
-#endif
 void dq8(uint rb, uint k, out vec4 lo, out vec4 hi) {
     const uint b = rb + (k / 32u) * 17u;
     const uint q = b + 1u + (k % 32u) / 2u;
@@ -84,13 +88,6 @@ void dq8(uint rb, uint k, out vec4 lo, out vec4 hi) {
 //       nibble).   w = d * (q - 8)
 // 9 uint16 per block: [0] d, [1 + j/2] qs bytes j, j+1.
 #define WSIZE 2u
-#ifdef TEXEL_LOADS
-layout(binding = 0, r16ui) uniform readonly uimageBuffer w_img;
-#define W16(i) imageLoad(w_img, int(i)).x
-#else
-layout(binding = 0) readonly buffer W { uint16_t w16[]; };
-#define W16(i) uint(w16[i])
-#endif
 void dq8(uint rb, uint k, out vec4 lo, out vec4 hi) {
     const uint b = rb + (k / 32u) * 9u;
     const uint j = k % 32u;
@@ -112,13 +109,6 @@ void dq8(uint rb, uint k, out vec4 lo, out vec4 hi) {
 //       nibble of byte j, weight 16+j in the high nibble).   w = d * (q - 16)
 // 11 uint16 per block: [0] d, [1..2] qh, [3 + j/2] qs bytes j, j+1.
 #define WSIZE 2u
-#ifdef TEXEL_LOADS
-layout(binding = 0, r16ui) uniform readonly uimageBuffer w_img;
-#define W16(i) imageLoad(w_img, int(i)).x
-#else
-layout(binding = 0) readonly buffer W { uint16_t w16[]; };
-#define W16(i) uint(w16[i])
-#endif
 void dq8(uint rb, uint k, out vec4 lo, out vec4 hi) {
     const uint b = rb + (k / 32u) * 11u;
     const uint j = k % 32u;
@@ -183,13 +173,6 @@ void dq8(uint rb, uint k, out vec4 lo, out vec4 hi) {
 //   w = d * sc[i/16] * (q - 32)
 // 105 uint16 per block: [0..63] ql, [64..95] qh, [96..103] scales, [104] d.
 #define WSIZE 2u
-#ifdef TEXEL_LOADS
-layout(binding = 0, r16ui) uniform readonly uimageBuffer w_img;
-#define W16(i) imageLoad(w_img, int(i)).x
-#else
-layout(binding = 0) readonly buffer W { uint16_t w16[]; };
-#define W16(i) uint(w16[i])
-#endif
 void dq8(uint rb, uint k, out vec4 lo, out vec4 hi) {
     const uint b = rb + (k / 256u) * 105u;
     const uint i = k % 256u;
