@@ -7,11 +7,12 @@
 // workgroup); lane l of lane group c takes units u = l + LANES c, l + LANES (KS + c), ... of those rows,
 // decodes each unit once and uses it for every token, and loads each block of x once for all NR rows (x,
 // three planes of it, is the larger stream through L1); the lanes' partial sums are added in shared memory
-// (no assumption on the subgroup size: lavapipe's is 8, RADV's 32 or 64). ONE_LANE (LANES 1, the "_l4" and
-// "_l8" layouts, for CPU implementations): each invocation takes its NR rows' whole K and writes them, no
-// shared memory, W and x read as storage texel buffers (imageLoad: a CPU implementation fetches them for all
-// its SIMD lanes at once, physical.texel_loads); a row's sum runs over its units in order whatever NR. The
-// layouts (NR, KS, LANES) are
+// (no assumption on the subgroup size: lavapipe's is 8, RADV's 32 or 64). ONE_LANE (LANES 1, the "_l4",
+// "_l8" and "_l16" layouts, for CPU implementations): each invocation takes its NR rows' whole K and writes
+// them, no shared memory, W and x read as storage texel buffers (imageLoad: a CPU implementation fetches them
+// for all its SIMD lanes at once, physical.texel_loads); it runs row by row, so that the unrolled body holds
+// one row's unit for every token, not NR rows' (llvmpipe compiles it many times faster and runs it as fast:
+// docs/tuning.md); a row's sum runs over its units in order whatever NR. The layouts (NR, KS, LANES) are
 // variants (variants.Q8_LAYOUTS), picked per weight shape (kernels_q8.q8_matvec_layout).
 // PLANES 3 (the exact decode path): x comes as three int8 planes (q8act.glsl), each block's three integer dots
 // combined with their power-of-two plane scales before the float factors.
@@ -156,6 +157,48 @@ float block_term(const uint q[UW], vec4 f, uint b, XBlock x) {
 #endif
 }
 
+#ifdef ONE_LANE
+// (KS 1) row n's sums (n < N) for every token: whole (no lanes to add), written as they are
+void one_row(const uint n) {
+    const uint rb = n * (p.row_bytes / WSIZE);
+    float acc[NSUM * MAX_T];  // (s, t) at s * MAX_T + t
+    [[unroll]] for (uint a = 0; a < NSUM * MAX_T; ++a) acc[a] = 0.0;
+    for (uint u = 0; u < p.K / UNIT_W; ++u) {
+        uint q[UW];
+        vec4 f;
+        load_unit(rb, u, q, f);
+#ifdef GEGLU
+        uint qu[UW];
+        vec4 fu;
+        load_unit_up(rb, u, qu, fu);
+#endif
+        [[unroll]] for (uint t = 0; t < MAX_T; ++t) {
+            if (t < p.T) {
+                [[unroll]] for (uint b = 0; b < UB; ++b) {
+                    const XBlock x = x_block(t, u * UB + b);
+                    acc[t] += block_term(q, f, b, x);
+#ifdef GEGLU
+                    acc[MAX_T + t] += block_term(qu, fu, b, x);
+#endif
+                }
+            }
+        }
+    }
+    [[unroll]] for (uint t = 0; t < MAX_T; ++t) {
+#ifdef GEGLU
+        const float s = gelu_mul(acc[t], acc[MAX_T + t]);
+#else
+        const float s = acc[t];
+#endif
+        if (t < p.T) y[t * p.y_stride + p.row_offset + n] = s;
+    }
+}
+
+void main() {
+    const uint row0 = (group_index() * RGROUPS + gl_LocalInvocationID.x) * NR;
+    for (uint r = 0; r < NR && row0 + r < p.N; ++r) one_row(row0 + r);
+}
+#else
 void main() {
     const uint tid = gl_LocalInvocationID.x, lane = tid % LANES, grp = tid / LANES;
     const uint row0 = (group_index() * RGROUPS + grp / KS) * NR;
@@ -187,20 +230,6 @@ void main() {
         }
     }
 
-#ifdef ONE_LANE  // (KS 1)
-    // one invocation per row group: its sums are whole (no lanes to add), written as they are
-    [[unroll]] for (uint r = 0; r < NR; ++r) {
-        const uint n = row0 + r;
-        [[unroll]] for (uint t = 0; t < MAX_T; ++t) {
-#ifdef GEGLU
-            const float s = gelu_mul(acc[r * MAX_T + t], acc[(NR + r) * MAX_T + t]);
-#else
-            const float s = acc[r * MAX_T + t];
-#endif
-            if (t < p.T && n < p.N) y[t * p.y_stride + p.row_offset + n] = s;
-        }
-    }
-#else
     [[unroll]] for (uint a = 0; a < NACC; ++a) red[lane][grp * NACC + a] = acc[a];
     barrier();
     // invocation i < RGROUPS * NR * T sums (row group, row, token) = (i / (NR T), i / T % NR, i % T) over
@@ -219,9 +248,9 @@ void main() {
         const uint n = (group_index() * RGROUPS + g) * NR + r;
         if (n < p.N) y[t * p.y_stride + p.row_offset + n] = s;
     }
-#endif
 #ifdef QOUT
     const uint rows = RGROUPS * NR, n0 = group_index() * rows;  // this workgroup's rows, inside one block
     if (n0 < p.N && last_to_arrive(n0 / 32u, 32u / rows)) quantize_block(n0 / 32u);
 #endif
 }
+#endif  // ONE_LANE
