@@ -1,5 +1,8 @@
 # Source at the start of every `device` run (carry .gl and .whl, made by ../shared/tools/device-prep.sh plus
 # the pytest wheels): Vulkan loader, the wheels the device image lacks, PYTHONPATH for the repo, NVIDIA ICD.
+# The daemon's tests there also need sdnotify (no wheel on PyPI: `pip wheel -w .whl sdnotify`) and
+# pyproject's llguidance (>= 1.9: `pip download --abi abi3 --platform manylinux_2_31_x86_64`; older ones
+# take one end token and fail the structured tests).
 #   . bench/device_env.sh && python3 bench/bench_vulkan_model.py ...
 for f in .gl/*.deb; do dpkg -x "$f" /; done
 ldconfig
