@@ -22,8 +22,9 @@ from hmad.core.errors import ModelFormatError
 from hmad.model.chat import END, START, render_chat, render_prompt
 from hmad.model.chat_template import CLOSE, JOIN, OPEN, ChatTemplate, ChatTemplateError, ControlTexts
 from hmad.model.gguf import read_gguf
+from hmad.model.hf_tokenizer import HFTokenizer
 from hmad.model.loader import read_model_files
-from hmad.model.tokenizer import HFTokenizer, SpmTokenizer, Tokenizer
+from hmad.model.tokenizer import SpmTokenizer, Tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TEMPLATES = {p.stem: p.read_text(encoding="utf-8") for p in (FIXTURES / "chat_templates").glob("*.jinja")}

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from hmad.core.errors import UnencodableText
-from hmad.model.tokenizer import HFTokenizer, SpmTokenizer, StreamDecoder, TokenAttr
+from hmad.model.hf_tokenizer import HFTokenizer
+from hmad.model.tokenizer import SpmTokenizer, StreamDecoder, TokenAttr
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tokenizer_llamacpp.json"
 CASES = json.loads(FIXTURE.read_text(encoding="utf-8"))["cases"]

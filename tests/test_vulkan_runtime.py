@@ -19,16 +19,14 @@ import pytest
 
 from hmad.backends.vulkan import physical as vkphys
 from hmad.backends.vulkan import vkerrors
-from hmad.backends.vulkan.memory import (
-    COPY_PIECE,
+from hmad.backends.vulkan.memory import COPY_PIECE, BufferView, host_copy
+from hmad.backends.vulkan.memory_plan import (
     DEVICE_LOCAL,
     HOST_CACHED,
     HOST_COHERENT,
     HOST_VISIBLE,
-    BufferView,
     MemoryPlanError,
     PlanItem,
-    host_copy,
     plan_memory,
 )
 from hmad.backends.vulkan.physical import MemoryHeap, MemoryType, PhysicalDeviceInfo
@@ -228,7 +226,8 @@ def test_device_describe(dev):
 @pytest.mark.gpu
 @pytest.mark.parametrize("force_staging", [False, True])
 def test_upload_from_memmap_and_read_back(dev, tmp_path, force_staging):
-    from hmad.backends.vulkan.memory import PlanItem, ResidentMemory, Uploader, plan_memory
+    from hmad.backends.vulkan.memory import ResidentMemory, Uploader
+    from hmad.backends.vulkan.memory_plan import PlanItem, plan_memory
 
     rng = np.random.default_rng(0)
     path = tmp_path / "weights.bin"
@@ -451,7 +450,8 @@ def test_committed_shaders_are_up_to_date():
 @pytest.mark.gpu
 def test_kernel_reads_weights_spilled_to_the_host_pool(dev, kernels, gpu):
     """A device-local cap of 0 puts every tensor in the host-visible pool (heap 1 on a dGPU); results hold."""
-    from hmad.backends.vulkan.memory import PlanItem, ResidentMemory, plan_memory
+    from hmad.backends.vulkan.memory import ResidentMemory
+    from hmad.backends.vulkan.memory_plan import PlanItem, plan_memory
     from hmad.backends.vulkan.push import RmsNormPush
     from hmad.backends.vulkan.recorder import CommandRecorder
 

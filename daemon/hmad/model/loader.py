@@ -21,9 +21,10 @@ from hmad.core.model_config import ModelConfig
 from hmad.core.tensors import WeightTensor
 from hmad.model import chat_template
 from hmad.model.default import DEFAULT_NAME, resolve_default
+from hmad.model.hf_tokenizer import HFTokenizer
 from hmad.model.hparams import check_layer_count, layer_indices, shape_problem
 from hmad.model.registry import get_architecture
-from hmad.model.tokenizer import HFTokenizer, SpmTokenizer, Tokenizer
+from hmad.model.tokenizer import SpmTokenizer, Tokenizer
 
 log = logging.getLogger("hmad.model")
 

@@ -1,7 +1,7 @@
 """A step's additive logit adjustments on the device (``StepBatch.bias``: logit_bias, presence and frequency
 penalties; engine/sampling.py, step 0), added to the logit rows by shaders/logit_bias.comp at the start of
-every tail that picks or pre-selects tokens (argmax, top-k, draw: tails.py), never before the copy tail
-(full rows go to the host, which adds the same deltas itself).
+every tail that picks or pre-selects tokens (argmax, top-k, draw: ``tails.add_bias``), never before the
+copy tail (full rows go to the host, which adds the same deltas itself).
 
 The entries travel in a host-visible buffer per parity (RecordContext.biases), written at launch beside the
 parity's metadata: word 0 the count n, words 1-3 zero, then n (row, token, delta bits) triples
@@ -12,17 +12,9 @@ full rows instead, engine/planning.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-from hmad.backends.vulkan.push import LogitBiasPush
 from hmad.core.batch import BIAS_DTYPE, StepBatch
-
-if TYPE_CHECKING:  # context.py imports this module's sizes
-    from hmad.backends.vulkan.activations import Act
-    from hmad.backends.vulkan.context import RecordContext
-    from hmad.backends.vulkan.recorder import CommandRecorder
 
 # entries a step's device tails add at most: 300 logit_bias entries and ~100 penalised tokens for each of 64
 # rows, in 384 KiB a parity
@@ -43,12 +35,3 @@ def pack(batch: StepBatch, out: np.ndarray) -> tuple[int, bool]:
     out[HEADER_WORDS : HEADER_WORDS + 3 * n] = entries[:n].view(np.uint32)
     return HEADER_WORDS + 3 * n, fits
 
-
-def record(ctx: RecordContext, tail: CommandRecorder, logits: Act, parity: int) -> None:
-    """Append logit_bias.comp over ``logits`` (rows, V) with ``parity``'s entries, then a barrier (the tail's
-    readers come next); after the tail's first barrier."""
-    n_rows, vocab = logits.shape
-    k = ctx.kernel("logit_bias")
-    push = LogitBiasPush(n_rows, vocab, vocab, BIAS_ENTRIES)
-    tail.dispatch(k, [logits.view, ctx.biases[parity]], push, k.groups_for(BIAS_GROUPS))
-    tail.barrier()

@@ -21,14 +21,8 @@ import vulkan as vk
 
 from hmad.backends.vulkan.device import Device
 from hmad.backends.vulkan.kernels_matmul import MATMUL_TYPES
-from hmad.backends.vulkan.memory import (
-    BufferView,
-    MemoryPlan,
-    PlanItem,
-    ResidentMemory,
-    Uploader,
-    plan_memory,
-)
+from hmad.backends.vulkan.memory import BufferView, ResidentMemory, Uploader
+from hmad.backends.vulkan.memory_plan import MemoryPlan, PlanItem, plan_memory
 from hmad.core.kv_layout import KVLayout
 from hmad.core.tensors import QType, WeightTensor
 

@@ -30,6 +30,7 @@ from hmad.backends.vulkan.memory import BufferView, create_buffer
 from hmad.backends.vulkan.push import (
     ArgmaxPush,
     FeedPush,
+    LogitBiasPush,
     RowGatherPush,
     RowLsePush,
     SampleTopkPush,
@@ -68,13 +69,23 @@ def argmax_chunks(ctx: RecordContext, logits: Act, name: str = "argmax per chunk
     return None if chunks == 1 else pair(ctx, 4 * n_rows * chunks, name)
 
 
+def add_bias(ctx: RecordContext, tail: CommandRecorder, logits: Act, parity: int) -> None:
+    """Append logit_bias.comp over ``logits`` (rows, V) with ``parity``'s entries (bias.py), then a barrier
+    (the tail's readers come next); after the tail's first barrier."""
+    n_rows, vocab = logits.shape
+    k = ctx.kernel("logit_bias")
+    push = LogitBiasPush(n_rows, vocab, vocab, bias.BIAS_ENTRIES)
+    tail.dispatch(k, [logits.view, ctx.biases[parity]], push, k.groups_for(bias.BIAS_GROUPS))
+    tail.barrier()
+
+
 def argmax_tail(ctx: RecordContext, logits: Act, parity: int, scratch: BufferView | None) -> CommandRecorder:
     """argmax.comp over ``logits`` plus ``parity``'s adjustments into ``ids[parity]``: one stage, or each
     chunk's best into ``scratch`` (shared by both parities' tails: steps run one after another), then
     theirs."""
     tail = CommandRecorder(ctx.dev).begin()
     tail.barrier()  # after the forward pass's command buffer in the same submit
-    bias.record(ctx, tail, logits, parity)
+    add_bias(ctx, tail, logits, parity)
     reduce_rows(ctx, tail, "argmax", ArgmaxPush, logits, ctx.ids[parity], scratch, merge_reads="second")
     return tail.end()
 
@@ -208,7 +219,7 @@ class Readback:
         chunk = topk_chunk(vocab, topk_chunks(n_rows, ctx.options.topk_groups))
         chunks = -(-vocab // chunk)
         tail.barrier()
-        bias.record(ctx, tail, graph.logits, parity)
+        add_bias(ctx, tail, graph.logits, parity)
         if lse:
             self._record_lse(
                 tail, graph, BufferView(into.arena, into.offset + at, 4 * n_rows, name="top-k lse")

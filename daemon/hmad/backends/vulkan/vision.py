@@ -60,7 +60,8 @@ from hmad.backends.vulkan.activations import ScratchPool, _Buf
 from hmad.backends.vulkan.context import RecordContext
 from hmad.backends.vulkan.kernels_coopmat import record_coopmat, record_row_scale
 from hmad.backends.vulkan.kernels_matmul import record_matmul
-from hmad.backends.vulkan.memory import Arena, BufferView, Uploader, choose_memory_type, create_buffer
+from hmad.backends.vulkan.memory import Arena, BufferView, Uploader, create_buffer
+from hmad.backends.vulkan.memory_plan import choose_memory_type
 from hmad.backends.vulkan.ops_matmul import coopmat_slots
 from hmad.backends.vulkan.recorder import CommandRecorder
 from hmad.backends.vulkan.vision_push import (
@@ -187,21 +188,8 @@ class VulkanVisionOps(VisionOps):
         return out
 
     def _pack(self, arrays: list[np.ndarray]) -> list[BufferView]:
-        """The arrays uploaded into one new device-local arena, at aligned offsets."""
-        align, offs, at = self.ctx.align, [], 0
-        for a in arrays:
-            offs.append(at)
-            at += -(-max(a.nbytes, 4) // align) * align
-        t = choose_memory_type(self.dev.memory_types, "device", self.dev.heaps)
-        arena = Arena(self.dev, at, t.index)
+        arena, views = pack_arrays(self.dev, self.ctx.align, self._uploader(), arrays)
         self.arenas.append(arena)
-        views = [
-            BufferView(arena, o, a.nbytes, name="vision weight") for o, a in zip(offs, arrays, strict=True)
-        ]
-        up = self._uploader()
-        for v, a in zip(views, arrays, strict=True):
-            up.upload(v, a)
-        up.flush()
         return views
 
     def _coopmat_on(self) -> bool:
@@ -545,6 +533,21 @@ class VulkanVisionOps(VisionOps):
             self._up.close()
             self._up = None
         self.arenas, self.staging, self.readback, self.cache = [], [], None, {}
+
+
+def pack_arrays(dev, align: int, up: Uploader, arrays: list[np.ndarray]) -> tuple[Arena, list[BufferView]]:
+    """The arrays uploaded into one new device-local arena, at ``align``-ed offsets: (arena, their views)."""
+    offs, at = [], 0
+    for a in arrays:
+        offs.append(at)
+        at += -(-max(a.nbytes, 4) // align) * align
+    t = choose_memory_type(dev.memory_types, "device", dev.heaps)
+    arena = Arena(dev, at, t.index)
+    views = [BufferView(arena, o, a.nbytes, name="vision weight") for o, a in zip(offs, arrays, strict=True)]
+    for v, a in zip(views, arrays, strict=True):
+        up.upload(v, a)
+    up.flush()
+    return arena, views
 
 
 def stored_matrix(a: np.ndarray, transposed: bool) -> np.ndarray:
