@@ -4,8 +4,8 @@ gets for the same request (with a seed, choice i draws with seed + i), streamed 
 to the whole answer's, usage counts the prompt once, the siblings' prompt comes from hmad's prefix cache,
 and a refusal or a client leaving cancels every sibling in hmad.
 
-hmad runs 2 sequences and queues 3 (a burst of n waits before the engine admits any; at most 5 generations
-in flight): n=3 runs 2 choices and queues one, n=6 is refused busy.
+hmad runs 2 sequences and queues 3 (at most 5 generations in flight): n=3 runs 2 choices and queues one;
+with both sequences taken, n=4 is refused busy.
 """
 
 from __future__ import annotations
@@ -175,16 +175,24 @@ def test_bad_n_is_400(oai, hmad, body, param, says):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_refused_choice_cancels_its_siblings(oai, hmad, stream):
-    """n=6 is past what hmad takes in flight: a choice is refused busy (429) and those accepted are cancelled
-    (the ``hmad`` fixture checks nothing still runs). The tiny model's end tokens are banned, so no running
-    choice can end (and free its place) before the last one is submitted."""
-    with Client(hmad.socket) as c:
+    """Both sequences taken by two long generations (end tokens banned: they cannot end meanwhile), n=4
+    is past what hmad takes in flight: three choices queue and the fourth is refused busy (429) before
+    any answer starts, and the three are cancelled (the ``hmad`` fixture checks nothing still runs).
+    With the sequences free, the engine could refuse a queued choice itself after hmad accepted it
+    (its queue holds 3 while the running ones are still taken in), and a stream would already be 200."""
+    with Client(hmad.socket) as c, Client(hmad.socket) as holder:
         before = _requests(c, "error", "busy")
+        held = [holder.stream("x b", max_tokens=100000, logit_bias={1: -100, 5: -100}) for _ in range(2)]
+        for g in held:
+            next(g)  # its first piece: it runs
+        wait(lambda: load(c) == (2, 0, 2))
         with pytest.raises(openai.RateLimitError) as info:
             oai.completions.create(
-                model="any", prompt="x b", n=6, max_tokens=100000, stream=stream, logit_bias=NO_END
+                model="any", prompt="x b", n=4, max_tokens=100000, stream=stream, logit_bias=NO_END
             )
         assert info.value.body["code"] == "busy"
+        wait(lambda: load(c) == (2, 0, 2))  # the three queued choices cancelled, the two held still run
+        holder.close()  # cancels the held generations
         wait(lambda: load(c) == (0, 0, 0))
         assert _requests(c, "error", "busy") > before
 
