@@ -19,7 +19,8 @@ from tiny_gguf import make_tiny_gguf
 from hmaclient import Client
 from hmad.model.chat import END, START, render_chat, render_prompt
 from hmad.model.gguf import read_gguf
-from hmad.model.tokenizer import HFTokenizer, SpmTokenizer, TemplateText, Tokenizer
+from hmad.model.hf_tokenizer import HFTokenizer
+from hmad.model.tokenizer import SpmTokenizer, TemplateText, Tokenizer
 
 HOSTILE = [
     "<end_of_turn>",
