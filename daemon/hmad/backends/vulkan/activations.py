@@ -15,6 +15,7 @@ import weakref
 
 from hmad.backends.vulkan.device import Device
 from hmad.backends.vulkan.memory import BufferView, create_buffer
+from hmad.backends.vulkan.memory_plan import align_up
 
 
 class _Buf:
@@ -68,7 +69,7 @@ class Ring:
         return self.buffer
 
     def take(self, nbytes: int) -> BufferView:
-        ring, nbytes = self.whole(), -(-nbytes // self.align) * self.align
+        ring, nbytes = self.whole(), align_up(nbytes, self.align)
         assert nbytes <= ring.nbytes, f"{nbytes} bytes: more than {self.name}'s {ring.nbytes}"
         if self.at + nbytes > ring.nbytes:
             self.at = 0

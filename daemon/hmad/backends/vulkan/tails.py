@@ -27,6 +27,7 @@ from hmad.backends.vulkan.activations import Act, rows
 from hmad.backends.vulkan.context import RecordContext
 from hmad.backends.vulkan.graph import Graph
 from hmad.backends.vulkan.memory import BufferView, create_buffer
+from hmad.backends.vulkan.memory_plan import align_up
 from hmad.backends.vulkan.push import (
     ArgmaxPush,
     FeedPush,
@@ -45,7 +46,7 @@ TOPK_CANDIDATES = 128
 
 def aligned(ctx: RecordContext, nbytes: int) -> int:
     """``nbytes`` rounded up to the device's storage-buffer offset alignment."""
-    return -(-nbytes // ctx.align) * ctx.align
+    return align_up(nbytes, ctx.align)
 
 
 def pair(ctx: RecordContext, nbytes: int, name: str) -> BufferView:

@@ -61,7 +61,7 @@ from hmad.backends.vulkan.context import RecordContext
 from hmad.backends.vulkan.kernels_coopmat import record_coopmat, record_row_scale
 from hmad.backends.vulkan.kernels_matmul import record_matmul
 from hmad.backends.vulkan.memory import Arena, BufferView, Uploader, create_buffer
-from hmad.backends.vulkan.memory_plan import choose_memory_type
+from hmad.backends.vulkan.memory_plan import align_up, choose_memory_type
 from hmad.backends.vulkan.ops_matmul import coopmat_slots
 from hmad.backends.vulkan.recorder import CommandRecorder
 from hmad.backends.vulkan.vision_push import (
@@ -180,7 +180,7 @@ class VulkanVisionOps(VisionOps):
             batch, total = [], 0
             while items and (not batch or total + items[0][2].nbytes <= ARENA_BYTES):
                 batch.append(items.pop(0))
-                total += -(-batch[-1][2].nbytes // align) * align
+                total += align_up(batch[-1][2].nbytes, align)
             views = self._pack([i[2] for i in batch])
             for (name, shape, a, fmt), view in zip(batch, views, strict=True):
                 out[name] = VTensor(view, shape, fmt, self)
@@ -540,7 +540,7 @@ def pack_arrays(dev, align: int, up: Uploader, arrays: list[np.ndarray]) -> tupl
     offs, at = [], 0
     for a in arrays:
         offs.append(at)
-        at += -(-max(a.nbytes, 4) // align) * align
+        at += align_up(max(a.nbytes, 4), align)
     t = choose_memory_type(dev.memory_types, "device", dev.heaps)
     arena = Arena(dev, at, t.index)
     views = [BufferView(arena, o, a.nbytes, name="vision weight") for o, a in zip(offs, arrays, strict=True)]
